@@ -1,0 +1,38 @@
+# The two commands a newcomer needs: `make serve` (a demo model on :8080) and `make test`.
+# Both create .venv/ on first use; nothing else has to be installed by hand except Java 17.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+PORT ?= 8080
+PYTEST_ARGS ?=
+
+.PHONY: install serve test lint check-java test-image clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml | check-java
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade "pip>=24" "setuptools<81" wheel
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)" -r requirements-dev.txt
+	$(BIN)/pip install --quiet --no-build-isolation --no-deps -e .
+	touch $@
+
+check-java:
+	@scripts/check-java
+
+serve: install
+	$(BIN)/python scripts/make-test-models --demo .demo/models
+	SAGEMAKER_BIND_TO_PORT=$(PORT) MME_RUNTIME_DIR=$(CURDIR)/.demo/run MME_MODEL_ROOT=$(CURDIR)/.demo/models \
+	MME_LOAD_MODELS=demo=$(CURDIR)/.demo/models/demo \
+	$(BIN)/python dockerd-entrypoint.py serve
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy mme_runtime
+
+clean:
+	rm -rf $(VENV) .demo .pytest_cache .mypy_cache .ruff_cache

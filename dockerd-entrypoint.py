@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Container entrypoint: `serve` (the default) runs MMS with our handler in the foreground; anything else is exec'd.
+
+Kept thin: the logic lives in mme_runtime (config, properties, supervisor) where it can be tested.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from mme_runtime.config import Config, read_properties
+from mme_runtime.errors import EXIT_CONFIG, ConfigError
+from mme_runtime.logs import ENTRYPOINT_FORMAT, configure_logging
+from mme_runtime.properties import ensure_mme_properties, mms_properties, write_properties
+from mme_runtime.supervisor import Supervisor, frontend_command, prepare_mms_home
+
+logger = logging.getLogger("mme.entrypoint")
+
+TEMPLATE = Path(__file__).resolve().with_name("mme-mms.properties")
+
+
+def gpu_count() -> int:
+    """GPUs as MMS counts them (nvidia-smi), without touching CUDA."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    listing = os.popen("nvidia-smi -L 2>/dev/null").read()
+    return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+
+
+def serve() -> int:
+    configure_logging(logging.INFO, ENTRYPOINT_FORMAT)
+    try:
+        config = Config.from_process_env()
+        mme = ensure_mme_properties(config.effective_properties_file, TEMPLATE)
+        config = config.with_properties(mme)
+    except ConfigError as exc:
+        logger.error("invalid configuration: %s", exc)
+        return EXIT_CONFIG
+    configure_logging(config.log_level, ENTRYPOINT_FORMAT)
+
+    workers = config.workers_per_model or max(1, gpu_count())
+    properties_file = config.runtime_dir / "mms.properties"
+    write_properties(properties_file, mms_properties(config, mme, workers))
+    home = prepare_mms_home(config.runtime_dir)
+    logger.info("effective configuration: %s workers_per_model_effective=%d", config.describe(), workers)
+
+    command = frontend_command(config, properties_file, home, read_properties(properties_file).get("vmargs", ""))
+    env = config.child_environment({"MODEL_SERVER_HOME": str(home), "PYTHONUNBUFFERED": "1"})
+    supervisor = Supervisor(config=config, command=command, env=env, cwd=config.runtime_dir)
+    supervisor.install_signal_handlers()
+    return supervisor.run()
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] == "serve":
+        return serve()
+    # Any other command runs as given, replacing this process (so it gets the signals and the exit status).
+    os.execvp(argv[0], argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,72 @@
+"""The handler MMS calls (``handler_service:handle``): the SageMaker contract with PyTorch defaults.
+
+The backend server calls ``preload`` once per model in its CUDA-free process (model to host memory) and
+``attach`` in each worker after the worker's GPU is bound. Plain MMS calls ``handle(None, context)`` to
+initialise, which does both in the worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sagemaker_inference.default_handler_service import DefaultHandlerService
+
+from inference_handler import DefaultPytorchInferenceHandler
+from mme_runtime.config import Config
+from mme_runtime.devices import worker_device
+from mme_runtime.transformer import Transformer
+
+
+class HandlerService(DefaultHandlerService):  # type: ignore[misc]
+    """One model's handler: load once, place once, then transform each request."""
+
+    def __init__(self, config: Config | None = None) -> None:
+        config = config or Config.from_process_env()
+        super().__init__(transformer=Transformer(DefaultPytorchInferenceHandler(), config))
+
+    @property
+    def transformer(self) -> Transformer:
+        return self._service  # type: ignore[no-any-return]
+
+    def preload(self, context: Any) -> None:
+        """Runs the user's ``model_fn`` on the host; must not touch CUDA (the server forks afterwards)."""
+        self.transformer.load(context, torch.device("cpu"))
+
+    def attach(self, context: Any) -> None:
+        """Places the model on this worker's device (from ``gpu_id``) and warms it up."""
+        self.transformer.attach(context, worker_device(context.system_properties.get("gpu_id")))
+
+    def initialize(self, context: Any) -> None:
+        """MMS's contract: everything in the worker (the toolkit's PYTHONPATH edit is not needed)."""
+        self.attach(context)
+
+    def handle(self, data: list[Any], context: Any) -> list[bytes]:
+        return self.transformer.transform(data, context)
+
+
+_service: HandlerService | None = None
+
+
+def service() -> HandlerService:
+    """This process's handler, created on first use (never at import, so importing reads no settings)."""
+    global _service
+    if _service is None:
+        _service = HandlerService()
+    return _service
+
+
+def preload(context: Any) -> None:
+    service().preload(context)
+
+
+def attach(context: Any) -> None:
+    service().attach(context)
+
+
+def handle(data: list[Any] | None, context: Any) -> list[bytes] | None:
+    """MMS's function entry point: ``data is None`` asks to initialise."""
+    if data is None:
+        service().initialize(context)
+        return None
+    return service().handle(data, context)

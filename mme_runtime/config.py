@@ -1,0 +1,304 @@
+"""Every setting the container reads, in one frozen object built from an environment mapping.
+
+This is the only module that reads ``os.environ``; everything else receives a ``Config``. It never imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from mme_runtime.errors import ConfigError
+
+StartMethod = Literal["fork", "spawn"]
+
+# MMS 1.1.11 refuses ports at or above 32767 ("Invalid port number").
+MAX_MMS_PORT = 32766
+MIB = 1024 * 1024
+INHERITED_LISTEN_FD = "MME_BACKEND_LISTEN_FD"
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One documented variable: the README table is generated from ``ENV_VARS``."""
+
+    name: str
+    default: str
+    field: str
+    description: str
+
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar("SAGEMAKER_BIND_TO_PORT", "8080", "port", "Port of the inference and management API (below 32767)."),
+    EnvVar("SAGEMAKER_MULTI_MODEL", "true", "multi_model", "Multi-model mode: models arrive by LOAD."),
+    EnvVar(
+        "SAGEMAKER_MODEL_SERVER_WORKERS",
+        "1 per GPU (1 on CPU)",
+        "workers_per_model",
+        "Workers per model (`default_workers_per_model`).",
+    ),
+    EnvVar(
+        "SAGEMAKER_MODEL_SERVER_TIMEOUT",
+        "60",
+        "response_timeout_seconds",
+        "Seconds a worker may take for one request, and for loading a model.",
+    ),
+    EnvVar(
+        "SAGEMAKER_STARTUP_TIMEOUT",
+        "600",
+        "startup_timeout_seconds",
+        "Seconds the entrypoint waits for MMS to answer `/ping` before it retries the start.",
+    ),
+    EnvVar(
+        "SAGEMAKER_MAX_REQUEST_SIZE",
+        "6291456 (6 MiB)",
+        "max_request_bytes",
+        "Largest request body in bytes (`max_request_size`); `SAGEMAKER_MAX_PAYLOAD_IN_MB` is accepted too.",
+    ),
+    EnvVar(
+        "SAGEMAKER_CONTAINER_LOG_LEVEL",
+        "INFO",
+        "log_level",
+        "Log level of the entrypoint and workers (a name or a number).",
+    ),
+    EnvVar("SAGEMAKER_PROGRAM", "inference.py", "program", "File name of the user script in the model's `code/`."),
+    EnvVar(
+        "SAGEMAKER_SUBMIT_DIRECTORY",
+        "unset",
+        "submit_directory",
+        "Where to look for inference code when a model has no `code/`.",
+    ),
+    EnvVar(
+        "SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT",
+        "application/json",
+        "default_accept",
+        "Response type when a request has no `Accept` or `*/*`.",
+    ),
+    EnvVar(
+        "MME_PRELOAD_MODEL_GPU",
+        "from `mme-mms.properties` (`true`)",
+        "preload_model_gpu",
+        "Load each model once in a CUDA-free server and fork its workers; `false` loads in every worker.",
+    ),
+    EnvVar(
+        "MME_START_METHOD", "fork", "start_method", "How the backend server starts workers: `fork` or `spawn`."
+    ),
+    EnvVar(
+        "MME_RUNTIME_DIR",
+        "/tmp/mme",
+        "runtime_dir",
+        "Writable directory for the effective MMS properties, the MMS home and logs.",
+    ),
+    EnvVar(
+        "MME_PROPERTIES_FILE",
+        "`<runtime dir>/mme-mms.properties`",
+        "properties_file",
+        "MME properties; seeded from the shipped `mme-mms.properties`, `preload_model_gpu=true` added once.",
+    ),
+    EnvVar(
+        "MME_LOAD_MODELS",
+        "unset",
+        "load_models",
+        "Models to load at start, `name=/path,name2=/path2` (used by `make serve` for its demo model).",
+    ),
+    EnvVar(
+        "MME_MODEL_ROOT",
+        "/opt/ml/models",
+        "model_root",
+        "LOAD accepts only model directories under this root.",
+    ),
+    EnvVar(
+        "MME_START_ATTEMPTS",
+        "3",
+        "start_attempts",
+        "How many times the entrypoint tries to start MMS before it gives up.",
+    ),
+    EnvVar(
+        "MME_STOP_GRACE_SECONDS",
+        "20",
+        "stop_grace_seconds",
+        "Seconds between SIGTERM and SIGKILL for MMS and its workers (SageMaker kills at 30 s).",
+    ),
+)
+
+
+def _parse_bool(name: str, value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={value!r} is not a boolean (use true or false)")
+
+
+def _parse_int(name: str, value: str, minimum: int, maximum: int | None = None) -> int:
+    try:
+        number = int(value.strip())
+    except ValueError as exc:
+        raise ConfigError(f"{name}={value!r} is not an integer") from exc
+    if number < minimum or (maximum is not None and number > maximum):
+        upper = f" and at most {maximum}" if maximum is not None else ""
+        raise ConfigError(f"{name}={value!r} must be at least {minimum}{upper}")
+    return number
+
+
+def _parse_log_level(name: str, value: str) -> int:
+    text = value.strip()
+    if text.isdigit():
+        return int(text)
+    level = logging.getLevelName(text.upper())
+    if not isinstance(level, int):
+        raise ConfigError(f"{name}={value!r} is not a log level (DEBUG, INFO, WARNING, ERROR or a number)")
+    return level
+
+
+def _parse_load_models(name: str, value: str) -> tuple[tuple[str, str], ...]:
+    models = []
+    for entry in filter(None, (part.strip() for part in value.split(","))):
+        model_name, sep, path = entry.partition("=")
+        if not sep or not model_name or not path:
+            raise ConfigError(f"{name}: {entry!r} is not of the form name=/path/to/model")
+        models.append((model_name, path))
+    return tuple(models)
+
+
+def _parse_start_method(name: str, value: str) -> StartMethod:
+    if value == "fork":
+        return "fork"
+    if value == "spawn":
+        return "spawn"
+    raise ConfigError(f"{name}={value!r} must be fork or spawn")
+
+
+def read_properties(path: Path) -> dict[str, str]:
+    """Reads a Java properties file the simple way MMS writes them: ``key=value`` lines, ``#`` comments."""
+    properties: dict[str, str] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", "!")):
+            continue
+        key, sep, value = stripped.partition("=")
+        if sep:
+            properties[key.strip()] = value.strip()
+    return properties
+
+
+@dataclass(frozen=True)
+class Config:
+    """The effective configuration. Build it with ``Config.from_env``; tests pass a plain dict."""
+
+    port: int = 8080
+    multi_model: bool = True
+    workers_per_model: int | None = None
+    response_timeout_seconds: int = 60
+    startup_timeout_seconds: int = 600
+    max_request_bytes: int = 6 * MIB
+    log_level: int = logging.INFO
+    program: str = "inference.py"
+    submit_directory: str | None = None
+    default_accept: str = "application/json"
+    preload_model_gpu: bool | None = None
+    start_method: StartMethod = "fork"
+    runtime_dir: Path = Path("/tmp/mme")
+    properties_file: Path | None = None
+    load_models: tuple[tuple[str, str], ...] = ()
+    model_root: Path = Path("/opt/ml/models")
+    start_attempts: int = 3
+    stop_grace_seconds: int = 20
+    java_home: str | None = None
+    # Read, not set, by us: the GPUs this container may use; workers pick theirs among them.
+    cuda_visible_devices: str | None = None
+    # Internal: a backend server that re-executed itself passes its listening socket on.
+    inherited_listen_fd: int | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Config:
+        """Builds the configuration; raises ``ConfigError`` naming the variable and value that are wrong."""
+        values: dict[str, object] = {}
+
+        def take(name: str, field: str, parse: Callable[[str, str], object]) -> None:
+            raw = env.get(name)
+            if raw is not None and raw.strip() != "":
+                values[field] = parse(name, raw)
+
+        take("SAGEMAKER_BIND_TO_PORT", "port", lambda n, v: _parse_port(n, v))
+        take("SAGEMAKER_MULTI_MODEL", "multi_model", _parse_bool)
+        take("SAGEMAKER_MODEL_SERVER_WORKERS", "workers_per_model", lambda n, v: _parse_int(n, v, 1))
+        take("SAGEMAKER_MODEL_SERVER_TIMEOUT", "response_timeout_seconds", lambda n, v: _parse_int(n, v, 1))
+        take("SAGEMAKER_STARTUP_TIMEOUT", "startup_timeout_seconds", lambda n, v: _parse_int(n, v, 1))
+        take("SAGEMAKER_MAX_PAYLOAD_IN_MB", "max_request_bytes", lambda n, v: _parse_int(n, v, 1) * MIB)
+        take("SAGEMAKER_MAX_REQUEST_SIZE", "max_request_bytes", lambda n, v: _parse_int(n, v, 1))
+        take("SAGEMAKER_CONTAINER_LOG_LEVEL", "log_level", _parse_log_level)
+        take("SAGEMAKER_PROGRAM", "program", lambda n, v: v.strip())
+        take("SAGEMAKER_SUBMIT_DIRECTORY", "submit_directory", lambda n, v: v.strip())
+        take("SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT", "default_accept", lambda n, v: v.strip())
+        take("MME_PRELOAD_MODEL_GPU", "preload_model_gpu", _parse_bool)
+        take("MME_START_METHOD", "start_method", _parse_start_method)
+        take("MME_RUNTIME_DIR", "runtime_dir", lambda n, v: Path(v).absolute())
+        take("MME_PROPERTIES_FILE", "properties_file", lambda n, v: Path(v).absolute())
+        take("MME_LOAD_MODELS", "load_models", _parse_load_models)
+        take("MME_MODEL_ROOT", "model_root", lambda n, v: Path(v).absolute())
+        take("MME_START_ATTEMPTS", "start_attempts", lambda n, v: _parse_int(n, v, 1))
+        take("MME_STOP_GRACE_SECONDS", "stop_grace_seconds", lambda n, v: _parse_int(n, v, 1, 28))
+        take("JAVA_HOME", "java_home", lambda n, v: v.strip())
+        take("CUDA_VISIBLE_DEVICES", "cuda_visible_devices", lambda n, v: v.strip())
+        take(INHERITED_LISTEN_FD, "inherited_listen_fd", lambda n, v: _parse_int(n, v, 0))
+        return cls(**values)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_process_env(cls) -> Config:
+        """The configuration of this process: what entrypoints call."""
+        return cls.from_env(os.environ)
+
+    def child_environment(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """This process's environment plus the variables that carry this configuration to MMS's backends."""
+        return {**os.environ, **self.to_env(), **(extra or {})}
+
+    @property
+    def effective_properties_file(self) -> Path:
+        return self.properties_file or self.runtime_dir / "mme-mms.properties"
+
+    def with_properties(self, properties: Mapping[str, str]) -> Config:
+        """Fills settings the environment left open from the MME properties file (environment wins)."""
+        if self.preload_model_gpu is not None:
+            return self
+        raw = properties.get("preload_model_gpu", "true")
+        return dataclasses.replace(self, preload_model_gpu=_parse_bool("preload_model_gpu (properties)", raw))
+
+    def to_env(self) -> dict[str, str]:
+        """The variables that carry this configuration to the backend processes MMS starts."""
+        env = {
+            "SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT": self.default_accept,
+            "SAGEMAKER_PROGRAM": self.program,
+            "SAGEMAKER_CONTAINER_LOG_LEVEL": str(self.log_level),
+            "MME_START_METHOD": self.start_method,
+            "MME_RUNTIME_DIR": str(self.runtime_dir),
+            "MME_MODEL_ROOT": str(self.model_root),
+        }
+        if self.preload_model_gpu is not None:
+            env["MME_PRELOAD_MODEL_GPU"] = "true" if self.preload_model_gpu else "false"
+        if self.submit_directory is not None:
+            env["SAGEMAKER_SUBMIT_DIRECTORY"] = self.submit_directory
+        return env
+
+    def describe(self) -> str:
+        """One log line with every effective setting."""
+        parts = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "log_level":
+                value = logging.getLevelName(value)
+            parts.append(f"{field.name}={value}")
+        return " ".join(parts)
+
+
+def _parse_port(name: str, value: str) -> int:
+    try:
+        return _parse_int(name, value, 1, MAX_MMS_PORT)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (MMS 1.1.11 cannot listen on port 32767 or above)") from exc

@@ -1,0 +1,59 @@
+"""The error family: each error knows the HTTP status it answers with.
+
+Built on the toolkit's ``BaseInferenceToolkitError`` so user code that raises toolkit errors keeps working.
+User code picks its own 4xx by raising ``ContainerError`` subclasses or ``BaseInferenceToolkitError``.
+"""
+
+from __future__ import annotations
+
+from sagemaker_inference.errors import BaseInferenceToolkitError
+
+# Exit codes of the entrypoint, as in gunicorn: distinct so that an operator can tell why it stopped.
+EXIT_OK = 0
+EXIT_CONFIG = 2
+EXIT_BOOT = 3
+EXIT_MODEL_LOAD = 4
+
+
+class ContainerError(BaseInferenceToolkitError):  # type: ignore[misc]
+    """An error with an HTTP status; its message is safe to show to the client."""
+
+    status = 500
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        code = status if status is not None else self.status
+        super().__init__(code, message, message)
+        self.status = code
+
+    def __str__(self) -> str:
+        return str(self.message)
+
+
+class InvalidInput(ContainerError):
+    """The payload cannot be decoded (malformed JSON, CSV or NPY, bad encoding)."""
+
+    status = 400
+
+
+class UnsupportedContentType(ContainerError):
+    status = 415
+
+
+class UnsupportedAccept(ContainerError):
+    status = 406
+
+
+class ModelLoadError(ContainerError):
+    """``model_fn`` (or the default loader) could not produce a model."""
+
+    status = 500
+
+
+class InsufficientMemory(ContainerError):
+    """Not enough host or device memory; SageMaker evicts models and retries on 507."""
+
+    status = 507
+
+
+class ConfigError(Exception):
+    """Bad settings; raised at boot, mapped to ``EXIT_CONFIG`` by the entrypoint."""

@@ -1,0 +1,263 @@
+"""The SageMaker contract for one model: load once, place on the worker's device once, then answer each request.
+
+``load`` may run in the CUDA-free backend server before fork (model on host memory); ``attach`` runs in the
+worker after its GPU is bound. ``transform`` handles every item of a batch on its own: its own headers, content
+type, Accept and status, so one bad item never fails its neighbours. Tracebacks go to the log, never to clients.
+"""
+
+from __future__ import annotations
+
+import http
+import json
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from sagemaker_inference.errors import BaseInferenceToolkitError
+from sagemaker_inference.transformer import Transformer as ToolkitTransformer
+
+from mme_runtime import content
+from mme_runtime.config import Config
+from mme_runtime.context import InferenceContext
+from mme_runtime.errors import ContainerError, InsufficientMemory, InvalidInput, ModelLoadError
+from mme_runtime.user_code import UserCodeError, UserFunction, bind_functions, find_script, import_script
+
+logger = logging.getLogger(__name__)
+
+HOST = torch.device("cpu")
+ERROR_CONTENT_TYPE = "application/json"
+MAX_MESSAGE_CHARS = 1000
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Host or device memory exhaustion, judged by type (never by the text "CUDA")."""
+    return isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError))
+
+
+def http_status(exc: BaseException) -> int:
+    if isinstance(exc, BaseInferenceToolkitError):
+        return int(exc.status_code)
+    if is_out_of_memory(exc):
+        return 507
+    return 500
+
+
+def place_model(model: Any, device: torch.device) -> Any:
+    """Moves a module to ``device`` and switches it to eval mode, once per worker (not per request)."""
+    if isinstance(model, torch.nn.Module):
+        model = model.to(device)
+        model.eval()
+    return model
+
+
+class Transformer(ToolkitTransformer):  # type: ignore[misc]
+    """The toolkit's Transformer, with per-item batches, status-carrying errors and context passed by name."""
+
+    def __init__(self, default_inference_handler: Any, config: Config) -> None:
+        super().__init__(default_inference_handler=default_inference_handler)
+        self._config = config
+        self._defaults = default_inference_handler
+        self._functions: dict[str, UserFunction] = {}
+        self._model: Any = None
+        self._context: InferenceContext | None = None
+        self._loaded = False
+        self._attached = False
+
+    @property
+    def model(self) -> Any:
+        return self._model
+
+    def load(self, mms_context: Any, device: torch.device = HOST) -> None:
+        """Imports the user's code and runs ``model_fn``: what the preload server does once per model."""
+        context = InferenceContext(mms_context, device)
+        model_dir = Path(context.model_dir)
+        started = time.monotonic()
+        try:
+            script = find_script(model_dir, self._config.program)
+            module = import_script(context.model_name, script) if script is not None else None
+            user = bind_functions(module)
+        except UserCodeError as exc:
+            raise ModelLoadError(f"model {context.model_name}: {exc}") from exc
+        logger.info(
+            "model=%s code=%s functions=%s",
+            context.model_name,
+            script or "defaults (no code/%s)" % self._config.program,
+            ",".join(sorted(user)) or "none",
+        )
+        self._functions = self._with_defaults(user)
+        self._run_load_step("pre_model_fn", context, str(model_dir))
+        self._model = self._run_load_step("model_fn", context, str(model_dir))
+        self._loaded = True
+        logger.info("model=%s loaded seconds=%.2f", context.model_name, time.monotonic() - started)
+
+    def attach(self, mms_context: Any, device: torch.device) -> None:
+        """Places the loaded model on this worker's device and warms it up; runs in the worker."""
+        if not self._loaded:
+            self.load(mms_context, device)
+        self._context = InferenceContext(mms_context, device)
+        try:
+            self._model = place_model(self._model, device)
+        except Exception as exc:  # boundary: a model that cannot be placed fails the worker's LOAD
+            raise _load_failure(self._context.model_name, "placing the model", exc) from exc
+        self._run_load_step("model_warmup_fn", self._context, self._context.model_dir, self._model)
+        self._attached = True
+        logger.info("model=%s device=%s gpu=%s ready", self._context.model_name, device, self._context.gpu_id)
+
+    def validate_and_initialize(self, model_dir: str | None = None, context: Any = None) -> None:
+        """The toolkit's entry point: load and attach on the host when nothing did it before."""
+        if not self._attached:
+            self.attach(context, HOST)
+
+    def transform(self, data: list[Any], context: Any) -> list[bytes]:
+        if not self._attached:
+            self.validate_and_initialize(context=context)
+        assert self._context is not None
+        base = InferenceContext(context, self._context.device)
+        results = []
+        for index, item in enumerate(data):
+            request = base.for_request(index)
+            try:
+                body, content_type = self._transform_one(item, request)
+            except Exception as exc:  # request boundary: answer this item with its status, log the traceback
+                body, content_type = self._error_response(exc, request)
+                context.set_response_status(http_status(exc), _phrase(http_status(exc)), index)
+            context.set_response_content_type(index, content_type)
+            results.append(body)
+        return results
+
+    def _transform_one(self, item: Any, request: InferenceContext) -> tuple[bytes, str]:
+        payload, parameter_type = _payload(item)
+        content_type = request.header("content-type") or parameter_type
+        accept = request.header("accept")
+        if accept is None or accept.strip() in ("", content.ANY):
+            accept = self._config.default_accept
+        if isinstance(payload, (bytes, bytearray)) and content.media_type(content_type) in content.TEXT_TYPES:
+            payload = _utf8(payload)
+
+        functions = self._functions
+        if "transform_fn" in functions:
+            result = self._call("transform_fn", request, self._model, payload, content_type, accept)
+        else:
+            if functions["output_fn"].function == self._defaults.default_output_fn:
+                # Decided before any work, so an Accept we cannot produce costs the caller nothing.
+                accept = content.negotiate(accept, self._config.default_accept)
+            data = self._call("input_fn", request, payload, content_type)
+            prediction = self._call("predict_fn", request, data, self._model)
+            result = self._call("output_fn", request, prediction, accept)
+
+        response_type = accept
+        if isinstance(result, tuple):
+            result, response_type = result
+        return _to_bytes(result), str(response_type)
+
+    def _call(self, name: str, context: InferenceContext, *args: Any) -> Any:
+        try:
+            return self._functions[name](*args, context=context)
+        except BaseInferenceToolkitError:
+            raise
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise
+            raise _StepError(name, exc) from exc
+
+    def _with_defaults(self, user: Mapping[str, UserFunction]) -> dict[str, UserFunction]:
+        defaults = self._defaults
+        functions = {
+            "pre_model_fn": None,
+            "model_warmup_fn": None,
+            "model_fn": defaults.default_model_fn,
+            "input_fn": defaults.default_input_fn,
+            "predict_fn": defaults.default_predict_fn,
+            "output_fn": defaults.default_output_fn,
+        }
+        bound = {name: UserFunction.bind(name, fn) for name, fn in functions.items() if fn is not None}
+        bound.update(user)
+        return bound
+
+    def _run_load_step(self, name: str, context: InferenceContext, *args: Any) -> Any:
+        function = self._functions.get(name)
+        if function is None:
+            return None
+        try:
+            return function(*args, context=context)
+        except Exception as exc:  # boundary: the LOAD fails with the cause named; the traceback is logged
+            raise _load_failure(context.model_name, name, exc) from exc
+
+    def _error_response(self, exc: Exception, request: InferenceContext) -> tuple[bytes, str]:
+        status = http_status(exc)
+        if isinstance(exc, _StepError):
+            message = f"{exc.step} raised {type(exc.cause).__name__}: {exc.cause}"
+            error_type = type(exc.cause).__name__
+        elif isinstance(exc, BaseInferenceToolkitError):
+            message, error_type = str(exc.message), type(exc).__name__
+        elif is_out_of_memory(exc):
+            message, error_type = "out of memory while serving this request", "InsufficientMemory"
+        else:
+            message, error_type = f"{type(exc).__name__}: {exc}", type(exc).__name__
+        message = message[:MAX_MESSAGE_CHARS]
+        if status >= 500:
+            logger.error("model=%s request=%s status=%d %s", request.model_name, request.request_id, status, message,
+                         exc_info=exc)
+        else:
+            logger.warning("model=%s request=%s status=%d %s", request.model_name, request.request_id, status, message)
+        body = {"code": status, "type": error_type, "message": message, "request_id": request.request_id}
+        return json.dumps(body).encode("utf-8"), ERROR_CONTENT_TYPE
+
+
+def _load_failure(model_name: str, step: str, exc: Exception) -> ContainerError:
+    """The error a failed load step answers with: 507 for memory, the user's own status, else 500."""
+    logger.error("model=%s %s failed", model_name, step, exc_info=exc)
+    if isinstance(exc, BaseInferenceToolkitError):
+        return ContainerError(f"{step} failed: {exc.message}"[:MAX_MESSAGE_CHARS], int(exc.status_code))
+    message = f"{step} failed: {type(exc).__name__}: {exc}"[:MAX_MESSAGE_CHARS]
+    if is_out_of_memory(exc):
+        return InsufficientMemory(message)
+    return ModelLoadError(message)
+
+
+class _StepError(Exception):
+    """A failure inside a user (or default) contract function: 500, naming the function."""
+
+    def __init__(self, step: str, cause: Exception) -> None:
+        super().__init__(f"{step}: {cause}")
+        self.step = step
+        self.cause = cause
+
+
+def _payload(item: Any) -> tuple[Any, str | None]:
+    """The request body MMS hands over (parameter "body" for raw payloads) and its parameter content type."""
+    if isinstance(item, Mapping):
+        if "body" in item:
+            return item["body"], None
+        for value in item.values():
+            return value, None
+        raise InvalidInput("request has no body")
+    return item, None
+
+
+def _utf8(payload: bytes | bytearray) -> str:
+    try:
+        return bytes(payload).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"request body is not valid UTF-8 (byte {exc.start})") from exc
+
+
+def _to_bytes(result: Any) -> bytes:
+    if isinstance(result, (bytes, bytearray)):
+        return bytes(result)
+    if isinstance(result, str):
+        return result.encode("utf-8")
+    try:
+        return content.encode(result, content.JSON)
+    except TypeError as exc:
+        raise _StepError("output_fn", TypeError(f"returned {type(result).__name__}, expected bytes or str")) from exc
+
+
+def _phrase(status: int) -> str:
+    try:
+        return http.HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"

@@ -1,0 +1,221 @@
+"""Builds the tiny models the tests and `make serve` use, on the fly (nothing is downloaded).
+
+Each builder writes a SageMaker model directory: the artifacts plus, where the style needs it, ``code/inference.py``.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import torch
+
+IN_FEATURES = 4
+OUT_FEATURES = 3
+
+
+class TinyNet(torch.nn.Module):
+    """Linear layer plus softmax: deterministic for a fixed seed and cheap enough for every test."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(IN_FEATURES, OUT_FEATURES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.fc(x), dim=-1)
+
+
+def tiny_net(seed: int = 0) -> TinyNet:
+    torch.manual_seed(seed)
+    return TinyNet().eval()
+
+
+def write_code(model_dir: Path, source: str, name: str = "inference.py") -> Path:
+    code = model_dir / "code"
+    code.mkdir(parents=True, exist_ok=True)
+    path = code / name
+    path.write_text(textwrap.dedent(source).lstrip(), encoding="utf-8")
+    return path
+
+
+def torchscript_model(model_dir: Path, seed: int = 0) -> Path:
+    """A TorchScript ``model.pt`` and no code: served entirely by the defaults."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    torch.jit.script(tiny_net(seed)).save(str(model_dir / "model.pt"))
+    return model_dir
+
+
+# In the style of the AWS MNIST example: a state dict plus a script defining the network and all four functions.
+STATE_DICT_SCRIPT = '''
+import json
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return torch.softmax(self.fc(x), dim=-1)
+
+
+def model_fn(model_dir):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = Net()
+    with open(os.path.join(model_dir, "model.pth"), "rb") as f:
+        model.load_state_dict(torch.load(f, map_location="cpu"))
+    return model.to(device)
+
+
+def input_fn(request_body, request_content_type):
+    assert request_content_type == "application/json", request_content_type
+    data = json.loads(request_body)["inputs"]
+    return torch.tensor(data, dtype=torch.float32)
+
+
+def predict_fn(input_object, model):
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        return model(input_object.to(device))
+
+
+def output_fn(predictions, content_type):
+    assert content_type == "application/json"
+    return json.dumps({"predictions": predictions.cpu().numpy().tolist()})
+'''
+
+
+def state_dict_model(model_dir: Path, seed: int = 0) -> Path:
+    """A ``model.pth`` state dict with an AWS-style ``code/inference.py`` (written for the AWS container)."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(tiny_net(seed).state_dict(), model_dir / "model.pth")
+    write_code(model_dir, STATE_DICT_SCRIPT)
+    return model_dir
+
+
+TRANSFORM_SCRIPT = '''
+import json
+
+import torch
+
+
+def model_fn(model_dir):
+    return torch.jit.load(model_dir + "/model.pt", map_location="cpu")
+
+
+def transform_fn(model, request_body, content_type, accept):
+    data = torch.tensor(json.loads(request_body), dtype=torch.float32)
+    with torch.inference_mode():
+        scores = model(data)
+    return json.dumps({"argmax": scores.argmax(dim=-1).tolist()}), "application/vnd.argmax+json"
+'''
+
+
+def transform_model(model_dir: Path, seed: int = 0) -> Path:
+    """TorchScript weights with a ``transform_fn`` that answers its own content type."""
+    torchscript_model(model_dir, seed)
+    write_code(model_dir, TRANSFORM_SCRIPT)
+    return model_dir
+
+
+CONTEXT_SCRIPT = '''
+import json
+import os
+
+
+def model_fn(model_dir, context):
+    return {"model_dir": model_dir, "loaded_by_pid": os.getpid()}
+
+
+def input_fn(request_body, content_type, context):
+    return {"body": request_body, "content_type": content_type}
+
+
+def predict_fn(data, model, context):
+    return {
+        "model_name": context.model_name,
+        "model_dir": context.model_dir,
+        "system_model_dir": context.system_properties["model_dir"],
+        "gpu_id": context.gpu_id,
+        "system_gpu_id": context.system_properties["gpu_id"],
+        "batch_size": context.batch_size,
+        "device": str(context.device),
+        "custom_attributes": context.custom_attributes,
+        "legacy_custom_attributes": context.get_request_header(
+            context.request_index, "X-Amzn-SageMaker-Custom-Attributes"
+        ),
+        "request_id": context.request_id,
+        "content_type": data["content_type"],
+        "pid": os.getpid(),
+        "loaded_by_pid": model["loaded_by_pid"],
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
+def output_fn(prediction, accept, context):
+    return json.dumps(prediction), "application/json"
+'''
+
+
+def context_model(model_dir: Path) -> Path:
+    """No weights: reports what ``context`` tells user code (device, gpu id, headers, pids)."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    write_code(model_dir, CONTEXT_SCRIPT)
+    return model_dir
+
+
+FAILING_SCRIPT = '''
+def model_fn(model_dir):
+    raise RuntimeError("weights are corrupt: checksum mismatch")
+'''
+
+
+def failing_model(model_dir: Path) -> Path:
+    """A ``model_fn`` that raises: LOAD must fail naming the cause."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    write_code(model_dir, FAILING_SCRIPT)
+    return model_dir
+
+
+USER_ERROR_SCRIPT = '''
+import json
+
+from mme_runtime.errors import ContainerError
+
+
+class QuotaExceeded(ContainerError):
+    status = 429
+
+
+def model_fn(model_dir):
+    return None
+
+
+def transform_fn(model, request_body, content_type, accept):
+    request = json.loads(request_body)
+    if request.get("raise") == "quota":
+        raise QuotaExceeded("tenant over quota")
+    if request.get("raise") == "bug":
+        raise KeyError("missing_feature")
+    return json.dumps({"ok": True})
+'''
+
+
+def user_error_model(model_dir: Path) -> Path:
+    """A ``transform_fn`` that raises a user-chosen 4xx or a plain bug (500)."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    write_code(model_dir, USER_ERROR_SCRIPT)
+    return model_dir
+
+
+BUILDERS = {
+    "torchscript": torchscript_model,
+    "state_dict": state_dict_model,
+    "transform": transform_model,
+}
