@@ -219,7 +219,10 @@ def load_model(spec: ModelSpec, gpu: int | None, batch_size: int, phase: str) ->
     except Exception as exc:  # boundary: the LOAD reply carries the status and cause; the traceback is logged
         status = int(getattr(exc, "status_code", 507 if isinstance(exc, MemoryError) else 500))
         message = str(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
-        logger.error("model=%s gpu=%s load failed status=%d: %s", spec.name, gpu, status, message, exc_info=exc)
+        # Status-carrying errors were logged with their traceback where they arose.
+        expected = hasattr(exc, "status_code")
+        logger.error("model=%s gpu=%s load failed status=%d: %s", spec.name, gpu, status, message,
+                     exc_info=None if expected else exc)
         raise LoadFailure(status, f"model {spec.name}: {message}") from exc
     return LoadedModel(module, service)
 
@@ -249,8 +252,10 @@ def serve_worker(
         loaded = _load_in_worker(spec, config, preloaded, failure, gpu, batch_size)
         connection.sendall(create_load_model_response(200, f"loaded model {spec.name}. [PID]:{os.getpid()}"))
         _serve(connection, loaded)
-    except LoadFailure as load_failure:
-        connection.sendall(create_load_model_response(load_failure.status, load_failure.message))
+    except LoadFailure:
+        # Close without a reply: MMS 1.1.11 then fails the LOAD (500) and unregisters the model cleanly. An error
+        # reply would carry our status, but the frontend would then interrupt its own cleanup and keep a
+        # half-registered model that answers 409 to every later LOAD of that name. The cause is in the log.
         status = WORKER_BOOT_ERROR
     except ValueError as exc:  # the frontend disconnected (mms.protocol raises ValueError): a normal end
         logger.info("model=%s worker pid=%d: %s", spec.name, os.getpid(), exc)

@@ -151,6 +151,7 @@ def predict_fn(data, model, context):
             context.request_index, "X-Amzn-SageMaker-Custom-Attributes"
         ),
         "request_id": context.request_id,
+        "batch_items": len(context.request_ids),
         "content_type": data["content_type"],
         "pid": os.getpid(),
         "loaded_by_pid": model["loaded_by_pid"],

@@ -1,0 +1,113 @@
+"""The entrypoint as a container runs it: `serve` with its properties, a clean stop, and any other command exec'd."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import model_factory
+import psutil
+import pytest
+from conftest import free_port
+from serving import ENTRYPOINT, start_server
+
+
+def test_sigterm_stops_mms_and_every_worker_and_exits_0(tmp_path: Path) -> None:
+    with start_server(tmp_path, {"SAGEMAKER_MODEL_SERVER_WORKERS": "2"}) as server:
+        model_factory.torchscript_model(server.model_dir("a"))
+        model_factory.state_dict_model(server.model_dir("b"))
+        assert server.load("a").status_code == 200
+        assert server.load("b").status_code == 200
+        assert server.invoke("a", json.dumps([[1, 2, 3, 4]])).status_code == 200
+        tree = server.descendants()
+        assert len(tree) >= 7  # java, 2 backend servers, 4 workers (and the metrics collector, at times)
+
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        status = server.process.wait(timeout=30)
+        elapsed = time.monotonic() - started
+
+        assert status == 0
+        assert elapsed < 30
+        alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert alive == []
+        assert "MMS stopped" in server.log_text()
+
+
+def test_preload_property_is_written_exactly_once(tmp_path: Path) -> None:
+    for _ in range(2):
+        with start_server(tmp_path) as server:
+            properties = (server.home / "run" / "mme-mms.properties").read_text()
+    assert properties.splitlines().count("preload_model_gpu=true") == 1
+    # The file MMS reads carries our handler and derived keys, not our own key.
+    mms_properties = (tmp_path / "run" / "mms.properties").read_text()
+    assert "default_service_handler=handler_service:handle" in mms_properties
+    assert "preload_model_gpu" not in mms_properties
+
+
+def test_effective_configuration_is_logged_once(tmp_path: Path) -> None:
+    with start_server(tmp_path, {"SAGEMAKER_MODEL_SERVER_TIMEOUT": "77"}) as server:
+        lines = [line for line in server.log_text().splitlines() if "effective configuration" in line]
+    assert len(lines) == 1
+    assert "response_timeout_seconds=77" in lines[0] and "preload_model_gpu=True" in lines[0]
+
+
+def test_other_commands_run_as_given() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ENTRYPOINT), sys.executable, "-c", "import sys; print('hello'); sys.exit(7)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 7
+    assert result.stdout.strip() == "hello"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("SAGEMAKER_BIND_TO_PORT", "40000", "32767"),
+        ("SAGEMAKER_MODEL_SERVER_WORKERS", "0", "SAGEMAKER_MODEL_SERVER_WORKERS"),
+        ("SAGEMAKER_MULTI_MODEL", "maybe", "SAGEMAKER_MULTI_MODEL"),
+    ],
+)
+def test_bad_configuration_exits_with_a_clear_message(tmp_path: Path, variable: str, value: str, message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ENTRYPOINT), "serve"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "MME_RUNTIME_DIR": str(tmp_path), variable: value},
+    )
+    assert result.returncode == 2
+    assert message in result.stdout and value in result.stdout
+
+
+def test_failed_start_is_retried_then_reported(tmp_path: Path) -> None:
+    port = free_port()
+    with socket.socket() as busy:  # MMS cannot bind: every start attempt fails
+        busy.bind(("0.0.0.0", port))
+        busy.listen()
+        result = subprocess.run(
+            [sys.executable, str(ENTRYPOINT), "serve"],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env={
+                **os.environ,
+                "SAGEMAKER_BIND_TO_PORT": str(port),
+                "MME_RUNTIME_DIR": str(tmp_path),
+                "MME_START_ATTEMPTS": "2",
+                "SAGEMAKER_STARTUP_TIMEOUT": "60",
+            },
+        )
+    assert result.returncode == 3, result.stdout[-3000:]
+    assert result.stdout.count("starting MMS") == 2
+    assert "MMS start failed, retrying" in result.stdout
+    assert "MMS did not start after 2 attempts" in result.stdout

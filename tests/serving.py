@@ -1,0 +1,166 @@
+"""A real server for tests: ``dockerd-entrypoint.py serve`` on a free port, driven over HTTP.
+
+As in gunicorn's signal tests: its own session, output to a file (never a PIPE that can fill), polled until
+``/ping`` answers, ``pytest.fail`` with the log when it does not, and stopped by SIGTERM then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import requests
+from conftest import REPO, free_port
+
+ENTRYPOINT = REPO / "dockerd-entrypoint.py"
+START_TIMEOUT_SECONDS = 120
+REQUEST_TIMEOUT_SECONDS = 90
+
+
+@dataclass
+class RunningServer:
+    url: str
+    home: Path
+    models: Path
+    log: Path
+    process: subprocess.Popen[bytes]
+
+    def model_dir(self, name: str) -> Path:
+        return self.models / name
+
+    def load(self, name: str, model_dir: Path | None = None, **extra: Any) -> requests.Response:
+        body = {"model_name": name, "url": str(model_dir or self.model_dir(name)), **extra}
+        return requests.post(f"{self.url}/models", json=body, timeout=REQUEST_TIMEOUT_SECONDS)
+
+    def invoke(
+        self,
+        name: str,
+        body: bytes | str,
+        content_type: str | None = "application/json",
+        accept: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> requests.Response:
+        all_headers = dict(headers or {})
+        if content_type is not None:
+            all_headers["Content-Type"] = content_type
+        if accept is not None:
+            all_headers["Accept"] = accept
+        return requests.post(
+            f"{self.url}/models/{name}/invoke", data=body, headers=all_headers, timeout=REQUEST_TIMEOUT_SECONDS
+        )
+
+    def unload(self, name: str) -> requests.Response:
+        return requests.delete(f"{self.url}/models/{name}", timeout=REQUEST_TIMEOUT_SECONDS)
+
+    def describe(self, name: str) -> requests.Response:
+        return requests.get(f"{self.url}/models/{name}", timeout=REQUEST_TIMEOUT_SECONDS)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def backend_processes(self, model_name: str) -> list[psutil.Process]:
+        """The model's backend server and its workers (the server's command line names the model)."""
+        found = []
+        for process in self.descendants():
+            try:
+                cmdline = process.cmdline()
+            except psutil.Error:
+                continue
+            if "--model-name" in cmdline and cmdline[cmdline.index("--model-name") + 1] == model_name:
+                found.append(process)
+                try:
+                    found.extend(process.children(recursive=True))
+                except psutil.NoSuchProcess:
+                    pass
+        return found
+
+
+def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+@contextmanager
+def start_server(home: Path, env: Mapping[str, str] | None = None) -> Iterator[RunningServer]:
+    """Starts the entrypoint with its runtime directory and model root under ``home``."""
+    port = free_port()
+    models = home / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    log = home / "server.out"
+    full_env = {
+        **os.environ,
+        "SAGEMAKER_BIND_TO_PORT": str(port),
+        "MME_RUNTIME_DIR": str(home / "run"),
+        "MME_MODEL_ROOT": str(models),
+        "TMPDIR": str(home),
+        **(env or {}),
+    }
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, str(ENTRYPOINT), "serve"],
+            cwd=home,
+            env=full_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = RunningServer(f"http://127.0.0.1:{port}", home, models, log, process)
+    try:
+        if not wait_until(lambda: _ping(server) or process.poll() is not None, START_TIMEOUT_SECONDS, 0.25):
+            pytest.fail(f"server did not answer /ping in {START_TIMEOUT_SECONDS} s:\n{_tail(log)}")
+        if process.poll() is not None:
+            pytest.fail(f"server exited with {process.returncode} before answering /ping:\n{_tail(log)}")
+        yield server
+    finally:
+        stop_server(server)
+
+
+def stop_server(server: RunningServer, grace: float = 30) -> int | None:
+    """SIGTERM the entrypoint, wait, then SIGKILL whatever of its tree is left. Returns its exit status."""
+    tree = server.descendants()
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+    try:
+        status: int | None = server.process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        status = None
+    for process in tree:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    if server.process.poll() is None:
+        server.process.kill()
+        server.process.wait()
+    return status
+
+
+def _ping(server: RunningServer) -> bool:
+    try:
+        return requests.get(f"{server.url}/ping", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def _tail(log: Path, lines: int = 80) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
