@@ -209,9 +209,14 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
 
 def _load_failure(model_name: str, step: str, exc: Exception) -> ContainerError:
     """The error a failed load step answers with: 507 for memory, the user's own status, else 500."""
-    logger.error("model=%s %s failed", model_name, step, exc_info=exc)
     if isinstance(exc, BaseInferenceToolkitError):
-        return ContainerError(f"{step} failed: {exc.message}"[:MAX_MESSAGE_CHARS], int(exc.status_code))
+        # A deliberate error with its own message and status: no traceback needed to understand it.
+        message = f"{step} failed: {exc.message}"[:MAX_MESSAGE_CHARS]
+        logger.error("model=%s %s", model_name, message)
+        if type(exc) in (ModelLoadError, InsufficientMemory, ContainerError):
+            return type(exc)(message, int(exc.status_code))
+        return ContainerError(message, int(exc.status_code))
+    logger.error("model=%s %s failed", model_name, step, exc_info=exc)
     message = f"{step} failed: {type(exc).__name__}: {exc}"[:MAX_MESSAGE_CHARS]
     if is_out_of_memory(exc):
         return InsufficientMemory(message)

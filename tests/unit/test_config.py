@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import ast
+import logging
+from pathlib import Path
+
+import pytest
+
+from mme_runtime.config import ENV_VARS, Config
+from mme_runtime.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_match_the_sagemaker_contract() -> None:
+    config = Config.from_env({})
+    assert config.port == 8080
+    assert config.multi_model is True
+    assert config.workers_per_model is None
+    assert config.default_accept == "application/json"
+    assert config.start_method == "fork"
+    assert config.effective_properties_file == Path("/tmp/mme/mme-mms.properties")
+
+
+def test_values_are_parsed_from_the_environment() -> None:
+    config = Config.from_env(
+        {
+            "SAGEMAKER_BIND_TO_PORT": "9090",
+            "SAGEMAKER_MODEL_SERVER_WORKERS": "3",
+            "SAGEMAKER_CONTAINER_LOG_LEVEL": "debug",
+            "SAGEMAKER_MAX_PAYLOAD_IN_MB": "10",
+            "MME_PRELOAD_MODEL_GPU": "false",
+            "MME_LOAD_MODELS": "a=/m/a, b=/m/b",
+        }
+    )
+    assert (config.port, config.workers_per_model, config.log_level) == (9090, 3, logging.DEBUG)
+    assert config.max_request_bytes == 10 * 1024 * 1024
+    assert config.preload_model_gpu is False
+    assert config.load_models == (("a", "/m/a"), ("b", "/m/b"))
+
+
+def test_request_size_in_bytes_wins_over_megabytes() -> None:
+    config = Config.from_env({"SAGEMAKER_MAX_PAYLOAD_IN_MB": "10", "SAGEMAKER_MAX_REQUEST_SIZE": "1000"})
+    assert config.max_request_bytes == 1000
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("SAGEMAKER_BIND_TO_PORT", "32767"),
+        ("SAGEMAKER_BIND_TO_PORT", "http"),
+        ("SAGEMAKER_MODEL_SERVER_WORKERS", "0"),
+        ("SAGEMAKER_MULTI_MODEL", "sometimes"),
+        ("SAGEMAKER_CONTAINER_LOG_LEVEL", "LOUD"),
+        ("MME_START_METHOD", "forkserver"),
+        ("MME_LOAD_MODELS", "just-a-name"),
+    ],
+)
+def test_bad_values_raise_config_error_naming_variable_and_value(variable: str, value: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        Config.from_env({variable: value})
+    assert variable in str(error.value) and value in str(error.value)
+
+
+def test_environment_overrides_the_properties_file() -> None:
+    assert Config.from_env({}).with_properties({"preload_model_gpu": "false"}).preload_model_gpu is False
+    assert Config.from_env({}).with_properties({}).preload_model_gpu is True
+    forced = Config.from_env({"MME_PRELOAD_MODEL_GPU": "true"}).with_properties({"preload_model_gpu": "false"})
+    assert forced.preload_model_gpu is True
+
+
+def test_to_env_round_trips_what_backends_need() -> None:
+    config = Config.from_env({"SAGEMAKER_PROGRAM": "serve.py", "MME_START_METHOD": "spawn"}).with_properties({})
+    again = Config.from_env(config.to_env())
+    assert (again.program, again.start_method, again.preload_model_gpu) == ("serve.py", "spawn", True)
+
+
+def test_every_documented_variable_names_a_config_field() -> None:
+    fields = set(Config.__dataclass_fields__)
+    assert {var.field for var in ENV_VARS} <= fields
+
+
+def _reads_environment(path: Path) -> bool:
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv") and getattr(node.value, "id", "") == "os":
+            # Writing CUDA_VISIBLE_DEVICES is allowed; reading anything is not.
+            parent_is_store = False
+            for other in ast.walk(tree):
+                if isinstance(other, ast.Subscript) and other.value is node and isinstance(other.ctx, ast.Store):
+                    parent_is_store = True
+            if not parent_is_store:
+                return True
+    return False
+
+
+def test_only_config_reads_the_environment() -> None:
+    modules = [*sorted((REPO / "mme_runtime").glob("*.py")), REPO / "handler_service.py", REPO / "inference_handler.py"]
+    offenders = [p.name for p in modules if p.name != "config.py" and _reads_environment(p)]
+    assert offenders == []

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from mme_runtime.config import Config, read_properties
+from mme_runtime.properties import ensure_mme_properties, mms_properties, write_properties
+from mme_runtime.supervisor import frontend_command, prepare_mms_home
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "mme-mms.properties"
+
+
+def test_preload_key_is_added_once_however_often_it_starts(tmp_path: Path) -> None:
+    path = tmp_path / "etc" / "mme-mms.properties"
+    for _ in range(3):
+        properties = ensure_mme_properties(path, TEMPLATE)
+    assert properties["preload_model_gpu"] == "true"
+    assert path.read_text().splitlines().count("preload_model_gpu=true") == 1
+
+
+def test_a_value_the_user_set_is_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "mme-mms.properties"
+    path.write_text("preload_model_gpu=false")  # no trailing newline
+    assert ensure_mme_properties(path, TEMPLATE)["preload_model_gpu"] == "false"
+    assert path.read_text() == "preload_model_gpu=false"
+
+
+def test_mms_properties_derive_addresses_workers_and_limits() -> None:
+    config = Config.from_env({"SAGEMAKER_BIND_TO_PORT": "9000", "SAGEMAKER_MODEL_SERVER_TIMEOUT": "120"})
+    properties = mms_properties(config, {"preload_model_gpu": "true", "async_logging": "true"}, workers_per_model=2)
+    assert properties["inference_address"] == properties["management_address"] == "http://0.0.0.0:9000"
+    assert properties["default_workers_per_model"] == "2"
+    assert properties["default_response_timeout_seconds"] == "120"
+    assert properties["model_store"] == "/"
+    assert "preload_model_gpu" not in properties and properties["async_logging"] == "true"
+
+
+def test_properties_are_written_atomically_and_read_back(tmp_path: Path) -> None:
+    path = tmp_path / "mms.properties"
+    write_properties(path, {"a": "1", "b": "x=y"})
+    assert read_properties(path) == {"a": "1", "b": "x=y"}
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_mms_home_runs_our_backend_and_keeps_mms_metrics(tmp_path: Path) -> None:
+    home = prepare_mms_home(tmp_path)
+    prepare_mms_home(tmp_path)  # idempotent
+    stub = (home / "mms" / "model_service_worker.py").read_text()
+    assert "from mme_runtime.backend import main" in stub
+    assert (home / "mms" / "metrics" / "metric_collector.py").is_file()
+
+
+def test_frontend_command_starts_java_with_our_properties_and_python(tmp_path: Path) -> None:
+    config = Config.from_env({"MME_RUNTIME_DIR": str(tmp_path), "JAVA_HOME": "/opt/jdk"})
+    command = frontend_command(config, tmp_path / "mms.properties", tmp_path / "home", "-Xmx1g")
+    assert command[0] == "/opt/jdk/bin/java"
+    assert "-Xmx1g" in command and "com.amazonaws.ml.mms.ModelServer" in command
+    assert command[-2:] == ["-f", str(tmp_path / "mms.properties")]
+    assert f"-Djava.io.tmpdir={tmp_path / 'tmp'}" in command
