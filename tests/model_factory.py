@@ -220,3 +220,56 @@ BUILDERS = {
     "state_dict": state_dict_model,
     "transform": transform_model,
 }
+
+
+COUNTING_SCRIPT = '''
+import json
+import os
+import time
+
+import torch
+
+
+def model_fn(model_dir, context):
+    # One line per call, whichever process makes it: the tests count model_fn calls across processes.
+    with open(os.path.join(model_dir, "model_fn_calls.log"), "a") as log:
+        log.write(f"{os.getpid()}\\n")
+    if os.path.exists(os.path.join(model_dir, "fake_cuda_init")):
+        # Test double of the CUDA probe: on a CPU-only machine this simulates a model_fn that moved the
+        # model to "cuda" and so initialised CUDA in the preload server.
+        import mme_runtime.devices
+        mme_runtime.devices.cuda_initialized = lambda: True
+    return torch.jit.load(os.path.join(model_dir, "model.pt"), map_location="cpu")
+
+
+def predict_fn(data, model, context):
+    time.sleep(float(os.environ.get("MME_TEST_PREDICT_SLEEP", "0.05")))
+    with torch.inference_mode():
+        scores = model(data.to(context.device))
+    return {
+        "scores": scores.tolist(),
+        "pid": os.getpid(),
+        "device": str(context.device),
+        "gpu_id": context.gpu_id,
+        "parameter_device": str(next(model.parameters()).device),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
+def output_fn(prediction, accept, context):
+    return json.dumps(prediction), "application/json"
+'''
+
+
+def counting_model(model_dir: Path, fake_cuda_init: bool = False) -> Path:
+    """TorchScript weights whose model_fn logs each call (and can simulate initialising CUDA)."""
+    torchscript_model(model_dir)
+    write_code(model_dir, COUNTING_SCRIPT)
+    if fake_cuda_init:
+        (model_dir / "fake_cuda_init").touch()
+    return model_dir
+
+
+def model_fn_calls(model_dir: Path) -> list[int]:
+    log = model_dir / "model_fn_calls.log"
+    return [int(line) for line in log.read_text().split()] if log.exists() else []

@@ -74,21 +74,29 @@ class RunningServer:
         except psutil.NoSuchProcess:
             return []
 
-    def backend_processes(self, model_name: str) -> list[psutil.Process]:
-        """The model's backend server and its workers (the server's command line names the model)."""
-        found = []
+    def backend_server(self, model_name: str) -> psutil.Process | None:
+        """The model's backend server: the process MMS started (forked workers share its command line)."""
         for process in self.descendants():
             try:
                 cmdline = process.cmdline()
+                parent = process.parent()
+                if parent is None or "--model-name" in parent.cmdline():
+                    continue
             except psutil.Error:
                 continue
             if "--model-name" in cmdline and cmdline[cmdline.index("--model-name") + 1] == model_name:
-                found.append(process)
-                try:
-                    found.extend(process.children(recursive=True))
-                except psutil.NoSuchProcess:
-                    pass
-        return found
+                return process
+        return None
+
+    def backend_processes(self, model_name: str) -> list[psutil.Process]:
+        """The model's backend server and all its workers."""
+        server = self.backend_server(model_name)
+        if server is None:
+            return []
+        try:
+            return [server, *server.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
 
 
 def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> bool:

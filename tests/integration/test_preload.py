@@ -1,0 +1,100 @@
+"""GPU-safe preload, proven on the CPU through the same code path: one model_fn, every worker serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import model_factory
+import psutil
+import pytest
+from serving import RunningServer, start_server, wait_until
+
+WORKERS = 3
+ROWS = json.dumps([[1.0, 2.0, 3.0, 4.0]])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    env = {"SAGEMAKER_MODEL_SERVER_WORKERS": str(WORKERS), "MME_TEST_PREDICT_SLEEP": "0.05"}
+    with start_server(tmp_path_factory.mktemp("preload"), env) as running:
+        yield running
+
+
+def invoke_many(server: RunningServer, name: str, count: int = 30) -> list[dict[str, object]]:
+    with ThreadPoolExecutor(WORKERS * 2) as pool:
+        responses = list(pool.map(lambda _: server.invoke(name, ROWS), range(count)))
+    assert [r.status_code for r in responses] == [200] * count, [r.text for r in responses if r.status_code != 200]
+    return [dict(r.json()) for r in responses]
+
+
+def worker_pids(server: RunningServer, name: str) -> set[int]:
+    backend = server.backend_server(name)
+    assert backend is not None
+    return {child.pid for child in backend.children()}
+
+
+def test_model_fn_runs_once_and_every_worker_serves(server: RunningServer) -> None:
+    model_dir = model_factory.counting_model(server.model_dir("once"))
+    assert server.load("once").status_code == 200
+
+    answers = invoke_many(server, "once")
+
+    calls = model_factory.model_fn_calls(model_dir)
+    assert len(calls) == 1
+    backend = server.backend_server("once")
+    assert backend is not None and calls == [backend.pid]  # loaded in the server, before fork
+    pids = {int(str(a["pid"])) for a in answers}
+    assert pids == worker_pids(server, "once")
+    assert len(pids) == WORKERS
+    assert {a["device"] for a in answers} == {"cpu"}
+    assert {a["gpu_id"] for a in answers} == {None}  # no GPU here: the same path runs with the CPU
+
+
+def test_killed_worker_is_replaced_without_a_second_model_fn(server: RunningServer) -> None:
+    model_dir = model_factory.counting_model(server.model_dir("crash"))
+    assert server.load("crash").status_code == 200
+    before = worker_pids(server, "crash")
+    victim = sorted(before)[0]
+
+    os.kill(victim, signal.SIGKILL)
+
+    assert wait_until(lambda: len(worker_pids(server, "crash") - {victim}) == WORKERS, 30)
+    answers = invoke_many(server, "crash")
+    assert victim not in {a["pid"] for a in answers}
+    assert len(model_factory.model_fn_calls(model_dir)) == 1
+    assert "killed by SIGKILL" in server.log_text()
+
+
+def test_unload_leaves_no_process_of_the_model(server: RunningServer) -> None:
+    model_factory.counting_model(server.model_dir("gone"))
+    assert server.load("gone").status_code == 200
+    processes = server.backend_processes("gone")
+    assert len(processes) == WORKERS + 1
+
+    assert server.unload("gone").status_code == 200
+
+    def all_gone() -> bool:
+        return not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes)
+
+    assert wait_until(all_gone, 10)
+    assert server.backend_processes("gone") == []
+
+
+def test_model_fn_that_initialises_cuda_falls_back_to_loading_in_each_worker(server: RunningServer) -> None:
+    """On this CPU-only machine, CUDA initialisation is simulated by a test double of the CUDA probe that the
+    model's own model_fn installs (see model_factory.COUNTING_SCRIPT); on a GPU it is a real ``.to("cuda")``."""
+    model_dir = model_factory.counting_model(server.model_dir("cuda_in_parent"), fake_cuda_init=True)
+    assert server.load("cuda_in_parent").status_code == 200
+
+    answers = invoke_many(server, "cuda_in_parent")
+
+    pids = {int(str(a["pid"])) for a in answers}
+    assert len(pids) == WORKERS
+    calls = model_factory.model_fn_calls(model_dir)
+    assert len(calls) == 1 + WORKERS  # the preload attempt, then one load per worker
+    assert pids <= set(calls)
+    assert "preload off for this model: model_fn initialised CUDA" in server.log_text()
