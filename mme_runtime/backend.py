@@ -88,7 +88,9 @@ class BackendServer:
         self.config = config
         self.listener = listener
         self.preload = config.preload_model_gpu is not False
-        self.context = multiprocessing.get_context(config.start_method)
+        # Explicit, never the platform default (Python 3.14 changed it on Linux). Typed Any: typeshed's
+        # overloads want a literal, not our Literal union.
+        self.context: Any = multiprocessing.get_context(config.start_method)
         self.loaded: LoadedModel | None = None
         self.load_failure: LoadFailure | None = None
         self.workers: dict[int, multiprocessing.process.BaseProcess] = {}
@@ -186,8 +188,9 @@ class BackendServer:
             code = process.exitcode
             if code < 0:
                 hint = " (perhaps out of memory)" if -code == signal.SIGKILL else ""
-                logger.warning("model=%s worker pid=%d killed by %s%s", self.spec.name, pid,
-                               signal.Signals(-code).name, hint)
+                logger.warning(
+                    "model=%s worker pid=%d killed by %s%s", self.spec.name, pid, signal.Signals(-code).name, hint
+                )
             else:
                 logger.info("model=%s worker pid=%d exited status=%d", self.spec.name, pid, code)
 
@@ -221,8 +224,14 @@ def load_model(spec: ModelSpec, gpu: int | None, batch_size: int, phase: str) ->
         message = str(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
         # Status-carrying errors were logged with their traceback where they arose.
         expected = hasattr(exc, "status_code")
-        logger.error("model=%s gpu=%s load failed status=%d: %s", spec.name, gpu, status, message,
-                     exc_info=None if expected else exc)
+        logger.error(
+            "model=%s gpu=%s load failed status=%d: %s",
+            spec.name,
+            gpu,
+            status,
+            message,
+            exc_info=None if expected else exc,
+        )
         raise LoadFailure(status, f"model {spec.name}: {message}") from exc
     return LoadedModel(module, service)
 
@@ -328,4 +337,3 @@ def _die_with_parent(signum: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
     except (OSError, AttributeError):
         logger.debug("prctl(PR_SET_PDEATHSIG) unavailable")
-

@@ -68,12 +68,6 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar("SAGEMAKER_PROGRAM", "inference.py", "program", "File name of the user script in the model's `code/`."),
     EnvVar(
-        "SAGEMAKER_SUBMIT_DIRECTORY",
-        "unset",
-        "submit_directory",
-        "Where to look for inference code when a model has no `code/`.",
-    ),
-    EnvVar(
         "SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT",
         "application/json",
         "default_accept",
@@ -85,8 +79,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "preload_model_gpu",
         "Load each model once in a CUDA-free server and fork its workers; `false` loads in every worker.",
     ),
+    EnvVar("MME_START_METHOD", "fork", "start_method", "How the backend server starts workers: `fork` or `spawn`."),
     EnvVar(
-        "MME_START_METHOD", "fork", "start_method", "How the backend server starts workers: `fork` or `spawn`."
+        "PYTORCH_NVML_BASED_CUDA_CHECK",
+        "1",
+        "nvml_cuda_check",
+        "Passed to workers: makes `torch.cuda.is_available()` safe in the preload server before fork.",
     ),
     EnvVar(
         "MME_RUNTIME_DIR",
@@ -107,12 +105,6 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "Models to load at start, `name=/path,name2=/path2` (used by `make serve` for its demo model).",
     ),
     EnvVar(
-        "MME_MODEL_ROOT",
-        "/opt/ml/models",
-        "model_root",
-        "LOAD accepts only model directories under this root.",
-    ),
-    EnvVar(
         "MME_START_ATTEMPTS",
         "3",
         "start_attempts",
@@ -125,6 +117,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "Seconds between SIGTERM and SIGKILL for MMS and its workers (SageMaker kills at 30 s).",
     ),
 )
+
+
+def markdown_table() -> str:
+    """The README's configuration table, generated so that it cannot drift from the code."""
+    lines = ["| Variable | Default | What it does |", "|---|---|---|"]
+    lines += [f"| `{var.name}` | {var.default} | {var.description} |" for var in ENV_VARS]
+    return "\n".join(lines)
 
 
 def _parse_bool(name: str, value: str) -> bool:
@@ -200,14 +199,12 @@ class Config:
     max_request_bytes: int = 6 * MIB
     log_level: int = logging.INFO
     program: str = "inference.py"
-    submit_directory: str | None = None
     default_accept: str = "application/json"
     preload_model_gpu: bool | None = None
     start_method: StartMethod = "fork"
     runtime_dir: Path = Path("/tmp/mme")
     properties_file: Path | None = None
     load_models: tuple[tuple[str, str], ...] = ()
-    model_root: Path = Path("/opt/ml/models")
     start_attempts: int = 3
     stop_grace_seconds: int = 20
     java_home: str | None = None
@@ -215,6 +212,8 @@ class Config:
     cuda_visible_devices: str | None = None
     # Internal: a backend server that re-executed itself passes its listening socket on.
     inherited_listen_fd: int | None = None
+    # torch's is_available() must ask NVML, not the CUDA driver, or the preload server poisons its forks.
+    nvml_cuda_check: str = "1"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Config:
@@ -235,18 +234,17 @@ class Config:
         take("SAGEMAKER_MAX_REQUEST_SIZE", "max_request_bytes", lambda n, v: _parse_int(n, v, 1))
         take("SAGEMAKER_CONTAINER_LOG_LEVEL", "log_level", _parse_log_level)
         take("SAGEMAKER_PROGRAM", "program", lambda n, v: v.strip())
-        take("SAGEMAKER_SUBMIT_DIRECTORY", "submit_directory", lambda n, v: v.strip())
         take("SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT", "default_accept", lambda n, v: v.strip())
         take("MME_PRELOAD_MODEL_GPU", "preload_model_gpu", _parse_bool)
         take("MME_START_METHOD", "start_method", _parse_start_method)
         take("MME_RUNTIME_DIR", "runtime_dir", lambda n, v: Path(v).absolute())
         take("MME_PROPERTIES_FILE", "properties_file", lambda n, v: Path(v).absolute())
         take("MME_LOAD_MODELS", "load_models", _parse_load_models)
-        take("MME_MODEL_ROOT", "model_root", lambda n, v: Path(v).absolute())
         take("MME_START_ATTEMPTS", "start_attempts", lambda n, v: _parse_int(n, v, 1))
         take("MME_STOP_GRACE_SECONDS", "stop_grace_seconds", lambda n, v: _parse_int(n, v, 1, 28))
         take("JAVA_HOME", "java_home", lambda n, v: v.strip())
         take("CUDA_VISIBLE_DEVICES", "cuda_visible_devices", lambda n, v: v.strip())
+        take("PYTORCH_NVML_BASED_CUDA_CHECK", "nvml_cuda_check", lambda n, v: v.strip())
         take(INHERITED_LISTEN_FD, "inherited_listen_fd", lambda n, v: _parse_int(n, v, 0))
         return cls(**values)  # type: ignore[arg-type]
 
@@ -278,12 +276,10 @@ class Config:
             "SAGEMAKER_CONTAINER_LOG_LEVEL": str(self.log_level),
             "MME_START_METHOD": self.start_method,
             "MME_RUNTIME_DIR": str(self.runtime_dir),
-            "MME_MODEL_ROOT": str(self.model_root),
+            "PYTORCH_NVML_BASED_CUDA_CHECK": self.nvml_cuda_check,
         }
         if self.preload_model_gpu is not None:
             env["MME_PRELOAD_MODEL_GPU"] = "true" if self.preload_model_gpu else "false"
-        if self.submit_directory is not None:
-            env["SAGEMAKER_SUBMIT_DIRECTORY"] = self.submit_directory
         return env
 
     def describe(self) -> str:

@@ -29,7 +29,7 @@ def restrict_to_gpu(gpu_id: int | None, visible_devices: str | None) -> None:
     """Makes only the assigned GPU visible to this process. Must run before its first CUDA call."""
     if gpu_id is None:
         return
-    if torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         raise RuntimeError("CUDA was initialised before the worker bound its GPU; the worker cannot be isolated")
     os.environ[CUDA_VISIBLE_DEVICES] = visible_gpu(gpu_id, visible_devices)
 
@@ -44,4 +44,4 @@ def worker_device(gpu_id: int | None) -> torch.device:
 
 def cuda_initialized() -> bool:
     """Whether this process has a CUDA context. The preload server checks it before every fork."""
-    return bool(torch.cuda.is_initialized())
+    return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]

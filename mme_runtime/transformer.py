@@ -84,7 +84,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         logger.info(
             "model=%s code=%s functions=%s",
             context.model_name,
-            script or "defaults (no code/%s)" % self._config.program,
+            script or f"defaults (no code/{self._config.program})",
             ",".join(sorted(user)) or "none",
         )
         self._functions = self._with_defaults(user)
@@ -199,8 +199,14 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
             message, error_type = f"{type(exc).__name__}: {exc}", type(exc).__name__
         message = message[:MAX_MESSAGE_CHARS]
         if status >= 500:
-            logger.error("model=%s request=%s status=%d %s", request.model_name, request.request_id, status, message,
-                         exc_info=exc)
+            logger.error(
+                "model=%s request=%s status=%d %s",
+                request.model_name,
+                request.request_id,
+                status,
+                message,
+                exc_info=exc,
+            )
         else:
             logger.warning("model=%s request=%s status=%d %s", request.model_name, request.request_id, status, message)
         body = {"code": status, "type": error_type, "message": message, "request_id": request.request_id}
@@ -213,9 +219,8 @@ def _load_failure(model_name: str, step: str, exc: Exception) -> ContainerError:
         # A deliberate error with its own message and status: no traceback needed to understand it.
         message = f"{step} failed: {exc.message}"[:MAX_MESSAGE_CHARS]
         logger.error("model=%s %s", model_name, message)
-        if type(exc) in (ModelLoadError, InsufficientMemory, ContainerError):
-            return type(exc)(message, int(exc.status_code))
-        return ContainerError(message, int(exc.status_code))
+        kind = type(exc) if type(exc) in (ModelLoadError, InsufficientMemory) else ContainerError
+        return kind(message, int(exc.status_code))
     logger.error("model=%s %s failed", model_name, step, exc_info=exc)
     message = f"{step} failed: {type(exc).__name__}: {exc}"[:MAX_MESSAGE_CHARS]
     if is_out_of_memory(exc):

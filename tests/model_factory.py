@@ -46,7 +46,7 @@ def torchscript_model(model_dir: Path, seed: int = 0) -> Path:
 
 
 # In the style of the AWS MNIST example: a state dict plus a script defining the network and all four functions.
-STATE_DICT_SCRIPT = '''
+STATE_DICT_SCRIPT = """
 import json
 import logging
 import os
@@ -88,7 +88,7 @@ def predict_fn(input_object, model):
 def output_fn(predictions, content_type):
     assert content_type == "application/json"
     return json.dumps({"predictions": predictions.cpu().numpy().tolist()})
-'''
+"""
 
 
 def state_dict_model(model_dir: Path, seed: int = 0) -> Path:
@@ -99,7 +99,7 @@ def state_dict_model(model_dir: Path, seed: int = 0) -> Path:
     return model_dir
 
 
-TRANSFORM_SCRIPT = '''
+TRANSFORM_SCRIPT = """
 import json
 
 import torch
@@ -114,7 +114,7 @@ def transform_fn(model, request_body, content_type, accept):
     with torch.inference_mode():
         scores = model(data)
     return json.dumps({"argmax": scores.argmax(dim=-1).tolist()}), "application/vnd.argmax+json"
-'''
+"""
 
 
 def transform_model(model_dir: Path, seed: int = 0) -> Path:
@@ -124,7 +124,7 @@ def transform_model(model_dir: Path, seed: int = 0) -> Path:
     return model_dir
 
 
-CONTEXT_SCRIPT = '''
+CONTEXT_SCRIPT = """
 import json
 import os
 
@@ -161,7 +161,7 @@ def predict_fn(data, model, context):
 
 def output_fn(prediction, accept, context):
     return json.dumps(prediction), "application/json"
-'''
+"""
 
 
 def context_model(model_dir: Path) -> Path:
@@ -171,10 +171,10 @@ def context_model(model_dir: Path) -> Path:
     return model_dir
 
 
-FAILING_SCRIPT = '''
+FAILING_SCRIPT = """
 def model_fn(model_dir):
     raise RuntimeError("weights are corrupt: checksum mismatch")
-'''
+"""
 
 
 def failing_model(model_dir: Path) -> Path:
@@ -184,7 +184,7 @@ def failing_model(model_dir: Path) -> Path:
     return model_dir
 
 
-USER_ERROR_SCRIPT = '''
+USER_ERROR_SCRIPT = """
 import json
 
 from mme_runtime.errors import ContainerError
@@ -205,7 +205,7 @@ def transform_fn(model, request_body, content_type, accept):
     if request.get("raise") == "bug":
         raise KeyError("missing_feature")
     return json.dumps({"ok": True})
-'''
+"""
 
 
 def user_error_model(model_dir: Path) -> Path:
@@ -222,7 +222,7 @@ BUILDERS = {
 }
 
 
-COUNTING_SCRIPT = '''
+COUNTING_SCRIPT = """
 import json
 import os
 import time
@@ -258,7 +258,7 @@ def predict_fn(data, model, context):
 
 def output_fn(prediction, accept, context):
     return json.dumps(prediction), "application/json"
-'''
+"""
 
 
 def counting_model(model_dir: Path, fake_cuda_init: bool = False) -> Path:

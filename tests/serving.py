@@ -119,7 +119,6 @@ def start_server(home: Path, env: Mapping[str, str] | None = None) -> Iterator[R
         **os.environ,
         "SAGEMAKER_BIND_TO_PORT": str(port),
         "MME_RUNTIME_DIR": str(home / "run"),
-        "MME_MODEL_ROOT": str(models),
         "TMPDIR": str(home),
         **(env or {}),
     }

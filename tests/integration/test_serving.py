@@ -245,7 +245,9 @@ def test_batches_reach_user_code_with_per_item_headers(server: RunningServer) ->
 
     def call(index: int) -> dict[str, object]:
         response = server.invoke(
-            "batched_context", b"{}", content_type=f"application/x-item-{index}",
+            "batched_context",
+            b"{}",
+            content_type=f"application/x-item-{index}",
             headers={"X-Amzn-SageMaker-Custom-Attributes": f"item={index}"},
         )
         assert response.status_code == 200, response.text

@@ -83,7 +83,11 @@ def test_every_documented_variable_names_a_config_field() -> None:
 def _reads_environment(path: Path) -> bool:
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv") and getattr(node.value, "id", "") == "os":
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in ("environ", "getenv")
+            and getattr(node.value, "id", "") == "os"
+        ):
             # Writing CUDA_VISIBLE_DEVICES is allowed; reading anything is not.
             parent_is_store = False
             for other in ast.walk(tree):
@@ -98,3 +102,12 @@ def test_only_config_reads_the_environment() -> None:
     modules = [*sorted((REPO / "mme_runtime").glob("*.py")), REPO / "handler_service.py", REPO / "inference_handler.py"]
     offenders = [p.name for p in modules if p.name != "config.py" and _reads_environment(p)]
     assert offenders == []
+
+
+def test_readme_configuration_table_is_the_generated_one() -> None:
+    from mme_runtime.config import markdown_table
+
+    readme = (REPO / "README.md").read_text()
+    assert markdown_table() in readme, (
+        "regenerate with: .venv/bin/python -c 'import mme_runtime.config as c; print(c.markdown_table())'"
+    )

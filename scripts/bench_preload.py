@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Preload on versus off: LOAD-to-all-workers-ready time and memory of the model's process tree.
+
+    .venv/bin/python scripts/bench_preload.py [--size-mb 300] [--workers 1 2 4] [--repeat 2]
+
+Both servers run in the same run on the same machine; the table reports medians and on/off ratios.
+Memory is the PSS of the model's backend server plus its workers (copy-on-write pages counted once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import requests
+import torch
+from benchlib import our_server, pss_mib, serve, table
+
+FEATURES = 2048
+
+
+def big_model(model_dir: Path, size_mb: int) -> Path:
+    """A TorchScript MLP of about ``size_mb`` MB of float32 weights."""
+    layers = max(1, round(size_mb * 2**20 / (4 * (FEATURES * FEATURES + FEATURES))))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(FEATURES, FEATURES) for _ in range(layers)]).eval()
+    model_dir.mkdir(parents=True, exist_ok=True)
+    torch.jit.script(model).save(str(model_dir / "model.pt"))
+    return model_dir
+
+
+def measure(server_url: str, server: object, name: str, model_dir: Path, workers: int) -> tuple[float, float]:
+    started = time.perf_counter()
+    response = server.load(name, model_dir, initial_workers=workers)  # type: ignore[attr-defined]
+    load_seconds = time.perf_counter() - started
+    if response.status_code != 200:
+        raise RuntimeError(f"LOAD failed: {response.status_code} {response.text}")
+    body = json.dumps([[0.0] * FEATURES])
+    for _ in range(workers * 2):
+        reply = requests.post(
+            f"{server_url}/models/{name}/invoke", data=body, headers={"Content-Type": "application/json"}, timeout=120
+        )
+        reply.raise_for_status()
+    memory = pss_mib(server.model_tree(name))  # type: ignore[attr-defined]
+    server.unload(name)  # type: ignore[attr-defined]
+    return load_seconds, memory
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mb", type=int, default=300)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="bench-preload-") as tmp:
+        root = Path(tmp)
+        model_dir = big_model(root / "models" / "big", args.size_mb)
+        size = sum(p.stat().st_size for p in model_dir.iterdir()) / 2**20
+        results: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        modes = {"on": "true", "off": "false"}
+        servers = {}
+        with ExitStack() as stack:
+            for mode, flag in modes.items():
+                command, env, port = our_server(root / mode, {"MME_PRELOAD_MODEL_GPU": flag})
+                servers[mode] = stack.enter_context(serve(command, env, root / mode, port))
+            for round_index in range(args.repeat):
+                for workers in args.workers:
+                    for mode, server in servers.items():
+                        name = f"big_{mode}_{workers}_{round_index}"
+                        results.setdefault((mode, workers), []).append(
+                            measure(server.url, server, name, model_dir, workers)
+                        )
+
+    rows = []
+    for workers in args.workers:
+        on_load = statistics.median(r[0] for r in results[("on", workers)])
+        off_load = statistics.median(r[0] for r in results[("off", workers)])
+        on_mem = statistics.median(r[1] for r in results[("on", workers)])
+        off_mem = statistics.median(r[1] for r in results[("off", workers)])
+        rows.append(
+            [
+                workers,
+                f"{on_load:.2f}",
+                f"{off_load:.2f}",
+                f"{on_load / off_load:.2f}",
+                f"{on_mem:.0f}",
+                f"{off_mem:.0f}",
+                f"{on_mem / off_mem:.2f}",
+            ]
+        )
+    print(f"model: TorchScript MLP, {size:.0f} MiB on disk; median of {args.repeat} runs; CPU workers")
+    print(table(["workers", "LOAD s (on)", "LOAD s (off)", "on/off", "PSS MiB (on)", "PSS MiB (off)", "on/off"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

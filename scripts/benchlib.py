@@ -1,0 +1,154 @@
+"""Shared pieces of the benchmarks: start a server on a free port, drive it, measure its process tree.
+
+Benchmarks print tables; they never assert timings (machines here are noisy: compare ratios within one run).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+
+def free_port() -> int:
+    """A free port below 32767 (MMS 1.1.11 refuses higher ones)."""
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port")
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def load(self, name: str, path: Path, **extra: object) -> requests.Response:
+        body = {"model_name": name, "url": str(path), **extra}
+        return requests.post(f"{self.url}/models", json=body, timeout=600)
+
+    def unload(self, name: str) -> requests.Response:
+        return requests.delete(f"{self.url}/models/{name}", timeout=600)
+
+    def tree(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def model_tree(self, name: str) -> list[psutil.Process]:
+        """The backend process MMS started for ``name`` and everything under it."""
+        for process in self.tree():
+            try:
+                cmdline = process.cmdline()
+                parent = process.parent()
+                if "--model-name" not in cmdline or cmdline[cmdline.index("--model-name") + 1] != name:
+                    continue
+                if parent is not None and "--model-name" in parent.cmdline():
+                    continue
+                return [process, *process.children(recursive=True)]
+            except psutil.Error:
+                continue
+        return []
+
+
+def pss_mib(processes: Sequence[psutil.Process]) -> float:
+    """Proportional set size: shared (copy-on-write) pages are split between the processes sharing them."""
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_full_info().pss
+        except psutil.Error:
+            continue
+    return total / 2**20
+
+
+@contextmanager
+def serve(command: Sequence[str], env: Mapping[str, str], work_dir: Path, port: int) -> Iterator[Server]:
+    work_dir.mkdir(parents=True, exist_ok=True)
+    log = work_dir / "server.out"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            list(command),
+            env={**os.environ, **env},
+            cwd=work_dir,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = Server(f"http://127.0.0.1:{port}", process, log)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited early; see {log}")
+            try:
+                if requests.get(f"{server.url}/ping", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        else:
+            raise RuntimeError(f"server did not answer /ping; see {log}")
+        yield server
+    finally:
+        stop(server)
+
+
+def stop(server: Server) -> None:
+    tree = server.tree()
+    if server.process.poll() is None:
+        os.killpg(server.process.pid, signal.SIGTERM)
+        try:
+            server.process.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+    for process in [*tree]:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    if server.process.poll() is None:
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+
+
+def our_server(work_dir: Path, env: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str], int]:
+    """Command, environment and port that start this project's server."""
+    port = free_port()
+    full_env = {
+        "SAGEMAKER_BIND_TO_PORT": str(port),
+        "MME_RUNTIME_DIR": str(work_dir / "run"),
+        "TMPDIR": str(work_dir),
+        **(env or {}),
+    }
+    return [sys.executable, str(REPO / "dockerd-entrypoint.py"), "serve"], full_env, port
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table, so the output can be pasted into the README as it is."""
+    cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
