@@ -87,7 +87,8 @@ class BackendServer:
         self.spec = spec
         self.config = config
         self.listener = listener
-        self.preload = config.preload_model_gpu is not False
+        # A spawned worker starts from nothing, so preloading only pays with fork.
+        self.preload = config.preload_model_gpu is not False and config.start_method == "fork"
         # Explicit, never the platform default (Python 3.14 changed it on Linux). Typed Any: typeshed's
         # overloads want a literal, not our Literal union.
         self.context: Any = multiprocessing.get_context(config.start_method)
@@ -109,7 +110,7 @@ class BackendServer:
             self.config.start_method,
             platform.python_version(),
         )
-        if self.preload and self.config.start_method == "fork":
+        if self.preload:
             self._preload()
         try:
             while not self._pending:

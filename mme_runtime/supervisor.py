@@ -41,9 +41,11 @@ import sys
 _here = os.path.dirname(os.path.realpath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != _here]
 
-from mme_runtime.backend import main
+# The guard matters: a spawned worker re-imports this file as __mp_main__ and must not start a second server.
+if __name__ == "__main__":
+    from mme_runtime.backend import main
 
-sys.exit(main())
+    sys.exit(main())
 '''
 
 

@@ -98,3 +98,16 @@ def test_model_fn_that_initialises_cuda_falls_back_to_loading_in_each_worker(ser
     assert len(calls) == 1 + WORKERS  # the preload attempt, then one load per worker
     assert pids <= set(calls)
     assert "preload off for this model: model_fn initialised CUDA" in server.log_text()
+
+
+def test_spawn_start_method_loads_in_each_fresh_worker(tmp_path_factory: pytest.TempPathFactory) -> None:
+    env = {"SAGEMAKER_MODEL_SERVER_WORKERS": "2", "MME_START_METHOD": "spawn"}
+    with start_server(tmp_path_factory.mktemp("spawn"), env) as server:
+        model_dir = model_factory.counting_model(server.model_dir("spawned"))
+        assert server.load("spawned").status_code == 200
+        with ThreadPoolExecutor(4) as pool:
+            responses = list(pool.map(lambda _: server.invoke("spawned", ROWS), range(20)))
+        assert [r.status_code for r in responses] == [200] * 20
+        pids = {r.json()["pid"] for r in responses}
+        assert len(pids) == 2
+        assert sorted(model_factory.model_fn_calls(model_dir)) == sorted(pids)  # each spawned worker loaded once
