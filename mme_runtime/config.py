@@ -68,6 +68,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar("SAGEMAKER_PROGRAM", "inference.py", "program", "File name of the user script in the model's `code/`."),
     EnvVar(
+        "SAGEMAKER_SUBMIT_DIRECTORY",
+        "unset",
+        "submit_directory",
+        "Inference code for models without `code/`: a local directory or `s3://bucket/key.tar.gz`.",
+    ),
+    EnvVar(
         "SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT",
         "application/json",
         "default_accept",
@@ -91,6 +97,24 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "/tmp/mme",
         "runtime_dir",
         "Writable directory for the effective MMS properties, the MMS home and logs.",
+    ),
+    EnvVar(
+        "MME_CACHE_DIR",
+        "/tmp/mme/cache",
+        "cache_dir",
+        "Local cache shared by all workers: `code/` (S3 archives by URI and ETag), `requirements/` (by file hash).",
+    ),
+    EnvVar(
+        "MME_S3_TIMEOUT_SECONDS",
+        "30",
+        "s3_timeout_seconds",
+        "Read timeout of one S3 call for inference code (connect: at most 5 s; 2 attempts).",
+    ),
+    EnvVar(
+        "MME_PIP_TIMEOUT_SECONDS",
+        "300",
+        "pip_timeout_seconds",
+        "Longest a model's `requirements.txt` install may take before its LOAD fails.",
     ),
     EnvVar(
         "MME_PROPERTIES_FILE",
@@ -199,10 +223,14 @@ class Config:
     max_request_bytes: int = 6 * MIB
     log_level: int = logging.INFO
     program: str = "inference.py"
+    submit_directory: str | None = None
     default_accept: str = "application/json"
     preload_model_gpu: bool | None = None
     start_method: StartMethod = "fork"
     runtime_dir: Path = Path("/tmp/mme")
+    cache_dir: Path = Path("/tmp/mme/cache")
+    s3_timeout_seconds: int = 30
+    pip_timeout_seconds: int = 300
     properties_file: Path | None = None
     load_models: tuple[tuple[str, str], ...] = ()
     start_attempts: int = 3
@@ -234,6 +262,10 @@ class Config:
         take("SAGEMAKER_MAX_REQUEST_SIZE", "max_request_bytes", lambda n, v: _parse_int(n, v, 1))
         take("SAGEMAKER_CONTAINER_LOG_LEVEL", "log_level", _parse_log_level)
         take("SAGEMAKER_PROGRAM", "program", lambda n, v: v.strip())
+        take("SAGEMAKER_SUBMIT_DIRECTORY", "submit_directory", lambda n, v: v.strip())
+        take("MME_CACHE_DIR", "cache_dir", lambda n, v: Path(v).absolute())
+        take("MME_S3_TIMEOUT_SECONDS", "s3_timeout_seconds", lambda n, v: _parse_int(n, v, 1))
+        take("MME_PIP_TIMEOUT_SECONDS", "pip_timeout_seconds", lambda n, v: _parse_int(n, v, 1))
         take("SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT", "default_accept", lambda n, v: v.strip())
         take("MME_PRELOAD_MODEL_GPU", "preload_model_gpu", _parse_bool)
         take("MME_START_METHOD", "start_method", _parse_start_method)
@@ -276,8 +308,13 @@ class Config:
             "SAGEMAKER_CONTAINER_LOG_LEVEL": str(self.log_level),
             "MME_START_METHOD": self.start_method,
             "MME_RUNTIME_DIR": str(self.runtime_dir),
+            "MME_CACHE_DIR": str(self.cache_dir),
+            "MME_S3_TIMEOUT_SECONDS": str(self.s3_timeout_seconds),
+            "MME_PIP_TIMEOUT_SECONDS": str(self.pip_timeout_seconds),
             "PYTORCH_NVML_BASED_CUDA_CHECK": self.nvml_cuda_check,
         }
+        if self.submit_directory is not None:
+            env["SAGEMAKER_SUBMIT_DIRECTORY"] = self.submit_directory
         if self.preload_model_gpu is not None:
             env["MME_PRELOAD_MODEL_GPU"] = "true" if self.preload_model_gpu else "false"
         return env

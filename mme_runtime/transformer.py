@@ -20,8 +20,10 @@ from sagemaker_inference.errors import BaseInferenceToolkitError
 from sagemaker_inference.transformer import Transformer as ToolkitTransformer
 
 from mme_runtime import content
+from mme_runtime.code_fetcher import CodeFetcher, locate_code
 from mme_runtime.config import Config
 from mme_runtime.context import InferenceContext
+from mme_runtime.dependencies import add_to_path, install_requirements
 from mme_runtime.errors import ContainerError, InsufficientMemory, InvalidInput, ModelLoadError
 from mme_runtime.user_code import UserCodeError, UserFunction, bind_functions, find_script, import_script
 
@@ -75,16 +77,25 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         context = InferenceContext(mms_context, device)
         model_dir = Path(context.model_dir)
         started = time.monotonic()
+        config = self._config
+        code_dir, source = locate_code(
+            model_dir, config.submit_directory, CodeFetcher(config.cache_dir / "code", config.s3_timeout_seconds)
+        )
+        if code_dir is not None:
+            packages = install_requirements(code_dir, config.cache_dir / "requirements", config.pip_timeout_seconds)
+            if packages is not None:
+                add_to_path(packages)
         try:
-            script = find_script(model_dir, self._config.program)
+            script = find_script(code_dir, config.program)
             module = import_script(context.model_name, script) if script is not None else None
             user = bind_functions(module)
         except UserCodeError as exc:
             raise ModelLoadError(f"model {context.model_name}: {exc}") from exc
         logger.info(
-            "model=%s code=%s functions=%s",
+            "model=%s code=%s script=%s functions=%s",
             context.model_name,
-            script or f"defaults (no code/{self._config.program})",
+            source,
+            script or f"none (no {config.program})",
             ",".join(sorted(user)) or "none",
         )
         self._functions = self._with_defaults(user)

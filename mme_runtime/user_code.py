@@ -84,9 +84,11 @@ def module_name_for(model_name: str, script: Path) -> str:
     return f"mme_user_{safe}_{digest}"
 
 
-def find_script(model_dir: Path, program: str) -> Path | None:
-    """The user's script in ``<model_dir>/code/``, or None when the model brings none."""
-    candidate = model_dir / "code" / program
+def find_script(code_dir: Path | None, program: str) -> Path | None:
+    """The user's script in the model's code directory, or None when there is none."""
+    if code_dir is None:
+        return None
+    candidate = code_dir / program
     return candidate if candidate.is_file() else None
 
 

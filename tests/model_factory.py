@@ -273,3 +273,40 @@ def counting_model(model_dir: Path, fake_cuda_init: bool = False) -> Path:
 def model_fn_calls(model_dir: Path) -> list[int]:
     log = model_dir / "model_fn_calls.log"
     return [int(line) for line in log.read_text().split()] if log.exists() else []
+
+
+S3_CODE_SCRIPT = """
+import json
+
+import torch
+
+VERSION = "{version}"
+
+
+def model_fn(model_dir):
+    return torch.jit.load(model_dir + "/model.pt", map_location="cpu")
+
+
+def transform_fn(model, body, content_type, accept):
+    data = torch.tensor(json.loads(body), dtype=torch.float32)
+    with torch.inference_mode():
+        return json.dumps({{"version": VERSION, "scores": model(data).tolist()}})
+"""
+
+
+def code_archive(path: Path, version: str, requirements: str | None = None) -> Path:
+    """A ``code.tar.gz`` as SageMaker's SDK uploads it: ``inference.py`` (and ``requirements.txt``) at the root."""
+    import io
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files = {"inference.py": S3_CODE_SCRIPT.format(version=version)}
+    if requirements is not None:
+        files["requirements.txt"] = requirements
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path

@@ -44,8 +44,8 @@ def write(model_dir: Path, source: str) -> Path:
 def test_two_models_with_the_same_script_name_never_share_functions(tmp_path: Path) -> None:
     a = write(tmp_path / "a", "def model_fn(model_dir):\n    return 'a'\n")
     b = write(tmp_path / "b", "def model_fn(model_dir):\n    return 'b'\n")
-    module_a = import_script("a", find_script(a, "inference.py"))  # type: ignore[arg-type]
-    module_b = import_script("b", find_script(b, "inference.py"))  # type: ignore[arg-type]
+    module_a = import_script("a", find_script(a / "code", "inference.py"))  # type: ignore[arg-type]
+    module_b = import_script("b", find_script(b / "code", "inference.py"))  # type: ignore[arg-type]
     assert module_a.__name__ != module_b.__name__
     assert bind_functions(module_a)["model_fn"]("x") == "a"
     assert bind_functions(module_b)["model_fn"]("x") == "b"
@@ -53,13 +53,14 @@ def test_two_models_with_the_same_script_name_never_share_functions(tmp_path: Pa
 
 def test_missing_script_means_defaults(tmp_path: Path) -> None:
     assert find_script(tmp_path, "inference.py") is None
+    assert find_script(None, "inference.py") is None
     assert bind_functions(None) == {}
 
 
 def test_import_failure_names_the_script_and_cause(tmp_path: Path) -> None:
     model = write(tmp_path / "m", "import not_a_real_package\n")
     with pytest.raises(UserCodeError, match="inference.py failed: ModuleNotFoundError"):
-        import_script("m", find_script(model, "inference.py"))  # type: ignore[arg-type]
+        import_script("m", find_script(model / "code", "inference.py"))  # type: ignore[arg-type]
 
 
 def test_transform_fn_cannot_be_combined_with_input_fn(tmp_path: Path) -> None:
@@ -67,6 +68,6 @@ def test_transform_fn_cannot_be_combined_with_input_fn(tmp_path: Path) -> None:
         tmp_path / "m",
         "def transform_fn(m, b, c, a):\n    pass\n\ndef input_fn(b, c):\n    pass\n",
     )
-    module = import_script("m", find_script(model, "inference.py"))  # type: ignore[arg-type]
+    module = import_script("m", find_script(model / "code", "inference.py"))  # type: ignore[arg-type]
     with pytest.raises(UserCodeError, match="transform_fn cannot be combined"):
         bind_functions(module)

@@ -1,0 +1,183 @@
+"""Inference code from S3 on demand and per-model requirements, with the real MMS and a real S3 server (moto)."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import model_factory
+import pytest
+from s3_server import S3Server, start_s3
+from serving import RunningServer, start_server, wait_until
+
+BUCKET = "code"
+KEY = "mme/code.tar.gz"
+URI = f"s3://{BUCKET}/{KEY}"
+ROWS = json.dumps([[1.0, 2.0, 3.0, 4.0]])
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    with start_s3(tmp_path_factory.mktemp("moto")) as server:
+        server.client().create_bucket(Bucket=BUCKET)
+        yield server
+
+
+def upload(s3: S3Server, path: Path, key: str = KEY) -> None:
+    s3.client().upload_file(str(path), BUCKET, key)
+
+
+@pytest.fixture(scope="module")
+def server(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    home = tmp_path_factory.mktemp("s3code")
+    upload(s3, model_factory.code_archive(home / "v1.tar.gz", "v1"))
+    env = {**s3.env, "SAGEMAKER_SUBMIT_DIRECTORY": URI, "MME_CACHE_DIR": str(home / "cache")}
+    with start_server(home, env) as running:
+        yield running
+
+
+def version_of(server: RunningServer, name: str) -> str:
+    response = server.invoke(name, ROWS)
+    assert response.status_code == 200, response.text
+    return str(response.json()["version"])
+
+
+def test_model_without_code_is_served_by_code_from_s3(server: RunningServer) -> None:
+    model_factory.torchscript_model(server.model_dir("plain"))
+    assert server.load("plain").status_code == 200
+    assert version_of(server, "plain") == "v1"
+    assert wait_until(lambda: f"code={URI}" in server.log_text(), 5)
+
+
+def test_a_model_with_its_own_code_keeps_it(server: RunningServer) -> None:
+    model_factory.transform_model(server.model_dir("own"))
+    assert server.load("own").status_code == 200
+    assert server.invoke("own", ROWS).headers["Content-Type"] == "application/vnd.argmax+json"
+
+
+def test_new_object_version_is_picked_up_on_the_next_load(s3: S3Server, server: RunningServer) -> None:
+    model_factory.torchscript_model(server.model_dir("before"))
+    assert server.load("before").status_code == 200
+    gets = s3.requests_for("GET", BUCKET, KEY)
+
+    upload(s3, model_factory.code_archive(server.home / "v2.tar.gz", "v2"))
+    model_factory.torchscript_model(server.model_dir("after"))
+    assert server.load("after").status_code == 200
+
+    assert version_of(server, "after") == "v2"
+    assert version_of(server, "before") in ("v1", "v2")  # loaded earlier; its code stays what it imported
+    assert s3.requests_for("GET", BUCKET, KEY) == gets + 1
+    # Same ETag again: the cached copy is reused, only a HEAD is paid.
+    model_factory.torchscript_model(server.model_dir("again"))
+    assert server.load("again").status_code == 200
+    assert s3.requests_for("GET", BUCKET, KEY) == gets + 1
+
+
+def malicious_archive(path: Path, escape: Path) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        data = b"def model_fn(model_dir):\n    return None\n"
+        info = tarfile.TarInfo("inference.py")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+        evil = tarfile.TarInfo(f"../../../../../../../..{escape}")
+        evil.size = 4
+        tar.addfile(evil, io.BytesIO(b"pwnd"))
+    return path
+
+
+def test_malicious_archive_is_refused_and_nothing_escapes(s3: S3Server, server: RunningServer) -> None:
+    escape = server.home / "escaped.txt"
+    upload(s3, malicious_archive(server.home / "evil.tar.gz", escape))  # replaces the server's code archive
+    model_factory.torchscript_model(server.model_dir("evil"))
+    try:
+        response = server.load("evil")
+        assert response.status_code == 500
+        assert wait_until(lambda: "unsafe archive entry refused" in server.log_text(), 5)
+        assert URI in server.log_text()
+        assert not escape.exists()
+        cache = server.home / "cache" / "code"
+        assert not [p for p in cache.iterdir() if p.name.startswith(".partial-")]
+    finally:
+        upload(s3, model_factory.code_archive(server.home / "v3.tar.gz", "v3"))
+    assert server.invoke("plain", ROWS).status_code == 200  # the rest keeps serving
+
+
+def test_missing_object_fails_the_load_naming_uri_and_cause(s3: S3Server, server: RunningServer) -> None:
+    s3.client().delete_object(Bucket=BUCKET, Key=KEY)
+    model_factory.torchscript_model(server.model_dir("missing"))
+    try:
+        assert server.load("missing").status_code == 500
+        assert wait_until(lambda: f"{URI}: no such key" in server.log_text(), 5)
+    finally:
+        upload(s3, model_factory.code_archive(server.home / "v4.tar.gz", "v4"))
+
+
+def test_corrupt_archive_fails_the_load(s3: S3Server, server: RunningServer) -> None:
+    garbage = server.home / "garbage.tar.gz"
+    garbage.write_bytes(b"\x1f\x8b this is not gzip")
+    upload(s3, garbage)
+    model_factory.torchscript_model(server.model_dir("corrupt"))
+    try:
+        assert server.load("corrupt").status_code == 500
+        assert wait_until(lambda: f"{URI}: not a readable tar archive" in server.log_text(), 5)
+    finally:
+        upload(s3, model_factory.code_archive(server.home / "v5.tar.gz", "v5"))
+
+
+def test_three_workers_and_two_models_loading_at_once_fetch_once(s3: S3Server, tmp_path: Path) -> None:
+    key = "mme/shared.tar.gz"
+    upload(s3, model_factory.code_archive(tmp_path / "shared.tar.gz", "shared"), key=key)
+    env = {
+        **s3.env,
+        "SAGEMAKER_SUBMIT_DIRECTORY": f"s3://{BUCKET}/{key}",
+        "MME_CACHE_DIR": str(tmp_path / "cache"),
+        "SAGEMAKER_MODEL_SERVER_WORKERS": "3",
+        # Every worker loads for itself, so six processes race for the archive.
+        "MME_PRELOAD_MODEL_GPU": "false",
+    }
+    with start_server(tmp_path, env) as server:
+        for name in ("first", "second"):
+            model_factory.torchscript_model(server.model_dir(name))
+        with ThreadPoolExecutor(2) as pool:
+            loads = list(pool.map(server.load, ["first", "second"]))
+        assert [r.status_code for r in loads] == [200, 200]
+        assert version_of(server, "first") == version_of(server, "second") == "shared"
+        assert s3.requests_for("GET", BUCKET, key) == 1
+        assert s3.requests_for("HEAD", BUCKET, key) >= 6
+
+
+def test_requirements_are_installed_and_imported(tmp_path: Path) -> None:
+    with start_server(tmp_path, {"MME_CACHE_DIR": str(tmp_path / "cache")}) as server:
+        model_dir = model_factory.torchscript_model(server.model_dir("needs"))
+        model_factory.write_code(model_dir, "inflection==0.5.1\n", name="requirements.txt")
+        model_factory.write_code(
+            model_dir,
+            """
+            import json
+
+            import inflection
+
+
+            def model_fn(model_dir):
+                return None
+
+
+            def transform_fn(model, body, content_type, accept):
+                return json.dumps({"word": inflection.pluralize("model"), "from": inflection.__file__})
+            """,
+        )
+        assert server.load("needs").status_code == 200
+        answer = server.invoke("needs", b"{}").json()
+        assert answer["word"] == "models"
+        assert answer["from"].startswith(str(tmp_path / "cache" / "requirements"))
+
+        broken = model_factory.torchscript_model(server.model_dir("broken"))
+        model_factory.write_code(broken, "mme-gpu-no-such-package-xyz==1.0\n", name="requirements.txt")
+        assert server.load("broken").status_code == 500
+        assert wait_until(lambda: "pip failed" in server.log_text(), 5)
+        assert "mme-gpu-no-such-package-xyz" in server.log_text()
+        assert server.invoke("needs", b"{}").status_code == 200  # other models keep serving
