@@ -31,6 +31,13 @@ serve: install
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# Builds the image and runs it: PING, LOAD, INVOKE, UNLOAD and a clean SIGTERM stop (tests/container/README.md).
+# Uses a Docker engine when one answers, else podman as root; about 2 minutes the first time on a CI machine.
+TEST_IMAGE_ARGS ?=
+
+test-image: install
+	$(BIN)/python scripts/test-image $(TEST_IMAGE_ARGS)
+
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy mme_runtime
 

@@ -15,6 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
+RUNTIME_ENV = ("PYTHONUNBUFFERED=1", "PYTHONDONTWRITEBYTECODE=1", "LANG=C.UTF-8", "PYTORCH_NVML_BASED_CUDA_CHECK=1")
 
 
 def instructions() -> list[tuple[str, str]]:
@@ -78,7 +79,7 @@ def test_port_8080_is_exposed_and_there_is_no_healthcheck() -> None:
 
 def test_runtime_environment_is_set_in_key_value_form() -> None:
     words = " ".join(arguments_of("ENV")).split()
-    for setting in ("PYTHONUNBUFFERED=1", "PYTHONDONTWRITEBYTECODE=1", "LANG=C.UTF-8", "PYTORCH_NVML_BASED_CUDA_CHECK=1"):
+    for setting in RUNTIME_ENV:
         assert setting in words
     assert all("=" in word for word in words), "use ENV KEY=value, not the dated ENV KEY value"
 
