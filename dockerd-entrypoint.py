@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +28,10 @@ def gpu_count() -> int:
     """GPUs as MMS counts them (nvidia-smi), without touching CUDA."""
     if shutil.which("nvidia-smi") is None:
         return 0
-    listing = os.popen("nvidia-smi -L 2>/dev/null").read()
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
     return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
 
 
@@ -50,7 +54,8 @@ def serve() -> int:
 
     command = frontend_command(config, properties_file, home, read_properties(properties_file).get("vmargs", ""))
     env = config.child_environment({"MODEL_SERVER_HOME": str(home), "PYTHONUNBUFFERED": "1"})
-    supervisor = Supervisor(config=config, command=command, env=env, cwd=config.runtime_dir)
+    warm_command = [sys.executable, "-m", "mme_runtime.warm_start"] if config.warm_start else None
+    supervisor = Supervisor(config=config, command=command, env=env, cwd=config.runtime_dir, warm_command=warm_command)
     supervisor.install_signal_handlers()
     return supervisor.run()
 

@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import os
 import platform
+import select
 import signal
 import socket
 import sys
@@ -30,7 +31,7 @@ from mms.protocol.otf_message_handler import create_load_model_response, retriev
 from mms.service import Service, emit_metrics
 
 from mme_runtime import devices
-from mme_runtime.config import INHERITED_LISTEN_FD, Config
+from mme_runtime.config import INHERITED_LIFELINE_FD, INHERITED_LISTEN_FD, Config
 from mme_runtime.logs import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -70,23 +71,30 @@ class LoadFailure(Exception):
         self.message = message
 
 
-def main() -> int:
+def main(lifeline: socket.socket | None = None) -> int:
+    """Runs the server. ``lifeline`` is the warm-start stub's connection: when it closes, MMS is done with us."""
     args = ArgParser.model_service_worker_args().parse_args()
     config = Config.from_process_env()
     configure_logging(config.log_level)
     _die_with_parent(signal.SIGTERM)
+    if lifeline is None and config.inherited_lifeline_fd is not None:
+        lifeline = socket.socket(fileno=config.inherited_lifeline_fd)
+        lifeline.set_inheritable(False)
     spec = ModelSpec(args.model_name, args.model_path, args.handler, args.tmp_dir)
-    server = BackendServer(spec, config, _listener(args, config))
+    server = BackendServer(spec, config, _listener(args, config), lifeline)
     return server.run()
 
 
 class BackendServer:
     """Accepts one connection per MMS worker and forks a worker process to serve it (the pre-fork pattern)."""
 
-    def __init__(self, spec: ModelSpec, config: Config, listener: socket.socket) -> None:
+    def __init__(
+        self, spec: ModelSpec, config: Config, listener: socket.socket, lifeline: socket.socket | None = None
+    ) -> None:
         self.spec = spec
         self.config = config
         self.listener = listener
+        self.lifeline = lifeline
         # A spawned worker starts from nothing, so preloading only pays with fork.
         self.preload = config.preload_model_gpu is not False and config.start_method == "fork"
         # Explicit, never the platform default (Python 3.14 changed it on Linux). Typed Any: typeshed's
@@ -146,17 +154,33 @@ class BackendServer:
         logger.warning("model=%s preload off for this model: %s", self.spec.name, reason)
         sys.stdout.flush()
         self.listener.set_inheritable(True)
-        env = self.config.child_environment(
-            {"MME_PRELOAD_MODEL_GPU": "false", INHERITED_LISTEN_FD: str(self.listener.fileno())}
-        )
+        handover = {
+            "MME_PRELOAD_MODEL_GPU": "false",
+            "MME_WARM_START": "false",  # run the server in this process again, not through the warm process
+            INHERITED_LISTEN_FD: str(self.listener.fileno()),
+        }
+        if self.lifeline is not None:
+            self.lifeline.set_inheritable(True)
+            handover[INHERITED_LIFELINE_FD] = str(self.lifeline.fileno())
+        env = self.config.child_environment(handover)
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
     def _accept(self) -> socket.socket | None:
+        watched = [self.listener] if self.lifeline is None else [self.listener, self.lifeline]
+        try:
+            readable, _, _ = select.select(watched, [], [], ACCEPT_TIMEOUT_SECONDS)
+        except InterruptedError:
+            return None
+        if self.lifeline is not None and self.lifeline in readable and not self.lifeline.recv(1):
+            # The process MMS started for us is gone (UNLOAD, or MMS stopping): stop with it.
+            logger.info("model=%s frontend process gone: stopping", self.spec.name)
+            self._pending.append(signal.SIGTERM)
+            return None
+        if self.listener not in readable:
+            return None
         try:
             connection, _ = self.listener.accept()
-        except TimeoutError:
-            return None
-        except InterruptedError:
+        except (TimeoutError, BlockingIOError, InterruptedError):
             return None
         connection.setblocking(True)
         return connection
@@ -179,7 +203,10 @@ class BackendServer:
 
     def _inherited_fds(self) -> tuple[int, ...]:
         """Descriptors a forked worker must close: the listener (a spawned worker inherits nothing)."""
-        return (self.listener.fileno(),) if self.config.start_method == "fork" else ()
+        if self.config.start_method != "fork":
+            return ()
+        lifeline = () if self.lifeline is None else (self.lifeline.fileno(),)
+        return (self.listener.fileno(), *lifeline)
 
     def _reap(self) -> None:
         for pid, process in list(self.workers.items()):

@@ -21,6 +21,7 @@ StartMethod = Literal["fork", "spawn"]
 MAX_MMS_PORT = 32766
 MIB = 1024 * 1024
 INHERITED_LISTEN_FD = "MME_BACKEND_LISTEN_FD"
+INHERITED_LIFELINE_FD = "MME_BACKEND_LIFELINE_FD"
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,11 @@ def _parse_start_method(name: str, value: str) -> StartMethod:
     raise ConfigError(f"{name}={value!r} must be fork or spawn")
 
 
+def process_environment() -> dict[str, str]:
+    """A copy of this process's environment, for handing on to a process that stands in for this one."""
+    return dict(os.environ)
+
+
 def read_properties(path: Path) -> dict[str, str]:
     """Reads a Java properties file the simple way MMS writes them: ``key=value`` lines, ``#`` comments."""
     properties: dict[str, str] = {}
@@ -227,6 +233,7 @@ class Config:
     default_accept: str = "application/json"
     preload_model_gpu: bool | None = None
     start_method: StartMethod = "fork"
+    warm_start: bool = True
     runtime_dir: Path = Path("/tmp/mme")
     cache_dir: Path = Path("/tmp/mme/cache")
     s3_timeout_seconds: int = 30
@@ -240,6 +247,7 @@ class Config:
     cuda_visible_devices: str | None = None
     # Internal: a backend server that re-executed itself passes its listening socket on.
     inherited_listen_fd: int | None = None
+    inherited_lifeline_fd: int | None = None
     # torch's is_available() must ask NVML, not the CUDA driver, or the preload server poisons its forks.
     nvml_cuda_check: str = "1"
 
@@ -269,6 +277,7 @@ class Config:
         take("SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT", "default_accept", lambda n, v: v.strip())
         take("MME_PRELOAD_MODEL_GPU", "preload_model_gpu", _parse_bool)
         take("MME_START_METHOD", "start_method", _parse_start_method)
+        take("MME_WARM_START", "warm_start", _parse_bool)
         take("MME_RUNTIME_DIR", "runtime_dir", lambda n, v: Path(v).absolute())
         take("MME_PROPERTIES_FILE", "properties_file", lambda n, v: Path(v).absolute())
         take("MME_LOAD_MODELS", "load_models", _parse_load_models)
@@ -278,6 +287,7 @@ class Config:
         take("CUDA_VISIBLE_DEVICES", "cuda_visible_devices", lambda n, v: v.strip())
         take("PYTORCH_NVML_BASED_CUDA_CHECK", "nvml_cuda_check", lambda n, v: v.strip())
         take(INHERITED_LISTEN_FD, "inherited_listen_fd", lambda n, v: _parse_int(n, v, 0))
+        take(INHERITED_LIFELINE_FD, "inherited_lifeline_fd", lambda n, v: _parse_int(n, v, 0))
         return cls(**values)  # type: ignore[arg-type]
 
     @classmethod
@@ -288,6 +298,10 @@ class Config:
     def child_environment(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """This process's environment plus the variables that carry this configuration to MMS's backends."""
         return {**os.environ, **self.to_env(), **(extra or {})}
+
+    @property
+    def warm_socket(self) -> Path:
+        return self.runtime_dir / "warm.sock"
 
     @property
     def effective_properties_file(self) -> Path:
@@ -307,6 +321,7 @@ class Config:
             "SAGEMAKER_PROGRAM": self.program,
             "SAGEMAKER_CONTAINER_LOG_LEVEL": str(self.log_level),
             "MME_START_METHOD": self.start_method,
+            "MME_WARM_START": "true" if self.warm_start else "false",
             "MME_RUNTIME_DIR": str(self.runtime_dir),
             "MME_CACHE_DIR": str(self.cache_dir),
             "MME_S3_TIMEOUT_SECONDS": str(self.s3_timeout_seconds),

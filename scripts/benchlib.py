@@ -57,19 +57,16 @@ class Server:
             return []
 
     def model_tree(self, name: str) -> list[psutil.Process]:
-        """The backend process MMS started for ``name`` and everything under it."""
-        for process in self.tree():
-            try:
-                cmdline = process.cmdline()
-                parent = process.parent()
-                if "--model-name" not in cmdline or cmdline[cmdline.index("--model-name") + 1] != name:
-                    continue
-                if parent is not None and "--model-name" in parent.cmdline():
-                    continue
-                return [process, *process.children(recursive=True)]
-            except psutil.Error:
-                continue
-        return []
+        """The model's backend server and everything under it."""
+        from serving import find_backend_server
+
+        server = find_backend_server(self.tree(), name)
+        if server is None:
+            return []
+        try:
+            return [server, *server.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
 
 
 def pss_mib(processes: Sequence[psutil.Process]) -> float:

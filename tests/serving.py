@@ -75,18 +75,7 @@ class RunningServer:
             return []
 
     def backend_server(self, model_name: str) -> psutil.Process | None:
-        """The model's backend server: the process MMS started (forked workers share its command line)."""
-        for process in self.descendants():
-            try:
-                cmdline = process.cmdline()
-                parent = process.parent()
-                if parent is None or "--model-name" in parent.cmdline():
-                    continue
-            except psutil.Error:
-                continue
-            if "--model-name" in cmdline and cmdline[cmdline.index("--model-name") + 1] == model_name:
-                return process
-        return None
+        return find_backend_server(self.descendants(), model_name)
 
     def backend_processes(self, model_name: str) -> list[psutil.Process]:
         """The model's backend server and all its workers."""
@@ -97,6 +86,28 @@ class RunningServer:
             return [server, *server.children(recursive=True)]
         except psutil.NoSuchProcess:
             return []
+
+
+def find_backend_server(processes: list[psutil.Process], model_name: str) -> psutil.Process | None:
+    """The model's backend server among ``processes``. With warm start it is forked from the warm process (MMS's
+    own child is then a stub that mirrors it); forked workers share its command line, so the topmost match wins."""
+    stub = None
+    for process in processes:
+        try:
+            words = " ".join(process.cmdline()).split()
+            parent = process.parent()
+            parent_words = " ".join(parent.cmdline()).split() if parent is not None else []
+        except psutil.Error:
+            continue
+        if "--model-name" not in words or words[words.index("--model-name") + 1] != model_name:
+            continue
+        if "--model-name" in parent_words:
+            continue  # a worker
+        if parent is not None and parent.name() == "java":
+            stub = process
+            continue
+        return process
+    return stub
 
 
 def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> bool:

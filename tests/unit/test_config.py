@@ -80,21 +80,22 @@ def test_every_documented_variable_names_a_config_field() -> None:
     assert {var.field for var in ENV_VARS} <= fields
 
 
+WRITES = ("clear", "update")  # replacing the environment (the warm process does) is not reading it
+
+
 def _reads_environment(path: Path) -> bool:
     tree = ast.parse(path.read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Attribute)
-            and node.attr in ("environ", "getenv")
-            and getattr(node.value, "id", "") == "os"
-        ):
-            # Writing CUDA_VISIBLE_DEVICES is allowed; reading anything is not.
-            parent_is_store = False
-            for other in ast.walk(tree):
-                if isinstance(other, ast.Subscript) and other.value is node and isinstance(other.ctx, ast.Store):
-                    parent_is_store = True
-            if not parent_is_store:
-                return True
+        is_os = isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "os"
+        if not (is_os and node.attr in ("environ", "getenv")):
+            continue
+        parent = parents.get(node)
+        if isinstance(parent, ast.Subscript) and isinstance(parent.ctx, ast.Store):
+            continue  # os.environ[...] = value
+        if isinstance(parent, ast.Attribute) and parent.attr in WRITES:
+            continue
+        return True
     return False
 
 

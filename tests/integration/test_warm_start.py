@@ -1,0 +1,98 @@
+"""Warm start: model servers are forked from a warm, CUDA-free process, and models stay isolated from each other."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import model_factory
+import psutil
+import pytest
+from serving import RunningServer, start_server
+
+MARKING_SCRIPT = """
+import builtins
+import json
+import sys
+
+
+def model_fn(model_dir):
+    return None
+
+
+# Imported at LOAD, in this model's server only: a global side effect other models must never see.
+builtins.MME_TEST_MARK = getattr(builtins, "MME_TEST_MARK", ()) + ("{name}",)
+
+
+def transform_fn(model, body, content_type, accept):
+    user_modules = sorted(m for m in sys.modules if m.startswith("mme_user_"))
+    return json.dumps({{"marks": list(builtins.MME_TEST_MARK), "user_modules": user_modules}})
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    with start_server(tmp_path_factory.mktemp("warm")) as running:
+        yield running
+
+
+def warm_process(server: RunningServer) -> psutil.Process:
+    [warm] = [
+        p for p in psutil.Process(server.process.pid).children() if "mme_runtime.warm_start" in " ".join(p.cmdline())
+    ]
+    return warm
+
+
+def test_model_servers_are_forked_from_the_warm_process(server: RunningServer) -> None:
+    model_factory.torchscript_model(server.model_dir("warm"))
+    started = time.perf_counter()
+    assert server.load("warm").status_code == 200
+    assert server.invoke("warm", json.dumps([[1, 2, 3, 4]])).status_code == 200
+    elapsed = time.perf_counter() - started
+    backend = server.backend_server("warm")
+    assert backend is not None and backend.ppid() == warm_process(server).pid
+    assert "mme-backend" in " ".join(backend.cmdline())
+    print(f"LOAD to first response through the warm process: {elapsed:.3f} s")
+
+
+def test_user_code_never_reaches_the_warm_process_or_another_model(server: RunningServer) -> None:
+    for name in ("first", "second"):
+        model_factory.write_code(server.model_dir(name), MARKING_SCRIPT.format(name=name))
+        assert server.load(name).status_code == 200
+    first = server.invoke("first", b"{}").json()
+    second = server.invoke("second", b"{}").json()
+    assert first["marks"] == ["first"] and second["marks"] == ["second"]
+    assert len(first["user_modules"]) == len(second["user_modules"]) == 1
+    assert first["user_modules"] != second["user_modules"]
+    # A third model forked later still starts clean: the warm process imported nothing of theirs.
+    model_factory.write_code(server.model_dir("third"), MARKING_SCRIPT.format(name="third"))
+    assert server.load("third").status_code == 200
+    assert server.invoke("third", b"{}").json()["marks"] == ["third"]
+
+
+def test_warm_process_holds_no_cuda(server: RunningServer) -> None:
+    maps = Path(f"/proc/{warm_process(server).pid}/maps").read_text()
+    assert "libcuda.so" not in maps  # the driver library is loaded only when CUDA is initialised
+
+
+def test_unload_stops_the_forked_server_and_its_workers(server: RunningServer) -> None:
+    model_factory.torchscript_model(server.model_dir("brief"))
+    assert server.load("brief").status_code == 200
+    processes = server.backend_processes("brief")
+    assert processes
+    assert server.unload("brief").status_code == 200
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(p.is_running() and p.status() != "zombie" for p in processes):
+        time.sleep(0.1)
+    assert not any(p.is_running() and p.status() != "zombie" for p in processes)
+    assert warm_process(server).is_running()
+
+
+def test_cold_start_still_works_without_the_warm_process(tmp_path: Path) -> None:
+    with start_server(tmp_path, {"MME_WARM_START": "false"}) as server:
+        assert not [p for p in psutil.Process(server.process.pid).children() if "warm_start" in " ".join(p.cmdline())]
+        model_factory.torchscript_model(server.model_dir("cold"))
+        assert server.load("cold").status_code == 200
+        assert server.invoke("cold", json.dumps([[1, 2, 3, 4]])).status_code == 200
