@@ -24,7 +24,7 @@ check-java:
 
 serve: install
 	$(BIN)/python scripts/make-test-models --demo .demo/models
-	SAGEMAKER_BIND_TO_PORT=$(PORT) MME_RUNTIME_DIR=$(CURDIR)/.demo/run \
+	SAGEMAKER_BIND_TO_PORT=$(PORT) MME_RUNTIME_DIR=$(CURDIR)/.demo/run MME_MODEL_ROOT=$(CURDIR)/.demo/models \
 	MME_LOAD_MODELS=demo=$(CURDIR)/.demo/models/demo \
 	$(BIN)/python dockerd-entrypoint.py serve
 

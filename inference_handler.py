@@ -13,7 +13,7 @@ import torch
 from sagemaker_inference.default_inference_handler import DefaultInferenceHandler
 
 from mme_runtime import content
-from mme_runtime.errors import ModelLoadError
+from mme_runtime.errors import InvalidInput, ModelLoadError
 
 MODEL_FILES = ("model.pt", "model.pth")
 
@@ -44,7 +44,16 @@ class DefaultPytorchInferenceHandler(DefaultInferenceHandler):  # type: ignore[m
         with torch.inference_mode():
             if isinstance(data, torch.Tensor):
                 data = data.to(device, non_blocking=True)
-            return model(data)
+            try:
+                return model(data)
+            except torch.cuda.OutOfMemoryError:
+                raise  # 507, not the caller's fault
+            except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+                # The defaults decoded this input themselves, so a model that refuses it was sent the wrong shape
+                # or type: the caller's error, with the model's own words.
+                shape = tuple(data.shape) if isinstance(data, torch.Tensor) else type(data).__name__
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise InvalidInput(f"the model rejected an input of shape {shape}: {reason}") from exc
 
     def default_output_fn(self, prediction: Any, accept: str, context: Any = None) -> bytes:
         """Encodes the prediction as JSON, CSV or NPY; ``accept`` was negotiated from the request's header."""

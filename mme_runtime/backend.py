@@ -108,6 +108,7 @@ class BackendServer:
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
+        self.load_failure = check_location(self.spec, self.config)
         if self.config.inherited_listen_fd is None:
             print(f"[PID] {os.getpid()}", flush=True)
             print(STARTED_LINE, flush=True)
@@ -118,7 +119,7 @@ class BackendServer:
             self.config.start_method,
             platform.python_version(),
         )
-        if self.preload:
+        if self.preload and self.load_failure is None:
             self._preload()
         try:
             while not self._pending:
@@ -232,6 +233,20 @@ class BackendServer:
                 process.kill()
                 process.join(1.0)
         self.workers.clear()
+
+
+def check_location(spec: ModelSpec, config: Config) -> LoadFailure | None:
+    """In multi-model mode, a LOAD may name only a directory under the model root (after resolving links and
+    ``..``); URLs MMS downloaded land in its temp directory, outside the root, and are refused with it."""
+    if not config.multi_model or config.allow_any_model_location:
+        return None
+    model_dir = Path(spec.model_dir).resolve()
+    root = config.model_root.resolve()
+    if model_dir.is_relative_to(root):
+        return None
+    message = f"model {spec.name}: {spec.model_dir} is outside the model root {root} (MME_MODEL_ROOT)"
+    logger.error("model=%s load refused status=403: %s", spec.name, message)
+    return LoadFailure(403, message)
 
 
 def load_model(spec: ModelSpec, gpu: int | None, batch_size: int, phase: str) -> LoadedModel:

@@ -130,6 +130,18 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "Models to load at start, `name=/path,name2=/path2` (used by `make serve` for its demo model).",
     ),
     EnvVar(
+        "MME_MODEL_ROOT",
+        "/opt/ml/models",
+        "model_root",
+        "LOAD accepts only model directories under this root (resolved: `..` and symlinks cannot leave it).",
+    ),
+    EnvVar(
+        "MME_ALLOW_ANY_MODEL_LOCATION",
+        "false",
+        "allow_any_model_location",
+        "Lets LOAD name any directory, and http(s) URLs MMS downloads; off in multi-model mode for safety.",
+    ),
+    EnvVar(
         "MME_START_ATTEMPTS",
         "3",
         "start_attempts",
@@ -240,6 +252,8 @@ class Config:
     pip_timeout_seconds: int = 300
     properties_file: Path | None = None
     load_models: tuple[tuple[str, str], ...] = ()
+    model_root: Path = Path("/opt/ml/models")
+    allow_any_model_location: bool = False
     start_attempts: int = 3
     stop_grace_seconds: int = 20
     java_home: str | None = None
@@ -281,6 +295,8 @@ class Config:
         take("MME_RUNTIME_DIR", "runtime_dir", lambda n, v: Path(v).absolute())
         take("MME_PROPERTIES_FILE", "properties_file", lambda n, v: Path(v).absolute())
         take("MME_LOAD_MODELS", "load_models", _parse_load_models)
+        take("MME_MODEL_ROOT", "model_root", lambda n, v: Path(v).absolute())
+        take("MME_ALLOW_ANY_MODEL_LOCATION", "allow_any_model_location", _parse_bool)
         take("MME_START_ATTEMPTS", "start_attempts", lambda n, v: _parse_int(n, v, 1))
         take("MME_STOP_GRACE_SECONDS", "stop_grace_seconds", lambda n, v: _parse_int(n, v, 1, 28))
         take("JAVA_HOME", "java_home", lambda n, v: v.strip())
@@ -324,6 +340,8 @@ class Config:
             "MME_WARM_START": "true" if self.warm_start else "false",
             "MME_RUNTIME_DIR": str(self.runtime_dir),
             "MME_CACHE_DIR": str(self.cache_dir),
+            "MME_MODEL_ROOT": str(self.model_root),
+            "MME_ALLOW_ANY_MODEL_LOCATION": "true" if self.allow_any_model_location else "false",
             "MME_S3_TIMEOUT_SECONDS": str(self.s3_timeout_seconds),
             "MME_PIP_TIMEOUT_SECONDS": str(self.pip_timeout_seconds),
             "PYTORCH_NVML_BASED_CUDA_CHECK": self.nvml_cuda_check,

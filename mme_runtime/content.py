@@ -172,6 +172,8 @@ def _to_tensor(data: Any, float32: bool) -> torch.Tensor:
         raise InvalidInput("payload must hold numbers in a rectangular array")
     if float32:
         array = array.astype(np.float32)
+    if array.dtype.kind in "fc" and not np.isfinite(array).all():
+        raise InvalidInput("payload holds NaN or infinity")
     try:
         return torch.from_numpy(np.ascontiguousarray(array))
     except TypeError as exc:

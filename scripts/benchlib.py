@@ -136,6 +136,7 @@ def our_server(work_dir: Path, env: Mapping[str, str] | None = None) -> tuple[li
     full_env = {
         "SAGEMAKER_BIND_TO_PORT": str(port),
         "MME_RUNTIME_DIR": str(work_dir / "run"),
+        "MME_ALLOW_ANY_MODEL_LOCATION": "true",  # benchmarks load from their own temporary directories
         "TMPDIR": str(work_dir),
         **(env or {}),
     }
