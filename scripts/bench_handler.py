@@ -34,12 +34,17 @@ def model_fn(model_dir):
 
 def message(body: bytes) -> list[dict[str, object]]:
     """The batch of one request as mms.protocol decodes it."""
-    headers = [{"name": b"Content-Type", "value": b"application/json"}, {"name": b"Accept", "value": b"application/json"}]
-    return [{
-        "requestId": b"0f1e2d3c-0000-4000-8000-000000000000",
-        "parameters": [{"name": "body", "contentType": "application/json", "value": body}],
-        "headers": headers,
-    }]
+    headers = [
+        {"name": b"Content-Type", "value": b"application/json"},
+        {"name": b"Accept", "value": b"application/json"},
+    ]
+    return [
+        {
+            "requestId": b"0f1e2d3c-0000-4000-8000-000000000000",
+            "parameters": [{"name": "body", "contentType": "application/json", "value": body}],
+            "headers": headers,
+        }
+    ]
 
 
 def main() -> int:
@@ -74,8 +79,10 @@ def main() -> int:
         timings.append((time.perf_counter_ns() - started) / 1000)
     timings.sort()
     name = "stock (AWS PyTorch handler 1.5.1)" if args.stock else "ours"
-    print(f"{name}: Service.predict median {statistics.median(timings):.0f} us, "
-          f"p99 {timings[int(len(timings) * 0.99)]:.0f} us over {args.requests} calls")
+    print(
+        f"{name}: Service.predict median {statistics.median(timings):.0f} us, "
+        f"p99 {timings[int(len(timings) * 0.99)]:.0f} us over {args.requests} calls"
+    )
 
     profile = cProfile.Profile()
     profile.enable()

@@ -110,6 +110,18 @@ def find_backend_server(processes: list[psutil.Process], model_name: str) -> psu
     return stub
 
 
+def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``processes`` still running (a zombie has exited: only its parent has not collected it yet)."""
+    running = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                running.append(process)
+        except psutil.NoSuchProcess:
+            continue
+    return running
+
+
 def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -130,6 +142,7 @@ def start_server(home: Path, env: Mapping[str, str] | None = None) -> Iterator[R
         **os.environ,
         "SAGEMAKER_BIND_TO_PORT": str(port),
         "MME_RUNTIME_DIR": str(home / "run"),
+        "MME_MODEL_ROOT": str(models),
         "TMPDIR": str(home),
         **(env or {}),
     }

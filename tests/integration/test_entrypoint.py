@@ -12,10 +12,9 @@ import time
 from pathlib import Path
 
 import model_factory
-import psutil
 import pytest
 from conftest import free_port
-from serving import ENTRYPOINT, start_server
+from serving import ENTRYPOINT, alive, start_server
 
 
 def test_sigterm_stops_mms_and_every_worker_and_exits_0(tmp_path: Path) -> None:
@@ -35,8 +34,7 @@ def test_sigterm_stops_mms_and_every_worker_and_exits_0(tmp_path: Path) -> None:
 
         assert status == 0
         assert elapsed < 30
-        alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert alive == []
+        assert alive(tree) == []
         assert "MMS stopped" in server.log_text()
 
 

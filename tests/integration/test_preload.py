@@ -9,9 +9,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import model_factory
-import psutil
 import pytest
-from serving import RunningServer, start_server, wait_until
+from serving import RunningServer, alive, start_server, wait_until
 
 WORKERS = 3
 ROWS = json.dumps([[1.0, 2.0, 3.0, 4.0]])
@@ -77,10 +76,7 @@ def test_unload_leaves_no_process_of_the_model(server: RunningServer) -> None:
 
     assert server.unload("gone").status_code == 200
 
-    def all_gone() -> bool:
-        return not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes)
-
-    assert wait_until(all_gone, 10)
+    assert wait_until(lambda: not alive(processes), 10)
     assert server.backend_processes("gone") == []
 
 

@@ -12,7 +12,7 @@ import model_factory
 import psutil
 import pytest
 import requests
-from serving import RunningServer, start_server, wait_until
+from serving import RunningServer, alive, start_server, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +84,7 @@ def test_load_unload_cycles_leave_no_process_and_give_memory_back(server: Runnin
         assert server.invoke("cycled", ROWS).status_code == 200
         processes = server.backend_processes("cycled")
         assert server.unload("cycled").status_code == 200
-        assert wait_until(lambda: not any(p.is_running() and p.status() != "zombie" for p in processes), 10)
+        assert wait_until(lambda gone=processes: not alive(gone), 10)
         memory = tree_pss_mib(server)
         figures.append(memory)
         if cycle == 1:

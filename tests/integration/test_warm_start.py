@@ -10,7 +10,7 @@ from pathlib import Path
 import model_factory
 import psutil
 import pytest
-from serving import RunningServer, start_server
+from serving import RunningServer, alive, start_server, wait_until
 
 MARKING_SCRIPT = """
 import builtins
@@ -83,10 +83,7 @@ def test_unload_stops_the_forked_server_and_its_workers(server: RunningServer) -
     processes = server.backend_processes("brief")
     assert processes
     assert server.unload("brief").status_code == 200
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(p.is_running() and p.status() != "zombie" for p in processes):
-        time.sleep(0.1)
-    assert not any(p.is_running() and p.status() != "zombie" for p in processes)
+    assert wait_until(lambda: not alive(processes), 10)
     assert warm_process(server).is_running()
 
 
