@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from sagemaker_inference.default_inference_handler import DefaultInferenceHandler
 
-from mme_runtime import content
+from mme_runtime import content, model_cache
 from mme_runtime.errors import InvalidInput, ModelLoadError
 
-MODEL_FILES = ("model.pt", "model.pth")
+MODEL_FILES = model_cache.MODEL_FILES
 
 
 class DefaultPytorchInferenceHandler(DefaultInferenceHandler):  # type: ignore[misc]
@@ -29,6 +29,9 @@ class DefaultPytorchInferenceHandler(DefaultInferenceHandler):  # type: ignore[m
                 f"no {' or '.join(MODEL_FILES)} in {model_dir}: save a TorchScript model there, "
                 "or supply model_fn in code/inference.py"
             )
+        cached = model_cache.cache.lookup(path)
+        if cached is not None:
+            return cached  # loaded once by the warm process, shared with every server forked since
         try:
             return torch.jit.load(str(path), map_location="cpu")
         except RuntimeError as jit_error:

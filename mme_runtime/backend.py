@@ -31,7 +31,7 @@ from mms.protocol.otf_message_handler import create_load_model_response, retriev
 from mms.service import Service, emit_metrics
 
 from mme_runtime import devices
-from mme_runtime.config import INHERITED_LIFELINE_FD, INHERITED_LISTEN_FD, Config
+from mme_runtime.config import INHERITED_LIFELINE_FD, INHERITED_LISTEN_FD, INHERITED_PENDING_FD, Config
 from mme_runtime.logs import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -119,14 +119,19 @@ class BackendServer:
             self.config.start_method,
             platform.python_version(),
         )
-        if self.preload and self.load_failure is None:
-            self._preload()
         try:
+            if self.config.inherited_pending_fd is not None:
+                self._start_worker(socket.socket(fileno=self.config.inherited_pending_fd))
             while not self._pending:
                 self._reap()
                 connection = self._accept()
-                if connection is not None:
-                    self._start_worker(connection)
+                if connection is None:
+                    continue
+                # Preload once a worker is connected: MMS 1.1.11 hangs the LOAD for good if the server dies
+                # (user code can os._exit or crash at import) before any of its workers got through.
+                if self.preload and self.loaded is None and self.load_failure is None:
+                    self._preload(connection)
+                self._start_worker(connection)
         finally:
             self._stop_workers()
             self.listener.close()
@@ -135,7 +140,7 @@ class BackendServer:
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self._pending.append(signum)  # record only; the loop stops within ACCEPT_TIMEOUT_SECONDS
 
-    def _preload(self) -> None:
+    def _preload(self, pending: socket.socket) -> None:
         started = time.monotonic()
         try:
             self.loaded = load_model(self.spec, gpu=None, batch_size=1, phase="preload")
@@ -146,12 +151,14 @@ class BackendServer:
         if devices.cuda_initialized():
             self._fall_back_to_per_worker_loading(
                 "model_fn initialised CUDA in the preload server (forked workers could not use it); "
-                "load to host memory in model_fn to get a single load"
+                "load to host memory in model_fn to get a single load",
+                pending,
             )
         logger.info("model=%s preloaded seconds=%.2f", self.spec.name, time.monotonic() - started)
 
-    def _fall_back_to_per_worker_loading(self, reason: str) -> None:
-        """Re-executes this server with preload off, keeping the listening socket and pending connections."""
+    def _fall_back_to_per_worker_loading(self, reason: str, pending: socket.socket) -> None:
+        """Re-executes this server with preload off, keeping the listening socket, the connection in hand and
+        those still queued."""
         logger.warning("model=%s preload off for this model: %s", self.spec.name, reason)
         sys.stdout.flush()
         self.listener.set_inheritable(True)
@@ -159,7 +166,9 @@ class BackendServer:
             "MME_PRELOAD_MODEL_GPU": "false",
             "MME_WARM_START": "false",  # run the server in this process again, not through the warm process
             INHERITED_LISTEN_FD: str(self.listener.fileno()),
+            INHERITED_PENDING_FD: str(pending.fileno()),
         }
+        pending.set_inheritable(True)
         if self.lifeline is not None:
             self.lifeline.set_inheritable(True)
             handover[INHERITED_LIFELINE_FD] = str(self.lifeline.fileno())
@@ -189,8 +198,7 @@ class BackendServer:
     def _start_worker(self, connection: socket.socket) -> None:
         if self.preload and self.loaded is not None and devices.cuda_initialized():
             # Never fork a worker that would die on its first CUDA call.
-            connection.close()
-            self._fall_back_to_per_worker_loading("CUDA was initialised in the preload server before fork")
+            self._fall_back_to_per_worker_loading("CUDA was initialised in the preload server before fork", connection)
         process = self.context.Process(
             target=serve_worker,
             args=(connection, self.spec, self.config, self.loaded, self.load_failure, self._inherited_fds()),

@@ -22,6 +22,7 @@ MAX_MMS_PORT = 32766
 MIB = 1024 * 1024
 INHERITED_LISTEN_FD = "MME_BACKEND_LISTEN_FD"
 INHERITED_LIFELINE_FD = "MME_BACKEND_LIFELINE_FD"
+INHERITED_PENDING_FD = "MME_BACKEND_PENDING_FD"
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "/tmp/mme/cache",
         "cache_dir",
         "Local cache shared by all workers: `code/` (S3 archives by URI and ETag), `requirements/` (by file hash).",
+    ),
+    EnvVar(
+        "MME_MODEL_CACHE_MB",
+        "2048",
+        "model_cache_mb",
+        "Host memory the warm process may hold for loaded TorchScript models shared by servers (0: no cache).",
     ),
     EnvVar(
         "MME_S3_TIMEOUT_SECONDS",
@@ -249,6 +256,7 @@ class Config:
     runtime_dir: Path = Path("/tmp/mme")
     cache_dir: Path = Path("/tmp/mme/cache")
     s3_timeout_seconds: int = 30
+    model_cache_mb: int = 2048
     pip_timeout_seconds: int = 300
     properties_file: Path | None = None
     load_models: tuple[tuple[str, str], ...] = ()
@@ -262,6 +270,7 @@ class Config:
     # Internal: a backend server that re-executed itself passes its listening socket on.
     inherited_listen_fd: int | None = None
     inherited_lifeline_fd: int | None = None
+    inherited_pending_fd: int | None = None
     # torch's is_available() must ask NVML, not the CUDA driver, or the preload server poisons its forks.
     nvml_cuda_check: str = "1"
 
@@ -286,6 +295,7 @@ class Config:
         take("SAGEMAKER_PROGRAM", "program", lambda n, v: v.strip())
         take("SAGEMAKER_SUBMIT_DIRECTORY", "submit_directory", lambda n, v: v.strip())
         take("MME_CACHE_DIR", "cache_dir", lambda n, v: Path(v).absolute())
+        take("MME_MODEL_CACHE_MB", "model_cache_mb", lambda n, v: _parse_int(n, v, 0))
         take("MME_S3_TIMEOUT_SECONDS", "s3_timeout_seconds", lambda n, v: _parse_int(n, v, 1))
         take("MME_PIP_TIMEOUT_SECONDS", "pip_timeout_seconds", lambda n, v: _parse_int(n, v, 1))
         take("SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT", "default_accept", lambda n, v: v.strip())
@@ -304,6 +314,7 @@ class Config:
         take("PYTORCH_NVML_BASED_CUDA_CHECK", "nvml_cuda_check", lambda n, v: v.strip())
         take(INHERITED_LISTEN_FD, "inherited_listen_fd", lambda n, v: _parse_int(n, v, 0))
         take(INHERITED_LIFELINE_FD, "inherited_lifeline_fd", lambda n, v: _parse_int(n, v, 0))
+        take(INHERITED_PENDING_FD, "inherited_pending_fd", lambda n, v: _parse_int(n, v, 0))
         return cls(**values)  # type: ignore[arg-type]
 
     @classmethod

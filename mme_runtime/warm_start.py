@@ -23,7 +23,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from mme_runtime.config import process_environment
+from mme_runtime import model_cache
+from mme_runtime.config import MIB, Config, process_environment
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +121,9 @@ def run_via_warm_process(socket_path: str) -> int | None:
 class WarmProcess:
     """Accepts stub connections and forks a model server for each, reporting each server's exit to its stub."""
 
-    def __init__(self, listener: socket.socket) -> None:
+    def __init__(self, listener: socket.socket, config: Config) -> None:
         self.listener = listener
+        self.config = config
         self.children: dict[int, socket.socket] = {}
         self._stopping = False
 
@@ -156,6 +158,7 @@ class WarmProcess:
         # The warm process must stay CUDA-free for every later fork to be usable.
         if devices.cuda_initialized():
             raise RuntimeError("CUDA was initialised in the warm process; it cannot fork model servers")
+        cached = self._prepare_cached_model(request["argv"])
         sys.stdout.flush()  # or the child would replay our buffered output into the stub's pipe
         pid = os.fork()
         if pid == 0:
@@ -163,6 +166,8 @@ class WarmProcess:
             _become_server(connection, request, fds)  # never returns
         for fd in fds:
             os.close(fd)
+        if cached is not None:
+            model_cache.cache.add_user(cached, pid)
         self.children[pid] = connection
         _send(connection, {"pid": pid})
 
@@ -174,6 +179,7 @@ class WarmProcess:
                 return
             if pid == 0:
                 return
+            model_cache.cache.remove_user(pid)
             connection = self.children.pop(pid, None)
             if connection is None:
                 continue
@@ -182,6 +188,17 @@ class WarmProcess:
             except OSError:
                 pass  # the stub is gone already
             connection.close()
+
+    def _prepare_cached_model(self, argv: list[str]) -> model_cache.Entry | None:
+        """Loads the model into the shared cache before the fork, when the defaults will load it."""
+        if "--model-path" not in argv or self.config.model_cache_mb == 0:
+            return None
+        model_dir = Path(argv[argv.index("--model-path") + 1])
+        try:
+            return model_cache.cache.prepare(model_dir, self.config.program, self.config.submit_directory)
+        except OSError as exc:  # the server will load (and report) it itself
+            logger.info("model cache: %s unavailable (%s)", model_dir, exc)
+            return None
 
 
 def _become_server(lifeline: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
@@ -215,19 +232,19 @@ def _become_server(lifeline: socket.socket, request: dict[str, Any], fds: list[i
 
 
 def main() -> int:
-    from mme_runtime.config import Config
     from mme_runtime.logs import configure_logging
 
     config = Config.from_process_env()
     configure_logging(config.log_level)
     for module in WARM_MODULES:
         __import__(module)
+    model_cache.cache.limit_bytes = config.model_cache_mb * MIB
     path = Path(config.warm_socket)
     path.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(path))
     listener.listen(64)
-    WarmProcess(listener).serve_forever()
+    WarmProcess(listener, config).serve_forever()
     return 0
 
 
