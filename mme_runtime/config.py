@@ -37,7 +37,12 @@ class EnvVar:
 
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("SAGEMAKER_BIND_TO_PORT", "8080", "port", "Port of the inference and management API (below 32767)."),
-    EnvVar("SAGEMAKER_MULTI_MODEL", "true", "multi_model", "Multi-model mode: models arrive by LOAD."),
+    EnvVar(
+        "SAGEMAKER_MULTI_MODEL",
+        "true",
+        "multi_model",
+        "Multi-model mode: models arrive by LOAD. `false`: `/opt/ml/model` is loaded at start for `/invocations`.",
+    ),
     EnvVar(
         "SAGEMAKER_MODEL_SERVER_WORKERS",
         "1 per GPU (1 on CPU)",

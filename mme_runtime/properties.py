@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 
 PRELOAD_KEY = "preload_model_gpu"
 PRELOAD_LINE = f"{PRELOAD_KEY}=true"
+SINGLE_MODEL_DIR = "/opt/ml/model"
 
 
 def ensure_mme_properties(path: Path, template: Path) -> dict[str, str]:
@@ -62,8 +63,13 @@ def mms_properties(config: Config, mme: dict[str, str], workers_per_model: int) 
             "preload_model": "false",
         }
     )
-    if config.load_models:
-        properties["load_models"] = ",".join(f"{name}={path}" for name, path in config.load_models)
+    load_models = config.load_models
+    if not config.multi_model and not load_models:
+        # Single-model mode: SageMaker unpacks the model to /opt/ml/model and calls /invocations, which MMS routes
+        # to the one model loaded at start.
+        load_models = (("model", SINGLE_MODEL_DIR),)
+    if load_models:
+        properties["load_models"] = ",".join(f"{name}={path}" for name, path in load_models)
     return properties
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import model_factory
 import pytest
+import requests
 from conftest import free_port
 from serving import ENTRYPOINT, alive, start_server
 
@@ -109,3 +110,17 @@ def test_failed_start_is_retried_then_reported(tmp_path: Path) -> None:
     assert result.stdout.count("starting MMS") == 2
     assert "MMS start failed, retrying" in result.stdout
     assert "MMS did not start after 2 attempts" in result.stdout
+
+
+def test_single_model_mode_serves_invocations(tmp_path: Path) -> None:
+    model_dir = model_factory.torchscript_model(tmp_path / "model")
+    env = {"SAGEMAKER_MULTI_MODEL": "false", "MME_LOAD_MODELS": f"model={model_dir}"}
+    with start_server(tmp_path, env) as server:
+        response = requests.post(
+            f"{server.url}/invocations",
+            data=json.dumps([[1, 2, 3, 4]]),
+            headers={"Content-Type": "application/json"},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        assert len(response.json()[0]) == 3
