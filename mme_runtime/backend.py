@@ -40,6 +40,7 @@ PR_SET_PDEATHSIG = 1
 ACCEPT_TIMEOUT_SECONDS = 1.0
 CHILD_STOP_SECONDS = 5.0
 WORKER_BOOT_ERROR = 3
+LOG_DRAIN_SECONDS = 0.3
 # The frontend reads these exact lines on stdout to learn our pid and that we listen (WorkerLifeCycle).
 STARTED_LINE = "MMS worker started."
 
@@ -315,7 +316,10 @@ def serve_worker(
     except LoadFailure:
         # Close without a reply: MMS 1.1.11 then fails the LOAD (500) and unregisters the model cleanly. An error
         # reply would carry our status, but the frontend would then interrupt its own cleanup and keep a
-        # half-registered model that answers 409 to every later LOAD of that name. The cause is in the log.
+        # half-registered model that answers 409 to every later LOAD of that name. The cause is in the log: give
+        # the frontend's log reader a moment to take it before our disconnect makes it stop reading.
+        sys.stdout.flush()
+        time.sleep(LOG_DRAIN_SECONDS)
         status = WORKER_BOOT_ERROR
     except ValueError as exc:  # the frontend disconnected (mms.protocol raises ValueError): a normal end
         logger.info("model=%s worker pid=%d: %s", spec.name, os.getpid(), exc)

@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 HOST = torch.device("cpu")
 ERROR_CONTENT_TYPE = "application/json"
 MAX_MESSAGE_CHARS = 1000
+# An optional sample request in the model's code/, answered once per worker at LOAD (the dry run users enable).
+WARMUP_SAMPLES = {"warmup.json": content.JSON, "warmup.csv": content.CSV, "warmup.npy": content.NPY}
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -67,6 +69,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         self._context: InferenceContext | None = None
         self._loaded = False
         self._attached = False
+        self._code_dir: Path | None = None
 
     @property
     def model(self) -> Any:
@@ -99,6 +102,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
             ",".join(sorted(user)) or "none",
         )
         self._functions = self._with_defaults(user)
+        self._code_dir = code_dir
         self._run_load_step("pre_model_fn", context, str(model_dir))
         self._model = self._run_load_step("model_fn", context, str(model_dir))
         self._loaded = True
@@ -114,8 +118,32 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         except Exception as exc:  # boundary: a model that cannot be placed fails the worker's LOAD
             raise _load_failure(self._context.model_name, "placing the model", exc) from exc
         self._run_load_step("model_warmup_fn", self._context, self._context.model_dir, self._model)
+        self._dry_run(self._context)
         self._attached = True
         logger.info("model=%s device=%s gpu=%s ready", self._context.model_name, device, self._context.gpu_id)
+
+    def _dry_run(self, context: InferenceContext) -> None:
+        """Answers the model's sample request (``code/warmup.json``, ``.csv`` or ``.npy``) once per worker, so
+        TorchScript profiling and lazy initialisation are paid at LOAD, not by the first caller."""
+        sample = next((p for p in WARMUP_SAMPLES if self._code_dir and (self._code_dir / p).is_file()), None)
+        if sample is None or self._code_dir is None:
+            return
+        raw = (self._code_dir / sample).read_bytes()
+        content_type = WARMUP_SAMPLES[sample]
+        payload: bytes | str = _utf8(raw) if content_type in content.TEXT_TYPES else raw
+        started = time.monotonic()
+        try:
+            if "transform_fn" in self._functions:
+                self._call("transform_fn", context, self._model, payload, content_type, self._config.default_accept)
+            else:
+                accept = self._config.default_accept
+                data = self._call("input_fn", context, payload, content_type)
+                prediction = self._call("predict_fn", context, data, self._model)
+                self._call("output_fn", context, prediction, accept)
+        except Exception as exc:  # boundary: a sample the model cannot answer fails the LOAD, with the cause
+            cause = exc.cause if isinstance(exc, _StepError) else exc
+            raise _load_failure(context.model_name, f"warm-up request code/{sample}", cause) from exc
+        logger.info("model=%s warm-up request seconds=%.3f", context.model_name, time.monotonic() - started)
 
     def validate_and_initialize(self, model_dir: str | None = None, context: Any = None) -> None:
         """The toolkit's entry point: load and attach on the host when nothing did it before."""

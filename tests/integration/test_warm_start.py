@@ -93,3 +93,38 @@ def test_cold_start_still_works_without_the_warm_process(tmp_path: Path) -> None
         model_factory.torchscript_model(server.model_dir("cold"))
         assert server.load("cold").status_code == 200
         assert server.invoke("cold", json.dumps([[1, 2, 3, 4]])).status_code == 200
+
+
+WARMUP_COUNTING_SCRIPT = """
+import os
+
+import torch
+
+
+def model_fn(model_dir):
+    return torch.jit.load(model_dir + "/model.pt", map_location="cpu")
+
+
+def predict_fn(data, model):
+    with open(os.path.join(os.path.dirname(__file__), "predictions.log"), "a") as log:
+        log.write(f"{os.getpid()}\\n")
+    with torch.inference_mode():
+        return model(data)
+"""
+
+
+def test_a_sample_request_warms_every_worker_at_load(tmp_path: Path) -> None:
+    with start_server(tmp_path, {"SAGEMAKER_MODEL_SERVER_WORKERS": "2"}) as server:
+        model_dir = model_factory.torchscript_model(server.model_dir("warmed"))
+        model_factory.write_code(model_dir, WARMUP_COUNTING_SCRIPT)
+        model_factory.write_code(model_dir, "[[1, 2, 3, 4]]", name="warmup.json")
+        assert server.load("warmed").status_code == 200
+        log = model_dir / "code" / "predictions.log"
+        workers = {child.pid for child in server.backend_server("warmed").children()}  # type: ignore[union-attr]
+        assert set(map(int, log.read_text().split())) == workers  # one dry run per worker, before any invoke
+        assert "warm-up request seconds=" in server.log_text()
+
+        broken = model_factory.torchscript_model(server.model_dir("badsample"))
+        model_factory.write_code(broken, "[[1, 2]]", name="warmup.json")  # wrong shape for the model
+        assert server.load("badsample").status_code == 500
+        assert wait_until(lambda: "warm-up request code/warmup.json failed" in server.log_text(), 5)
