@@ -30,8 +30,10 @@ from mms.arg_parser import ArgParser
 from mms.protocol.otf_message_handler import create_load_model_response, retrieve_msg
 from mms.service import Service, emit_metrics
 
-from mme_runtime import devices
+from mme_runtime import devices, memory
 from mme_runtime.config import INHERITED_LIFELINE_FD, INHERITED_LISTEN_FD, INHERITED_PENDING_FD, Config
+from mme_runtime.errors import InsufficientMemory
+from mme_runtime.janitor import mark_failed_load
 from mme_runtime.logs import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,8 @@ ACCEPT_TIMEOUT_SECONDS = 1.0
 CHILD_STOP_SECONDS = 5.0
 WORKER_BOOT_ERROR = 3
 LOG_DRAIN_SECONDS = 0.3
+# LOAD failures answered with their own status: 403 (outside the model root) and 507 (SageMaker evicts, retries).
+REPLIED_STATUSES = frozenset({403, 507})
 # The frontend reads these exact lines on stdout to learn our pid and that we listen (WorkerLifeCycle).
 STARTED_LINE = "MMS worker started."
 
@@ -144,6 +148,7 @@ class BackendServer:
     def _preload(self, pending: socket.socket) -> None:
         started = time.monotonic()
         try:
+            check_memory(self.spec, self.config, gpu=None)
             self.loaded = load_model(self.spec, gpu=None, batch_size=1, phase="preload")
         except LoadFailure as failure:
             # Every worker that connects answers its LOAD with this, so the frontend fails the LOAD with it.
@@ -244,6 +249,18 @@ class BackendServer:
         self.workers.clear()
 
 
+def check_memory(spec: ModelSpec, config: Config, gpu: int | None, host: bool = True) -> None:
+    """507 before loading what will not fit: host memory where the model is loaded, GPU memory where it goes."""
+    try:
+        if host:
+            memory.check_host_memory(Path(spec.model_dir), config.memory_headroom_mb)
+        if gpu is not None:
+            memory.check_gpu_memory(Path(spec.model_dir), gpu, config.memory_headroom_mb)
+    except InsufficientMemory as exc:
+        logger.error("model=%s gpu=%s load refused status=507: %s", spec.name, gpu, exc)
+        raise LoadFailure(507, f"model {spec.name}: {exc}") from exc
+
+
 def check_location(spec: ModelSpec, config: Config) -> LoadFailure | None:
     """In multi-model mode, a LOAD may name only a directory under the model root (after resolving links and
     ``..``); URLs MMS downloaded land in its temp directory, outside the root, and are refused with it."""
@@ -313,13 +330,17 @@ def serve_worker(
         loaded = _load_in_worker(spec, config, preloaded, failure, gpu, batch_size)
         connection.sendall(create_load_model_response(200, f"loaded model {spec.name}. [PID]:{os.getpid()}"))
         _serve(connection, loaded)
-    except LoadFailure:
-        # Close without a reply: MMS 1.1.11 then fails the LOAD (500) and unregisters the model cleanly. An error
-        # reply would carry our status, but the frontend would then interrupt its own cleanup and keep a
-        # half-registered model that answers 409 to every later LOAD of that name. The cause is in the log: give
-        # the frontend's log reader a moment to take it before our disconnect makes it stop reading.
+    except LoadFailure as load_failure:
+        # The cause is in the log: give the frontend's log reader a moment to take it before our answer or
+        # disconnect makes it stop reading.
         sys.stdout.flush()
         time.sleep(LOG_DRAIN_SECONDS)
+        if load_failure.status in REPLIED_STATUSES:
+            # Statuses the platform acts on are answered; MMS then leaves the model half-registered, which the
+            # entrypoint's janitor unregisters (mme_runtime/janitor.py).
+            mark_failed_load(config.runtime_dir, spec.name, load_failure.status)
+            connection.sendall(create_load_model_response(load_failure.status, load_failure.message))
+        # Otherwise close without a reply: MMS fails the LOAD with 500 and unregisters the model cleanly.
         status = WORKER_BOOT_ERROR
     except ValueError as exc:  # the frontend disconnected (mms.protocol raises ValueError): a normal end
         logger.info("model=%s worker pid=%d: %s", spec.name, os.getpid(), exc)
@@ -340,6 +361,7 @@ def _load_in_worker(
     if failure is not None:
         raise failure
     devices.restrict_to_gpu(gpu, config.cuda_visible_devices)
+    check_memory(spec, config, gpu, host=preloaded is None)
     if preloaded is None:
         return load_model(spec, gpu, batch_size, phase="worker")
     properties = preloaded.service.context.system_properties

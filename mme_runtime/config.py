@@ -112,6 +112,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "Local cache shared by all workers: `code/` (S3 archives by URI and ETag), `requirements/` (by file hash).",
     ),
     EnvVar(
+        "MME_MEMORY_HEADROOM_MB",
+        "256",
+        "memory_headroom_mb",
+        "Memory a LOAD must leave free beyond the model's artifacts (host, and its GPU), or it answers 507.",
+    ),
+    EnvVar(
         "MME_MODEL_CACHE_MB",
         "2048",
         "model_cache_mb",
@@ -262,6 +268,7 @@ class Config:
     cache_dir: Path = Path("/tmp/mme/cache")
     s3_timeout_seconds: int = 30
     model_cache_mb: int = 2048
+    memory_headroom_mb: int = 256
     pip_timeout_seconds: int = 300
     properties_file: Path | None = None
     load_models: tuple[tuple[str, str], ...] = ()
@@ -300,6 +307,7 @@ class Config:
         take("SAGEMAKER_PROGRAM", "program", lambda n, v: v.strip())
         take("SAGEMAKER_SUBMIT_DIRECTORY", "submit_directory", lambda n, v: v.strip())
         take("MME_CACHE_DIR", "cache_dir", lambda n, v: Path(v).absolute())
+        take("MME_MEMORY_HEADROOM_MB", "memory_headroom_mb", lambda n, v: _parse_int(n, v, 0))
         take("MME_MODEL_CACHE_MB", "model_cache_mb", lambda n, v: _parse_int(n, v, 0))
         take("MME_S3_TIMEOUT_SECONDS", "s3_timeout_seconds", lambda n, v: _parse_int(n, v, 1))
         take("MME_PIP_TIMEOUT_SECONDS", "pip_timeout_seconds", lambda n, v: _parse_int(n, v, 1))
@@ -359,6 +367,8 @@ class Config:
             "MME_MODEL_ROOT": str(self.model_root),
             "MME_ALLOW_ANY_MODEL_LOCATION": "true" if self.allow_any_model_location else "false",
             "MME_S3_TIMEOUT_SECONDS": str(self.s3_timeout_seconds),
+            "MME_MEMORY_HEADROOM_MB": str(self.memory_headroom_mb),
+            "MME_MODEL_CACHE_MB": str(self.model_cache_mb),
             "MME_PIP_TIMEOUT_SECONDS": str(self.pip_timeout_seconds),
             "PYTORCH_NVML_BASED_CUDA_CHECK": self.nvml_cuda_check,
         }

@@ -26,6 +26,7 @@ from retrying import retry
 
 from mme_runtime.config import Config
 from mme_runtime.errors import EXIT_BOOT, EXIT_OK
+from mme_runtime.janitor import Janitor
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +160,9 @@ class Supervisor:
         if self.stopping:
             return self._stop()
         logger.info("MMS is serving on port %d", self.config.port)
+        janitor = Janitor(self.config.runtime_dir, self.config.port)
         while not self.stopping:
+            janitor.sweep()
             self._reap()
             if self.exit_status is not None:
                 logger.error("MMS exited on its own with status %d", self.exit_status)

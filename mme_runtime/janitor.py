@@ -1,0 +1,87 @@
+"""Clears the registration MMS 1.1.11 leaves behind after a LOAD that failed with our own status (403, 507).
+
+To carry a status, a worker must answer its LOAD with it; the frontend then answers the caller, but its cleanup
+interrupts itself and puts the model back, registered with no worker: every later LOAD of that name would answer
+409. The worker leaves a marker before it answers; the entrypoint's supervisor calls ``sweep`` a few times a second,
+and unregisters such a leftover with an ordinary DELETE, which then succeeds.
+
+The marker side runs in workers; the sweep runs in the entrypoint. Neither imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MARKER_LIFETIME_SECONDS = 30.0
+REQUEST_TIMEOUT_SECONDS = 2.0
+
+
+def markers_dir(runtime_dir: Path) -> Path:
+    return runtime_dir / "failed-loads"
+
+
+def mark_failed_load(runtime_dir: Path, model_name: str, status: int) -> None:
+    """Written by a worker just before it answers its LOAD with ``status``."""
+    directory = markers_dir(runtime_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    name = urllib.parse.quote(model_name, safe="")
+    (directory / name).write_text(json.dumps({"model": model_name, "status": status}))
+
+
+class Janitor:
+    """Unregisters models MMS left half-registered after a failed LOAD."""
+
+    def __init__(self, runtime_dir: Path, port: int) -> None:
+        self.directory = markers_dir(runtime_dir)
+        self.base = f"http://127.0.0.1:{port}/models/"
+
+    def sweep(self) -> None:
+        if not self.directory.is_dir():
+            return
+        for marker in self.directory.iterdir():
+            try:
+                model = json.loads(marker.read_text())["model"]
+                age = time.time() - marker.stat().st_mtime
+            except (OSError, ValueError, KeyError):
+                continue
+            if self._settle(model, age):
+                marker.unlink(missing_ok=True)
+
+    def _settle(self, model: str, age: float) -> bool:
+        """True once nothing is left to do for ``model``."""
+        url = self.base + urllib.parse.quote(model, safe="")
+        description = _get_json(url)
+        if description is None:
+            # Not registered (yet): the frontend puts it back a moment after it answered the LOAD.
+            return age > MARKER_LIFETIME_SECONDS
+        if isinstance(description, list):  # MMS describes a model as a list of its versions
+            description = description[0] if description else {}
+        if not isinstance(description, dict):
+            return True
+        leftover = not description.get("workers") and description.get("maxWorkers") == 0
+        if not leftover:
+            return True  # loaded again, properly, since: not ours to touch
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=REQUEST_TIMEOUT_SECONDS)
+        except (urllib.error.URLError, OSError) as exc:
+            logger.warning("could not unregister %s after its failed LOAD: %s", model, exc)
+            return False
+        logger.info("unregistered %s, which MMS left registered after its failed LOAD", model)
+        return True
+
+
+def _get_json(url: str) -> object | None:
+    try:
+        with urllib.request.urlopen(url, timeout=REQUEST_TIMEOUT_SECONDS) as response:
+            value: object = json.loads(response.read())
+            return value
+    except (urllib.error.URLError, OSError, ValueError):
+        return None

@@ -1,0 +1,69 @@
+"""Memory honesty before a load: estimate what the model needs and refuse (507) what will not fit.
+
+The estimate is the size of the model's artifacts (what a loaded PyTorch model roughly occupies), against the host's
+available memory in the server and, in a worker bound to a GPU, that GPU's free memory as nvidia-smi reports it:
+asking NVML through nvidia-smi keeps CUDA uninitialised. SageMaker answers a 507 by unloading other models and
+retrying the LOAD.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+from pathlib import Path
+
+import psutil
+
+from mme_runtime.errors import InsufficientMemory
+
+logger = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+SKIPPED_DIRECTORIES = frozenset({"code"})
+
+
+def artifact_bytes(model_dir: Path) -> int:
+    """Apparent size of the model's files, its code excepted (a sparse file counts at its full size)."""
+    total = 0
+    for path in model_dir.rglob("*"):
+        if path.is_file() and not SKIPPED_DIRECTORIES.intersection(path.relative_to(model_dir).parts):
+            total += path.stat().st_size
+    return total
+
+
+def check_host_memory(model_dir: Path, headroom_mb: int) -> None:
+    """Raises InsufficientMemory when the artifacts plus headroom exceed the host's available memory."""
+    needed = artifact_bytes(model_dir) + headroom_mb * MIB
+    available = psutil.virtual_memory().available
+    if needed > available:
+        raise InsufficientMemory(
+            f"{model_dir} needs about {needed // MIB} MiB of host memory, {available // MIB} MiB available"
+        )
+
+
+def check_gpu_memory(model_dir: Path, gpu_id: int, headroom_mb: int) -> None:
+    """Raises InsufficientMemory when the artifacts plus headroom exceed the free memory of GPU ``gpu_id``."""
+    free = gpu_free_bytes(gpu_id)
+    if free is None:
+        return
+    needed = artifact_bytes(model_dir) + headroom_mb * MIB
+    if needed > free:
+        raise InsufficientMemory(f"{model_dir} needs about {needed // MIB} MiB on GPU {gpu_id}, {free // MIB} MiB free")
+
+
+def gpu_free_bytes(gpu_id: int) -> int | None:
+    """Free memory of a GPU by its nvidia-smi index, or None when nvidia-smi cannot tell."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        result = subprocess.run(
+            ["nvidia-smi", f"--id={gpu_id}", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return int(result.stdout.strip().splitlines()[0]) * MIB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        logger.warning("cannot read free memory of GPU %d from nvidia-smi", gpu_id)
+        return None
