@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import os
 import platform
+import re
 import select
 import signal
 import socket
@@ -43,8 +44,12 @@ ACCEPT_TIMEOUT_SECONDS = 1.0
 CHILD_STOP_SECONDS = 5.0
 WORKER_BOOT_ERROR = 3
 LOG_DRAIN_SECONDS = 0.3
-# LOAD failures answered with their own status: 403 (outside the model root) and 507 (SageMaker evicts, retries).
+# LOAD failures answered with their own status: 403 (outside the model root) and 507 (SageMaker evicts and
+# retries). A bad name is not among them: the janitor could not address a name holding "/" to clean it up.
 REPLIED_STATUSES = frozenset({403, 507})
+# SageMaker's model names are opaque hashes; anything path-like is refused before it reaches a log, a module name
+# or a file name.
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 # The frontend reads these exact lines on stdout to learn our pid and that we listen (WorkerLifeCycle).
 STARTED_LINE = "MMS worker started."
 
@@ -262,8 +267,12 @@ def check_memory(spec: ModelSpec, config: Config, gpu: int | None, host: bool = 
 
 
 def check_location(spec: ModelSpec, config: Config) -> LoadFailure | None:
-    """In multi-model mode, a LOAD may name only a directory under the model root (after resolving links and
-    ``..``); URLs MMS downloaded land in its temp directory, outside the root, and are refused with it."""
+    """A model name must be a plain name, and in multi-model mode a LOAD may name only a directory under the model
+    root (after resolving links and ``..``); URLs MMS downloaded land in its temp directory and are refused."""
+    if not MODEL_NAME.fullmatch(spec.name):
+        message = f"model name {spec.name!r} must be letters, digits, '.', '_' or '-' (at most 255), not a path"
+        logger.error("load refused: %s", message)
+        return LoadFailure(500, message)
     if not config.multi_model or config.allow_any_model_location:
         return None
     model_dir = Path(spec.model_dir).resolve()

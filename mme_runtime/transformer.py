@@ -49,6 +49,11 @@ def http_status(exc: BaseException) -> int:
     return 500
 
 
+def _release_cached_device_memory() -> None:
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        torch.cuda.empty_cache()
+
+
 def place_model(model: Any, device: torch.device) -> Any:
     """Moves a module to ``device`` and switches it to eval mode, once per worker (not per request)."""
     if isinstance(model, torch.nn.Module):
@@ -161,6 +166,8 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
             try:
                 body, content_type = self._transform_one(item, request)
             except Exception as exc:  # request boundary: answer this item with its status, log the traceback
+                if is_out_of_memory(exc):
+                    _release_cached_device_memory()  # so the next request finds the memory this one could not
                 body, content_type = self._error_response(exc, request)
                 context.set_response_status(http_status(exc), _phrase(http_status(exc)), index)
             context.set_response_content_type(index, content_type)

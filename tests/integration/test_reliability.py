@@ -130,6 +130,16 @@ def test_bad_load_bodies_are_refused(server: RunningServer, body: bytes, status:
     assert response.json()["message"]
 
 
+@pytest.mark.parametrize("name", ["../../etc", "a/b", "..", "name with spaces", "x" * 300, "\u00e9t\u00e9"])
+def test_model_names_that_look_like_paths_are_refused(server: RunningServer, name: str) -> None:
+    response = server.load(name, server.model_dir("a"))
+    # MMS answers 500 when our server refuses the name (it cannot carry our 400 without leaving the name
+    # registered, see README "API"), or 404 where it refuses the name itself.
+    assert response.status_code in (404, 500)
+    assert wait_until(lambda: name not in json.dumps(requests.get(f"{server.url}/models", timeout=5).json()), 10)
+    assert server.invoke("a", ROWS).status_code == 200
+
+
 @pytest.mark.parametrize(
     ("url", "status"),
     [("/etc", 403), ("{root}/escape-link", 403), ("{root}/../..", 404)],  # MMS itself refuses ".." with 404
