@@ -8,31 +8,19 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from mme_runtime.config import Config, read_properties
 from mme_runtime.errors import EXIT_CONFIG, ConfigError
 from mme_runtime.logs import ENTRYPOINT_FORMAT, configure_logging
+from mme_runtime.nvidia import gpu_count
 from mme_runtime.properties import ensure_mme_properties, mms_properties, write_properties
 from mme_runtime.supervisor import Supervisor, frontend_command, prepare_mms_home
 
 logger = logging.getLogger("mme.entrypoint")
 
 TEMPLATE = Path(__file__).resolve().with_name("mme-mms.properties")
-
-
-def gpu_count() -> int:
-    """GPUs as MMS counts them (nvidia-smi), without touching CUDA."""
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
 
 
 def serve() -> int:

@@ -91,7 +91,7 @@ def decode(body: bytes | bytearray | str, content_type: str | None) -> torch.Ten
         raise InvalidInput(f"empty request body for {essence}")
     if essence == NPY:
         return _to_tensor(_decode_npy(body), float32=False)
-    text = body if isinstance(body, str) else _utf8(body)
+    text = body if isinstance(body, str) else utf8_text(body)
     array = _decode_json(text) if essence == JSON else _decode_csv(text)
     # Like the AWS PyTorch handler: text formats become float32 tensors, NPY keeps its dtype.
     return _to_tensor(array, float32=True)
@@ -116,7 +116,7 @@ def encode(prediction: Any, accept: str) -> bytes:
     raise UnsupportedAccept(f"cannot produce {accept!r}; supported: {', '.join(SUPPORTED)}")
 
 
-def _utf8(body: bytes | bytearray) -> str:
+def utf8_text(body: bytes | bytearray) -> str:
     try:
         return bytes(body).decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -9,17 +9,16 @@ retrying the LOAD.
 from __future__ import annotations
 
 import logging
-import shutil
-import subprocess
 from pathlib import Path
 
 import psutil
 
+from mme_runtime.config import MIB
 from mme_runtime.errors import InsufficientMemory
+from mme_runtime.nvidia import gpu_free_bytes
 
 logger = logging.getLogger(__name__)
 
-MIB = 1024 * 1024
 SKIPPED_DIRECTORIES = frozenset({"code"})
 
 
@@ -50,20 +49,3 @@ def check_gpu_memory(model_dir: Path, gpu_id: int, headroom_mb: int) -> None:
     needed = artifact_bytes(model_dir) + headroom_mb * MIB
     if needed > free:
         raise InsufficientMemory(f"{model_dir} needs about {needed // MIB} MiB on GPU {gpu_id}, {free // MIB} MiB free")
-
-
-def gpu_free_bytes(gpu_id: int) -> int | None:
-    """Free memory of a GPU by its nvidia-smi index, or None when nvidia-smi cannot tell."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        result = subprocess.run(
-            ["nvidia-smi", f"--id={gpu_id}", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return int(result.stdout.strip().splitlines()[0]) * MIB
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        logger.warning("cannot read free memory of GPU %d from nvidia-smi", gpu_id)
-        return None

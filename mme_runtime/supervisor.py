@@ -27,6 +27,7 @@ from retrying import retry
 from mme_runtime.config import Config
 from mme_runtime.errors import EXIT_BOOT, EXIT_OK
 from mme_runtime.janitor import Janitor
+from mme_runtime.processes import exited_children
 
 logger = logging.getLogger(__name__)
 
@@ -267,18 +268,12 @@ class Supervisor:
 
     def _reap(self) -> None:
         """Collects every exited child: MMS itself and orphans re-parented to us (waitpid until 0 or ECHILD)."""
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, code in exited_children():
             if self.process is not None and pid == self.process.pid:
-                self.exit_status = os.waitstatus_to_exitcode(status)
-                self.process.returncode = self.exit_status
+                self.exit_status = code
+                self.process.returncode = code
             elif self.warm_process is not None and pid == self.warm_process.pid:
-                self.warm_process.returncode = os.waitstatus_to_exitcode(status)
+                self.warm_process.returncode = code
                 if not self.stopping:
                     logger.warning(
                         "warm process exited (%d): new model servers start Python afresh", self.warm_process.returncode

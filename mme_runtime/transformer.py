@@ -135,7 +135,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
             return
         raw = (self._code_dir / sample).read_bytes()
         content_type = WARMUP_SAMPLES[sample]
-        payload: bytes | str = _utf8(raw) if content_type in content.TEXT_TYPES else raw
+        payload: bytes | str = content.utf8_text(raw) if content_type in content.TEXT_TYPES else raw
         started = time.monotonic()
         try:
             if "transform_fn" in self._functions:
@@ -181,7 +181,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         if accept is None or accept.strip() in ("", content.ANY):
             accept = self._config.default_accept
         if isinstance(payload, (bytes, bytearray)) and content.media_type(content_type) in content.TEXT_TYPES:
-            payload = _utf8(payload)
+            payload = content.utf8_text(payload)
 
         functions = self._functions
         if "transform_fn" in functions:
@@ -292,13 +292,6 @@ def _payload(item: Any) -> tuple[Any, str | None]:
             return value, None
         raise InvalidInput("request has no body")
     return item, None
-
-
-def _utf8(payload: bytes | bytearray) -> str:
-    try:
-        return bytes(payload).decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidInput(f"request body is not valid UTF-8 (byte {exc.start})") from exc
 
 
 def _to_bytes(result: Any) -> bytes:

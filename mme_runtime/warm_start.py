@@ -25,6 +25,7 @@ from typing import Any
 
 from mme_runtime import model_cache
 from mme_runtime.config import MIB, Config, process_environment
+from mme_runtime.processes import exited_children
 
 logger = logging.getLogger(__name__)
 
@@ -172,19 +173,13 @@ class WarmProcess:
         _send(connection, {"pid": pid})
 
     def _reap(self) -> None:
-        while self.children:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, code in exited_children():
             model_cache.cache.remove_user(pid)
             connection = self.children.pop(pid, None)
             if connection is None:
                 continue
             try:
-                _send(connection, {"exit": os.waitstatus_to_exitcode(status)})
+                _send(connection, {"exit": code})
             except OSError:
                 pass  # the stub is gone already
             connection.close()

@@ -58,15 +58,9 @@ class Server:
 
     def model_tree(self, name: str) -> list[psutil.Process]:
         """The model's backend server and everything under it."""
-        from serving import find_backend_server
+        from serving import model_tree
 
-        server = find_backend_server(self.tree(), name)
-        if server is None:
-            return []
-        try:
-            return [server, *server.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
+        return model_tree(self.tree(), name)
 
 
 def pss_mib(processes: Sequence[psutil.Process]) -> float:

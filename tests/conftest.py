@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import random
-import shutil
 import socket
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from mme_runtime.nvidia import gpu_count
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -19,17 +19,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-container", action="store_true", help="build the image and run the container suite")
 
 
-def _visible_gpus() -> int:
-    """GPUs as nvidia-smi lists them; never touch torch.cuda during collection."""
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpus = None
     for item in items:
@@ -38,7 +27,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if marker is not None:
             item.add_marker(getattr(pytest.mark, marker))
         if "gpu" in item.keywords:
-            gpus = _visible_gpus() if gpus is None else gpus
+            gpus = gpu_count() if gpus is None else gpus  # nvidia-smi: never torch.cuda at collection
             if gpus == 0:
                 item.add_marker(pytest.mark.skip(reason="no CUDA device (nvidia-smi -L lists none)"))
         if "container" in item.keywords and not config.getoption("--run-container"):

@@ -79,13 +79,7 @@ class RunningServer:
 
     def backend_processes(self, model_name: str) -> list[psutil.Process]:
         """The model's backend server and all its workers."""
-        server = self.backend_server(model_name)
-        if server is None:
-            return []
-        try:
-            return [server, *server.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
+        return model_tree(self.descendants(), model_name)
 
 
 def find_backend_server(processes: list[psutil.Process], model_name: str) -> psutil.Process | None:
@@ -108,6 +102,17 @@ def find_backend_server(processes: list[psutil.Process], model_name: str) -> psu
             continue
         return process
     return stub
+
+
+def model_tree(processes: list[psutil.Process], model_name: str) -> list[psutil.Process]:
+    """The model's backend server among ``processes`` and everything under it."""
+    server = find_backend_server(processes, model_name)
+    if server is None:
+        return []
+    try:
+        return [server, *server.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def alive(processes: list[psutil.Process]) -> list[psutil.Process]:

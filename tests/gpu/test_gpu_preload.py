@@ -14,8 +14,9 @@ from pathlib import Path
 
 import model_factory
 import pytest
-from conftest import _visible_gpus
 from serving import RunningServer, start_server
+
+from mme_runtime.nvidia import gpu_count
 
 ROWS = json.dumps([[1.0, 2.0, 3.0, 4.0]])
 
@@ -55,7 +56,7 @@ def test_every_worker_serves_on_its_gpu_and_none_dies(server: RunningServer) -> 
     for answer in answers:
         assert answer["device"] == "cuda:0" and answer["parameter_device"] == "cuda:0"
         assert answer["cuda_visible_devices"] == str(answer["gpu_id"])  # bound to the frontend's assignment
-    gpus = _visible_gpus()
+    gpus = gpu_count()
     assert {a["gpu_id"] for a in answers} == set(range(min(gpus, workers)))
     backend = server.backend_server("gpu")
     assert backend is not None
