@@ -1,0 +1,124 @@
+"""What the backend server and its workers share: the model's spec, the checks before a load, and the load itself.
+
+Runs in the preload server before fork as well as in workers: it never touches CUDA itself (user code may).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from mms.service import Service
+
+from mme_runtime import memory
+from mme_runtime.config import Config
+from mme_runtime.errors import InsufficientMemory
+
+logger = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+# SageMaker's model names are opaque hashes; anything path-like is refused before it reaches a log, a module name
+# or a file name.
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What MMS tells the server about its model (command line and first LOAD message)."""
+
+    name: str
+    model_dir: str
+    handler: str
+    tmp_dir: str
+
+
+@dataclass
+class LoadedModel:
+    """A model's handler module and MMS service, as loaded in the server (preload) or in a worker."""
+
+    module: ModuleType
+    service: Service
+
+
+class LoadFailure(Exception):
+    """Loading failed: the status and message every worker's LOAD reply carries."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def check_memory(spec: ModelSpec, config: Config, gpu: int | None, host: bool = True) -> None:
+    """507 before loading what will not fit: host memory where the model is loaded, GPU memory where it goes."""
+    try:
+        if host:
+            memory.check_host_memory(Path(spec.model_dir), config.memory_headroom_mb)
+        if gpu is not None:
+            memory.check_gpu_memory(Path(spec.model_dir), gpu, config.memory_headroom_mb)
+    except InsufficientMemory as exc:
+        logger.error("model=%s gpu=%s load refused status=507: %s", spec.name, gpu, exc)
+        raise LoadFailure(507, f"model {spec.name}: {exc}") from exc
+
+
+def check_location(spec: ModelSpec, config: Config) -> LoadFailure | None:
+    """A model name must be a plain name, and in multi-model mode a LOAD may name only a directory under the model
+    root (after resolving links and ``..``); URLs MMS downloaded land in its temp directory and are refused."""
+    if not MODEL_NAME.fullmatch(spec.name):
+        message = f"model name {spec.name!r} must be letters, digits, '.', '_' or '-' (at most 255), not a path"
+        logger.error("load refused: %s", message)
+        return LoadFailure(500, message)
+    if not config.multi_model or config.allow_any_model_location:
+        return None
+    model_dir = Path(spec.model_dir).resolve()
+    root = config.model_root.resolve()
+    if model_dir.is_relative_to(root):
+        return None
+    message = f"model {spec.name}: {spec.model_dir} is outside the model root {root} (MME_MODEL_ROOT)"
+    logger.error("model=%s load refused status=403: %s", spec.name, message)
+    return LoadFailure(403, message)
+
+
+def load_model(spec: ModelSpec, gpu: int | None, batch_size: int, phase: str) -> LoadedModel:
+    """Imports the handler and runs its load step (``preload`` on the server, ``attach`` or ``handle`` in a worker)."""
+    try:
+        module_name, _, function_name = spec.handler.partition(":")
+        module = importlib.import_module(Path(module_name).stem)
+        entry_point: Callable[..., Any] = getattr(module, function_name or "handle")
+        service = Service(spec.name, spec.model_dir, None, entry_point, gpu, batch_size)
+        if phase == "preload" and hasattr(module, "preload"):
+            module.preload(service.context)
+        elif hasattr(module, "attach"):
+            module.attach(service.context)
+        else:
+            entry_point(None, service.context)
+    except Exception as exc:  # boundary: the LOAD reply carries the status and cause; the traceback is logged
+        status = int(getattr(exc, "status_code", 507 if isinstance(exc, MemoryError) else 500))
+        message = str(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
+        # Status-carrying errors were logged with their traceback where they arose.
+        expected = hasattr(exc, "status_code")
+        logger.error(
+            "model=%s gpu=%s load failed status=%d: %s",
+            spec.name,
+            gpu,
+            status,
+            message,
+            exc_info=None if expected else exc,
+        )
+        raise LoadFailure(status, f"model {spec.name}: {message}") from exc
+    return LoadedModel(module, service)
+
+
+def die_with_parent(signum: int) -> None:
+    """Asks the kernel to send ``signum`` when our parent dies, so no process outlives its model."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+    except (OSError, AttributeError):
+        logger.debug("prctl(PR_SET_PDEATHSIG) unavailable")
