@@ -43,6 +43,10 @@ class UnsupportedAccept(ContainerError):
     status = 406
 
 
+class PayloadTooLarge(ContainerError):
+    status = 413
+
+
 class ModelLoadError(ContainerError):
     """``model_fn`` (or the default loader) could not produce a model."""
 

@@ -57,7 +57,9 @@ def mms_properties(config: Config, mme: dict[str, str], workers_per_model: int) 
             "default_workers_per_model": str(workers_per_model),
             # `default_response_timeout` is in minutes; this one is in seconds.
             "default_response_timeout_seconds": str(config.response_timeout_seconds),
-            "max_request_size": str(config.max_request_bytes),
+            # The limit itself is enforced by our handler, which can answer 413 with a JSON body; MMS's own check,
+            # with an empty 413, only stops bodies twice as large from being buffered at all.
+            "max_request_size": str(2 * config.max_request_bytes),
             "max_response_size": str(max(config.max_request_bytes, 6553500)),
             # Our backend preloads by itself (MME_PRELOAD_MODEL_GPU); the stock flag stays off.
             "preload_model": "false",

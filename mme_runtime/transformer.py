@@ -24,7 +24,7 @@ from mme_runtime.code_fetcher import CodeFetcher, locate_code
 from mme_runtime.config import Config
 from mme_runtime.context import InferenceContext
 from mme_runtime.dependencies import add_to_path, install_requirements
-from mme_runtime.errors import ContainerError, InsufficientMemory, InvalidInput, ModelLoadError
+from mme_runtime.errors import ContainerError, InsufficientMemory, InvalidInput, ModelLoadError, PayloadTooLarge
 from mme_runtime.user_code import UserCodeError, UserFunction, bind_functions, find_script, import_script
 
 logger = logging.getLogger(__name__)
@@ -176,6 +176,11 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
 
     def _transform_one(self, item: Any, request: InferenceContext) -> tuple[bytes, str]:
         payload, parameter_type = _payload(item)
+        if isinstance(payload, (bytes, bytearray, str)) and len(payload) > self._config.max_request_bytes:
+            raise PayloadTooLarge(
+                f"request body of {len(payload)} bytes exceeds the limit of {self._config.max_request_bytes} "
+                "(SAGEMAKER_MAX_REQUEST_SIZE)"
+            )
         content_type = request.header("content-type") or parameter_type
         accept = request.header("accept")
         if accept is None or accept.strip() in ("", content.ANY):

@@ -106,10 +106,13 @@ def test_hostile_invoke_gets_a_clear_4xx_and_hurts_nobody(
 
 
 def test_body_over_the_request_limit_is_refused_with_413(server: RunningServer) -> None:
-    body = json.dumps([[1.0, 2.0, 3.0, 4.0]] * (MAX_REQUEST_BYTES // 10))
-    assert len(body) > MAX_REQUEST_BYTES
+    body = json.dumps([[1.0, 2.0, 3.0, 4.0]] * (MAX_REQUEST_BYTES // 20))
+    assert MAX_REQUEST_BYTES < len(body) < 2 * MAX_REQUEST_BYTES
     response = server.invoke("a", body)
-    assert response.status_code == 413  # MMS's frontend answers it, with an empty body (see the README)
+    assert response.status_code == 413
+    assert "exceeds the limit" in response.json()["message"]
+    # Far beyond the limit, MMS refuses the body before buffering it: still 413, with an empty body.
+    assert server.invoke("a", body * 3).status_code == 413
     assert server.invoke("a", ROWS).status_code == 200
 
 
