@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 HEADER = struct.Struct("!I")
 STDIO_FDS = 3
 MAX_MESSAGE = 1 << 20
+REQUEST_TIMEOUT_SECONDS = 5.0
 WARM_MODULES = (
     "numpy",
     "torch",
@@ -63,6 +64,11 @@ def _receive(sock: socket.socket, with_fds: int = 0) -> tuple[dict[str, Any] | N
     for level, kind, data in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.extend(array.array("i", data[: len(data) - len(data) % array.array("i").itemsize]))
+    while header and len(header) < HEADER.size:  # a stream may split even four bytes
+        chunk = sock.recv(HEADER.size - len(header))
+        if not chunk:
+            break
+        header += chunk
     if len(header) < HEADER.size:
         return None, fds
     (length,) = HEADER.unpack(header)
@@ -150,7 +156,13 @@ class WarmProcess:
         from mme_runtime import devices
 
         connection, _ = self.listener.accept()
-        request, fds = _receive(connection, with_fds=STDIO_FDS)
+        connection.settimeout(REQUEST_TIMEOUT_SECONDS)  # a client that connects and stalls must not stall us
+        try:
+            request, fds = _receive(connection, with_fds=STDIO_FDS)
+        except (OSError, ValueError):
+            connection.close()
+            return
+        connection.settimeout(None)
         if request is None or len(fds) != STDIO_FDS:
             for fd in fds:
                 os.close(fd)
