@@ -21,6 +21,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 MARKER_LIFETIME_SECONDS = 30.0
+FOLLOW_SECONDS = 2.0
+FOLLOW_INTERVAL_SECONDS = 0.02
 REQUEST_TIMEOUT_SECONDS = 2.0
 
 
@@ -49,11 +51,22 @@ class Janitor:
         for marker in self.directory.iterdir():
             try:
                 model = json.loads(marker.read_text())["model"]
-                age = time.time() - marker.stat().st_mtime
             except (OSError, ValueError, KeyError):
                 continue
-            if self._settle(model, age):
-                marker.unlink(missing_ok=True)
+            # The leftover appears milliseconds after the caller got its answer; follow it closely so a caller that
+            # retries at once meets as short a window of 409s as we can manage.
+            deadline = time.monotonic() + FOLLOW_SECONDS
+            while True:
+                try:
+                    age = time.time() - marker.stat().st_mtime
+                except OSError:
+                    break
+                if self._settle(model, age):
+                    marker.unlink(missing_ok=True)
+                    break
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(FOLLOW_INTERVAL_SECONDS)
 
     def _settle(self, model: str, age: float) -> bool:
         """True once nothing is left to do for ``model``."""
