@@ -75,6 +75,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         self._loaded = False
         self._attached = False
         self._code_dir: Path | None = None
+        self._negotiates_accept = True
 
     @property
     def model(self) -> Any:
@@ -107,6 +108,8 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
             ",".join(sorted(user)) or "none",
         )
         self._functions = self._with_defaults(user)
+        # Decided once per model, not per request: only our default output_fn needs Accept negotiated up front.
+        self._negotiates_accept = "transform_fn" not in user and "output_fn" not in user
         self._code_dir = code_dir
         self._run_load_step("pre_model_fn", context, str(model_dir))
         self._model = self._run_load_step("model_fn", context, str(model_dir))
@@ -192,7 +195,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         if "transform_fn" in functions:
             result = self._call("transform_fn", request, self._model, payload, content_type, accept)
         else:
-            if functions["output_fn"].function == self._defaults.default_output_fn:
+            if self._negotiates_accept:
                 # Decided before any work, so an Accept we cannot produce costs the caller nothing.
                 accept = content.negotiate(accept, self._config.default_accept)
             data = self._call("input_fn", request, payload, content_type)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -106,26 +106,30 @@ def test_malicious_archive_is_refused_and_nothing_escapes(s3: S3Server, server: 
     assert server.invoke("plain", ROWS).status_code == 200  # the rest keeps serving
 
 
-def test_missing_object_fails_the_load_naming_uri_and_cause(s3: S3Server, server: RunningServer) -> None:
+def remove_object(s3: S3Server, home: Path) -> None:
     s3.client().delete_object(Bucket=BUCKET, Key=KEY)
-    model_factory.torchscript_model(server.model_dir("missing"))
-    try:
-        assert server.load("missing").status_code == 500
-        assert wait_until(lambda: f"{URI}: no such key" in server.log_text(), 5)
-    finally:
-        upload(s3, model_factory.code_archive(server.home / "v4.tar.gz", "v4"))
 
 
-def test_corrupt_archive_fails_the_load(s3: S3Server, server: RunningServer) -> None:
-    garbage = server.home / "garbage.tar.gz"
+def upload_garbage(s3: S3Server, home: Path) -> None:
+    garbage = home / "garbage.tar.gz"
     garbage.write_bytes(b"\x1f\x8b this is not gzip")
     upload(s3, garbage)
-    model_factory.torchscript_model(server.model_dir("corrupt"))
+
+
+@pytest.mark.parametrize(
+    ("name", "break_object", "cause"),
+    [("missing", remove_object, "no such key"), ("corrupt", upload_garbage, "not a readable tar archive")],
+)
+def test_a_broken_code_object_fails_the_load_naming_uri_and_cause(
+    s3: S3Server, server: RunningServer, name: str, break_object: Callable[[S3Server, Path], None], cause: str
+) -> None:
+    break_object(s3, server.home)
+    model_factory.torchscript_model(server.model_dir(name))
     try:
-        assert server.load("corrupt").status_code == 500
-        assert wait_until(lambda: f"{URI}: not a readable tar archive" in server.log_text(), 5)
+        assert server.load(name).status_code == 500
+        assert wait_until(lambda: f"{URI}: {cause}" in server.log_text(), 5)
     finally:
-        upload(s3, model_factory.code_archive(server.home / "v5.tar.gz", "v5"))
+        upload(s3, model_factory.code_archive(server.home / f"restored-{name}.tar.gz", "restored"))
 
 
 def test_three_workers_and_two_models_loading_at_once_fetch_once(s3: S3Server, tmp_path: Path) -> None:
