@@ -34,7 +34,7 @@ class HandlerService(DefaultHandlerService):  # type: ignore[misc]
         self.transformer.load(context, torch.device("cpu"))
 
     def attach(self, context: Any) -> None:
-        """Places the model on this worker's device (from ``gpu_id``) and warms it up."""
+        """Places the model on this worker's device (``gpu_id`` is its CUDA ordinal here) and warms it up."""
         self.transformer.attach(context, worker_device(context.system_properties.get("gpu_id")))
 
     def initialize(self, context: Any) -> None:

@@ -1,9 +1,10 @@
 """The backend server MMS starts for each model, speaking MMS's own socket protocol (``mms.protocol``).
 
 With preload on, it runs ``model_fn`` once, to host memory, in this CUDA-free process, then forks one worker per
-frontend connection; each worker binds its assigned GPU before its first CUDA call. Before every fork it checks
-that CUDA is not initialised here; a ``model_fn`` that initialised it makes the server re-execute itself with
-preload off for this model, so every worker loads for itself instead of dying after fork.
+frontend connection; each worker binds its assigned GPU before its first CUDA call. After ``model_fn`` it checks
+that forked workers could still use CUDA (not initialised here, forks not poisoned by a device query), and again
+that CUDA is not initialised before every fork. A ``model_fn`` that broke that makes the server re-execute itself
+with preload off for this model, so every worker loads for itself instead of dying after fork.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from mms.arg_parser import ArgParser
 
-from mme_runtime import devices
+from mme_runtime import devices, nvidia
 from mme_runtime.config import INHERITED_LIFELINE_FD, INHERITED_LISTEN_FD, INHERITED_PENDING_FD, Config
 from mme_runtime.loading import (
     LoadedModel,
@@ -118,18 +119,30 @@ class BackendServer:
         started = time.monotonic()
         try:
             check_memory(self.spec, self.config, gpu=None)
-            self.loaded = load_model(self.spec, gpu=None, batch_size=1, phase="preload")
+            self.loaded = load_model(self.spec, batch_size=1, phase="preload")
         except LoadFailure as failure:
             # Every worker that connects answers its LOAD with this, so the frontend fails the LOAD with it.
             self.load_failure = failure
             return
-        if devices.cuda_initialized():
+        reason = self._fork_hazard()
+        if reason is not None:
             self._fall_back_to_per_worker_loading(
-                "model_fn initialised CUDA in the preload server (forked workers could not use it); "
-                "load to host memory in model_fn to get a single load",
-                pending,
+                f"{reason}; load to host memory in model_fn to get a single load", pending
             )
         logger.info("model=%s preloaded seconds=%.2f", self.spec.name, time.monotonic() - started)
+
+    def _fork_hazard(self) -> str | None:
+        """Why workers forked from this server now could not use their GPU, or None when they can."""
+        if devices.cuda_initialized():
+            return "model_fn initialised CUDA in the preload server (forked workers could not use it)"
+        # Only where the frontend hands out GPUs (it counts them with nvidia-smi too): a CPU host with a CUDA build of
+        # torch (and no NVML) poisons forks on any is_available() and keeps preload: its workers never touch CUDA.
+        if nvidia.gpu_count() > 0 and devices.forks_poisoned():
+            return (
+                "model_fn asked the CUDA runtime about devices in the preload server (torch.cuda.device_count() "
+                "where NVML fails, say), so forked workers would be refused CUDA"
+            )
+        return None
 
     def _fall_back_to_per_worker_loading(self, reason: str, pending: socket.socket) -> None:
         """Re-executes this server with preload off, keeping the listening socket, the connection in hand and

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from mme_runtime.devices import ASSIGNED_GPU_ID
+
 CUSTOM_ATTRIBUTES = "x-amzn-sagemaker-custom-attributes"
 
 
@@ -40,7 +42,13 @@ class InferenceContext:
 
     @property
     def gpu_id(self) -> int | None:
-        gpu = self._mms.system_properties.get("gpu_id")
+        """The GPU the frontend assigned this worker (an nvidia-smi index), None on the CPU.
+
+        ``system_properties["gpu_id"]`` is the CUDA ordinal of that GPU inside this worker instead (0 in our workers,
+        which see only their GPU), so that ``cuda:{gpu_id}`` in existing scripts names the right card.
+        """
+        properties = self._mms.system_properties
+        gpu = properties.get(ASSIGNED_GPU_ID, properties.get("gpu_id"))
         return None if gpu is None else int(gpu)
 
     @property

@@ -1,16 +1,23 @@
-"""Which device a worker uses, and the CUDA probe the CUDA-free backend server relies on.
+"""Which device a worker uses, and the CUDA probes the CUDA-free backend server relies on.
 
-``restrict_to_gpu`` runs in a worker right after fork and before any CUDA call, so that code saying ``cuda`` or
-``cuda:0`` lands on the GPU the frontend assigned. ``cuda_initialized`` never initialises CUDA itself.
+``bind_gpu`` runs in a worker right after fork and before any CUDA call, so that code saying ``cuda`` or
+``cuda:0`` lands on the GPU the frontend assigned. Nothing here initialises CUDA.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
+from typing import Any
 
 import torch
 
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+# The frontend's assignment (an nvidia-smi index), kept beside MMS's "gpu_id", which a bound worker rewrites to the
+# CUDA ordinal that names the same card inside it (0): scripts written for the AWS containers build
+# ``cuda:{gpu_id}`` from "gpu_id", and that must stay a valid device in a process that sees one GPU.
+ASSIGNED_GPU_ID = "assigned_gpu_id"
+BAD_FORK_EXIT = 3
 
 
 def visible_gpu(gpu_id: int, visible_devices: str | None) -> str:
@@ -25,23 +32,56 @@ def visible_gpu(gpu_id: int, visible_devices: str | None) -> str:
     return str(gpu_id)
 
 
-def restrict_to_gpu(gpu_id: int | None, visible_devices: str | None) -> None:
-    """Makes only the assigned GPU visible to this process. Must run before its first CUDA call."""
+def bind_gpu(gpu_id: int | None, visible_devices: str | None) -> int | None:
+    """Makes only the assigned GPU visible to this process and returns the CUDA ordinal naming it here (0), or None
+    without an assignment. Must run before this process's first CUDA call."""
     if gpu_id is None:
-        return
+        return None
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         raise RuntimeError("CUDA was initialised before the worker bound its GPU; the worker cannot be isolated")
     os.environ[CUDA_VISIBLE_DEVICES] = visible_gpu(gpu_id, visible_devices)
+    return 0
 
 
-def worker_device(gpu_id: int | None) -> torch.device:
-    """``cuda:0`` (the one GPU this worker sees) when it was assigned one and CUDA works; the CPU otherwise."""
-    if gpu_id is None or not torch.cuda.is_available():
+def record_gpu(properties: MutableMapping[str, Any], assigned: int | None, ordinal: int | None) -> None:
+    """Writes a worker's GPU into MMS's ``system_properties``: the CUDA ordinal as "gpu_id", the assignment beside."""
+    properties["gpu_id"] = ordinal
+    properties[ASSIGNED_GPU_ID] = assigned
+
+
+def worker_device(cuda_ordinal: int | None) -> torch.device:
+    """``cuda:<ordinal>`` when the worker has a GPU and CUDA works; the CPU otherwise.
+
+    Our workers see one GPU, so the ordinal is 0; under stock MMS a worker sees them all and the ordinal is the
+    frontend's id.
+    """
+    if cuda_ordinal is None or not torch.cuda.is_available():
         return torch.device("cpu")
-    # Our backend restricts each worker to one GPU; a stock MMS worker sees them all.
-    return torch.device("cuda", 0 if torch.cuda.device_count() == 1 else gpu_id)
+    return torch.device("cuda", cuda_ordinal)
 
 
 def cuda_initialized() -> bool:
     """Whether this process has a CUDA context. The preload server checks it before every fork."""
     return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
+
+
+def forks_poisoned() -> bool:
+    """Whether a child forked now would be refused CUDA ("Cannot re-initialize CUDA in forked subprocess").
+
+    torch poisons forks not only when this process initialised CUDA but also when it merely asked the CUDA runtime
+    how many devices there are (``torch.cuda.device_count()`` where NVML fails, ``torch.cuda.is_available()``
+    without ``PYTORCH_NVML_BASED_CUDA_CHECK=1``), which leaves ``is_initialized()`` false. Only a child can tell, so
+    this forks one that reports and exits at once.
+    """
+    if cuda_initialized():
+        return True
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child's exit status is the answer
+        os._exit(BAD_FORK_EXIT if _in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == BAD_FORK_EXIT
+
+
+def _in_bad_fork() -> bool:
+    # A CPU-only torch has no CUDA to poison and answers False.
+    return bool(torch.cuda._is_in_bad_fork())

@@ -17,7 +17,7 @@ from typing import Any
 
 from mms.service import Service
 
-from mme_runtime import memory
+from mme_runtime import devices, memory
 from mme_runtime.config import Config
 from mme_runtime.errors import InsufficientMemory
 
@@ -62,7 +62,8 @@ def check_memory(spec: ModelSpec, config: Config, gpu: int | None, host: bool = 
         if host:
             memory.check_host_memory(Path(spec.model_dir), config.memory_headroom_mb)
         if gpu is not None:
-            memory.check_gpu_memory(Path(spec.model_dir), gpu, config.memory_headroom_mb)
+            card = devices.visible_gpu(gpu, config.cuda_visible_devices)
+            memory.check_gpu_memory(Path(spec.model_dir), card, config.memory_headroom_mb)
     except InsufficientMemory as exc:
         logger.error("model=%s gpu=%s load refused status=507: %s", spec.name, gpu, exc)
         raise LoadFailure(507, f"model {spec.name}: {exc}") from exc
@@ -86,13 +87,19 @@ def check_location(spec: ModelSpec, config: Config) -> LoadFailure | None:
     return LoadFailure(403, message)
 
 
-def load_model(spec: ModelSpec, gpu: int | None, batch_size: int, phase: str) -> LoadedModel:
-    """Imports the handler and runs its load step (``preload`` on the server, ``attach`` or ``handle`` in a worker)."""
+def load_model(
+    spec: ModelSpec, batch_size: int, phase: str, gpu: int | None = None, cuda_ordinal: int | None = None
+) -> LoadedModel:
+    """Imports the handler and runs its load step (``preload`` on the server, ``attach`` or ``handle`` in a worker).
+
+    ``gpu`` is the frontend's assignment, ``cuda_ordinal`` the device naming that GPU in this process.
+    """
     try:
         module_name, _, function_name = spec.handler.partition(":")
         module = importlib.import_module(Path(module_name).stem)
         entry_point: Callable[..., Any] = getattr(module, function_name or "handle")
-        service = Service(spec.name, spec.model_dir, None, entry_point, gpu, batch_size)
+        service = Service(spec.name, spec.model_dir, None, entry_point, cuda_ordinal, batch_size)
+        devices.record_gpu(service.context.system_properties, gpu, cuda_ordinal)
         if phase == "preload" and hasattr(module, "preload"):
             module.preload(service.context)
         elif hasattr(module, "attach"):

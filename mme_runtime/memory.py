@@ -41,11 +41,12 @@ def check_host_memory(model_dir: Path, headroom_mb: int) -> None:
         )
 
 
-def check_gpu_memory(model_dir: Path, gpu_id: int, headroom_mb: int) -> None:
-    """Raises InsufficientMemory when the artifacts plus headroom exceed the free memory of GPU ``gpu_id``."""
-    free = gpu_free_bytes(gpu_id)
+def check_gpu_memory(model_dir: Path, gpu: str, headroom_mb: int) -> None:
+    """Raises InsufficientMemory when the artifacts plus headroom exceed the free memory of ``gpu`` (an nvidia-smi
+    index or UUID: the physical card)."""
+    free = gpu_free_bytes(gpu)
     if free is None:
         return
     needed = artifact_bytes(model_dir) + headroom_mb * MIB
     if needed > free:
-        raise InsufficientMemory(f"{model_dir} needs about {needed // MIB} MiB on GPU {gpu_id}, {free // MIB} MiB free")
+        raise InsufficientMemory(f"{model_dir} needs about {needed // MIB} MiB on GPU {gpu}, {free // MIB} MiB free")

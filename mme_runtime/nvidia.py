@@ -32,11 +32,11 @@ def gpu_count() -> int:
     return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
 
 
-def gpu_free_bytes(gpu_id: int) -> int | None:
-    """Free memory of GPU ``gpu_id`` (an nvidia-smi index), or None when nvidia-smi cannot tell."""
-    output = _query(f"--id={gpu_id}", "--query-gpu=memory.free", "--format=csv,noheader,nounits")
+def gpu_free_bytes(gpu: str) -> int | None:
+    """Free memory of ``gpu`` (an nvidia-smi index or UUID), or None when nvidia-smi cannot tell."""
+    output = _query(f"--id={gpu}", "--query-gpu=memory.free", "--format=csv,noheader,nounits")
     try:
         return int((output or "").strip().splitlines()[0]) * MIB
     except (ValueError, IndexError):
-        logger.warning("cannot read free memory of GPU %d from nvidia-smi", gpu_id)
+        logger.warning("cannot read free memory of GPU %s from nvidia-smi", gpu)
         return None

@@ -84,12 +84,12 @@ def _load_in_worker(
 ) -> LoadedModel:
     if failure is not None:
         raise failure
-    devices.restrict_to_gpu(gpu, config.cuda_visible_devices)
+    ordinal = devices.bind_gpu(gpu, config.cuda_visible_devices)
     check_memory(spec, config, gpu, host=preloaded is None)
     if preloaded is None:
-        return load_model(spec, gpu, batch_size, phase="worker")
+        return load_model(spec, batch_size, phase="worker", gpu=gpu, cuda_ordinal=ordinal)
     properties = preloaded.service.context.system_properties
-    properties["gpu_id"] = gpu
+    devices.record_gpu(properties, gpu, ordinal)
     properties["batch_size"] = batch_size
     try:
         if hasattr(preloaded.module, "attach"):

@@ -239,6 +239,11 @@ def model_fn(model_dir, context):
         # model to "cuda" and so initialised CUDA in the preload server.
         import mme_runtime.devices
         mme_runtime.devices.cuda_initialized = lambda: True
+    if os.path.exists(os.path.join(model_dir, "fake_poisoned_fork")):
+        # Test double of torch's bad-fork flag, read by the forked probe child: simulates a model_fn that asked the
+        # CUDA runtime for the device count, which poisons forks without initialising CUDA.
+        import mme_runtime.devices
+        mme_runtime.devices._in_bad_fork = lambda: True
     return torch.jit.load(os.path.join(model_dir, "model.pt"), map_location="cpu")
 
 
@@ -251,6 +256,7 @@ def predict_fn(data, model, context):
         "pid": os.getpid(),
         "device": str(context.device),
         "gpu_id": context.gpu_id,
+        "system_gpu_id": context.system_properties["gpu_id"],
         "parameter_device": str(next(model.parameters()).device),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
@@ -261,18 +267,60 @@ def output_fn(prediction, accept, context):
 """
 
 
-def counting_model(model_dir: Path, fake_cuda_init: bool = False) -> Path:
-    """TorchScript weights whose model_fn logs each call (and can simulate initialising CUDA)."""
+def counting_model(model_dir: Path, fake_cuda_init: bool = False, fake_poisoned_fork: bool = False) -> Path:
+    """TorchScript weights whose model_fn logs each call (and can simulate initialising CUDA or poisoning forks)."""
     torchscript_model(model_dir)
     write_code(model_dir, COUNTING_SCRIPT)
     if fake_cuda_init:
         (model_dir / "fake_cuda_init").touch()
+    if fake_poisoned_fork:
+        (model_dir / "fake_poisoned_fork").touch()
     return model_dir
 
 
 def model_fn_calls(model_dir: Path) -> list[int]:
     log = model_dir / "model_fn_calls.log"
     return [int(line) for line in log.read_text().split()] if log.exists() else []
+
+
+# As the AWS PyTorch inference toolkit's default model_fn picks its device: ``cuda:{gpu_id}`` from MMS's gpu_id.
+TOOLKIT_STYLE_SCRIPT = """
+import json
+import os
+
+import torch
+
+
+def model_fn(model_dir, context):
+    gpu_id = context.system_properties.get("gpu_id")
+    device = torch.device(f"cuda:{gpu_id}" if gpu_id is not None and torch.cuda.is_available() else "cpu")
+    return torch.jit.load(os.path.join(model_dir, "model.pt"), map_location=device)
+
+
+def predict_fn(data, model, context):
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        scores = model(data.to(device))
+    return {
+        "scores": scores.tolist(),
+        "pid": os.getpid(),
+        "gpu_id": context.gpu_id,
+        "system_gpu_id": context.system_properties["gpu_id"],
+        "parameter_device": str(device),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
+def output_fn(prediction, accept, context):
+    return json.dumps(prediction), "application/json"
+"""
+
+
+def toolkit_style_model(model_dir: Path) -> Path:
+    """TorchScript weights with a script that places the model on ``cuda:{gpu_id}`` itself, in ``model_fn``."""
+    torchscript_model(model_dir)
+    write_code(model_dir, TOOLKIT_STYLE_SCRIPT)
+    return model_dir
 
 
 S3_CODE_SCRIPT = """

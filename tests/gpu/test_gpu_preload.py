@@ -56,6 +56,7 @@ def test_every_worker_serves_on_its_gpu_and_none_dies(server: RunningServer) -> 
     for answer in answers:
         assert answer["device"] == "cuda:0" and answer["parameter_device"] == "cuda:0"
         assert answer["cuda_visible_devices"] == str(answer["gpu_id"])  # bound to the frontend's assignment
+        assert answer["system_gpu_id"] == 0  # so cuda:{gpu_id} in existing scripts names that card
     gpus = gpu_count()
     assert {a["gpu_id"] for a in answers} == set(range(min(gpus, workers)))
     backend = server.backend_server("gpu")
@@ -79,3 +80,44 @@ def test_aws_style_model_fn_that_moves_to_cuda_still_serves_on_every_gpu(server:
     assert "preload off for this model: model_fn initialised CUDA" in server.log_text()
     backend = server.backend_server("aws")
     assert backend is not None and len(backend.children()) == workers
+
+
+def test_toolkit_style_script_that_picks_cuda_gpu_id_serves_on_every_gpu(tmp_path: Path) -> None:
+    """The AWS toolkit's own pattern, ``cuda:{gpu_id}`` in model_fn, with preload off so it runs in every worker
+    with a GPU id: on a multi-GPU host, the frontend's id would name a card that a bound worker cannot see."""
+    workers = 2 * gpu_count()
+    env = {"SAGEMAKER_MODEL_SERVER_WORKERS": str(workers), "MME_PRELOAD_MODEL_GPU": "false"}
+    with start_server(tmp_path, env) as server:
+        model_factory.toolkit_style_model(server.model_dir("toolkit"))
+        assert server.load("toolkit").status_code == 200
+
+        answers = serve_concurrently(server, "toolkit", 10 * workers)
+
+    assert len({a["pid"] for a in answers}) == workers
+    assert {a["parameter_device"] for a in answers} == {"cuda:0"}
+    assert {a["system_gpu_id"] for a in answers} == {0}
+    assert {a["gpu_id"] for a in answers} == set(range(gpu_count()))
+
+
+# What torch.cuda.is_available() runs without PYTORCH_NVML_BASED_CUDA_CHECK=1.
+DEVICE_COUNT_QUERY = "    torch._C._cuda_getDeviceCount()\n"
+
+
+def test_device_count_query_in_model_fn_falls_back_instead_of_poisoning_forks(server: RunningServer) -> None:
+    """Asking the CUDA runtime for the device count poisons forks while ``torch.cuda.is_initialized()`` stays
+    false: the server's forked probe must catch it and load in every worker instead."""
+    workers = server.workers  # type: ignore[attr-defined]
+    model_dir = model_factory.counting_model(server.model_dir("poison"))
+    script = model_dir / "code" / "inference.py"
+    signature = "def model_fn(model_dir, context):\n"
+    script.write_text(script.read_text().replace(signature, signature + DEVICE_COUNT_QUERY))
+    assert server.load("poison").status_code == 200
+
+    answers = serve_concurrently(server, "poison", 10 * workers)
+
+    assert len({a["pid"] for a in answers}) == workers
+    assert {a["parameter_device"] for a in answers} == {"cuda:0"}
+    assert len(model_factory.model_fn_calls(model_dir)) == 1 + workers
+    log = server.log_text()
+    assert "so forked workers would be refused CUDA" in log
+    assert "Cannot re-initialize CUDA" not in log

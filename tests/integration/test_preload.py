@@ -96,6 +96,19 @@ def test_model_fn_that_initialises_cuda_falls_back_to_loading_in_each_worker(ser
     assert "preload off for this model: model_fn initialised CUDA" in server.log_text()
 
 
+def test_poisoned_forks_keep_preload_where_no_gpu_is_assigned(server: RunningServer) -> None:
+    """A CUDA build of torch on a CPU host poisons forks at any ``is_available()`` (NVML is missing too); workers
+    that are handed no GPU never touch CUDA, so the model stays preloaded. The bad-fork flag is a test double."""
+    model_dir = model_factory.counting_model(server.model_dir("cpu_host"), fake_poisoned_fork=True)
+    assert server.load("cpu_host").status_code == 200
+
+    answers = invoke_many(server, "cpu_host")
+
+    assert len({a["pid"] for a in answers}) == WORKERS
+    assert len(model_factory.model_fn_calls(model_dir)) == 1
+    assert "refused CUDA" not in server.log_text()
+
+
 def test_spawn_start_method_loads_in_each_fresh_worker(tmp_path_factory: pytest.TempPathFactory) -> None:
     env = {"SAGEMAKER_MODEL_SERVER_WORKERS": "2", "MME_START_METHOD": "spawn"}
     with start_server(tmp_path_factory.mktemp("spawn"), env) as server:
