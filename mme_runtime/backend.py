@@ -1,10 +1,11 @@
 """The backend server MMS starts for each model, speaking MMS's own socket protocol (``mms.protocol``).
 
-With preload on, it runs ``model_fn`` once, to host memory, in this CUDA-free process, then forks one worker per
-frontend connection; each worker binds its assigned GPU before its first CUDA call. After ``model_fn`` it checks
-that forked workers could still use CUDA (not initialised here, forks not poisoned by a device query), and again
-that CUDA is not initialised before every fork. A ``model_fn`` that broke that makes the server re-execute itself
-with preload off for this model, so every worker loads for itself instead of dying after fork.
+With preload on, it runs ``model_fn`` once, to host memory, in this CUDA-free process with one intra-op thread,
+then forks one worker per frontend connection; each worker binds its assigned GPU before its first CUDA call and
+sets its own thread count. After ``model_fn`` a forked probe checks that workers could still use CUDA and run
+parallel CPU ops (``fork_safety``), and before every fork the server checks that CUDA is not initialised. A
+``model_fn`` that broke either makes the server re-execute itself with preload off for this model, so every worker
+loads for itself instead of dying or hanging after fork.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 from mms.arg_parser import ArgParser
 
-from mme_runtime import devices, nvidia
+from mme_runtime import devices, fork_safety, nvidia
 from mme_runtime.config import INHERITED_LIFELINE_FD, INHERITED_LISTEN_FD, INHERITED_PENDING_FD, Config
 from mme_runtime.loading import (
     LoadedModel,
@@ -76,6 +77,7 @@ class BackendServer:
         # overloads want a literal, not our Literal union.
         self.context: Any = multiprocessing.get_context(config.start_method)
         self.loaded: LoadedModel | None = None
+        self.worker_threads = fork_safety.DEFAULT_THREADS
         self.load_failure: LoadFailure | None = None
         self.workers: dict[int, multiprocessing.process.BaseProcess] = {}
         self._pending: list[int] = []
@@ -117,6 +119,7 @@ class BackendServer:
 
     def _preload(self, pending: socket.socket) -> None:
         started = time.monotonic()
+        fork_safety.single_threaded()
         try:
             check_memory(self.spec, self.config, gpu=None)
             self.loaded = load_model(self.spec, batch_size=1, phase="preload")
@@ -124,6 +127,7 @@ class BackendServer:
             # Every worker that connects answers its LOAD with this, so the frontend fails the LOAD with it.
             self.load_failure = failure
             return
+        self.worker_threads = fork_safety.threads_for_workers()
         reason = self._fork_hazard()
         if reason is not None:
             self._fall_back_to_per_worker_loading(
@@ -135,14 +139,9 @@ class BackendServer:
         """Why workers forked from this server now could not use their GPU, or None when they can."""
         if devices.cuda_initialized():
             return "model_fn initialised CUDA in the preload server (forked workers could not use it)"
-        # Only where the frontend hands out GPUs (it counts them with nvidia-smi too): a CPU host with a CUDA build of
-        # torch (and no NVML) poisons forks on any is_available() and keeps preload: its workers never touch CUDA.
-        if nvidia.gpu_count() > 0 and devices.forks_poisoned():
-            return (
-                "model_fn asked the CUDA runtime about devices in the preload server (torch.cuda.device_count() "
-                "where NVML fails, say), so forked workers would be refused CUDA"
-            )
-        return None
+        # CUDA matters only where the frontend hands out GPUs (it counts them with nvidia-smi too): a CPU host with a
+        # CUDA build of torch (and no NVML) poisons forks on any is_available(), and its workers never touch CUDA.
+        return fork_safety.probe(self.worker_threads, check_cuda=nvidia.gpu_count() > 0)
 
     def _fall_back_to_per_worker_loading(self, reason: str, pending: socket.socket) -> None:
         """Re-executes this server with preload off, keeping the listening socket, the connection in hand and
@@ -189,7 +188,15 @@ class BackendServer:
             self._fall_back_to_per_worker_loading("CUDA was initialised in the preload server before fork", connection)
         process = self.context.Process(
             target=serve_worker,
-            args=(connection, self.spec, self.config, self.loaded, self.load_failure, self._inherited_fds()),
+            args=(
+                connection,
+                self.spec,
+                self.config,
+                self.loaded,
+                self.load_failure,
+                self.worker_threads,
+                self._inherited_fds(),
+            ),
             daemon=False,
         )
         process.start()

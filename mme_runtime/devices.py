@@ -1,4 +1,4 @@
-"""Which device a worker uses, and the CUDA probes the CUDA-free backend server relies on.
+"""Which device a worker uses, and the CUDA probe the CUDA-free processes we fork from rely on.
 
 ``bind_gpu`` runs in a worker right after fork and before any CUDA call, so that code saying ``cuda`` or
 ``cuda:0`` lands on the GPU the frontend assigned. Nothing here initialises CUDA.
@@ -17,7 +17,6 @@ CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 # CUDA ordinal that names the same card inside it (0): scripts written for the AWS containers build
 # ``cuda:{gpu_id}`` from "gpu_id", and that must stay a valid device in a process that sees one GPU.
 ASSIGNED_GPU_ID = "assigned_gpu_id"
-BAD_FORK_EXIT = 3
 
 
 def visible_gpu(gpu_id: int, visible_devices: str | None) -> str:
@@ -63,25 +62,3 @@ def worker_device(cuda_ordinal: int | None) -> torch.device:
 def cuda_initialized() -> bool:
     """Whether this process has a CUDA context. The preload server checks it before every fork."""
     return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
-
-
-def forks_poisoned() -> bool:
-    """Whether a child forked now would be refused CUDA ("Cannot re-initialize CUDA in forked subprocess").
-
-    torch poisons forks not only when this process initialised CUDA but also when it merely asked the CUDA runtime
-    how many devices there are (``torch.cuda.device_count()`` where NVML fails, ``torch.cuda.is_available()``
-    without ``PYTORCH_NVML_BASED_CUDA_CHECK=1``), which leaves ``is_initialized()`` false. Only a child can tell, so
-    this forks one that reports and exits at once.
-    """
-    if cuda_initialized():
-        return True
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child's exit status is the answer
-        os._exit(BAD_FORK_EXIT if _in_bad_fork() else 0)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == BAD_FORK_EXIT
-
-
-def _in_bad_fork() -> bool:
-    # A CPU-only torch has no CUDA to poison and answers False.
-    return bool(torch.cuda._is_in_bad_fork())

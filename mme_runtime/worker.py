@@ -14,7 +14,7 @@ import time
 from mms.protocol.otf_message_handler import create_load_model_response, retrieve_msg
 from mms.service import emit_metrics
 
-from mme_runtime import devices
+from mme_runtime import devices, fork_safety
 from mme_runtime.config import Config
 from mme_runtime.janitor import mark_failed_load
 from mme_runtime.loading import LoadedModel, LoadFailure, ModelSpec, check_memory, die_with_parent, load_model
@@ -35,12 +35,14 @@ def serve_worker(
     config: Config,
     preloaded: LoadedModel | None,
     failure: LoadFailure | None,
+    threads: int,
     inherited_fds: tuple[int, ...] = (),
 ) -> None:
     """A worker: bind the assigned GPU, place the model there, then answer the frontend until it disconnects."""
     die_with_parent(signal.SIGKILL)
     for fd in inherited_fds:
         os.close(fd)
+    fork_safety.set_threads(threads)  # the server runs single-threaded (fork_safety); before model_fn may set its own
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_DFL)
     configure_logging(config.log_level)

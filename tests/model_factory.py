@@ -242,8 +242,8 @@ def model_fn(model_dir, context):
     if os.path.exists(os.path.join(model_dir, "fake_poisoned_fork")):
         # Test double of torch's bad-fork flag, read by the forked probe child: simulates a model_fn that asked the
         # CUDA runtime for the device count, which poisons forks without initialising CUDA.
-        import mme_runtime.devices
-        mme_runtime.devices._in_bad_fork = lambda: True
+        import mme_runtime.fork_safety
+        mme_runtime.fork_safety._in_bad_fork = lambda: True
     return torch.jit.load(os.path.join(model_dir, "model.pt"), map_location="cpu")
 
 
@@ -259,6 +259,7 @@ def predict_fn(data, model, context):
         "system_gpu_id": context.system_properties["gpu_id"],
         "parameter_device": str(next(model.parameters()).device),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -281,6 +282,39 @@ def counting_model(model_dir: Path, fake_cuda_init: bool = False, fake_poisoned_
 def model_fn_calls(model_dir: Path) -> list[int]:
     log = model_dir / "model_fn_calls.log"
     return [int(line) for line in log.read_text().split()] if log.exists() else []
+
+
+# A state dict big enough that torch's CPU ops run in parallel (OpenMP) when model_fn loads it and warms it up.
+WIDE_FEATURES = 1000
+WIDE_SCRIPT = """
+import os
+
+import torch
+
+WIDE = {features}
+
+
+def model_fn(model_dir):
+    with open(os.path.join(model_dir, "model_fn_calls.log"), "a") as log:
+        log.write(f"{{os.getpid()}}\\n")
+    {threads}
+    model = torch.nn.Sequential(torch.nn.Linear(WIDE, WIDE), torch.nn.Softmax(dim=-1))
+    model.load_state_dict(torch.load(os.path.join(model_dir, "model.pth"), map_location="cpu"))
+    with torch.inference_mode():
+        model(torch.ones(64, WIDE))  # a warm-up pass, as many scripts do
+    return model.eval()
+"""
+
+
+def wide_model(model_dir: Path, threads: int | None = None) -> Path:
+    """A 4 MB state dict whose ``model_fn`` runs parallel CPU ops (optionally after ``torch.set_num_threads``)."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDE_FEATURES, WIDE_FEATURES), torch.nn.Softmax(dim=-1))
+    torch.save(model.state_dict(), model_dir / "model.pth")
+    choice = "pass" if threads is None else f"torch.set_num_threads({threads})"
+    write_code(model_dir, WIDE_SCRIPT.format(features=WIDE_FEATURES, threads=choice))
+    return model_dir
 
 
 # As the AWS PyTorch inference toolkit's default model_fn picks its device: ``cuda:{gpu_id}`` from MMS's gpu_id.

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import model_factory
 import pytest
+import torch
 from serving import RunningServer, alive, start_server, wait_until
 
 WORKERS = 3
@@ -51,6 +52,8 @@ def test_model_fn_runs_once_and_every_worker_serves(server: RunningServer) -> No
     assert len(pids) == WORKERS
     assert {a["device"] for a in answers} == {"cpu"}
     assert {a["gpu_id"] for a in answers} == {None}  # no GPU here: the same path runs with the CPU
+    # The server loads single-threaded (fork_safety); its workers get torch's default back.
+    assert {a["threads"] for a in answers} == {torch.get_num_threads()}
 
 
 def test_killed_worker_is_replaced_without_a_second_model_fn(server: RunningServer) -> None:
@@ -107,6 +110,37 @@ def test_poisoned_forks_keep_preload_where_no_gpu_is_assigned(server: RunningSer
     assert len({a["pid"] for a in answers}) == WORKERS
     assert len(model_factory.model_fn_calls(model_dir)) == 1
     assert "refused CUDA" not in server.log_text()
+
+
+def wide_rows() -> str:
+    return json.dumps([[0.001 * i] * model_factory.WIDE_FEATURES for i in range(64)])
+
+
+def test_model_fn_running_parallel_cpu_ops_leaves_workers_that_can_too(server: RunningServer) -> None:
+    """GNU OpenMP's thread pool does not survive fork: a worker forked after the server ran a parallel region
+    (``load_state_dict`` copying a large tensor, a warm-up pass) would wait forever at its own first one. The
+    server runs model_fn single-threaded, so the model stays preloaded."""
+    model_dir = model_factory.wide_model(server.model_dir("wide"))
+    assert server.load("wide").status_code == 200
+
+    with ThreadPoolExecutor(WORKERS * 2) as pool:
+        responses = list(pool.map(lambda _: server.invoke("wide", wide_rows()), range(4 * WORKERS)))
+
+    assert [r.status_code for r in responses] == [200] * 4 * WORKERS
+    assert len(responses[0].json()) == 64
+    assert len(model_factory.model_fn_calls(model_dir)) == 1
+
+
+def test_model_fn_that_sets_its_own_threads_falls_back_instead_of_hanging_workers(server: RunningServer) -> None:
+    model_dir = model_factory.wide_model(server.model_dir("threads"), threads=2)
+    assert server.load("threads").status_code == 200
+
+    with ThreadPoolExecutor(WORKERS * 2) as pool:
+        responses = list(pool.map(lambda _: server.invoke("threads", wide_rows()), range(4 * WORKERS)))
+
+    assert [r.status_code for r in responses] == [200] * 4 * WORKERS
+    assert len(model_factory.model_fn_calls(model_dir)) == 1 + WORKERS
+    assert "preload off for this model: a forked child hung at its first parallel CPU op" in server.log_text()
 
 
 def test_spawn_start_method_loads_in_each_fresh_worker(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -60,17 +60,6 @@ def test_worker_device_is_the_cpu_without_cuda() -> None:
         assert devices.worker_device(0) == torch.device("cpu")
 
 
-def test_forks_are_not_poisoned_in_a_fresh_process() -> None:
-    assert devices.forks_poisoned() is False
-
-
-def test_forks_poisoned_reads_the_flag_in_a_forked_child(monkeypatch: pytest.MonkeyPatch) -> None:
-    parent = os.getpid()
-    # Test double of torch's bad-fork flag: true only in a child, as torch sets it after fork.
-    monkeypatch.setattr(devices, "_in_bad_fork", lambda: os.getpid() != parent)
-    assert devices.forks_poisoned() is True
-
-
 def test_gpu_memory_is_checked_on_the_physical_card(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in fake_nvidia_smi.install(tmp_path / "bin", gpus=8).items():
         monkeypatch.setenv(name, value)

@@ -1,0 +1,62 @@
+"""The forked probe that tells the preload server whether its workers could serve: CUDA and parallel CPU ops.
+
+Each test runs in a fresh interpreter: the OpenMP pool a parallel op leaves behind is process-wide and permanent.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+BIG_COPY = "torch.empty(1 << 22).copy_(torch.ones(1 << 22))  # as load_state_dict does with a large weight"
+
+
+def run(body: str) -> str:
+    source = "import torch\nfrom mme_runtime import fork_safety\n" + textwrap.dedent(body)
+    result = subprocess.run(
+        [sys.executable, "-c", source], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
+    )
+    return result.stdout.strip()
+
+
+def test_a_fresh_process_forks_children_that_can_serve() -> None:
+    assert run("print(fork_safety.probe(threads=2, check_cuda=True))") == "None"
+
+
+def test_a_parallel_op_run_single_threaded_leaves_forks_usable() -> None:
+    output = run(
+        f"""
+        fork_safety.single_threaded()
+        {BIG_COPY}
+        print(fork_safety.threads_for_workers() == fork_safety.DEFAULT_THREADS, fork_safety.probe(2, False))
+        """
+    )
+    assert output == "True None"
+
+
+def test_a_parallel_op_with_several_threads_is_caught_as_a_hang() -> None:
+    output = run(
+        f"""
+        torch.set_num_threads(2)  # as a model_fn may
+        {BIG_COPY}
+        print(fork_safety.threads_for_workers(), fork_safety.probe(2, False))
+        """
+    )
+    assert output.startswith("2 a forked child hung at its first parallel CPU op (2 threads)")
+
+
+def test_a_cuda_refusing_child_is_reported() -> None:
+    # Test double of torch's bad-fork flag: true only in the forked child, as torch sets it.
+    output = run(
+        """
+        import os
+        parent = os.getpid()
+        fork_safety._in_bad_fork = lambda: os.getpid() != parent
+        print(fork_safety.probe(threads=1, check_cuda=True))
+        """
+    )
+    assert "so forked workers would be refused CUDA" in output
