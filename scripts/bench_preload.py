@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """Preload on versus off: LOAD-to-all-workers-ready time and memory of the model's process tree.
 
-    .venv/bin/python scripts/bench_preload.py [--size-mb 300] [--workers 1 2 4] [--repeat 2]
+    .venv/bin/python scripts/bench_preload.py [--size-mb 300] [--workers 1 2 4] [--repeat 2] [--style state_dict]
+
+The default ``state_dict`` style saves the weights as a state dict with a ``code/inference.py`` that rebuilds the
+network and calls ``load_state_dict``, as scripts written for the AWS containers do. ``torchscript`` is served by the
+default ``model_fn``, which the warm process's model cache shares with every worker whether preload is on or not.
 
 Both servers run in the same run on the same machine; the table reports medians and on/off ratios.
 Memory is the PSS of the model's backend server plus its workers (copy-on-write pages counted once).
@@ -25,13 +29,31 @@ from benchlib import our_server, pss_mib, serve, table
 FEATURES = 2048
 
 
-def big_model(model_dir: Path, size_mb: int) -> Path:
-    """A TorchScript MLP of about ``size_mb`` MB of float32 weights."""
+STATE_DICT_SCRIPT = """
+import os
+
+import torch
+
+
+def model_fn(model_dir):
+    model = torch.nn.Sequential(*[torch.nn.Linear({features}, {features}) for _ in range({layers})])
+    model.load_state_dict(torch.load(os.path.join(model_dir, "model.pth"), map_location="cpu"))
+    return model.eval()
+"""
+
+
+def big_model(model_dir: Path, size_mb: int, style: str) -> Path:
+    """An MLP of about ``size_mb`` MB of float32 weights, as TorchScript or as a state dict with its script."""
     layers = max(1, round(size_mb * 2**20 / (4 * (FEATURES * FEATURES + FEATURES))))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(FEATURES, FEATURES) for _ in range(layers)]).eval()
     model_dir.mkdir(parents=True, exist_ok=True)
-    torch.jit.script(model).save(str(model_dir / "model.pt"))
+    if style == "torchscript":
+        torch.jit.script(model).save(str(model_dir / "model.pt"))
+        return model_dir
+    torch.save(model.state_dict(), model_dir / "model.pth")
+    (model_dir / "code").mkdir()
+    (model_dir / "code" / "inference.py").write_text(STATE_DICT_SCRIPT.format(features=FEATURES, layers=layers))
     return model_dir
 
 
@@ -57,12 +79,13 @@ def main() -> int:
     parser.add_argument("--size-mb", type=int, default=300)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--style", choices=["state_dict", "torchscript"], default="state_dict")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bench-preload-") as tmp:
         root = Path(tmp)
-        model_dir = big_model(root / "models" / "big", args.size_mb)
-        size = sum(p.stat().st_size for p in model_dir.iterdir()) / 2**20
+        model_dir = big_model(root / "models" / "big", args.size_mb, args.style)
+        size = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file()) / 2**20
         results: dict[tuple[str, int], list[tuple[float, float]]] = {}
         modes = {"on": "true", "off": "false"}
         servers = {}
@@ -95,7 +118,8 @@ def main() -> int:
                 f"{on_mem / off_mem:.2f}",
             ]
         )
-    print(f"model: TorchScript MLP, {size:.0f} MiB on disk; median of {args.repeat} runs; CPU workers")
+    style = "TorchScript" if args.style == "torchscript" else "state dict + load_state_dict script,"
+    print(f"model: {style} MLP, {size:.0f} MiB on disk; median of {args.repeat} runs; CPU workers")
     print(table(["workers", "LOAD s (on)", "LOAD s (off)", "on/off", "PSS MiB (on)", "PSS MiB (off)", "on/off"], rows))
     return 0
 
