@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,14 @@ class RunningServer:
     def backend_processes(self, model_name: str) -> list[psutil.Process]:
         """The model's backend server and all its workers."""
         return model_tree(self.descendants(), model_name)
+
+
+def invoke_many(server: RunningServer, name: str, body: str, count: int, clients: int = 8) -> list[dict[str, Any]]:
+    """``count`` invocations from ``clients`` threads at once; every answer must be 200. Returns the JSON bodies."""
+    with ThreadPoolExecutor(clients) as pool:
+        responses = list(pool.map(lambda _: server.invoke(name, body), range(count)))
+    assert [r.status_code for r in responses] == [200] * count, [r.text for r in responses if r.status_code != 200]
+    return [r.json() for r in responses]
 
 
 def find_backend_server(processes: list[psutil.Process], model_name: str) -> psutil.Process | None:

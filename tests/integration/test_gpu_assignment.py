@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import fake_nvidia_smi
 import model_factory
 import pytest
+import serving
 from serving import RunningServer, start_server
 
 GPUS = 2
@@ -39,10 +39,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, fake_gpus: Path) -> Iterato
 
 
 def invoke_many(server: RunningServer, name: str, count: int = 40) -> list[dict[str, object]]:
-    with ThreadPoolExecutor(WORKERS * 2) as pool:
-        responses = list(pool.map(lambda _: server.invoke(name, ROWS), range(count)))
-    assert [r.status_code for r in responses] == [200] * count, [r.text for r in responses if r.status_code != 200]
-    return [dict(r.json()) for r in responses]
+    return serving.invoke_many(server, name, ROWS, count, clients=WORKERS * 2)
 
 
 def test_each_worker_binds_the_gpu_the_frontend_assigned(server: RunningServer, fake_gpus: Path) -> None:
@@ -84,10 +81,6 @@ def test_device_query_that_poisons_forks_falls_back_to_loading_in_each_worker(se
 
     answers = invoke_many(server, "poisoned")
 
-    pids = {int(str(a["pid"])) for a in answers}
-    assert len(pids) == WORKERS
-    calls = model_factory.model_fn_calls(model_dir)
-    assert len(calls) == 1 + WORKERS  # the preload attempt, then one load per worker
-    assert pids <= set(calls)
+    assert model_factory.loaded_in_each_worker(model_dir, answers, WORKERS)
     assert {a["gpu_id"] for a in answers} == set(range(GPUS))
     assert "so forked workers would be refused CUDA" in server.log_text()

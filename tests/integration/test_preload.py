@@ -6,10 +6,10 @@ import json
 import os
 import signal
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import model_factory
 import pytest
+import serving
 import torch
 from serving import RunningServer, alive, start_server, wait_until
 
@@ -25,10 +25,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 
 
 def invoke_many(server: RunningServer, name: str, count: int = 30) -> list[dict[str, object]]:
-    with ThreadPoolExecutor(WORKERS * 2) as pool:
-        responses = list(pool.map(lambda _: server.invoke(name, ROWS), range(count)))
-    assert [r.status_code for r in responses] == [200] * count, [r.text for r in responses if r.status_code != 200]
-    return [dict(r.json()) for r in responses]
+    return serving.invoke_many(server, name, ROWS, count, clients=WORKERS * 2)
 
 
 def worker_pids(server: RunningServer, name: str) -> set[int]:
@@ -91,11 +88,7 @@ def test_model_fn_that_initialises_cuda_falls_back_to_loading_in_each_worker(ser
 
     answers = invoke_many(server, "cuda_in_parent")
 
-    pids = {int(str(a["pid"])) for a in answers}
-    assert len(pids) == WORKERS
-    calls = model_factory.model_fn_calls(model_dir)
-    assert len(calls) == 1 + WORKERS  # the preload attempt, then one load per worker
-    assert pids <= set(calls)
+    assert model_factory.loaded_in_each_worker(model_dir, answers, WORKERS)
     assert "preload off for this model: model_fn initialised CUDA" in server.log_text()
 
 
@@ -123,11 +116,9 @@ def test_model_fn_running_parallel_cpu_ops_leaves_workers_that_can_too(server: R
     model_dir = model_factory.wide_model(server.model_dir("wide"))
     assert server.load("wide").status_code == 200
 
-    with ThreadPoolExecutor(WORKERS * 2) as pool:
-        responses = list(pool.map(lambda _: server.invoke("wide", wide_rows()), range(4 * WORKERS)))
+    answers = serving.invoke_many(server, "wide", wide_rows(), 4 * WORKERS, clients=WORKERS * 2)
 
-    assert [r.status_code for r in responses] == [200] * 4 * WORKERS
-    assert len(responses[0].json()) == 64
+    assert all(len(rows) == 64 for rows in answers)
     assert len(model_factory.model_fn_calls(model_dir)) == 1
 
 
@@ -135,10 +126,8 @@ def test_model_fn_that_sets_its_own_threads_falls_back_instead_of_hanging_worker
     model_dir = model_factory.wide_model(server.model_dir("threads"), threads=2)
     assert server.load("threads").status_code == 200
 
-    with ThreadPoolExecutor(WORKERS * 2) as pool:
-        responses = list(pool.map(lambda _: server.invoke("threads", wide_rows()), range(4 * WORKERS)))
+    serving.invoke_many(server, "threads", wide_rows(), 4 * WORKERS, clients=WORKERS * 2)
 
-    assert [r.status_code for r in responses] == [200] * 4 * WORKERS
     assert len(model_factory.model_fn_calls(model_dir)) == 1 + WORKERS
     assert "preload off for this model: a forked child hung at its first parallel CPU op" in server.log_text()
 
@@ -148,9 +137,7 @@ def test_spawn_start_method_loads_in_each_fresh_worker(tmp_path_factory: pytest.
     with start_server(tmp_path_factory.mktemp("spawn"), env) as server:
         model_dir = model_factory.counting_model(server.model_dir("spawned"))
         assert server.load("spawned").status_code == 200
-        with ThreadPoolExecutor(4) as pool:
-            responses = list(pool.map(lambda _: server.invoke("spawned", ROWS), range(20)))
-        assert [r.status_code for r in responses] == [200] * 20
-        pids = {r.json()["pid"] for r in responses}
+        answers = serving.invoke_many(server, "spawned", ROWS, 20, clients=4)
+        pids = {a["pid"] for a in answers}
         assert len(pids) == 2
         assert sorted(model_factory.model_fn_calls(model_dir)) == sorted(pids)  # each spawned worker loaded once
