@@ -5,12 +5,14 @@ Two things poison such forks, and neither shows in the parent:
 * **CUDA.** torch refuses CUDA in a child whose parent initialised it, and also when the parent merely asked the
   CUDA runtime how many devices there are (``torch.cuda.device_count()`` where NVML fails), which leaves
   ``torch.cuda.is_initialized()`` false.
-* **OpenMP.** A parallel CPU op (``load_state_dict`` copying a large tensor, a matmul, a warm-up pass) leaves GNU
-  OpenMP's thread pool in the parent; a forked child believes those threads exist and waits for them forever at its
-  own first parallel op. Processes we fork from therefore run with one intra-op thread, which creates no pool, and
-  each worker sets its own count after fork.
+* **Thread pools.** A parallel CPU op (``load_state_dict`` copying a large tensor, a matmul, a warm-up pass) leaves
+  GNU OpenMP's thread pool in the parent; a forked child believes those threads exist and waits for them forever at
+  its own first parallel op. Processes we fork from therefore run with one intra-op thread, which creates no pool,
+  and each worker sets its own count after fork. TorchScript's ``fork`` starts torch's inter-op pool (threads named
+  ``PTThreadPool``), which a child waits on forever just the same; nothing prevents that one, so it is looked for.
 
-``probe`` forks a child that checks both and exits at once; a child still running after ``PROBE_SECONDS`` hangs.
+``probe`` looks for the inter-op pool, then forks a child that checks CUDA and runs a parallel op and exits at once;
+a child still running after ``PROBE_SECONDS`` hangs.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ PROBE_SECONDS = 5.0
 # Above torch's grain size (32768 elements), so the op runs as an OpenMP parallel region when threads > 1.
 PARALLEL_PROBE_ELEMENTS = 1 << 20
 CUDA_REFUSED_EXIT = 3
+INTEROP_THREAD_NAME = "PTThreadPool"  # what torch's c10 thread pools call their threads
 
 
 def single_threaded() -> None:
@@ -52,6 +55,11 @@ def set_threads(threads: int) -> None:
 def probe(threads: int, check_cuda: bool) -> str | None:
     """Why a child forked now could not serve (with ``threads`` intra-op threads, and CUDA if ``check_cuda``), or
     None when it can. Costs one fork and a millisecond of work."""
+    if INTEROP_THREAD_NAME in _thread_names():
+        return (
+            "model_fn started torch's inter-op thread pool (torch.jit.fork in TorchScript), "
+            "which forked workers would wait on forever"
+        )
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child's exit status is the answer
         die_with_parent(signal.SIGKILL)
@@ -85,3 +93,14 @@ def probe(threads: int, check_cuda: bool) -> str | None:
 def _in_bad_fork() -> bool:
     # A CPU-only torch has no CUDA to poison and answers False.
     return bool(torch.cuda._is_in_bad_fork())
+
+
+def _thread_names() -> set[str]:
+    names = set()
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{thread}/comm", encoding="utf-8") as comm:
+                names.add(comm.read().strip())
+        except OSError:
+            continue  # the thread ended meanwhile
+    return names

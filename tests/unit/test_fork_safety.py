@@ -5,8 +5,10 @@ Each test runs in a fresh interpreter: the OpenMP pool a parallel op leaves behi
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -16,10 +18,20 @@ BIG_COPY = "torch.empty(1 << 22).copy_(torch.ones(1 << 22))  # as load_state_dic
 
 
 def run(body: str) -> str:
+    """Runs ``body`` in a fresh interpreter, from a file (TorchScript needs the source); returns its output."""
     source = "import torch\nfrom mme_runtime import fork_safety\n" + textwrap.dedent(body)
-    result = subprocess.run(
-        [sys.executable, "-c", source], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
-    )
+    with tempfile.TemporaryDirectory() as directory:
+        script = Path(directory) / "probe_case.py"
+        script.write_text(source, encoding="utf-8")
+        result = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
     return result.stdout.strip()
 
 
@@ -47,6 +59,20 @@ def test_a_parallel_op_with_several_threads_is_caught_as_a_hang() -> None:
         """
     )
     assert output.startswith("2 a forked child hung at its first parallel CPU op (2 threads)")
+
+
+def test_torchscript_fork_in_the_parent_is_caught() -> None:
+    output = run(
+        """
+        @torch.jit.script
+        def ensemble(x: torch.Tensor) -> torch.Tensor:
+            return torch.jit.wait(torch.jit.fork(torch.neg, x))
+
+        ensemble(torch.ones(1))  # a warm-up pass of a model that runs branches in parallel
+        print(fork_safety.probe(threads=1, check_cuda=False))
+        """
+    )
+    assert output.startswith("model_fn started torch's inter-op thread pool")
 
 
 def test_a_cuda_refusing_child_is_reported() -> None:
