@@ -31,6 +31,7 @@ DEFAULT_THREADS = torch.get_num_threads()
 PROBE_SECONDS = 5.0
 # Above torch's grain size (32768 elements), so the op runs as an OpenMP parallel region when threads > 1.
 PARALLEL_PROBE_ELEMENTS = 1 << 20
+PROBE_THREADS = 2  # enough to need the pool; more would only cost thread creation
 CUDA_REFUSED_EXIT = 3
 INTEROP_THREAD_NAME = "PTThreadPool"  # what torch's c10 thread pools call their threads
 
@@ -54,19 +55,26 @@ def set_threads(threads: int) -> None:
 
 def probe(threads: int, check_cuda: bool) -> str | None:
     """Why a child forked now could not serve (with ``threads`` intra-op threads, and CUDA if ``check_cuda``), or
-    None when it can. Costs one fork and a millisecond of work."""
-    if INTEROP_THREAD_NAME in _thread_names():
+    None when it can. Free in a process with one thread and no CUDA to check (a server forked from the warm process
+    starts with one thread); otherwise one fork, 5 to 25 ms."""
+    names = _thread_names()
+    if INTEROP_THREAD_NAME in names:
         return (
             "model_fn started torch's inter-op thread pool (torch.jit.fork in TorchScript), "
             "which forked workers would wait on forever"
         )
+    # A lone thread means no pool exists to be lost in a fork; a worker with one thread never needs a pool.
+    check_pools = len(names) > 1 and threads > 1
+    if not (check_pools or check_cuda):
+        return None
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child's exit status is the answer
         die_with_parent(signal.SIGKILL)
         if check_cuda and _in_bad_fork():
             os._exit(CUDA_REFUSED_EXIT)
-        set_threads(threads)
-        torch.ones(PARALLEL_PROBE_ELEMENTS).add_(1)
+        if check_pools:
+            set_threads(PROBE_THREADS)
+            torch.ones(PARALLEL_PROBE_ELEMENTS).add_(1)
         os._exit(0)
     deadline = time.monotonic() + PROBE_SECONDS
     while True:
@@ -77,8 +85,8 @@ def probe(threads: int, check_cuda: bool) -> str | None:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             return (
-                f"a forked child hung at its first parallel CPU op ({threads} threads): model_fn left an OpenMP "
-                "thread pool behind (did it call torch.set_num_threads?)"
+                "a forked child hung at its first parallel CPU op: model_fn left an OpenMP thread pool behind "
+                "(did it call torch.set_num_threads?)"
             )
         time.sleep(0.005)
     code = os.waitstatus_to_exitcode(status)
@@ -95,12 +103,13 @@ def _in_bad_fork() -> bool:
     return bool(torch.cuda._is_in_bad_fork())
 
 
-def _thread_names() -> set[str]:
-    names = set()
+def _thread_names() -> list[str]:
+    """The names of this process's threads, one entry per thread."""
+    names = []
     for thread in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{thread}/comm", encoding="utf-8") as comm:
-                names.add(comm.read().strip())
+                names.append(comm.read().strip())
         except OSError:
             continue  # the thread ended meanwhile
     return names
