@@ -42,7 +42,7 @@ def model_fn(model_dir):
 """
 
 
-def big_model(model_dir: Path, size_mb: int, style: str) -> Path:
+def big_model(model_dir: Path, size_mb: int, style: str = "torchscript") -> Path:
     """An MLP of about ``size_mb`` MB of float32 weights, as TorchScript or as a state dict with its script."""
     layers = max(1, round(size_mb * 2**20 / (4 * (FEATURES * FEATURES + FEATURES))))
     torch.manual_seed(0)
