@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from mme_runtime.config import Config, read_properties
+from mme_runtime.config import Config
 from mme_runtime.errors import EXIT_CONFIG, ConfigError
 from mme_runtime.logs import ENTRYPOINT_FORMAT, configure_logging
 from mme_runtime.nvidia import gpu_count
@@ -36,11 +36,12 @@ def serve() -> int:
 
     workers = config.workers_per_model or max(1, gpu_count())
     properties_file = config.runtime_dir / "mms.properties"
-    write_properties(properties_file, mms_properties(config, mme, workers))
+    properties = mms_properties(config, mme, workers)
+    write_properties(properties_file, properties)
     home = prepare_mms_home(config.runtime_dir)
     logger.info("effective configuration: %s workers_per_model_effective=%d", config.describe(), workers)
 
-    command = frontend_command(config, properties_file, home, read_properties(properties_file).get("vmargs", ""))
+    command = frontend_command(config, properties_file, home, properties.get("vmargs", ""))
     env = config.child_environment({"MODEL_SERVER_HOME": str(home), "PYTHONUNBUFFERED": "1"})
     warm_command = [sys.executable, "-m", "mme_runtime.warm_start"] if config.warm_start else None
     supervisor = Supervisor(config=config, command=command, env=env, cwd=config.runtime_dir, warm_command=warm_command)

@@ -23,7 +23,7 @@ class DefaultPytorchInferenceHandler(DefaultInferenceHandler):  # type: ignore[m
 
     def default_model_fn(self, model_dir: str, context: Any = None) -> Any:
         """Loads ``model.pt``/``model.pth`` as TorchScript, to host memory; the server places it on the GPU."""
-        path = next((Path(model_dir) / name for name in MODEL_FILES if (Path(model_dir) / name).is_file()), None)
+        path = model_cache.model_file(Path(model_dir))
         if path is None:
             raise ModelLoadError(
                 f"no {' or '.join(MODEL_FILES)} in {model_dir}: save a TorchScript model there, "

@@ -9,9 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import shutil
 import tarfile
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,7 @@ from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
 
 from mme_runtime.errors import ModelLoadError
-from mme_runtime.locks import file_lock
+from mme_runtime.locks import build_once
 
 logger = logging.getLogger(__name__)
 
@@ -82,14 +80,10 @@ class CodeFetcher:
         bucket, key = parse_s3_uri(uri)
         etag = self._etag(uri, bucket, key)
         entry = self.cache_dir / _entry_name(uri, etag)
-        if entry.is_dir():
+        if build_once(entry, lambda staging: self._download_and_extract(uri, bucket, key, etag, staging)):
+            logger.info("code %s etag=%s fetched to %s", uri, etag, entry)
+        else:
             logger.info("code %s etag=%s cached at %s", uri, etag, entry)
-            return entry
-        with file_lock(self.cache_dir / f".{entry.name}.lock"):
-            if entry.is_dir():  # another process fetched it while we waited
-                return entry
-            self._download_and_extract(uri, bucket, key, etag, entry)
-        logger.info("code %s etag=%s fetched to %s", uri, etag, entry)
         return entry
 
     def _etag(self, uri: str, bucket: str, key: str) -> str:
@@ -99,22 +93,17 @@ class CodeFetcher:
             raise CodeFetchError(f"{uri}: {_describe(exc)}") from exc
         return str(head["ETag"]).strip('"')
 
-    def _download_and_extract(self, uri: str, bucket: str, key: str, etag: str, entry: Path) -> None:
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=self.cache_dir))
+    def _download_and_extract(self, uri: str, bucket: str, key: str, etag: str, staging: Path) -> Path:
+        archive = staging / "archive"
         try:
-            archive = staging / "archive"
-            try:
-                body = self.client.get_object(Bucket=bucket, Key=key, IfMatch=etag)["Body"]
-                with open(archive, "wb") as out:
-                    for chunk in iter(lambda: body.read(READ_CHUNK), b""):
-                        out.write(chunk)
-            except (ClientError, BotoCoreError) as exc:
-                raise CodeFetchError(f"{uri}: {_describe(exc)}") from exc
-            extract_archive(archive, staging / "code", uri)
-            (staging / "code").rename(entry)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            body = self.client.get_object(Bucket=bucket, Key=key, IfMatch=etag)["Body"]
+            with open(archive, "wb") as out:
+                for chunk in iter(lambda: body.read(READ_CHUNK), b""):
+                    out.write(chunk)
+        except (ClientError, BotoCoreError) as exc:
+            raise CodeFetchError(f"{uri}: {_describe(exc)}") from exc
+        extract_archive(archive, staging / "code", uri)
+        return staging / "code"
 
 
 def extract_archive(archive: Path, target: Path, uri: str) -> None:

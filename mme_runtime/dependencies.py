@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import shutil
 import subprocess
 import sys
-import tempfile
 from importlib import metadata
 from pathlib import Path
 
 from mme_runtime.errors import ModelLoadError
-from mme_runtime.locks import file_lock
+from mme_runtime.locks import build_once
 
 logger = logging.getLogger(__name__)
 
@@ -34,16 +32,11 @@ def install_requirements(code_dir: Path, cache_dir: Path, timeout_seconds: int) 
     requirements = code_dir / REQUIREMENTS
     if not requirements.is_file():
         return None
-    digest = hashlib.sha256(requirements.read_bytes()).hexdigest()[:24]
-    target = cache_dir / digest
-    if target.is_dir():
+    target = cache_dir / hashlib.sha256(requirements.read_bytes()).hexdigest()[:24]
+    if build_once(target, lambda staging: _pip_install(requirements, staging, timeout_seconds)):
+        logger.info("requirements %s installed at %s", requirements, target)
+    else:
         logger.info("requirements %s already installed at %s", requirements, target)
-        return target
-    with file_lock(cache_dir / f".{digest}.lock"):
-        if target.is_dir():
-            return target
-        _pip_install(requirements, cache_dir, target, timeout_seconds)
-    logger.info("requirements %s installed at %s", requirements, target)
     return target
 
 
@@ -54,36 +47,31 @@ def add_to_path(directory: Path) -> None:
         sys.path.append(entry)
 
 
-def _pip_install(requirements: Path, cache_dir: Path, target: Path, timeout_seconds: int) -> None:
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=cache_dir))
+def _pip_install(requirements: Path, staging: Path, timeout_seconds: int) -> Path:
+    constraints = staging / "constraints.txt"
+    constraints.write_text(_installed_pins())
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-input",
+        "--disable-pip-version-check",
+        "--target",
+        str(staging / "site"),
+        "--constraint",
+        str(constraints),
+        "--requirement",
+        str(requirements),
+    ]
     try:
-        constraints = staging / "constraints.txt"
-        constraints.write_text(_installed_pins())
-        command = [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-input",
-            "--disable-pip-version-check",
-            "--target",
-            str(staging / "site"),
-            "--constraint",
-            str(constraints),
-            "--requirement",
-            str(requirements),
-        ]
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_seconds)
-        except subprocess.TimeoutExpired as exc:
-            raise RequirementsError(f"{requirements}: pip did not finish within {timeout_seconds} s") from exc
-        if result.returncode != 0:
-            raise RequirementsError(f"{requirements}: pip failed: {_summary(result.stderr or result.stdout)}")
-        (staging / "site").rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_seconds)
+    except subprocess.TimeoutExpired as exc:
+        raise RequirementsError(f"{requirements}: pip did not finish within {timeout_seconds} s") from exc
+    if result.returncode != 0:
+        raise RequirementsError(f"{requirements}: pip failed: {_summary(result.stderr or result.stdout)}")
+    return staging / "site"
 
 
 def _installed_pins() -> str:

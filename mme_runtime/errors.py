@@ -12,7 +12,6 @@ from sagemaker_inference.errors import BaseInferenceToolkitError
 EXIT_OK = 0
 EXIT_CONFIG = 2
 EXIT_BOOT = 3
-EXIT_MODEL_LOAD = 4
 
 
 class ContainerError(BaseInferenceToolkitError):  # type: ignore[misc]

@@ -5,7 +5,6 @@ Runs in the preload server before fork as well as in workers: it never touches C
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import logging
 import re
@@ -20,10 +19,10 @@ from mms.service import Service
 from mme_runtime import devices, memory
 from mme_runtime.config import Config
 from mme_runtime.errors import InsufficientMemory
+from mme_runtime.processes import PR_SET_PDEATHSIG, prctl
 
 logger = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1
 # SageMaker's model names are opaque hashes; anything path-like is refused before it reaches a log, a module name
 # or a file name.
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
@@ -125,7 +124,4 @@ def load_model(
 
 def die_with_parent(signum: int) -> None:
     """Asks the kernel to send ``signum`` when our parent dies, so no process outlives its model."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
-    except (OSError, AttributeError):
-        logger.debug("prctl(PR_SET_PDEATHSIG) unavailable")
+    prctl(PR_SET_PDEATHSIG, int(signum), "PR_SET_PDEATHSIG")

@@ -1,10 +1,12 @@
-"""A file lock across processes: one fetch or install at a time, however many workers and models ask at once."""
+"""Cache directories built once across processes, however many workers and models ask for them at once."""
 
 from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Iterator
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,3 +22,23 @@ def file_lock(path: Path) -> Iterator[None]:
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def build_once(entry: Path, build: Callable[[Path], Path]) -> bool:
+    """Makes the cache directory ``entry`` unless it exists; True if this call built it.
+
+    ``build`` gets an empty staging directory beside ``entry`` and returns the directory inside it to move into
+    place, so a failure (its exception propagates) never leaves a half-written entry. One builder at a time, under a
+    file lock; whoever waited finds the entry made.
+    """
+    if entry.is_dir():
+        return False
+    with file_lock(entry.parent / f".{entry.name}.lock"):
+        if entry.is_dir():  # another process built it while we waited
+            return False
+        staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=entry.parent))
+        try:
+            build(staging).rename(entry)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return True

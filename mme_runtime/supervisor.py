@@ -6,8 +6,6 @@ It never imports torch.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
 import os
 import signal
@@ -27,11 +25,10 @@ from retrying import retry
 from mme_runtime.config import Config
 from mme_runtime.errors import EXIT_BOOT, EXIT_OK
 from mme_runtime.janitor import Janitor
-from mme_runtime.processes import exited_children
+from mme_runtime.processes import PR_SET_CHILD_SUBREAPER, exited_children, prctl
 
 logger = logging.getLogger(__name__)
 
-PR_SET_CHILD_SUBREAPER = 36
 LOG4J_CONFIG = Path(__file__).with_name("log4j2.xml")
 POLL_SECONDS = 0.2
 KILL_WAIT_SECONDS = 5.0
@@ -130,7 +127,7 @@ class Supervisor:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
         # Orphaned workers re-parent to us even when we are not PID 1, so we can reap and account for them.
-        _set_child_subreaper()
+        prctl(PR_SET_CHILD_SUBREAPER, 1, "PR_SET_CHILD_SUBREAPER")
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self._pending.append(signum)  # record only: no logging, no locks
@@ -307,12 +304,3 @@ def _ping(url: str) -> bool:
             return bool(response.status == 200)
     except (urllib.error.URLError, OSError):
         return False
-
-
-def _set_child_subreaper() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-            logger.debug("prctl(PR_SET_CHILD_SUBREAPER) failed: %s", errno.errorcode.get(ctypes.get_errno()))
-    except (OSError, AttributeError):
-        logger.debug("prctl is not available; orphaned workers are reaped by init")

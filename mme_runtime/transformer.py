@@ -141,13 +141,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         payload: bytes | str = content.utf8_text(raw) if content_type in content.TEXT_TYPES else raw
         started = time.monotonic()
         try:
-            if "transform_fn" in self._functions:
-                self._call("transform_fn", context, self._model, payload, content_type, self._config.default_accept)
-            else:
-                accept = self._config.default_accept
-                data = self._call("input_fn", context, payload, content_type)
-                prediction = self._call("predict_fn", context, data, self._model)
-                self._call("output_fn", context, prediction, accept)
+            self._answer(context, payload, content_type, self._config.default_accept)
         except Exception as exc:  # boundary: a sample the model cannot answer fails the LOAD, with the cause
             cause = exc.cause if isinstance(exc, _StepError) else exc
             raise _load_failure(context.model_name, f"warm-up request code/{sample}", cause) from exc
@@ -178,21 +172,26 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         return results
 
     def _transform_one(self, item: Any, request: InferenceContext) -> tuple[bytes, str]:
-        payload, parameter_type = _payload(item)
+        payload = _payload(item)
         if isinstance(payload, (bytes, bytearray, str)) and len(payload) > self._config.max_request_bytes:
             raise PayloadTooLarge(
                 f"request body of {len(payload)} bytes exceeds the limit of {self._config.max_request_bytes} "
                 "(SAGEMAKER_MAX_REQUEST_SIZE)"
             )
-        content_type = request.header("content-type") or parameter_type
+        content_type = request.header("content-type")
         accept = request.header("accept")
         if accept is None or accept.strip() in ("", content.ANY):
             accept = self._config.default_accept
         if isinstance(payload, (bytes, bytearray)) and content.media_type(content_type) in content.TEXT_TYPES:
             payload = content.utf8_text(payload)
+        return self._answer(request, payload, content_type, accept)
 
-        functions = self._functions
-        if "transform_fn" in functions:
+    def _answer(
+        self, request: InferenceContext, payload: Any, content_type: str | None, accept: str
+    ) -> tuple[bytes, str]:
+        """The contract on one payload (a request's, or the warm-up sample): ``transform_fn``, or ``input_fn``,
+        ``predict_fn`` and ``output_fn``. Returns the body and its content type."""
+        if "transform_fn" in self._functions:
             result = self._call("transform_fn", request, self._model, payload, content_type, accept)
         else:
             if self._negotiates_accept:
@@ -291,15 +290,15 @@ class _StepError(Exception):
         self.cause = cause
 
 
-def _payload(item: Any) -> tuple[Any, str | None]:
-    """The request body MMS hands over (parameter "body" for raw payloads) and its parameter content type."""
+def _payload(item: Any) -> Any:
+    """The request body MMS hands over (parameter "body" for raw payloads)."""
     if isinstance(item, Mapping):
         if "body" in item:
-            return item["body"], None
+            return item["body"]
         for value in item.values():
-            return value, None
+            return value
         raise InvalidInput("request has no body")
-    return item, None
+    return item
 
 
 def _to_bytes(result: Any) -> bytes:
