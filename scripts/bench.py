@@ -42,8 +42,9 @@ from pathlib import Path
 
 import requests
 from bench_preload import FEATURES, big_model
-from benchlib import Server, our_server, pss_mib, table
+from benchlib import Server, our_server, table
 from model_factory import IN_FEATURES, torchscript_model
+from serving import pss_mib
 from stock_stack import STOCK_VENV, ensure_venv, serve_isolated, stock_model_dir, stock_server
 
 STACKS = ("ours", "stock")

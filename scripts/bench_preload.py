@@ -24,7 +24,8 @@ from pathlib import Path
 
 import requests
 import torch
-from benchlib import our_server, pss_mib, serve, table
+from benchlib import Server, our_server, serve, table
+from serving import pss_mib
 
 FEATURES = 2048
 
@@ -57,20 +58,20 @@ def big_model(model_dir: Path, size_mb: int, style: str = "torchscript") -> Path
     return model_dir
 
 
-def measure(server_url: str, server: object, name: str, model_dir: Path, workers: int) -> tuple[float, float]:
+def measure(server: Server, name: str, model_dir: Path, workers: int) -> tuple[float, float]:
     started = time.perf_counter()
-    response = server.load(name, model_dir, initial_workers=workers)  # type: ignore[attr-defined]
+    response = server.load(name, model_dir, initial_workers=workers)
     load_seconds = time.perf_counter() - started
     if response.status_code != 200:
         raise RuntimeError(f"LOAD failed: {response.status_code} {response.text}")
     body = json.dumps([[0.0] * FEATURES])
     for _ in range(workers * 2):
         reply = requests.post(
-            f"{server_url}/models/{name}/invoke", data=body, headers={"Content-Type": "application/json"}, timeout=120
+            f"{server.url}/models/{name}/invoke", data=body, headers={"Content-Type": "application/json"}, timeout=120
         )
         reply.raise_for_status()
-    memory = pss_mib(server.model_tree(name))  # type: ignore[attr-defined]
-    server.unload(name)  # type: ignore[attr-defined]
+    memory = pss_mib(server.model_tree(name))
+    server.unload(name)
     return load_seconds, memory
 
 
@@ -97,9 +98,7 @@ def main() -> int:
                 for workers in args.workers:
                     for mode, server in servers.items():
                         name = f"big_{mode}_{workers}_{round_index}"
-                        results.setdefault((mode, workers), []).append(
-                            measure(server.url, server, name, model_dir, workers)
-                        )
+                        results.setdefault((mode, workers), []).append(measure(server, name, model_dir, workers))
 
     rows = []
     for workers in args.workers:

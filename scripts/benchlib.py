@@ -6,9 +6,7 @@ Benchmarks print tables; they never assert timings (machines here are noisy: com
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,18 +21,8 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-
-def free_port() -> int:
-    """A free port below 32767 (MMS 1.1.11 refuses higher ones)."""
-    for _ in range(200):
-        port = random.randint(20000, 32000)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port")
+from ports import free_port  # noqa: E402
+from serving import model_tree  # noqa: E402
 
 
 @dataclass
@@ -58,20 +46,7 @@ class Server:
 
     def model_tree(self, name: str) -> list[psutil.Process]:
         """The model's backend server and everything under it."""
-        from serving import model_tree
-
         return model_tree(self.tree(), name)
-
-
-def pss_mib(processes: Sequence[psutil.Process]) -> float:
-    """Proportional set size: shared (copy-on-write) pages are split between the processes sharing them."""
-    total = 0
-    for process in processes:
-        try:
-            total += process.memory_full_info().pss
-        except psutil.Error:
-            continue
-    return total / 2**20
 
 
 @contextmanager

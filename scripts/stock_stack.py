@@ -16,7 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
-from benchlib import REPO, Server, free_port, serve
+from benchlib import REPO, Server, serve
+from ports import free_port
 
 STOCK_VENV = REPO / ".bench-venv"
 # torch is pinned exactly: 2.13.0 resolves to the local CPU wheel, anything looser downloads gigabytes of CUDA.

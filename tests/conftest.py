@@ -1,9 +1,7 @@
-"""Markers by directory, the GPU and container gates, and helpers every suite shares."""
+"""Markers by directory, and the GPU and container gates."""
 
 from __future__ import annotations
 
-import random
-import socket
 from pathlib import Path
 
 import pytest
@@ -32,17 +30,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason="no CUDA device (nvidia-smi -L lists none)"))
         if "container" in item.keywords and not config.getoption("--run-container"):
             item.add_marker(pytest.mark.skip(reason="container suite runs only with --run-container"))
-
-
-def free_port() -> int:
-    """A free TCP port below 32767: MMS 1.1.11 refuses higher ones, and Linux hands out ephemeral ports above."""
-    for _ in range(200):
-        port = random.randint(20000, 32000)
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port between 20000 and 32000")

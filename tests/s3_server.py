@@ -19,7 +19,7 @@ from typing import Any
 
 import boto3
 import requests
-from conftest import free_port
+from ports import free_port
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",

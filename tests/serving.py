@@ -21,9 +21,9 @@ from typing import Any
 import psutil
 import pytest
 import requests
-from conftest import REPO, free_port
+from ports import free_port
 
-ENTRYPOINT = REPO / "dockerd-entrypoint.py"
+ENTRYPOINT = Path(__file__).resolve().parent.parent / "dockerd-entrypoint.py"
 START_TIMEOUT_SECONDS = 120
 REQUEST_TIMEOUT_SECONDS = 90
 
@@ -77,6 +77,12 @@ class RunningServer:
 
     def backend_server(self, model_name: str) -> psutil.Process | None:
         return find_backend_server(self.descendants(), model_name)
+
+    def worker_pids(self, model_name: str) -> set[int]:
+        """The pids of the model's workers (the backend server's children); the server must be running."""
+        backend = self.backend_server(model_name)
+        assert backend is not None, f"no backend server for {model_name}"
+        return {child.pid for child in backend.children()}
 
     def backend_processes(self, model_name: str) -> list[psutil.Process]:
         """The model's backend server and all its workers."""
@@ -134,6 +140,17 @@ def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             continue
     return running
+
+
+def pss_mib(processes: list[psutil.Process]) -> float:
+    """Proportional set size: shared (copy-on-write) pages are split between the processes sharing them."""
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_full_info().pss
+        except psutil.Error:
+            continue
+    return total / 2**20
 
 
 def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> bool:

@@ -29,11 +29,16 @@ def gpu_processes() -> set[int]:
     return {int(line) for line in output.split() if line.strip().isdigit()}
 
 
-@pytest.fixture(params=[2, 4], ids=lambda n: f"{n}-workers")
-def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RunningServer]:
-    env = {"SAGEMAKER_MODEL_SERVER_WORKERS": str(request.param)}
-    with start_server(tmp_path, env) as running:
-        running.workers = request.param  # type: ignore[attr-defined]
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}-workers")
+def workers(request: pytest.FixtureRequest) -> int:
+    return int(request.param)
+
+
+@pytest.fixture(scope="module")
+def server(workers: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """One server per worker count; each test loads a model of its own name."""
+    env = {"SAGEMAKER_MODEL_SERVER_WORKERS": str(workers)}
+    with start_server(tmp_path_factory.mktemp(f"gpu-{workers}"), env) as running:
         yield running
 
 
@@ -41,8 +46,7 @@ def serve_concurrently(server: RunningServer, name: str, count: int) -> list[dic
     return serving.invoke_many(server, name, ROWS, count)
 
 
-def test_every_worker_serves_on_its_gpu_and_none_dies(server: RunningServer) -> None:
-    workers = server.workers  # type: ignore[attr-defined]
+def test_every_worker_serves_on_its_gpu_and_none_dies(server: RunningServer, workers: int) -> None:
     model_dir = model_factory.counting_model(server.model_dir("gpu"))
     assert server.load("gpu").status_code == 200
 
@@ -65,14 +69,12 @@ def test_every_worker_serves_on_its_gpu_and_none_dies(server: RunningServer) -> 
     assert "Cannot re-initialize CUDA" not in log and "killed by" not in log
 
 
-def test_aws_style_model_fn_that_moves_to_cuda_still_serves_on_every_gpu(server: RunningServer) -> None:
-    workers = server.workers  # type: ignore[attr-defined]
+def test_aws_style_model_fn_that_moves_to_cuda_still_serves_on_every_gpu(server: RunningServer, workers: int) -> None:
     model_factory.state_dict_model(server.model_dir("aws"))
     assert server.load("aws").status_code == 200
     serving.invoke_many(server, "aws", json.dumps({"inputs": [[1, 2, 3, 4]]}), 10 * workers)
     assert "preload off for this model: model_fn initialised CUDA" in server.log_text()
-    backend = server.backend_server("aws")
-    assert backend is not None and len(backend.children()) == workers
+    assert len(server.worker_pids("aws")) == workers
 
 
 def test_toolkit_style_script_that_picks_cuda_gpu_id_serves_on_every_gpu(tmp_path: Path) -> None:
@@ -96,10 +98,11 @@ def test_toolkit_style_script_that_picks_cuda_gpu_id_serves_on_every_gpu(tmp_pat
 DEVICE_COUNT_QUERY = "    torch._C._cuda_getDeviceCount()\n"
 
 
-def test_device_count_query_in_model_fn_falls_back_instead_of_poisoning_forks(server: RunningServer) -> None:
+def test_device_count_query_in_model_fn_falls_back_instead_of_poisoning_forks(
+    server: RunningServer, workers: int
+) -> None:
     """Asking the CUDA runtime for the device count poisons forks while ``torch.cuda.is_initialized()`` stays
     false: the server's forked probe must catch it and load in every worker instead."""
-    workers = server.workers  # type: ignore[attr-defined]
     model_dir = model_factory.counting_model(server.model_dir("poison"))
     script = model_dir / "code" / "inference.py"
     signature = "def model_fn(model_dir, context):\n"

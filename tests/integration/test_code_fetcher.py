@@ -11,7 +11,7 @@ from pathlib import Path
 import boto3
 import model_factory
 import pytest
-from conftest import free_port
+from ports import free_port
 from s3_server import S3Server, start_s3
 
 from mme_runtime.code_fetcher import CodeFetcher, CodeFetchError

@@ -14,7 +14,7 @@ from pathlib import Path
 import model_factory
 import pytest
 import requests
-from conftest import free_port
+from ports import free_port
 from serving import ENTRYPOINT, alive, start_server
 
 

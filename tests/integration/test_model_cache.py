@@ -23,10 +23,6 @@ def mlp_model(model_dir: Path, size_mb: int) -> Path:
     return model_dir
 
 
-def count(server_log: str, text: str) -> int:
-    return server_log.count(text)
-
-
 def test_same_artifacts_under_two_names_load_once_and_are_released_on_unload(tmp_path: Path) -> None:
     with start_server(tmp_path) as server:
         model_dir = model_factory.torchscript_model(server.model_dir("artifacts"))
@@ -35,7 +31,7 @@ def test_same_artifacts_under_two_names_load_once_and_are_released_on_unload(tmp
         answers = [server.invoke(name, ROWS).json() for name in ("first", "second")]
         assert answers[0] == answers[1]
         log = server.log_text()
-        assert count(log, "model cache loaded") == 1 and count(log, "model cache hit") == 1
+        assert log.count("model cache loaded") == 1 and log.count("model cache hit") == 1
 
         assert server.unload("first").status_code == 200
         assert server.invoke("second", ROWS).json() == answers[0]  # still shared, still served
@@ -46,7 +42,7 @@ def test_same_artifacts_under_two_names_load_once_and_are_released_on_unload(tmp
         # Released means read from disk again on the next LOAD.
         assert server.load("third", model_dir).status_code == 200
         assert server.invoke("third", ROWS).json() == answers[0]
-        assert count(server.log_text(), "model cache loaded") == 2
+        assert server.log_text().count("model cache loaded") == 2
 
 
 def test_cache_is_bounded_and_evicts_the_least_recently_used(tmp_path: Path) -> None:
@@ -63,7 +59,7 @@ def test_cache_is_bounded_and_evicts_the_least_recently_used(tmp_path: Path) -> 
         assert wait_until(lambda: f"model cache released {small_a.resolve() / 'model.pt'}" in server.log_text(), 5)
         assert server.load("a-again", small_a).status_code == 200  # a is loaded again (and b makes way)
         log = server.log_text()
-        assert count(log, f"model cache loaded {small_a / 'model.pt'}") == 2
+        assert log.count(f"model cache loaded {small_a / 'model.pt'}") == 2
         for name in ("big", "a", "b", "a-again"):
             assert server.invoke(name, ROWS).status_code == 200
 

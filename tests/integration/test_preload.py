@@ -28,12 +28,6 @@ def invoke_many(server: RunningServer, name: str, count: int = 30) -> list[dict[
     return serving.invoke_many(server, name, ROWS, count, clients=WORKERS * 2)
 
 
-def worker_pids(server: RunningServer, name: str) -> set[int]:
-    backend = server.backend_server(name)
-    assert backend is not None
-    return {child.pid for child in backend.children()}
-
-
 def test_model_fn_runs_once_and_every_worker_serves(server: RunningServer) -> None:
     model_dir = model_factory.counting_model(server.model_dir("once"))
     assert server.load("once").status_code == 200
@@ -45,7 +39,7 @@ def test_model_fn_runs_once_and_every_worker_serves(server: RunningServer) -> No
     backend = server.backend_server("once")
     assert backend is not None and calls == [backend.pid]  # loaded in the server, before fork
     pids = {int(str(a["pid"])) for a in answers}
-    assert pids == worker_pids(server, "once")
+    assert pids == server.worker_pids("once")
     assert len(pids) == WORKERS
     assert {a["device"] for a in answers} == {"cpu"}
     assert {a["gpu_id"] for a in answers} == {None}  # no GPU here: the same path runs with the CPU
@@ -56,12 +50,12 @@ def test_model_fn_runs_once_and_every_worker_serves(server: RunningServer) -> No
 def test_killed_worker_is_replaced_without_a_second_model_fn(server: RunningServer) -> None:
     model_dir = model_factory.counting_model(server.model_dir("crash"))
     assert server.load("crash").status_code == 200
-    before = worker_pids(server, "crash")
+    before = server.worker_pids("crash")
     victim = sorted(before)[0]
 
     os.kill(victim, signal.SIGKILL)
 
-    assert wait_until(lambda: len(worker_pids(server, "crash") - {victim}) == WORKERS, 30)
+    assert wait_until(lambda: len(server.worker_pids("crash") - {victim}) == WORKERS, 30)
     answers = invoke_many(server, "crash")
     assert victim not in {a["pid"] for a in answers}
     assert len(model_factory.model_fn_calls(model_dir)) == 1

@@ -156,7 +156,7 @@ def test_load_outside_the_model_root_is_refused(server: RunningServer, url: str,
     assert response.status_code == status
     if status == 403:
         assert wait_until(lambda: "is outside the model root" in server.log_text(), 5)
-    if status == 403:  # the janitor clears what MMS leaves registered after a LOAD answered with our status
+        # The janitor clears what MMS leaves registered after a LOAD answered with our status.
         assert wait_until(lambda: server.log_text().count("unregistered outside, which MMS left") == cleared + 1, 10)
     assert server.describe("outside").status_code == 404
     assert server.invoke("a", ROWS).status_code == 200
@@ -172,9 +172,7 @@ def test_list_with_out_of_range_paging_still_answers(server: RunningServer, quer
 
 
 def test_worker_killed_mid_request_fails_that_request_fast_and_is_replaced(server: RunningServer) -> None:
-    backend = server.backend_server("slow")
-    assert backend is not None
-    [worker] = backend.children()
+    [worker] = server.worker_pids("slow")
     result: dict[str, object] = {}
 
     def call() -> None:
@@ -185,7 +183,7 @@ def test_worker_killed_mid_request_fails_that_request_fast_and_is_replaced(serve
     caller = threading.Thread(target=call)
     caller.start()
     time.sleep(1.0)
-    os.kill(worker.pid, signal.SIGKILL)
+    os.kill(worker, signal.SIGKILL)
     caller.join(timeout=20)
     assert not caller.is_alive()
     assert 500 <= int(str(result["status"])) < 600
@@ -230,9 +228,9 @@ def test_ping_stays_200_while_a_model_loads_and_after_one_fails(server: RunningS
 MEMORY_ERROR_SCRIPT = "def model_fn(model_dir):\n    raise MemoryError()\n"
 
 
-def reload_until_200(server: RunningServer, name: str, model_dir: object = None) -> bool:
+def reload_until_200(server: RunningServer, name: str) -> bool:
     """After a 507 the janitor clears MMS's leftover registration within a moment; the name is then free."""
-    return wait_until(lambda: server.load(name, model_dir).status_code == 200, 10, interval=0.3)  # type: ignore[arg-type]
+    return wait_until(lambda: server.load(name).status_code == 200, 10, interval=0.3)
 
 
 def test_model_larger_than_memory_answers_507_and_the_name_stays_usable(server: RunningServer) -> None:

@@ -12,7 +12,7 @@ import model_factory
 import psutil
 import pytest
 import requests
-from serving import RunningServer, alive, start_server, wait_until
+from serving import RunningServer, alive, pss_mib, start_server, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +29,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 
 
 def tree_pss_mib(server: RunningServer) -> float:
-    total = 0
-    for process in [psutil.Process(server.process.pid), *server.descendants()]:
-        try:
-            total += process.memory_full_info().pss
-        except psutil.Error:
-            continue
-    return total / 2**20
+    return pss_mib([psutil.Process(server.process.pid), *server.descendants()])
 
 
 def test_64_clients_across_3_models_without_a_failure(server: RunningServer) -> None:

@@ -72,6 +72,7 @@ def test_user_code_never_reaches_the_warm_process_or_another_model(server: Runni
     assert server.invoke("third", b"{}").json()["marks"] == ["third"]
 
 
+@pytest.mark.gpu  # without a driver libcuda is never loaded: only a GPU host can tell
 def test_warm_process_holds_no_cuda(server: RunningServer) -> None:
     maps = Path(f"/proc/{warm_process(server).pid}/maps").read_text()
     assert "libcuda.so" not in maps  # the driver library is loaded only when CUDA is initialised
@@ -120,7 +121,7 @@ def test_a_sample_request_warms_every_worker_at_load(tmp_path: Path) -> None:
         model_factory.write_code(model_dir, "[[1, 2, 3, 4]]", name="warmup.json")
         assert server.load("warmed").status_code == 200
         log = model_dir / "code" / "predictions.log"
-        workers = {child.pid for child in server.backend_server("warmed").children()}  # type: ignore[union-attr]
+        workers = server.worker_pids("warmed")
         assert set(map(int, log.read_text().split())) == workers  # one dry run per worker, before any invoke
         assert "warm-up request seconds=" in server.log_text()
 
