@@ -1,8 +1,8 @@
 """The handler MMS calls (``handler_service:handle``): the SageMaker contract with PyTorch defaults.
 
-The backend server calls ``preload`` once per model in its CUDA-free process (model to host memory) and
-``attach`` in each worker after the worker's GPU is bound. Plain MMS calls ``handle(None, context)`` to
-initialise, which does both in the worker.
+The backend server calls ``preload`` once per model in its CUDA-free process (model to host memory); each
+executor calls ``attach`` once its GPU is bound, then ``start_batcher``, and ``handle`` from one thread per frontend
+connection. Plain MMS calls ``handle(None, context)`` to initialise, which does both in its worker.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from sagemaker_inference.default_handler_service import DefaultHandlerService
 from inference_handler import DefaultPytorchInferenceHandler
 from mme_runtime.config import Config
 from mme_runtime.devices import worker_device
+from mme_runtime.serving_properties import ServingSettings
 from mme_runtime.transformer import Transformer
 
 
@@ -36,6 +37,14 @@ class HandlerService(DefaultHandlerService):  # type: ignore[misc]
     def attach(self, context: Any) -> None:
         """Places the model on this worker's device (``gpu_id`` is its CUDA ordinal here) and warms it up."""
         self.transformer.attach(context, worker_device(context.system_properties.get("gpu_id")))
+
+    def start_batcher(self) -> ServingSettings:
+        """The executor serves many connections from threads: forward passes go through one batcher from now on."""
+        return self.transformer.start_batcher()
+
+    def forget_connection(self) -> None:
+        """The calling connection's thread is done: the batcher stops waiting for its next request."""
+        self.transformer.forget_connection()
 
     def initialize(self, context: Any) -> None:
         """MMS's contract: everything in the worker (the toolkit's PYTHONPATH edit is not needed)."""
@@ -62,6 +71,14 @@ def preload(context: Any) -> None:
 
 def attach(context: Any) -> None:
     service().attach(context)
+
+
+def start_batcher() -> ServingSettings:
+    return service().start_batcher()
+
+
+def forget_connection() -> None:
+    service().forget_connection()
 
 
 def handle(data: list[Any] | None, context: Any) -> list[bytes] | None:

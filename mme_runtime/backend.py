@@ -1,11 +1,16 @@
 """The backend server MMS starts for each model, speaking MMS's own socket protocol (``mms.protocol``).
 
-With preload on, it runs ``model_fn`` once, to host memory, in this CUDA-free process with one intra-op thread,
-then forks one worker per frontend connection; each worker binds its assigned GPU before its first CUDA call and
-sets its own thread count. After ``model_fn`` a forked probe checks that workers could still use CUDA and run
-parallel CPU ops (``fork_safety``), and before every fork the server checks that CUDA is not initialised. A
-``model_fn`` that broke either makes the server re-execute itself with preload off for this model, so every worker
-loads for itself instead of dying or hanging after fork.
+Every frontend worker connects here. The server reads each connection's LOAD message, which names the GPU the
+frontend assigned it, and hands the connection to the model's executor for that device (``executor.py``), forking
+the executor for the first connection to each device. So a model has one process, and one copy of its weights, per
+device, however many workers the frontend runs.
+
+With preload on, the server runs ``model_fn`` once, to host memory, in this CUDA-free process with one intra-op
+thread, before its first fork; each executor binds its GPU before its first CUDA call and sets its own thread count.
+After ``model_fn`` a forked probe checks that executors could still use CUDA and run parallel CPU ops
+(``fork_safety``), and before every fork the server checks that CUDA is not initialised. A ``model_fn`` that broke
+either makes the server re-execute itself with preload off for this model, so each executor loads the model itself
+instead of dying or hanging after fork. A crashed executor is forked again when the frontend reconnects.
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 from mms.arg_parser import ArgParser
+from mms.protocol.otf_message_handler import LOAD_MSG, retrieve_msg
 
 from mme_runtime import devices, fork_safety, nvidia
 from mme_runtime.config import INHERITED_LIFELINE_FD, INHERITED_LISTEN_FD, INHERITED_PENDING_FD, Config
+from mme_runtime.executor import Assignment, hand_over, serve_executor
 from mme_runtime.loading import (
     LoadedModel,
     LoadFailure,
@@ -35,13 +43,15 @@ from mme_runtime.loading import (
     check_memory,
     die_with_parent,
     load_model,
+    refuse_load,
 )
 from mme_runtime.logs import configure_logging
-from mme_runtime.worker import serve_worker
 
 logger = logging.getLogger(__name__)
 
 ACCEPT_TIMEOUT_SECONDS = 1.0
+# The frontend sends its LOAD message as soon as it connects; a connection that does not is dropped.
+LOAD_MESSAGE_SECONDS = 10.0
 CHILD_STOP_SECONDS = 5.0
 # The frontend reads these exact lines on stdout to learn our pid and that we listen (WorkerLifeCycle).
 STARTED_LINE = "MMS worker started."
@@ -61,8 +71,14 @@ def main(lifeline: socket.socket | None = None) -> int:
     return server.run()
 
 
+@dataclass
+class _Executor:
+    process: multiprocessing.process.BaseProcess
+    control: socket.socket  # the server's end: connections for this device are handed over on it
+
+
 class BackendServer:
-    """Accepts one connection per MMS worker and forks a worker process to serve it (the pre-fork pattern)."""
+    """Accepts one connection per MMS worker and hands it to its device's executor, forked once per device."""
 
     def __init__(
         self, spec: ModelSpec, config: Config, listener: socket.socket, lifeline: socket.socket | None = None
@@ -71,7 +87,7 @@ class BackendServer:
         self.config = config
         self.listener = listener
         self.lifeline = lifeline
-        # A spawned worker starts from nothing, so preloading only pays with fork.
+        # A spawned executor starts from nothing, so preloading only pays with fork.
         self.preload = config.preload_model_gpu is not False and config.start_method == "fork"
         # Explicit, never the platform default (Python 3.14 changed it on Linux). Typed Any: typeshed's
         # overloads want a literal, not our Literal union.
@@ -79,7 +95,7 @@ class BackendServer:
         self.loaded: LoadedModel | None = None
         self.worker_threads = fork_safety.DEFAULT_THREADS
         self.load_failure: LoadFailure | None = None
-        self.workers: dict[int, multiprocessing.process.BaseProcess] = {}
+        self.executors: dict[int | None, _Executor] = {}  # by the frontend's GPU id (None: the CPU)
         self._pending: list[int] = []
 
     def run(self) -> int:
@@ -98,7 +114,7 @@ class BackendServer:
         )
         try:
             if self.config.inherited_pending_fd is not None:
-                self._start_worker(socket.socket(fileno=self.config.inherited_pending_fd))
+                self._route(socket.socket(fileno=self.config.inherited_pending_fd))
             while not self._pending:
                 self._reap()
                 connection = self._accept()
@@ -108,9 +124,9 @@ class BackendServer:
                 # (user code can os._exit or crash at import) before any of its workers got through.
                 if self.preload and self.loaded is None and self.load_failure is None:
                     self._preload(connection)
-                self._start_worker(connection)
+                self._route(connection)
         finally:
-            self._stop_workers()
+            self._stop_executors()
             self.listener.close()
         return 0
 
@@ -130,20 +146,20 @@ class BackendServer:
         self.worker_threads = fork_safety.threads_for_workers()
         reason = self._fork_hazard()
         if reason is not None:
-            self._fall_back_to_per_worker_loading(
+            self._fall_back_to_loading_per_executor(
                 f"{reason}; load to host memory in model_fn to get a single load", pending
             )
         logger.info("model=%s preloaded seconds=%.2f", self.spec.name, time.monotonic() - started)
 
     def _fork_hazard(self) -> str | None:
-        """Why workers forked from this server now could not use their GPU, or None when they can."""
+        """Why executors forked from this server now could not use their GPU, or None when they can."""
         if devices.cuda_initialized():
-            return "model_fn initialised CUDA in the preload server (forked workers could not use it)"
+            return "model_fn initialised CUDA in the preload server (forked executors could not use it)"
         # CUDA matters only where the frontend hands out GPUs (it counts them with nvidia-smi too): a CPU host with a
         # CUDA build of torch (and no NVML) poisons forks on any is_available(), and its workers never touch CUDA.
         return fork_safety.probe(self.worker_threads, check_cuda=nvidia.gpu_count() > 0)
 
-    def _fall_back_to_per_worker_loading(self, reason: str, pending: socket.socket) -> None:
+    def _fall_back_to_loading_per_executor(self, reason: str, pending: socket.socket) -> None:
         """Re-executes this server with preload off, keeping the listening socket, the connection in hand and
         those still queued."""
         logger.warning("model=%s preload off for this model: %s", self.spec.name, reason)
@@ -182,60 +198,108 @@ class BackendServer:
         connection.setblocking(True)
         return connection
 
-    def _start_worker(self, connection: socket.socket) -> None:
+    def _route(self, connection: socket.socket) -> None:
+        """Reads the connection's LOAD message and hands the connection to the executor of its device."""
         if self.preload and self.loaded is not None and devices.cuda_initialized():
-            # Never fork a worker that would die on its first CUDA call.
-            self._fall_back_to_per_worker_loading("CUDA was initialised in the preload server before fork", connection)
+            # Never fork an executor that would die on its first CUDA call.
+            reason = "CUDA was initialised in the preload server before fork"
+            self._fall_back_to_loading_per_executor(reason, connection)
+        try:
+            connection.settimeout(LOAD_MESSAGE_SECONDS)
+            command, message = retrieve_msg(connection)
+            connection.settimeout(None)
+            if command != LOAD_MSG:
+                raise ValueError(f"expected a LOAD message first, got {command!r}")
+        except (ValueError, OSError) as exc:
+            logger.warning("model=%s dropped a frontend connection: %s", self.spec.name, exc)
+            connection.close()
+            return
+        if self.load_failure is not None:
+            refuse_load(connection, self.load_failure, self.spec, self.config)
+            return
+        assignment = Assignment.from_load_message(message)
+        try:
+            for attempt in (1, 2):
+                executor = self.executors.get(assignment.gpu) or self._start_executor(assignment)
+                try:
+                    hand_over(executor.control, connection, assignment)
+                    break
+                except OSError:  # the executor died since the last reap: fork a fresh one, once
+                    self._reap(wait=True)
+                    if attempt == 2:
+                        raise
+        except OSError as exc:
+            logger.error("model=%s gpu=%s could not reach an executor: %s", self.spec.name, assignment.gpu, exc)
+        finally:
+            connection.close()  # the executor holds its own descriptor now
+
+    def _start_executor(self, assignment: Assignment) -> _Executor:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         process = self.context.Process(
-            target=serve_worker,
+            target=serve_executor,
             args=(
-                connection,
+                theirs,
                 self.spec,
                 self.config,
                 self.loaded,
-                self.load_failure,
+                assignment,
                 self.worker_threads,
-                self._inherited_fds(),
+                self._inherited_fds(ours),
             ),
             daemon=False,
         )
         process.start()
-        connection.close()
-        if process.pid is not None:
-            self.workers[process.pid] = process
-            logger.info("model=%s worker pid=%d started", self.spec.name, process.pid)
+        theirs.close()
+        executor = _Executor(process, ours)
+        self.executors[assignment.gpu] = executor
+        logger.info("model=%s gpu=%s executor pid=%s started", self.spec.name, assignment.gpu, process.pid)
+        return executor
 
-    def _inherited_fds(self) -> tuple[int, ...]:
-        """Descriptors a forked worker must close: the listener (a spawned worker inherits nothing)."""
+    def _inherited_fds(self, control: socket.socket) -> tuple[int, ...]:
+        """Descriptors a forked executor must close: the listener, the lifeline and the server's control ends (a
+        spawned executor inherits nothing)."""
         if self.config.start_method != "fork":
             return ()
         lifeline = () if self.lifeline is None else (self.lifeline.fileno(),)
-        return (self.listener.fileno(), *lifeline)
+        controls = tuple(executor.control.fileno() for executor in self.executors.values())
+        return (self.listener.fileno(), *lifeline, control.fileno(), *controls)
 
-    def _reap(self) -> None:
-        for pid, process in list(self.workers.items()):
+    def _reap(self, wait: bool = False) -> None:
+        for gpu, executor in list(self.executors.items()):
+            process = executor.process
+            if wait:
+                process.join(CHILD_STOP_SECONDS)
             if process.exitcode is None:
                 continue
-            del self.workers[pid]
+            del self.executors[gpu]
+            executor.control.close()
             code = process.exitcode
             if code < 0:
                 hint = " (perhaps out of memory)" if -code == signal.SIGKILL else ""
                 logger.warning(
-                    "model=%s worker pid=%d killed by %s%s", self.spec.name, pid, signal.Signals(-code).name, hint
+                    "model=%s gpu=%s executor pid=%d killed by %s%s",
+                    self.spec.name,
+                    gpu,
+                    process.pid,
+                    signal.Signals(-code).name,
+                    hint,
                 )
             else:
-                logger.info("model=%s worker pid=%d exited status=%d", self.spec.name, pid, code)
+                logger.info("model=%s gpu=%s executor pid=%d exited status=%d", self.spec.name, gpu, process.pid, code)
 
-    def _stop_workers(self) -> None:
-        for process in self.workers.values():
+    def _stop_executors(self) -> None:
+        processes = [executor.process for executor in self.executors.values()]
+        for process in processes:
             process.terminate()
         deadline = time.monotonic() + CHILD_STOP_SECONDS
-        for process in self.workers.values():
+        for process in processes:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.exitcode is None:
                 process.kill()
                 process.join(1.0)
-        self.workers.clear()
+        for executor in self.executors.values():
+            executor.control.close()
+        self.executors.clear()
 
 
 def _listener(args: argparse.Namespace, config: Config) -> socket.socket:

@@ -20,6 +20,9 @@ StartMethod = Literal["fork", "spawn"]
 # MMS 1.1.11 refuses ports at or above 32767 ("Invalid port number").
 MAX_MMS_PORT = 32766
 MIB = 1024 * 1024
+# Bounds of the batching settings, wherever they come from (environment, serving.properties).
+MAX_BATCH_SIZE = 1024
+MAX_BATCH_DELAY_MS = 60_000
 INHERITED_LISTEN_FD = "MME_BACKEND_LISTEN_FD"
 INHERITED_LIFELINE_FD = "MME_BACKEND_LIFELINE_FD"
 INHERITED_PENDING_FD = "MME_BACKEND_PENDING_FD"
@@ -124,6 +127,18 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "Host memory the warm process may hold for loaded TorchScript models shared by servers (0: no cache).",
     ),
     EnvVar(
+        "MME_BATCH_SIZE",
+        "1 (off)",
+        "batch_size",
+        "Requests per forward pass for models whose `serving.properties` sets no `batch_size` (see Batching).",
+    ),
+    EnvVar(
+        "MME_MAX_BATCH_DELAY_MS",
+        "10",
+        "max_batch_delay_ms",
+        "Longest a batch waits for more requests after a forward pass, for models that set no `max_batch_delay`.",
+    ),
+    EnvVar(
         "MME_S3_TIMEOUT_SECONDS",
         "30",
         "s3_timeout_seconds",
@@ -190,7 +205,7 @@ def _parse_bool(name: str, value: str) -> bool:
     raise ConfigError(f"{name}={value!r} is not a boolean (use true or false)")
 
 
-def _parse_int(name: str, value: str, minimum: int, maximum: int | None = None) -> int:
+def parse_int(name: str, value: str, minimum: int, maximum: int | None = None) -> int:
     try:
         number = int(value.strip())
     except ValueError as exc:
@@ -269,6 +284,8 @@ class Config:
     s3_timeout_seconds: int = 30
     model_cache_mb: int = 2048
     memory_headroom_mb: int = 256
+    batch_size: int = 1
+    max_batch_delay_ms: int = 10
     pip_timeout_seconds: int = 300
     properties_file: Path | None = None
     load_models: tuple[tuple[str, str], ...] = ()
@@ -298,19 +315,21 @@ class Config:
 
         take("SAGEMAKER_BIND_TO_PORT", "port", lambda n, v: _parse_port(n, v))
         take("SAGEMAKER_MULTI_MODEL", "multi_model", _parse_bool)
-        take("SAGEMAKER_MODEL_SERVER_WORKERS", "workers_per_model", lambda n, v: _parse_int(n, v, 1))
-        take("SAGEMAKER_MODEL_SERVER_TIMEOUT", "response_timeout_seconds", lambda n, v: _parse_int(n, v, 1))
-        take("SAGEMAKER_STARTUP_TIMEOUT", "startup_timeout_seconds", lambda n, v: _parse_int(n, v, 1))
-        take("SAGEMAKER_MAX_PAYLOAD_IN_MB", "max_request_bytes", lambda n, v: _parse_int(n, v, 1) * MIB)
-        take("SAGEMAKER_MAX_REQUEST_SIZE", "max_request_bytes", lambda n, v: _parse_int(n, v, 1))
+        take("SAGEMAKER_MODEL_SERVER_WORKERS", "workers_per_model", lambda n, v: parse_int(n, v, 1))
+        take("SAGEMAKER_MODEL_SERVER_TIMEOUT", "response_timeout_seconds", lambda n, v: parse_int(n, v, 1))
+        take("SAGEMAKER_STARTUP_TIMEOUT", "startup_timeout_seconds", lambda n, v: parse_int(n, v, 1))
+        take("SAGEMAKER_MAX_PAYLOAD_IN_MB", "max_request_bytes", lambda n, v: parse_int(n, v, 1) * MIB)
+        take("SAGEMAKER_MAX_REQUEST_SIZE", "max_request_bytes", lambda n, v: parse_int(n, v, 1))
         take("SAGEMAKER_CONTAINER_LOG_LEVEL", "log_level", _parse_log_level)
         take("SAGEMAKER_PROGRAM", "program", lambda n, v: v.strip())
         take("SAGEMAKER_SUBMIT_DIRECTORY", "submit_directory", lambda n, v: v.strip())
         take("MME_CACHE_DIR", "cache_dir", lambda n, v: Path(v).absolute())
-        take("MME_MEMORY_HEADROOM_MB", "memory_headroom_mb", lambda n, v: _parse_int(n, v, 0))
-        take("MME_MODEL_CACHE_MB", "model_cache_mb", lambda n, v: _parse_int(n, v, 0))
-        take("MME_S3_TIMEOUT_SECONDS", "s3_timeout_seconds", lambda n, v: _parse_int(n, v, 1))
-        take("MME_PIP_TIMEOUT_SECONDS", "pip_timeout_seconds", lambda n, v: _parse_int(n, v, 1))
+        take("MME_MEMORY_HEADROOM_MB", "memory_headroom_mb", lambda n, v: parse_int(n, v, 0))
+        take("MME_MODEL_CACHE_MB", "model_cache_mb", lambda n, v: parse_int(n, v, 0))
+        take("MME_BATCH_SIZE", "batch_size", lambda n, v: parse_int(n, v, 1, MAX_BATCH_SIZE))
+        take("MME_MAX_BATCH_DELAY_MS", "max_batch_delay_ms", lambda n, v: parse_int(n, v, 0, MAX_BATCH_DELAY_MS))
+        take("MME_S3_TIMEOUT_SECONDS", "s3_timeout_seconds", lambda n, v: parse_int(n, v, 1))
+        take("MME_PIP_TIMEOUT_SECONDS", "pip_timeout_seconds", lambda n, v: parse_int(n, v, 1))
         take("SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT", "default_accept", lambda n, v: v.strip())
         take("MME_PRELOAD_MODEL_GPU", "preload_model_gpu", _parse_bool)
         take("MME_START_METHOD", "start_method", _parse_start_method)
@@ -320,14 +339,14 @@ class Config:
         take("MME_LOAD_MODELS", "load_models", _parse_load_models)
         take("MME_MODEL_ROOT", "model_root", lambda n, v: Path(v).absolute())
         take("MME_ALLOW_ANY_MODEL_LOCATION", "allow_any_model_location", _parse_bool)
-        take("MME_START_ATTEMPTS", "start_attempts", lambda n, v: _parse_int(n, v, 1))
-        take("MME_STOP_GRACE_SECONDS", "stop_grace_seconds", lambda n, v: _parse_int(n, v, 1, 28))
+        take("MME_START_ATTEMPTS", "start_attempts", lambda n, v: parse_int(n, v, 1))
+        take("MME_STOP_GRACE_SECONDS", "stop_grace_seconds", lambda n, v: parse_int(n, v, 1, 28))
         take("JAVA_HOME", "java_home", lambda n, v: v.strip())
         take("CUDA_VISIBLE_DEVICES", "cuda_visible_devices", lambda n, v: v.strip())
         take("PYTORCH_NVML_BASED_CUDA_CHECK", "nvml_cuda_check", lambda n, v: v.strip())
-        take(INHERITED_LISTEN_FD, "inherited_listen_fd", lambda n, v: _parse_int(n, v, 0))
-        take(INHERITED_LIFELINE_FD, "inherited_lifeline_fd", lambda n, v: _parse_int(n, v, 0))
-        take(INHERITED_PENDING_FD, "inherited_pending_fd", lambda n, v: _parse_int(n, v, 0))
+        take(INHERITED_LISTEN_FD, "inherited_listen_fd", lambda n, v: parse_int(n, v, 0))
+        take(INHERITED_LIFELINE_FD, "inherited_lifeline_fd", lambda n, v: parse_int(n, v, 0))
+        take(INHERITED_PENDING_FD, "inherited_pending_fd", lambda n, v: parse_int(n, v, 0))
         return cls(**values)  # type: ignore[arg-type]
 
     @classmethod
@@ -369,6 +388,8 @@ class Config:
             "MME_S3_TIMEOUT_SECONDS": str(self.s3_timeout_seconds),
             "MME_MEMORY_HEADROOM_MB": str(self.memory_headroom_mb),
             "MME_MODEL_CACHE_MB": str(self.model_cache_mb),
+            "MME_BATCH_SIZE": str(self.batch_size),
+            "MME_MAX_BATCH_DELAY_MS": str(self.max_batch_delay_ms),
             "MME_PIP_TIMEOUT_SECONDS": str(self.pip_timeout_seconds),
             "PYTORCH_NVML_BASED_CUDA_CHECK": self.nvml_cuda_check,
         }
@@ -391,6 +412,6 @@ class Config:
 
 def _parse_port(name: str, value: str) -> int:
     try:
-        return _parse_int(name, value, 1, MAX_MMS_PORT)
+        return parse_int(name, value, 1, MAX_MMS_PORT)
     except ConfigError as exc:
         raise ConfigError(f"{exc} (MMS 1.1.11 cannot listen on port 32767 or above)") from exc

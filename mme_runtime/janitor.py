@@ -71,7 +71,7 @@ class Janitor:
     def _settle(self, model: str, age: float) -> bool:
         """True once nothing is left to do for ``model``."""
         url = self.base + urllib.parse.quote(model, safe="")
-        description = _get_json(url)
+        description = get_json(url)
         if description is None:
             # Not registered (yet): the frontend puts it back a moment after it answered the LOAD.
             return age > MARKER_LIFETIME_SECONDS
@@ -91,7 +91,7 @@ class Janitor:
         return True
 
 
-def _get_json(url: str) -> object | None:
+def get_json(url: str) -> object | None:
     try:
         with urllib.request.urlopen(url, timeout=REQUEST_TIMEOUT_SECONDS) as response:
             value: object = json.loads(response.read())

@@ -8,17 +8,22 @@ from __future__ import annotations
 import importlib
 import logging
 import re
+import socket
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from mms.protocol.otf_message_handler import create_load_model_response
 from mms.service import Service
 
 from mme_runtime import devices, memory
 from mme_runtime.config import Config
 from mme_runtime.errors import InsufficientMemory
+from mme_runtime.janitor import mark_failed_load
 from mme_runtime.processes import PR_SET_PDEATHSIG, prctl
 
 logger = logging.getLogger(__name__)
@@ -26,6 +31,11 @@ logger = logging.getLogger(__name__)
 # SageMaker's model names are opaque hashes; anything path-like is refused before it reaches a log, a module name
 # or a file name.
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+WORKER_BOOT_ERROR = 3
+LOG_DRAIN_SECONDS = 0.3
+# LOAD failures answered with their own status: 403 (outside the model root) and 507 (SageMaker evicts and
+# retries). A bad name is not among them: the janitor could not address a name holding "/" to clean it up.
+REPLIED_STATUSES = frozenset({403, 507})
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,25 @@ def load_model(
         )
         raise LoadFailure(status, f"model {spec.name}: {message}") from exc
     return LoadedModel(module, service)
+
+
+def refuse_load(connection: socket.socket, failure: LoadFailure, spec: ModelSpec, config: Config) -> None:
+    """Fails a frontend connection's LOAD with ``failure`` (its LOAD message already read) and closes it."""
+    # The cause is in the log: give the frontend's log reader a moment to take it before our answer or
+    # disconnect makes it stop reading.
+    sys.stdout.flush()
+    time.sleep(LOG_DRAIN_SECONDS)
+    try:
+        if failure.status in REPLIED_STATUSES:
+            # Statuses the platform acts on are answered; MMS then leaves the model half-registered, which the
+            # entrypoint's janitor unregisters (mme_runtime/janitor.py).
+            mark_failed_load(config.runtime_dir, spec.name, failure.status)
+            connection.sendall(create_load_model_response(failure.status, failure.message))
+        # Otherwise close without a reply: MMS fails the LOAD with 500 and unregisters the model cleanly.
+    except OSError as exc:
+        logger.info("model=%s frontend gone before its LOAD was refused: %s", spec.name, exc)
+    finally:
+        connection.close()
 
 
 def die_with_parent(signum: int) -> None:

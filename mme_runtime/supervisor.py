@@ -25,7 +25,9 @@ from retrying import retry
 from mme_runtime.config import Config
 from mme_runtime.errors import EXIT_BOOT, EXIT_OK
 from mme_runtime.janitor import Janitor
+from mme_runtime.nvidia import gpu_count
 from mme_runtime.processes import PR_SET_CHILD_SUBREAPER, exited_children, prctl
+from mme_runtime.scaler import Scaler
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +161,10 @@ class Supervisor:
             return self._stop()
         logger.info("MMS is serving on port %d", self.config.port)
         janitor = Janitor(self.config.runtime_dir, self.config.port)
+        scaler = Scaler(self.config.runtime_dir, self.config.port, gpu_count())
         while not self.stopping:
             janitor.sweep()
+            scaler.sweep()
             self._reap()
             if self.exit_status is not None:
                 logger.error("MMS exited on its own with status %d", self.exit_status)

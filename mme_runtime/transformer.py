@@ -1,8 +1,10 @@
 """The SageMaker contract for one model: load once, place on the worker's device once, then answer each request.
 
 ``load`` may run in the CUDA-free backend server before fork (model on host memory); ``attach`` runs in the
-worker after its GPU is bound. ``transform`` handles every item of a batch on its own: its own headers, content
-type, Accept and status, so one bad item never fails its neighbours. Tracebacks go to the log, never to clients.
+executor after its GPU is bound. ``transform`` takes each request through three stages: ``input_fn`` (its own
+headers, content type and Accept), ``predict_fn`` (through the batcher once ``start_batcher`` ran, so requests from
+many connections share a forward pass; inline otherwise) and ``output_fn``. Each request gets its own status, so one
+bad request never fails its neighbours. Tracebacks go to the log, never to clients.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import http
 import json
 import logging
+import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +23,14 @@ import torch
 from sagemaker_inference.errors import BaseInferenceToolkitError
 from sagemaker_inference.transformer import Transformer as ToolkitTransformer
 
-from mme_runtime import content
+from mme_runtime import collate, content
+from mme_runtime.batcher import Batcher, Job, group, run_batch
 from mme_runtime.code_fetcher import CodeFetcher, locate_code
 from mme_runtime.config import Config
 from mme_runtime.context import InferenceContext
 from mme_runtime.dependencies import add_to_path, install_requirements
 from mme_runtime.errors import ContainerError, InsufficientMemory, InvalidInput, ModelLoadError, PayloadTooLarge
+from mme_runtime.serving_properties import ServingSettings, read_settings
 from mme_runtime.user_code import UserCodeError, UserFunction, bind_functions, find_script, import_script
 
 logger = logging.getLogger(__name__)
@@ -39,6 +45,10 @@ WARMUP_SAMPLES = {"warmup.json": content.JSON, "warmup.csv": content.CSV, "warmu
 def is_out_of_memory(exc: BaseException) -> bool:
     """Host or device memory exhaustion, judged by type (never by the text "CUDA")."""
     return isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError))
+
+
+def is_client_error(exc: BaseException) -> bool:
+    return isinstance(exc, BaseInferenceToolkitError) and 400 <= int(exc.status_code) < 500
 
 
 def http_status(exc: BaseException) -> int:
@@ -76,10 +86,16 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         self._attached = False
         self._code_dir: Path | None = None
         self._negotiates_accept = True
+        self._settings = ServingSettings(1, 0, "none")
+        self._batcher: Batcher | None = None
 
     @property
     def model(self) -> Any:
         return self._model
+
+    @property
+    def settings(self) -> ServingSettings:
+        return self._settings
 
     def load(self, mms_context: Any, device: torch.device = HOST) -> None:
         """Imports the user's code and runs ``model_fn``: what the preload server does once per model."""
@@ -87,6 +103,10 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         model_dir = Path(context.model_dir)
         started = time.monotonic()
         config = self._config
+        try:
+            self._settings = read_settings(model_dir, config)
+        except ModelLoadError as exc:
+            raise _load_failure(context.model_name, "reading serving settings", exc) from exc
         code_dir, source = locate_code(
             model_dir, config.submit_directory, CodeFetcher(config.cache_dir / "code", config.s3_timeout_seconds)
         )
@@ -120,6 +140,17 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         """Places the loaded model on this worker's device and warms it up; runs in the worker."""
         if not self._loaded:
             self.load(mms_context, device)
+        properties = mms_context.system_properties
+        self._settings = self._settings.with_load_batch_size(int(properties.get("batch_size") or 1))
+        properties["batch_size"] = self._settings.batch_size  # what context.batch_size reports
+        if self._settings.batching and "transform_fn" in self._functions:
+            logger.warning(
+                "model=%s batch_size=%d ignored: transform_fn answers each request whole (batching needs "
+                "input_fn/predict_fn/output_fn)",
+                mms_context.model_name,
+                self._settings.batch_size,
+            )
+            self._settings = ServingSettings(1, 0, "transform_fn")
         self._context = InferenceContext(mms_context, device)
         try:
             self._model = place_model(self._model, device)
@@ -128,10 +159,33 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         self._run_load_step("model_warmup_fn", self._context, self._context.model_dir, self._model)
         self._dry_run(self._context)
         self._attached = True
-        logger.info("model=%s device=%s gpu=%s ready", self._context.model_name, device, self._context.gpu_id)
+        logger.info(
+            "model=%s device=%s gpu=%s batch_size=%d max_batch_delay_ms=%d (%s) ready",
+            self._context.model_name,
+            device,
+            self._context.gpu_id,
+            self._settings.batch_size,
+            self._settings.max_batch_delay_ms,
+            self._settings.source,
+        )
+
+    def start_batcher(self) -> ServingSettings:
+        """From now on ``transform`` may be called from many threads at once: their forward passes go through one
+        batcher (one at a time, gathered up to ``batch_size``). Called by the executor once the model is attached."""
+        assert self._context is not None, "attach first"
+        if self._batcher is None:
+            settings = self._settings
+            self._batcher = Batcher(
+                self._run_jobs, settings.batch_size, settings.max_batch_delay_ms, self._context.model_name
+            )
+        return self._settings
+
+    def forget_connection(self) -> None:
+        if self._batcher is not None:
+            self._batcher.forget(threading.get_ident())
 
     def _dry_run(self, context: InferenceContext) -> None:
-        """Answers the model's sample request (``code/warmup.json``, ``.csv`` or ``.npy``) once per worker, so
+        """Answers the model's sample request (``code/warmup.json``, ``.csv`` or ``.npy``) once per executor, so
         TorchScript profiling and lazy initialisation are paid at LOAD, not by the first caller."""
         sample = next((p for p in WARMUP_SAMPLES if self._code_dir and (self._code_dir / p).is_file()), None)
         if sample is None or self._code_dir is None:
@@ -140,11 +194,11 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         content_type = WARMUP_SAMPLES[sample]
         payload: bytes | str = content.utf8_text(raw) if content_type in content.TEXT_TYPES else raw
         started = time.monotonic()
-        try:
-            self._answer(context, payload, content_type, self._config.default_accept)
-        except Exception as exc:  # boundary: a sample the model cannot answer fails the LOAD, with the cause
-            cause = exc.cause if isinstance(exc, _StepError) else exc
-            raise _load_failure(context.model_name, f"warm-up request code/{sample}", cause) from exc
+        request = _Request(context, self._config.default_accept)
+        self._answer([request], [payload], [content_type])
+        if request.error is not None:  # a sample the model cannot answer fails the LOAD, with the cause
+            cause = request.error.cause if isinstance(request.error, _StepError) else request.error
+            raise _load_failure(context.model_name, f"warm-up request code/{sample}", cause) from request.error
         logger.info("model=%s warm-up request seconds=%.3f", context.model_name, time.monotonic() - started)
 
     def validate_and_initialize(self, model_dir: str | None = None, context: Any = None) -> None:
@@ -153,58 +207,110 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
             self.attach(context, HOST)
 
     def transform(self, data: list[Any], context: Any) -> list[bytes]:
+        """Answers one message's requests (MMS's ``context`` is this message's own); safe from many threads."""
         if not self._attached:
             self.validate_and_initialize(context=context)
         assert self._context is not None
         base = InferenceContext(context, self._context.device)
-        results = []
+        requests, payloads, content_types = [], [], []
         for index, item in enumerate(data):
-            request = base.for_request(index)
+            request = _Request(base.for_request(index), self._config.default_accept)
             try:
-                body, content_type = self._transform_one(item, request)
-            except Exception as exc:  # request boundary: answer this item with its status, log the traceback
-                if is_out_of_memory(exc):
+                payload, content_type = self._read(item, request)
+            except Exception as exc:  # request boundary: this request answers with its status
+                request.error, payload, content_type = exc, None, None
+            requests.append(request)
+            payloads.append(payload)
+            content_types.append(content_type)
+        self._answer(requests, payloads, content_types)
+        results = []
+        for index, request in enumerate(requests):
+            if request.error is not None:
+                if is_out_of_memory(request.error):
                     _release_cached_device_memory()  # so the next request finds the memory this one could not
-                body, content_type = self._error_response(exc, request)
-                context.set_response_status(http_status(exc), _phrase(http_status(exc)), index)
-            context.set_response_content_type(index, content_type)
-            results.append(body)
+                request.body, request.content_type = self._error_response(request.error, request.context)
+                status = http_status(request.error)
+                context.set_response_status(status, _phrase(status), index)
+            context.set_response_content_type(index, request.content_type)
+            results.append(request.body)
         return results
 
-    def _transform_one(self, item: Any, request: InferenceContext) -> tuple[bytes, str]:
+    def _read(self, item: Any, request: _Request) -> tuple[Any, str | None]:
+        """The request's payload and content type, with its Accept settled on ``request``."""
         payload = _payload(item)
         if isinstance(payload, (bytes, bytearray, str)) and len(payload) > self._config.max_request_bytes:
             raise PayloadTooLarge(
                 f"request body of {len(payload)} bytes exceeds the limit of {self._config.max_request_bytes} "
                 "(SAGEMAKER_MAX_REQUEST_SIZE)"
             )
-        content_type = request.header("content-type")
-        accept = request.header("accept")
-        if accept is None or accept.strip() in ("", content.ANY):
-            accept = self._config.default_accept
+        content_type = request.context.header("content-type")
+        accept = request.context.header("accept")
+        if accept is not None and accept.strip() not in ("", content.ANY):
+            request.accept = accept
         if isinstance(payload, (bytes, bytearray)) and content.media_type(content_type) in content.TEXT_TYPES:
             payload = content.utf8_text(payload)
-        return self._answer(request, payload, content_type, accept)
+        return payload, content_type
 
-    def _answer(
-        self, request: InferenceContext, payload: Any, content_type: str | None, accept: str
-    ) -> tuple[bytes, str]:
-        """The contract on one payload (a request's, or the warm-up sample): ``transform_fn``, or ``input_fn``,
-        ``predict_fn`` and ``output_fn``. Returns the body and its content type."""
-        if "transform_fn" in self._functions:
-            result = self._call("transform_fn", request, self._model, payload, content_type, accept)
+    def _answer(self, requests: list[_Request], payloads: list[Any], content_types: list[str | None]) -> None:
+        """The contract on requests that have no error yet: ``input_fn`` for each, one ``predict_fn`` per batch,
+        ``output_fn`` for each (or ``transform_fn`` for each, alone). Sets each request's body or error."""
+        jobs = []
+        for request, payload, content_type in zip(requests, payloads, content_types, strict=True):
+            if request.error is None:
+                try:
+                    jobs.append(self._decode(request, payload, content_type))
+                except Exception as exc:  # request boundary
+                    request.error = exc
+        if self._batcher is not None:
+            self._batcher.submit(jobs)
         else:
-            if self._negotiates_accept:
-                # Decided before any work, so an Accept we cannot produce costs the caller nothing.
-                accept = content.negotiate(accept, self._config.default_accept)
-            data = self._call("input_fn", request, payload, content_type)
-            prediction = self._call("predict_fn", request, data, self._model)
-            result = self._call("output_fn", request, prediction, accept)
+            for batch in group(jobs, self._settings.batch_size):
+                self._run_jobs(batch)
+        for job in jobs:
+            request = job.request
+            if job.error is not None:
+                request.error = job.error
+                continue
+            try:
+                self._encode(request, job.result)
+            except Exception as exc:  # request boundary
+                request.error = exc
 
-        response_type = accept
+    def _decode(self, request: _Request, payload: Any, content_type: str | None) -> Job:
+        """``input_fn``, or for ``transform_fn`` the raw request: a job for the batcher."""
+        if "transform_fn" in self._functions:
+            return Job((payload, content_type, request.accept), request, None, 1, threading.get_ident())
+        if self._negotiates_accept:
+            # Decided before any work, so an Accept we cannot produce costs the caller nothing.
+            request.accept = content.negotiate(request.accept, self._config.default_accept)
+        data = self._call("input_fn", request.context, payload, content_type)
+        signature = collate.signature(data) if self._settings.batching else None
+        rows = collate.rows(data) if signature is not None else 1
+        return Job(data, request, signature, rows, threading.get_ident())
+
+    def _run_jobs(self, jobs: list[Job]) -> None:
+        """One forward pass: ``predict_fn`` on the batch (``transform_fn`` on a lone request)."""
+        if "transform_fn" in self._functions:
+            for job in jobs:
+                try:
+                    job.result = self._call("transform_fn", job.request.context, self._model, *job.data)
+                except Exception as exc:  # request boundary
+                    job.error = exc
+            return
+        run_batch(jobs, self._predict, self._context, _retry_in_halves)
+
+    def _predict(self, data: Any, request: _Request | InferenceContext) -> Any:
+        """``predict_fn`` with a lone request's own context, or the model's for a batch."""
+        context = request.context if isinstance(request, _Request) else request
+        return self._call("predict_fn", context, data, self._model)
+
+    def _encode(self, request: _Request, result: Any) -> None:
+        if "transform_fn" not in self._functions:
+            result = self._call("output_fn", request.context, result, request.accept)
+        response_type = request.accept
         if isinstance(result, tuple):
             result, response_type = result
-        return _to_bytes(result), str(response_type)
+        request.body, request.content_type = _to_bytes(result), str(response_type)
 
     def _call(self, name: str, context: InferenceContext, *args: Any) -> Any:
         try:
@@ -279,6 +385,26 @@ def _load_failure(model_name: str, step: str, exc: Exception) -> ContainerError:
     if is_out_of_memory(exc):
         return InsufficientMemory(message)
     return ModelLoadError(message)
+
+
+@dataclass(eq=False)
+class _Request:
+    """One request on its way through the contract: its context, the Accept it is answered with, and the answer."""
+
+    context: InferenceContext
+    accept: str
+    body: bytes = b""
+    content_type: str = ERROR_CONTENT_TYPE
+    error: Exception | None = None
+
+
+def _retry_in_halves(exc: BaseException) -> bool:
+    """A failed batch is retried in halves when a smaller one may pass: out of memory (after freeing the cached
+    device memory), or a client error that one of its requests may have caused alone."""
+    if is_out_of_memory(exc):
+        _release_cached_device_memory()
+        return True
+    return is_client_error(exc)
 
 
 class _StepError(Exception):

@@ -284,12 +284,12 @@ def model_fn_calls(model_dir: Path) -> list[int]:
     return [int(line) for line in log.read_text().split()] if log.exists() else []
 
 
-def loaded_in_each_worker(model_dir: Path, answers: list[dict[str, object]], workers: int) -> bool:
-    """Whether preload fell back: ``workers`` distinct pids answered, and each ran ``model_fn`` after the server's
-    own attempt."""
+def loaded_in_each_executor(model_dir: Path, answers: list[dict[str, object]], executors: int) -> bool:
+    """Whether preload fell back: ``executors`` distinct pids (one per device) answered, and each ran ``model_fn``
+    after the server's own attempt."""
     pids = {int(str(answer["pid"])) for answer in answers}
     calls = model_fn_calls(model_dir)
-    return len(pids) == workers and len(calls) == 1 + workers and pids <= set(calls)
+    return len(pids) == executors and len(calls) == 1 + executors and pids <= set(calls)
 
 
 # A state dict big enough that torch's CPU ops run in parallel (OpenMP) when model_fn loads it and warms it up.

@@ -151,7 +151,7 @@ def test_three_workers_and_two_models_loading_at_once_fetch_once(s3: S3Server, t
         assert [r.status_code for r in loads] == [200, 200]
         assert version_of(server, "first") == version_of(server, "second") == "shared"
         assert s3.requests_for("GET", BUCKET, key) == 1
-        assert s3.requests_for("HEAD", BUCKET, key) >= 6
+        assert s3.requests_for("HEAD", BUCKET, key) >= 2
 
 
 def test_requirements_are_installed_and_imported(tmp_path: Path) -> None:

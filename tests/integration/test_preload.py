@@ -1,4 +1,5 @@
-"""GPU-safe preload, proven on the CPU through the same code path: one model_fn, every worker serving."""
+"""GPU-safe preload, proven on the CPU through the same code path: one model_fn, one executor serving every
+worker connection of its device (here the CPU)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def invoke_many(server: RunningServer, name: str, count: int = 30) -> list[dict[
     return serving.invoke_many(server, name, ROWS, count, clients=WORKERS * 2)
 
 
-def test_model_fn_runs_once_and_every_worker_serves(server: RunningServer) -> None:
+def test_model_fn_runs_once_and_one_executor_serves_every_worker(server: RunningServer) -> None:
     model_dir = model_factory.counting_model(server.model_dir("once"))
     assert server.load("once").status_code == 200
 
@@ -40,22 +41,24 @@ def test_model_fn_runs_once_and_every_worker_serves(server: RunningServer) -> No
     assert backend is not None and calls == [backend.pid]  # loaded in the server, before fork
     pids = {int(str(a["pid"])) for a in answers}
     assert pids == server.worker_pids("once")
-    assert len(pids) == WORKERS
+    assert len(pids) == 1  # 3 workers, 1 device: one executor holds the one copy of the weights
     assert {a["device"] for a in answers} == {"cpu"}
     assert {a["gpu_id"] for a in answers} == {None}  # no GPU here: the same path runs with the CPU
-    # The server loads single-threaded (fork_safety); its workers get torch's default back.
+    # The server loads single-threaded (fork_safety); its executor gets torch's default back.
     assert {a["threads"] for a in answers} == {torch.get_num_threads()}
+    description = server.describe("once").json()
+    assert len(description["workers"]) == WORKERS  # every frontend worker connected, to that one executor
 
 
-def test_killed_worker_is_replaced_without_a_second_model_fn(server: RunningServer) -> None:
+def test_killed_executor_is_replaced_without_a_second_model_fn(server: RunningServer) -> None:
     model_dir = model_factory.counting_model(server.model_dir("crash"))
     assert server.load("crash").status_code == 200
-    before = server.worker_pids("crash")
-    victim = sorted(before)[0]
+    [victim] = server.worker_pids("crash")
 
     os.kill(victim, signal.SIGKILL)
 
-    assert wait_until(lambda: len(server.worker_pids("crash") - {victim}) == WORKERS, 30)
+    assert wait_until(lambda: len(server.worker_pids("crash") - {victim}) == 1, 30)
+    assert wait_until(lambda: server.invoke("crash", ROWS).status_code == 200, 30)
     answers = invoke_many(server, "crash")
     assert victim not in {a["pid"] for a in answers}
     assert len(model_factory.model_fn_calls(model_dir)) == 1
@@ -66,7 +69,7 @@ def test_unload_leaves_no_process_of_the_model(server: RunningServer) -> None:
     model_factory.counting_model(server.model_dir("gone"))
     assert server.load("gone").status_code == 200
     processes = server.backend_processes("gone")
-    assert len(processes) == WORKERS + 1
+    assert len(processes) == 2  # the server and its one executor
 
     assert server.unload("gone").status_code == 200
 
@@ -74,7 +77,7 @@ def test_unload_leaves_no_process_of_the_model(server: RunningServer) -> None:
     assert server.backend_processes("gone") == []
 
 
-def test_model_fn_that_initialises_cuda_falls_back_to_loading_in_each_worker(server: RunningServer) -> None:
+def test_model_fn_that_initialises_cuda_falls_back_to_loading_in_each_executor(server: RunningServer) -> None:
     """On this CPU-only machine, CUDA initialisation is simulated by a test double of the CUDA probe that the
     model's own model_fn installs (see model_factory.COUNTING_SCRIPT); on a GPU it is a real ``.to("cuda")``."""
     model_dir = model_factory.counting_model(server.model_dir("cuda_in_parent"), fake_cuda_init=True)
@@ -82,7 +85,7 @@ def test_model_fn_that_initialises_cuda_falls_back_to_loading_in_each_worker(ser
 
     answers = invoke_many(server, "cuda_in_parent")
 
-    assert model_factory.loaded_in_each_worker(model_dir, answers, WORKERS)
+    assert model_factory.loaded_in_each_executor(model_dir, answers, 1)
     assert "preload off for this model: model_fn initialised CUDA" in server.log_text()
 
 
@@ -94,7 +97,7 @@ def test_poisoned_forks_keep_preload_where_no_gpu_is_assigned(server: RunningSer
 
     answers = invoke_many(server, "cpu_host")
 
-    assert len({a["pid"] for a in answers}) == WORKERS
+    assert len({a["pid"] for a in answers}) == 1
     assert len(model_factory.model_fn_calls(model_dir)) == 1
     assert "refused CUDA" not in server.log_text()
 
@@ -122,16 +125,16 @@ def test_model_fn_that_sets_its_own_threads_falls_back_instead_of_hanging_worker
 
     serving.invoke_many(server, "threads", wide_rows(), 4 * WORKERS, clients=WORKERS * 2)
 
-    assert len(model_factory.model_fn_calls(model_dir)) == 1 + WORKERS
+    assert len(model_factory.model_fn_calls(model_dir)) == 1 + 1  # the server's, then its executor's
     assert "preload off for this model: a forked child hung at its first parallel CPU op" in server.log_text()
 
 
-def test_spawn_start_method_loads_in_each_fresh_worker(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_spawn_start_method_loads_in_a_fresh_executor(tmp_path_factory: pytest.TempPathFactory) -> None:
     env = {"SAGEMAKER_MODEL_SERVER_WORKERS": "2", "MME_START_METHOD": "spawn"}
     with start_server(tmp_path_factory.mktemp("spawn"), env) as server:
         model_dir = model_factory.counting_model(server.model_dir("spawned"))
         assert server.load("spawned").status_code == 200
         answers = serving.invoke_many(server, "spawned", ROWS, 20, clients=4)
         pids = {a["pid"] for a in answers}
-        assert len(pids) == 2
-        assert sorted(model_factory.model_fn_calls(model_dir)) == sorted(pids)  # each spawned worker loaded once
+        assert len(pids) == 1
+        assert sorted(model_factory.model_fn_calls(model_dir)) == sorted(pids)  # the spawned executor loaded once

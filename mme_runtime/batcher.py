@@ -1,0 +1,175 @@
+"""Dynamic batching: requests to one model on one device, gathered into one ``predict_fn`` call.
+
+Each frontend connection's thread submits its decoded requests (``Job``) and waits; one dispatcher thread runs the
+forward passes, one at a time. When it is idle a request is dispatched at once, so a lone client pays no delay.
+While a pass runs, what arrives queues up. After a pass, the dispatcher waits for the connections it has just
+answered to send their next request (a busy client comes straight back), but never longer than ``max_delay``
+after the pass and never beyond ``batch_size`` requests. Only requests with the same collation signature share a
+batch; the oldest waiting request decides which signature goes next.
+
+A batch that fails with a retryable error (out of memory, or a client error that one request may have caused) is
+split in halves and retried, so the error lands on the request that caused it, alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mme_runtime.collate import Signature, SplitError, collate, split
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's decoded input, waiting for its share of a forward pass."""
+
+    data: Any
+    request: Any  # what the job answers (the contract's request); a lone job's predict gets it as its context
+    signature: Signature | None  # None: runs alone
+    rows: int
+    source: int  # the connection (its thread) that submitted it
+    result: Any = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def group(jobs: Iterable[Job], batch_size: int) -> list[list[Job]]:
+    """Jobs in batches of at most ``batch_size`` with one signature each, in order of their first job."""
+    batches: list[list[Job]] = []
+    open_batches: dict[Signature, list[Job]] = {}
+    for job in jobs:
+        batch = open_batches.get(job.signature) if job.signature is not None else None
+        if batch is None or len(batch) >= batch_size:
+            batch = [job]
+            batches.append(batch)
+            if job.signature is not None:
+                open_batches[job.signature] = batch
+        else:
+            batch.append(job)
+    return batches
+
+
+def run_batch(
+    jobs: list[Job],
+    predict: Callable[[Any, Any], Any],
+    batch_context: Any,
+    retry_in_halves: Callable[[BaseException], bool],
+) -> None:
+    """One ``predict`` call for ``jobs`` (collated), each job getting its rows of the prediction or the error.
+
+    A lone job's ``predict`` gets its own request; a batch's gets ``batch_context`` (the model's, with no request's
+    headers).
+    ``retry_in_halves`` says whether a batch that failed with an error is run again in two halves (and may free
+    memory first).
+    """
+    try:
+        if len(jobs) == 1:
+            jobs[0].result = predict(jobs[0].data, jobs[0].request)
+            return
+        prediction = predict(collate([job.data for job in jobs]), batch_context)
+        for job, part in zip(jobs, split(prediction, [job.rows for job in jobs]), strict=True):
+            job.result = part
+        return
+    except SplitError as exc:
+        for job in jobs:
+            job.error = exc
+        return
+    except Exception as exc:  # noqa: BLE001 - each request of the batch answers with it, unless halves retry
+        if len(jobs) == 1 or not retry_in_halves(exc):
+            for job in jobs:
+                job.error = exc
+            return
+        logger.info("batch of %d failed (%s): retrying in halves", len(jobs), type(exc).__name__)
+    # Retried outside the handler, so the failed pass's frames (and their tensors) are already released.
+    half = len(jobs) // 2
+    run_batch(jobs[:half], predict, batch_context, retry_in_halves)
+    run_batch(jobs[half:], predict, batch_context, retry_in_halves)
+
+
+class Batcher:
+    """The queue in front of one device's forward passes, and the thread that runs them."""
+
+    def __init__(self, run: Callable[[list[Job]], None], batch_size: int, max_delay_ms: float, name: str) -> None:
+        self._run = run
+        self.batch_size = batch_size
+        self.max_delay = max_delay_ms / 1000.0
+        self._queue: deque[Job] = deque()
+        self._ready = threading.Condition()
+        # Connections answered by the last pass, still expected back, and until when they are waited for.
+        self._awaited: set[int] = set()
+        self._awaited_until = 0.0
+        self._thread = threading.Thread(target=self._dispatch_forever, name=f"batcher-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Queues ``jobs`` (one connection's requests) and returns once each has its result or error."""
+        if not jobs:
+            return
+        with self._ready:
+            self._queue.extend(jobs)
+            self._awaited.discard(jobs[0].source)
+            self._ready.notify()
+        for job in jobs:
+            job.done.wait()
+
+    def forget(self, source: int) -> None:
+        """A connection that closed will send nothing more: stop waiting for it."""
+        with self._ready:
+            self._awaited.discard(source)
+            self._ready.notify()
+
+    def _dispatch_forever(self) -> None:
+        while True:
+            batch = self._next_batch()
+            try:
+                self._run(batch)
+            except BaseException as exc:  # noqa: BLE001 - the runner answers its own errors; this is a last guard
+                logger.exception("batch runner failed")
+                for job in batch:
+                    if job.result is None and job.error is None:
+                        job.error = exc
+            with self._ready:
+                self._awaited = {job.source for job in batch}
+                self._awaited_until = time.monotonic() + self.max_delay
+            for job in batch:  # after _awaited is set: an answered connection may be back at once
+                job.done.set()
+
+    def _next_batch(self) -> list[Job]:
+        with self._ready:
+            while not self._queue:
+                self._ready.wait()
+            while not self._full() and self._awaited:
+                remaining = self._awaited_until - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._ready.wait(remaining)
+            return self._take()
+
+    def _full(self) -> bool:
+        head = self._queue[0].signature
+        if head is None or self.batch_size == 1:
+            return True
+        return sum(1 for job in self._queue if job.signature == head) >= self.batch_size
+
+    def _take(self) -> list[Job]:
+        """The oldest job and up to ``batch_size - 1`` more of its signature; the rest stay queued in order."""
+        head = self._queue.popleft()
+        batch = [head]
+        if head.signature is None:
+            return batch
+        kept: deque[Job] = deque()
+        while self._queue:
+            job = self._queue.popleft()
+            if len(batch) < self.batch_size and job.signature == head.signature:
+                batch.append(job)
+            else:
+                kept.append(job)
+        self._queue = kept
+        return batch

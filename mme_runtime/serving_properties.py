@@ -1,0 +1,83 @@
+"""A model's own serving settings: ``serving.properties`` in its directory, over the container-wide defaults.
+
+The keys are the ones MMS's LOAD and the AWS large-model container use: ``batch_size`` (requests per forward
+pass) and ``max_batch_delay`` (milliseconds). A LOAD body that carries ``batch_size`` wins over both: MMS then
+sends it in every worker's LOAD message. A malformed file fails the LOAD, with the cause in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from mme_runtime.config import MAX_BATCH_DELAY_MS, MAX_BATCH_SIZE, Config, parse_int
+from mme_runtime.errors import ConfigError, ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+FILE_NAME = "serving.properties"
+KNOWN_KEYS = ("batch_size", "max_batch_delay")
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    """How one model is served: ``batch_size`` 1 means no batching; ``source`` says where the size came from."""
+
+    batch_size: int
+    max_batch_delay_ms: int
+    source: str
+
+    @property
+    def batching(self) -> bool:
+        return self.batch_size > 1
+
+    def with_load_batch_size(self, batch_size: int) -> ServingSettings:
+        """The LOAD body's ``batch_size`` (MMS passes it on; 1 when the body had none) wins over the file."""
+        if batch_size <= 1:
+            return self
+        return replace(self, batch_size=min(batch_size, MAX_BATCH_SIZE), source="LOAD")
+
+
+def read_settings(model_dir: Path, config: Config) -> ServingSettings:
+    """The model's settings: its ``serving.properties`` where it has one, the container's defaults otherwise.
+
+    Raises ``ModelLoadError`` naming the file, line and problem when the file is malformed.
+    """
+    defaults = ServingSettings(config.batch_size, config.max_batch_delay_ms, "MME_BATCH_SIZE")
+    path = model_dir / FILE_NAME
+    if not path.is_file():
+        return defaults
+    try:
+        values = _parse(path)
+        size, delay = values.get("batch_size"), values.get("max_batch_delay")
+        return ServingSettings(
+            batch_size=defaults.batch_size if size is None else parse_int("batch_size", size, 1, MAX_BATCH_SIZE),
+            max_batch_delay_ms=defaults.max_batch_delay_ms
+            if delay is None
+            else parse_int("max_batch_delay", delay, 0, MAX_BATCH_DELAY_MS),
+            source=FILE_NAME if size is not None else defaults.source,
+        )
+    except (ConfigError, OSError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{FILE_NAME} is malformed: {exc}") from exc
+
+
+def _parse(path: Path) -> dict[str, str]:
+    """``key=value`` lines (``#``/``!`` comments, blank lines); a line without ``=`` or a repeated key is an error.
+    Keys this container does not use are logged and ignored, since files are often shared with other servers."""
+    values: dict[str, str] = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", "!")):
+            continue
+        key, sep, value = stripped.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            raise ConfigError(f"line {number}: {stripped[:80]!r} is not key=value")
+        if key in values:
+            raise ConfigError(f"line {number}: {key} is set twice")
+        if key not in KNOWN_KEYS:
+            logger.warning("%s line %d: %s is not a setting of this container; ignored", path, number, key)
+            continue
+        values[key] = value
+    return values
