@@ -42,10 +42,6 @@ class HandlerService(DefaultHandlerService):  # type: ignore[misc]
         """The executor serves many connections from threads: forward passes go through one batcher from now on."""
         return self.transformer.start_batcher()
 
-    def forget_connection(self) -> None:
-        """The calling connection's thread is done: the batcher stops waiting for its next request."""
-        self.transformer.forget_connection()
-
     def initialize(self, context: Any) -> None:
         """MMS's contract: everything in the worker (the toolkit's PYTHONPATH edit is not needed)."""
         self.attach(context)
@@ -75,10 +71,6 @@ def attach(context: Any) -> None:
 
 def start_batcher() -> ServingSettings:
     return service().start_batcher()
-
-
-def forget_connection() -> None:
-    service().forget_connection()
 
 
 def handle(data: list[Any] | None, context: Any) -> list[bytes] | None:

@@ -2,10 +2,10 @@
 
 Each frontend connection's thread submits its decoded requests (``Job``) and waits; one dispatcher thread runs the
 forward passes, one at a time. When it is idle a request is dispatched at once, so a lone client pays no delay.
-While a pass runs, what arrives queues up. After a pass, the dispatcher waits for the connections it has just
-answered to send their next request (a busy client comes straight back), but never longer than ``max_delay``
-after the pass and never beyond ``batch_size`` requests. Only requests with the same collation signature share a
-batch; the oldest waiting request decides which signature goes next.
+While a pass runs, what arrives queues up. After a pass that answered n requests, the dispatcher waits for n
+requests to come back (busy clients send their next one at once, through whichever frontend connection is free),
+but never longer than ``max_delay`` after the pass and never beyond ``batch_size`` requests. Only requests with
+the same collation signature share a batch; the oldest waiting request decides which signature goes next.
 
 A batch that fails with a retryable error (out of memory, or a client error that one request may have caused) is
 split in halves and retried, so the error lands on the request that caused it, alone.
@@ -34,7 +34,6 @@ class Job:
     request: Any  # what the job answers (the contract's request); a lone job's predict gets it as its context
     signature: Signature | None  # None: runs alone
     rows: int
-    source: int  # the connection (its thread) that submitted it
     result: Any = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -102,28 +101,22 @@ class Batcher:
         self.max_delay = max_delay_ms / 1000.0
         self._queue: deque[Job] = deque()
         self._ready = threading.Condition()
-        # Connections answered by the last pass, still expected back, and until when they are waited for.
-        self._awaited: set[int] = set()
+        # Requests answered by the last pass and not yet followed by new ones, and until when they are waited for.
+        self._awaited = 0
         self._awaited_until = 0.0
         self._thread = threading.Thread(target=self._dispatch_forever, name=f"batcher-{name}", daemon=True)
         self._thread.start()
 
     def submit(self, jobs: list[Job]) -> None:
-        """Queues ``jobs`` (one connection's requests) and returns once each has its result or error."""
+        """Queues ``jobs`` (one message's requests) and returns once each has its result or error."""
         if not jobs:
             return
         with self._ready:
             self._queue.extend(jobs)
-            self._awaited.discard(jobs[0].source)
+            self._awaited = max(0, self._awaited - len(jobs))
             self._ready.notify()
         for job in jobs:
             job.done.wait()
-
-    def forget(self, source: int) -> None:
-        """A connection that closed will send nothing more: stop waiting for it."""
-        with self._ready:
-            self._awaited.discard(source)
-            self._ready.notify()
 
     def _dispatch_forever(self) -> None:
         while True:
@@ -136,16 +129,16 @@ class Batcher:
                     if job.result is None and job.error is None:
                         job.error = exc
             with self._ready:
-                self._awaited = {job.source for job in batch}
+                self._awaited = len(batch)
                 self._awaited_until = time.monotonic() + self.max_delay
-            for job in batch:  # after _awaited is set: an answered connection may be back at once
+            for job in batch:  # after _awaited is set: an answered client may be back at once
                 job.done.set()
 
     def _next_batch(self) -> list[Job]:
         with self._ready:
             while not self._queue:
                 self._ready.wait()
-            while not self._full() and self._awaited:
+            while self._awaited and not self._full():
                 remaining = self._awaited_until - time.monotonic()
                 if remaining <= 0:
                     break

@@ -151,7 +151,6 @@ def _serve_connection(connection: socket.socket, spec: ModelSpec, loaded: Loaded
         logger.debug("model=%s connection closed: %s", spec.name, exc)
     finally:
         connection.close()
-        loaded.module.forget_connection()
 
 
 def _answer(loaded: LoadedModel, message: list[dict[str, Any]]) -> bytes:

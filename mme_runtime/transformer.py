@@ -12,7 +12,6 @@ from __future__ import annotations
 import http
 import json
 import logging
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -180,10 +179,6 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
             )
         return self._settings
 
-    def forget_connection(self) -> None:
-        if self._batcher is not None:
-            self._batcher.forget(threading.get_ident())
-
     def _dry_run(self, context: InferenceContext) -> None:
         """Answers the model's sample request (``code/warmup.json``, ``.csv`` or ``.npy``) once per executor, so
         TorchScript profiling and lazy initialisation are paid at LOAD, not by the first caller."""
@@ -279,14 +274,14 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
     def _decode(self, request: _Request, payload: Any, content_type: str | None) -> Job:
         """``input_fn``, or for ``transform_fn`` the raw request: a job for the batcher."""
         if "transform_fn" in self._functions:
-            return Job((payload, content_type, request.accept), request, None, 1, threading.get_ident())
+            return Job((payload, content_type, request.accept), request, None, 1)
         if self._negotiates_accept:
             # Decided before any work, so an Accept we cannot produce costs the caller nothing.
             request.accept = content.negotiate(request.accept, self._config.default_accept)
         data = self._call("input_fn", request.context, payload, content_type)
         signature = collate.signature(data) if self._settings.batching else None
         rows = collate.rows(data) if signature is not None else 1
-        return Job(data, request, signature, rows, threading.get_ident())
+        return Job(data, request, signature, rows)
 
     def _run_jobs(self, jobs: list[Job]) -> None:
         """One forward pass: ``predict_fn`` on the batch (``transform_fn`` on a lone request)."""

@@ -400,3 +400,60 @@ def code_archive(path: Path, version: str, requirements: str | None = None) -> P
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return path
+
+
+# Row-wise contract functions for dynamic batching: the defaults decode and encode; predict_fn logs each forward
+# pass's rows (so tests see batches form), can be slowed so that batches form even on this tiny model, and can be
+# told to misbehave by files in the model directory.
+BATCHING_SCRIPT = """
+import os
+import time
+
+import torch
+
+OUT_OF_MEMORY_ABOVE = "out_of_memory_above"  # file holding a row count: larger batches raise CUDA's OOM error
+SLEEP_SECONDS = "sleep_seconds"  # file holding how long each pass takes, over MME_TEST_PREDICT_SLEEP
+
+
+def predict_fn(data, model, context):
+    model_dir = context.model_dir
+    with open(os.path.join(model_dir, "batches.log"), "a") as log:
+        log.write(f"{os.getpid()} {data.shape[0]} {context.batch_size}\\n")
+    limit = os.path.join(model_dir, OUT_OF_MEMORY_ABOVE)
+    if os.path.exists(limit) and data.shape[0] > int(open(limit).read()):
+        raise torch.cuda.OutOfMemoryError(f"test double: no memory for {data.shape[0]} rows")
+    sleep = os.path.join(model_dir, SLEEP_SECONDS)
+    time.sleep(float(open(sleep).read() if os.path.exists(sleep) else os.environ.get("MME_TEST_PREDICT_SLEEP", "0")))
+    with torch.inference_mode():
+        prediction = model(data.to(context.device))
+    if os.path.exists(os.path.join(model_dir, "drop_a_row")) and data.shape[0] > 1:
+        return prediction[:-1]
+    return prediction
+"""
+
+
+def batching_model(
+    model_dir: Path,
+    batch_size: int | None = 8,
+    max_batch_delay_ms: int | None = None,
+    seed: int = 0,
+    code: bool = True,
+) -> Path:
+    """The tiny TorchScript model with ``serving.properties``, and (``code``) a row-wise ``predict_fn`` that logs its
+    batches; without it, the defaults serve it."""
+    torchscript_model(model_dir, seed)
+    if code:
+        write_code(model_dir, BATCHING_SCRIPT)
+    lines = [f"batch_size={batch_size}"] if batch_size is not None else []
+    if max_batch_delay_ms is not None:
+        lines.append(f"max_batch_delay={max_batch_delay_ms}")
+    (model_dir / "serving.properties").write_text("\n".join(["# written by the tests", *lines]) + "\n")
+    return model_dir
+
+
+def batches(model_dir: Path) -> list[tuple[int, int, int]]:
+    """(pid, rows, configured batch size) of each forward pass ``batching_model`` ran."""
+    log = model_dir / "batches.log"
+    if not log.exists():
+        return []
+    return [(int(a), int(b), int(c)) for a, b, c in (line.split() for line in log.read_text().splitlines())]

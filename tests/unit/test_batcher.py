@@ -1,0 +1,137 @@
+"""The batcher on its own: when it dispatches, what it gathers, and how a failing batch is retried."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from mme_runtime.batcher import Batcher, Job, group, run_batch
+from mme_runtime.collate import signature
+from mme_runtime.errors import InvalidInput
+
+
+def job(data: Any) -> Job:
+    sig = signature(data)
+    return Job(data, None, sig, int(data.shape[0]) if sig is not None else 1)
+
+
+def doubling(data: Any, _context: Any) -> Any:
+    return data * 2
+
+
+def never_retry(_exc: BaseException) -> bool:
+    return False
+
+
+class Recorder:
+    """A batch runner that records each pass's row count and can hold a pass until released."""
+
+    def __init__(self) -> None:
+        self.passes: list[int] = []
+        self.release = threading.Event()
+        self.release.set()
+
+    def __call__(self, jobs: list[Job]) -> None:
+        self.release.wait(5)
+        self.passes.append(sum(j.rows for j in jobs))
+        run_batch(jobs, doubling, None, never_retry)
+
+
+def submit_in_thread(batcher: Batcher, jobs: list[Job]) -> threading.Thread:
+    thread = threading.Thread(target=batcher.submit, args=(jobs,))
+    thread.start()
+    return thread
+
+
+def test_group_keeps_signatures_apart_and_respects_the_batch_size() -> None:
+    a1, b1, a2, a3 = job(torch.zeros(1, 4)), job(torch.zeros(1, 5)), job(torch.zeros(2, 4)), job(torch.zeros(1, 4))
+    assert group([a1, b1, a2, a3], 2) == [[a1, a2], [b1], [a3]]
+    alone = Job("text", None, None, 1)
+    assert group([alone, job(torch.zeros(1, 4))], 8)[0] == [alone]
+
+
+def test_each_job_gets_its_own_rows_of_one_prediction() -> None:
+    jobs = [job(torch.full((count, 2), float(count))) for count in (1, 3, 2)]
+    calls = []
+    run_batch(jobs, lambda data, context: calls.append(data.shape[0]) or data + 1, None, never_retry)
+    assert calls == [6]
+    assert [j.result.tolist()[0][0] for j in jobs] == [2.0, 4.0, 3.0]
+    assert [j.result.shape[0] for j in jobs] == [1, 3, 2]
+
+
+def test_a_batch_that_runs_out_of_memory_is_retried_in_halves_down_to_what_fits() -> None:
+    jobs = [job(torch.full((1, 2), float(index))) for index in range(5)]
+    seen = []
+
+    def predict(data: torch.Tensor, _context: Any) -> torch.Tensor:
+        seen.append(data.shape[0])
+        if data.shape[0] > 2:
+            raise MemoryError("too big")
+        return data
+
+    run_batch(jobs, predict, None, lambda exc: isinstance(exc, MemoryError))
+    assert all(j.error is None for j in jobs)
+    assert [j.result.tolist() for j in jobs] == [[[float(i)] * 2] for i in range(5)]
+    assert seen == [5, 2, 3, 1, 2]
+
+
+def test_a_client_error_in_a_batch_lands_on_the_request_that_caused_it() -> None:
+    jobs = [job(torch.full((1, 2), float(index))) for index in range(4)]
+
+    def predict(data: torch.Tensor, _context: Any) -> torch.Tensor:
+        if (data == 2).any():
+            raise InvalidInput("value 2 is out of range")
+        return data
+
+    run_batch(jobs, predict, None, lambda exc: isinstance(exc, InvalidInput))
+    assert [j.error is not None for j in jobs] == [False, False, True, False]
+
+
+def test_a_lone_request_is_dispatched_at_once_whatever_the_delay() -> None:
+    batcher = Batcher(Recorder(), batch_size=8, max_delay_ms=5000, name="lone")
+    for _ in range(3):
+        started = time.monotonic()
+        request = job(torch.ones(1, 2))
+        batcher.submit([request])
+        assert time.monotonic() - started < 1.0
+        assert torch.equal(request.result, torch.full((1, 2), 2.0))
+
+
+def test_requests_arriving_during_a_pass_share_the_next_one_up_to_the_batch_size() -> None:
+    recorder = Recorder()
+    batcher = Batcher(recorder, batch_size=4, max_delay_ms=50, name="busy")
+    recorder.release.clear()
+    first = submit_in_thread(batcher, [job(torch.ones(1, 2))])
+    time.sleep(0.05)  # the first pass is running (held)
+    others = [submit_in_thread(batcher, [job(torch.ones(1, 2))]) for _ in range(6)]
+    time.sleep(0.05)
+    recorder.release.set()
+    for thread in [first, *others]:
+        thread.join(5)
+    assert recorder.passes[0] == 1  # dispatched at once
+    assert recorder.passes[1:] == [4, 2]  # then gathered, never beyond the batch size
+
+
+def test_after_a_pass_it_waits_for_as_many_requests_as_it_answered() -> None:
+    recorder = Recorder()
+    batcher = Batcher(recorder, batch_size=8, max_delay_ms=2000, name="awaited")
+    recorder.release.clear()
+    first = [submit_in_thread(batcher, [job(torch.ones(1, 2))]) for _ in range(1)]
+    time.sleep(0.05)
+    second = [submit_in_thread(batcher, [job(torch.ones(1, 2))]) for _ in range(3)]
+    time.sleep(0.05)
+    recorder.release.set()
+    for thread in first + second:
+        thread.join(5)
+    assert recorder.passes == [1, 3]
+    # Three were answered: three clients coming back one after another still share one pass.
+    threads = []
+    for _ in range(3):
+        threads.append(submit_in_thread(batcher, [job(torch.ones(1, 2))]))
+        time.sleep(0.02)
+    for thread in threads:
+        thread.join(5)
+    assert recorder.passes == [1, 3, 3]

@@ -1,0 +1,41 @@
+"""serving.properties: a model's batching settings over the container's defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mme_runtime.config import Config
+from mme_runtime.errors import ModelLoadError
+from mme_runtime.serving_properties import read_settings
+
+
+def test_without_a_file_the_container_defaults_apply(tmp_path: Path) -> None:
+    settings = read_settings(tmp_path, Config.from_env({"MME_BATCH_SIZE": "4", "MME_MAX_BATCH_DELAY_MS": "7"}))
+    assert (settings.batch_size, settings.max_batch_delay_ms, settings.source) == (4, 7, "MME_BATCH_SIZE")
+    assert read_settings(tmp_path, Config.from_env({})).batching is False
+
+
+def test_the_file_wins_over_the_defaults_and_load_wins_over_the_file(tmp_path: Path) -> None:
+    (tmp_path / "serving.properties").write_text("# comment\n\nbatch_size = 16\nmax_batch_delay=25\nengine=Python\n")
+    settings = read_settings(tmp_path, Config.from_env({"MME_BATCH_SIZE": "4"}))
+    assert (settings.batch_size, settings.max_batch_delay_ms, settings.source) == (16, 25, "serving.properties")
+    assert settings.with_load_batch_size(1) == settings  # MMS sends 1 when LOAD had no batch_size
+    assert settings.with_load_batch_size(32).batch_size == 32
+
+
+@pytest.mark.parametrize(
+    ("text", "cause"),
+    [
+        ("batch_size=1.5\n", "is not an integer"),
+        ("batch_size=5000\n", "must be at least 1 and at most 1024"),
+        ("max_batch_delay=100000\n", "at most 60000"),
+        ("batch_size=2\nbatch_size=4\n", "line 2: batch_size is set twice"),
+        ("=3\n", "line 1: '=3' is not key=value"),
+    ],
+)
+def test_a_malformed_file_names_the_cause(tmp_path: Path, text: str, cause: str) -> None:
+    (tmp_path / "serving.properties").write_text(text)
+    with pytest.raises(ModelLoadError, match=cause):
+        read_settings(tmp_path, Config.from_env({}))
