@@ -234,7 +234,8 @@ class BackendServer:
             connection.close()  # the executor holds its own descriptor now
 
     def _start_executor(self, assignment: Assignment) -> _Executor:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # SEQPACKET keeps each handed-over connection's header a message of its own.
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         process = self.context.Process(
             target=serve_executor,
             args=(

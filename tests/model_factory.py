@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -451,9 +452,18 @@ def batching_model(
     return model_dir
 
 
-def batches(model_dir: Path) -> list[tuple[int, int, int]]:
-    """(pid, rows, configured batch size) of each forward pass ``batching_model`` ran."""
+class ForwardPass(NamedTuple):
+    """One forward pass of ``batching_model``, as its predict_fn logged it."""
+
+    pid: int
+    rows: int
+    batch_size: int  # context.batch_size: the configured size
+    cuda_bytes: int  # torch.cuda.memory_allocated() in the executor (0 without CUDA)
+
+
+def batches(model_dir: Path) -> list[ForwardPass]:
+    """The forward passes ``batching_model`` ran, in order."""
     log = model_dir / "batches.log"
     if not log.exists():
         return []
-    return [(int(a), int(b), int(c)) for a, b, c in (line.split() for line in log.read_text().splitlines())]
+    return [ForwardPass(*map(int, line.split())) for line in log.read_text().splitlines()]

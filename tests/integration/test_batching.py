@@ -92,10 +92,10 @@ def test_concurrent_clients_each_get_exactly_their_own_rows(server: RunningServe
         assert response.status_code == 200, response.text
         np.testing.assert_allclose(np.array(response.json()), expected(rows), rtol=1e-5, atol=1e-6)
     passes = model_factory.batches(server.model_dir("rows"))
-    assert sum(rows for _, rows, _ in passes) == sum(len(rows) for rows in bodies)  # every row ran exactly once
+    assert sum(p.rows for p in passes) == sum(len(rows) for rows in bodies)  # every row ran exactly once
     assert len(passes) < len(bodies) / 2  # requests shared forward passes
-    assert {size for _, _, size in passes} == {BATCH_SIZE}  # context.batch_size reports the configured size
-    assert len({pid for pid, _, _ in passes}) == 1
+    assert {p.batch_size for p in passes} == {BATCH_SIZE}  # context.batch_size reports the configured size
+    assert len({p.pid for p in passes}) == 1
 
 
 def test_json_csv_and_npy_requests_with_their_own_accept_share_a_batch(server: RunningServer) -> None:
@@ -129,7 +129,7 @@ def test_json_csv_and_npy_requests_with_their_own_accept_share_a_batch(server: R
         else:
             answer = np.load(io.BytesIO(response.content))
         np.testing.assert_allclose(answer, expected(rows), rtol=1e-5, atol=1e-6)
-    assert max(rows for _, rows, _ in model_factory.batches(server.model_dir("mixed"))) > 3  # several requests
+    assert max(p.rows for p in model_factory.batches(server.model_dir("mixed"))) > 3  # several requests
 
 
 def test_a_malformed_request_answers_its_own_4xx_and_its_neighbours_200(server: RunningServer) -> None:
@@ -178,7 +178,7 @@ def test_out_of_memory_splits_the_batch_and_retries_before_any_request_answers_5
     assert [response.status_code for response in responses] == [200] * BATCH_SIZE, [r.text for r in responses]
     for request, response in zip(rows, responses, strict=True):
         np.testing.assert_allclose(np.array(response.json()), expected(request), rtol=1e-5)
-    assert max(rows for _, rows, _ in model_factory.batches(model_dir)) > 2  # a batch did fail, and was split
+    assert max(p.rows for p in model_factory.batches(model_dir)) > 2  # a batch did fail, and was split
     # One request too large on its own still answers 507, so SageMaker can make room.
     too_large = server.invoke("tight", json.dumps([[1.0, 2.0, 3.0, 4.0]] * 3))
     assert too_large.status_code == 507
@@ -215,8 +215,8 @@ def test_load_body_batch_size_reaches_the_executor(server: RunningServer) -> Non
         assert response.status_code == 200, response.text
         np.testing.assert_allclose(np.array(response.json()), expected(request), rtol=1e-5)
     passes = model_factory.batches(model_dir)
-    assert {size for _, _, size in passes} == {4}
-    assert max(rows for _, rows, _ in passes) > 1
+    assert {p.batch_size for p in passes} == {4}
+    assert max(p.rows for p in passes) > 1
     assert len(server.describe("by_load").json()["workers"]) == 2
 
 
