@@ -418,8 +418,9 @@ SLEEP_SECONDS = "sleep_seconds"  # file holding how long each pass takes, over M
 
 def predict_fn(data, model, context):
     model_dir = context.model_dir
+    cuda_bytes = torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0
     with open(os.path.join(model_dir, "batches.log"), "a") as log:
-        log.write(f"{os.getpid()} {data.shape[0]} {context.batch_size}\\n")
+        log.write(f"{os.getpid()} {data.shape[0]} {context.batch_size} {cuda_bytes}\\n")
     limit = os.path.join(model_dir, OUT_OF_MEMORY_ABOVE)
     if os.path.exists(limit) and data.shape[0] > int(open(limit).read()):
         raise torch.cuda.OutOfMemoryError(f"test double: no memory for {data.shape[0]} rows")
