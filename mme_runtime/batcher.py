@@ -2,10 +2,12 @@
 
 Each frontend connection's thread submits its decoded requests (``Job``) and waits; one dispatcher thread runs the
 forward passes, one at a time. When it is idle a request is dispatched at once, so a lone client pays no delay.
-While a pass runs, what arrives queues up. After a pass that answered n requests, the dispatcher waits for n
-requests to come back (busy clients send their next one at once, through whichever frontend connection is free),
-but never longer than ``max_delay`` after the pass and never beyond ``batch_size`` requests. Only requests with
-the same collation signature share a batch; the oldest waiting request decides which signature goes next.
+While a pass runs, what arrives queues up. After a pass that answered n requests, the dispatcher expects n requests
+back (busy clients send their next one at once, through whichever frontend connection is free) and waits for them,
+but no request waits more than ``max_delay`` beyond the pass it queued behind (or its own arrival, if later), and
+a batch never holds more than ``batch_size``.
+Only requests with the same collation signature share a batch; the oldest waiting request decides which signature
+goes next.
 
 A batch that fails with a retryable error (out of memory, or a client error that one request may have caused) is
 split in halves and retried, so the error lands on the request that caused it, alone.
@@ -34,6 +36,7 @@ class Job:
     request: Any  # what the job answers (the contract's request); a lone job's predict gets it as its context
     signature: Signature | None  # None: runs alone
     rows: int
+    queued_at: float = 0.0
     result: Any = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -101,9 +104,9 @@ class Batcher:
         self.max_delay = max_delay_ms / 1000.0
         self._queue: deque[Job] = deque()
         self._ready = threading.Condition()
-        # Requests answered by the last pass and not yet followed by new ones, and until when they are waited for.
+        # Requests answered by the last pass and not yet followed by new ones, and when that pass ended.
         self._awaited = 0
-        self._awaited_until = 0.0
+        self._pass_ended = 0.0
         self._thread = threading.Thread(target=self._dispatch_forever, name=f"batcher-{name}", daemon=True)
         self._thread.start()
 
@@ -111,6 +114,9 @@ class Batcher:
         """Queues ``jobs`` (one message's requests) and returns once each has its result or error."""
         if not jobs:
             return
+        now = time.monotonic()
+        for job in jobs:
+            job.queued_at = now
         with self._ready:
             self._queue.extend(jobs)
             self._awaited = max(0, self._awaited - len(jobs))
@@ -130,7 +136,7 @@ class Batcher:
                         job.error = exc
             with self._ready:
                 self._awaited = len(batch)
-                self._awaited_until = time.monotonic() + self.max_delay
+                self._pass_ended = time.monotonic()
             for job in batch:  # after _awaited is set: an answered client may be back at once
                 job.done.set()
 
@@ -139,7 +145,8 @@ class Batcher:
             while not self._queue:
                 self._ready.wait()
             while self._awaited and not self._full():
-                remaining = self._awaited_until - time.monotonic()
+                waiting_since = max(self._pass_ended, self._queue[0].queued_at)
+                remaining = waiting_since + self.max_delay - time.monotonic()
                 if remaining <= 0:
                     break
                 self._ready.wait(remaining)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import orjson
 import torch
 
 from mme_runtime.errors import InvalidInput, UnsupportedAccept, UnsupportedContentType
@@ -23,6 +24,8 @@ NPY = "application/x-npy"
 ANY = "*/*"
 SUPPORTED = (JSON, CSV, NPY)
 # Decoded to str before reaching input_fn, as the toolkit does, so user scripts get text for text formats.
+# Arrays and numpy scalars as JSON numbers (float32 in its shortest form); keys that are not strings as strings.
+ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 TEXT_TYPES = frozenset({JSON, CSV, "text/plain", "application/jsonlines", "application/x-www-form-urlencoded"})
 
 
@@ -101,6 +104,11 @@ def encode(prediction: Any, accept: str) -> bytes:
     """Encodes a prediction (tensor, array, list or scalar) as JSON, CSV or NPY."""
     array = _to_numpy(prediction)
     if accept == JSON:
+        if _finite(array):  # orjson would write NaN and infinity as null: those keep the standard library's spelling
+            try:
+                return orjson.dumps(array, option=ORJSON_OPTIONS)
+            except TypeError:
+                pass  # a type orjson does not know (a non-contiguous array, say): the slower path below decides
         try:
             return json.dumps(_jsonable(array), allow_nan=True).encode("utf-8")
         except TypeError as exc:
@@ -125,9 +133,14 @@ def utf8_text(body: bytes | bytearray) -> str:
 
 def _decode_json(text: str) -> Any:
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidInput(f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        # The standard library's parser names the problem better, and accepts NaN and Infinity, which the caller
+        # then hears about by name; it runs only for bodies orjson refused.
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidInput(f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
     # The toolkit's convention: {"instances": [...]} or {"inputs": [...]} wrap the actual data.
     if isinstance(value, dict):
         for key in ("instances", "inputs"):
@@ -178,6 +191,19 @@ def _to_tensor(data: Any, float32: bool) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array))
     except TypeError as exc:
         raise InvalidInput(f"unsupported array type {array.dtype}") from exc
+
+
+def _finite(value: Any) -> bool:
+    """Whether ``value`` (arrays, lists, dicts, numbers) holds no NaN or infinity."""
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind not in "fc" or bool(np.isfinite(value).all())
+    if isinstance(value, (list, tuple)):
+        return all(_finite(item) for item in value)
+    if isinstance(value, dict):
+        return all(_finite(item) for item in value.values())
+    if isinstance(value, (float, np.floating)):
+        return math.isfinite(value)
+    return True
 
 
 def _to_numpy(prediction: Any) -> Any:

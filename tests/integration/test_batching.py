@@ -76,6 +76,9 @@ def test_batch_size_in_serving_properties_gets_the_connections_that_fill_it(serv
     # The executor asked for batch_size workers per device; the entrypoint scaled the model once its LOAD completed.
     assert wait_until(lambda: all_workers_ready(server, "filled", BATCH_SIZE), 30)
     assert len(server.worker_pids("filled")) == 1  # 8 connections, one process, one copy of the weights
+    # Its idle OpenMP threads sleep: the setting reaches every process the entrypoint starts (MMS passes it on).
+    [frontend] = [process for process in server.descendants() if process.name() == "java"]
+    assert frontend.environ()["OMP_WAIT_POLICY"] == "PASSIVE"
     assert "model=filled scaled to 8 workers to fill its batches" in server.log_text()
 
 

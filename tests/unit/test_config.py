@@ -75,6 +75,11 @@ def test_to_env_round_trips_what_backends_need() -> None:
     assert (again.program, again.start_method, again.preload_model_gpu) == ("serve.py", "spawn", True)
 
 
+def test_idle_openmp_threads_sleep_unless_the_user_chose_otherwise() -> None:
+    assert Config.from_env({}).to_env()["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert Config.from_env({"OMP_WAIT_POLICY": "ACTIVE"}).to_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
 def test_every_documented_variable_names_a_config_field() -> None:
     fields = set(Config.__dataclass_fields__)
     assert {var.field for var in ENV_VARS} <= fields
