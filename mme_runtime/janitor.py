@@ -30,12 +30,19 @@ def markers_dir(runtime_dir: Path) -> Path:
     return runtime_dir / "failed-loads"
 
 
-def mark_failed_load(runtime_dir: Path, model_name: str, status: int) -> None:
-    """Written by a worker just before it answers its LOAD with ``status``."""
-    directory = markers_dir(runtime_dir)
+def write_marker(directory: Path, model_name: str, record: dict[str, object]) -> None:
+    """A request from a backend to the entrypoint, one file per model, written whole (rename) so no sweep reads half
+    of it. Shared with the scaler."""
     directory.mkdir(parents=True, exist_ok=True)
     name = urllib.parse.quote(model_name, safe="")
-    (directory / name).write_text(json.dumps({"model": model_name, "status": status}))
+    staging = directory / f".{name}.tmp"
+    staging.write_text(json.dumps({"model": model_name, **record}))
+    staging.replace(directory / name)
+
+
+def mark_failed_load(runtime_dir: Path, model_name: str, status: int) -> None:
+    """Written by a backend just before it answers its LOAD with ``status``."""
+    write_marker(markers_dir(runtime_dir), model_name, {"status": status})
 
 
 class Janitor:
@@ -49,6 +56,8 @@ class Janitor:
         if not self.directory.is_dir():
             return
         for marker in self.directory.iterdir():
+            if marker.name.startswith("."):
+                continue  # being written
             try:
                 model = json.loads(marker.read_text())["model"]
             except (OSError, ValueError, KeyError):

@@ -18,7 +18,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from mme_runtime.janitor import REQUEST_TIMEOUT_SECONDS, get_json
+from mme_runtime.janitor import REQUEST_TIMEOUT_SECONDS, get_json, write_marker
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +31,7 @@ def requests_dir(runtime_dir: Path) -> Path:
 
 def request_workers(runtime_dir: Path, model_name: str, per_device: int) -> None:
     """Written by an executor: ``model_name`` wants ``per_device`` frontend connections on each device."""
-    directory = requests_dir(runtime_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    name = urllib.parse.quote(model_name, safe="")
-    staging = directory / f".{name}.tmp"
-    staging.write_text(json.dumps({"model": model_name, "per_device": per_device}))
-    staging.replace(directory / name)
+    write_marker(requests_dir(runtime_dir), model_name, {"per_device": per_device})
 
 
 class Scaler:

@@ -1,4 +1,4 @@
-"""The SageMaker contract for one model: load once, place on the worker's device once, then answer each request.
+"""The SageMaker contract for one model: load once, place on the executor's device once, then answer each request.
 
 ``load`` may run in the CUDA-free backend server before fork (model on host memory); ``attach`` runs in the
 executor after its GPU is bound. ``transform`` takes each request through three stages: ``input_fn`` (its own
@@ -9,8 +9,6 @@ bad request never fails its neighbours. Tracebacks go to the log, never to clien
 
 from __future__ import annotations
 
-import http
-import json
 import logging
 import time
 from collections.abc import Mapping
@@ -24,47 +22,32 @@ from sagemaker_inference.transformer import Transformer as ToolkitTransformer
 
 from mme_runtime import collate, content
 from mme_runtime.batcher import Batcher, Job, group, run_batch
-from mme_runtime.code_fetcher import CodeFetcher, locate_code
 from mme_runtime.config import Config
 from mme_runtime.context import InferenceContext
-from mme_runtime.dependencies import add_to_path, install_requirements
-from mme_runtime.errors import ContainerError, InsufficientMemory, InvalidInput, ModelLoadError, PayloadTooLarge
+from mme_runtime.errors import InvalidInput, ModelLoadError, PayloadTooLarge
+from mme_runtime.responses import (
+    ERROR_CONTENT_TYPE,
+    StepError,
+    error_response,
+    http_status,
+    is_client_error,
+    is_out_of_memory,
+    load_failure,
+    phrase,
+    release_cached_device_memory,
+)
 from mme_runtime.serving_properties import ServingSettings, read_settings
-from mme_runtime.user_code import UserCodeError, UserFunction, bind_functions, find_script, import_script
+from mme_runtime.user_code import UserFunction, load_user_code
 
 logger = logging.getLogger(__name__)
 
 HOST = torch.device("cpu")
-ERROR_CONTENT_TYPE = "application/json"
-MAX_MESSAGE_CHARS = 1000
-# An optional sample request in the model's code/, answered once per worker at LOAD (the dry run users enable).
+# An optional sample request in the model's code/, answered once per executor at LOAD (the dry run users enable).
 WARMUP_SAMPLES = {"warmup.json": content.JSON, "warmup.csv": content.CSV, "warmup.npy": content.NPY}
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Host or device memory exhaustion, judged by type (never by the text "CUDA")."""
-    return isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError))
-
-
-def is_client_error(exc: BaseException) -> bool:
-    return isinstance(exc, BaseInferenceToolkitError) and 400 <= int(exc.status_code) < 500
-
-
-def http_status(exc: BaseException) -> int:
-    if isinstance(exc, BaseInferenceToolkitError):
-        return int(exc.status_code)
-    if is_out_of_memory(exc):
-        return 507
-    return 500
-
-
-def _release_cached_device_memory() -> None:
-    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        torch.cuda.empty_cache()
-
-
 def place_model(model: Any, device: torch.device) -> Any:
-    """Moves a module to ``device`` and switches it to eval mode, once per worker (not per request)."""
+    """Moves a module to ``device`` and switches it to eval mode, once per executor (not per request)."""
     if isinstance(model, torch.nn.Module):
         model = model.to(device)
         model.eval()
@@ -105,27 +88,8 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         try:
             self._settings = read_settings(model_dir, config)
         except ModelLoadError as exc:
-            raise _load_failure(context.model_name, "reading serving settings", exc) from exc
-        code_dir, source = locate_code(
-            model_dir, config.submit_directory, CodeFetcher(config.cache_dir / "code", config.s3_timeout_seconds)
-        )
-        if code_dir is not None:
-            packages = install_requirements(code_dir, config.cache_dir / "requirements", config.pip_timeout_seconds)
-            if packages is not None:
-                add_to_path(packages)
-        try:
-            script = find_script(code_dir, config.program)
-            module = import_script(context.model_name, script) if script is not None else None
-            user = bind_functions(module)
-        except UserCodeError as exc:
-            raise ModelLoadError(f"model {context.model_name}: {exc}") from exc
-        logger.info(
-            "model=%s code=%s script=%s functions=%s",
-            context.model_name,
-            source,
-            script or f"none (no {config.program})",
-            ",".join(sorted(user)) or "none",
-        )
+            raise load_failure(context.model_name, "reading serving settings", exc) from exc
+        code_dir, user = load_user_code(context.model_name, model_dir, config)
         self._functions = self._with_defaults(user)
         # Decided once per model, not per request: only our default output_fn needs Accept negotiated up front.
         self._negotiates_accept = "transform_fn" not in user and "output_fn" not in user
@@ -136,7 +100,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         logger.info("model=%s loaded seconds=%.2f", context.model_name, time.monotonic() - started)
 
     def attach(self, mms_context: Any, device: torch.device) -> None:
-        """Places the loaded model on this worker's device and warms it up; runs in the worker."""
+        """Places the loaded model on this executor's device and warms it up; runs in the executor."""
         if not self._loaded:
             self.load(mms_context, device)
         properties = mms_context.system_properties
@@ -154,7 +118,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         try:
             self._model = place_model(self._model, device)
         except Exception as exc:  # boundary: a model that cannot be placed fails the worker's LOAD
-            raise _load_failure(self._context.model_name, "placing the model", exc) from exc
+            raise load_failure(self._context.model_name, "placing the model", exc) from exc
         self._run_load_step("model_warmup_fn", self._context, self._context.model_dir, self._model)
         self._dry_run(self._context)
         self._attached = True
@@ -192,8 +156,8 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         request = _Request(context, self._config.default_accept)
         self._answer([request], [payload], [content_type])
         if request.error is not None:  # a sample the model cannot answer fails the LOAD, with the cause
-            cause = request.error.cause if isinstance(request.error, _StepError) else request.error
-            raise _load_failure(context.model_name, f"warm-up request code/{sample}", cause) from request.error
+            cause = request.error.cause if isinstance(request.error, StepError) else request.error
+            raise load_failure(context.model_name, f"warm-up request code/{sample}", cause) from request.error
         logger.info("model=%s warm-up request seconds=%.3f", context.model_name, time.monotonic() - started)
 
     def validate_and_initialize(self, model_dir: str | None = None, context: Any = None) -> None:
@@ -222,10 +186,10 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         for index, request in enumerate(requests):
             if request.error is not None:
                 if is_out_of_memory(request.error):
-                    _release_cached_device_memory()  # so the next request finds the memory this one could not
-                request.body, request.content_type = self._error_response(request.error, request.context)
+                    release_cached_device_memory()  # so the next request finds the memory this one could not
+                request.body, request.content_type = error_response(request.error, request.context)
                 status = http_status(request.error)
-                context.set_response_status(status, _phrase(status), index)
+                context.set_response_status(status, phrase(status), index)
             context.set_response_content_type(index, request.content_type)
             results.append(request.body)
         return results
@@ -315,7 +279,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         except Exception as exc:
             if is_out_of_memory(exc):
                 raise
-            raise _StepError(name, exc) from exc
+            raise StepError(name, exc) from exc
 
     def _with_defaults(self, user: Mapping[str, UserFunction]) -> dict[str, UserFunction]:
         defaults = self._defaults
@@ -338,48 +302,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         try:
             return function(*args, context=context)
         except Exception as exc:  # boundary: the LOAD fails with the cause named; the traceback is logged
-            raise _load_failure(context.model_name, name, exc) from exc
-
-    def _error_response(self, exc: Exception, request: InferenceContext) -> tuple[bytes, str]:
-        status = http_status(exc)
-        if isinstance(exc, _StepError):
-            message = f"{exc.step} raised {type(exc.cause).__name__}: {exc.cause}"
-            error_type = type(exc.cause).__name__
-        elif isinstance(exc, BaseInferenceToolkitError):
-            message, error_type = str(exc.message), type(exc).__name__
-        elif is_out_of_memory(exc):
-            message, error_type = "out of memory while serving this request", "InsufficientMemory"
-        else:
-            message, error_type = f"{type(exc).__name__}: {exc}", type(exc).__name__
-        message = message[:MAX_MESSAGE_CHARS]
-        if status >= 500:
-            logger.error(
-                "model=%s request=%s status=%d %s",
-                request.model_name,
-                request.request_id,
-                status,
-                message,
-                exc_info=exc,
-            )
-        else:
-            logger.warning("model=%s request=%s status=%d %s", request.model_name, request.request_id, status, message)
-        body = {"code": status, "type": error_type, "message": message, "request_id": request.request_id}
-        return json.dumps(body).encode("utf-8"), ERROR_CONTENT_TYPE
-
-
-def _load_failure(model_name: str, step: str, exc: Exception) -> ContainerError:
-    """The error a failed load step answers with: 507 for memory, the user's own status, else 500."""
-    if isinstance(exc, BaseInferenceToolkitError):
-        # A deliberate error with its own message and status: no traceback needed to understand it.
-        message = f"{step} failed: {exc.message}"[:MAX_MESSAGE_CHARS]
-        logger.error("model=%s %s", model_name, message)
-        kind = type(exc) if type(exc) in (ModelLoadError, InsufficientMemory) else ContainerError
-        return kind(message, int(exc.status_code))
-    logger.error("model=%s %s failed", model_name, step, exc_info=exc)
-    message = f"{step} failed: {type(exc).__name__}: {exc}"[:MAX_MESSAGE_CHARS]
-    if is_out_of_memory(exc):
-        return InsufficientMemory(message)
-    return ModelLoadError(message)
+            raise load_failure(context.model_name, name, exc) from exc
 
 
 @dataclass(eq=False)
@@ -397,18 +320,9 @@ def _retry_in_halves(exc: BaseException) -> bool:
     """A failed batch is retried in halves when a smaller one may pass: out of memory (after freeing the cached
     device memory), or a client error that one of its requests may have caused alone."""
     if is_out_of_memory(exc):
-        _release_cached_device_memory()
+        release_cached_device_memory()
         return True
     return is_client_error(exc)
-
-
-class _StepError(Exception):
-    """A failure inside a user (or default) contract function: 500, naming the function."""
-
-    def __init__(self, step: str, cause: Exception) -> None:
-        super().__init__(f"{step}: {cause}")
-        self.step = step
-        self.cause = cause
 
 
 def _payload(item: Any) -> Any:
@@ -430,11 +344,4 @@ def _to_bytes(result: Any) -> bytes:
     try:
         return content.encode(result, content.JSON)
     except TypeError as exc:
-        raise _StepError("output_fn", TypeError(f"returned {type(result).__name__}, expected bytes or str")) from exc
-
-
-def _phrase(status: int) -> str:
-    try:
-        return http.HTTPStatus(status).phrase
-    except ValueError:
-        return "Error"
+        raise StepError("output_fn", TypeError(f"returned {type(result).__name__}, expected bytes or str")) from exc

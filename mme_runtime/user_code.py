@@ -1,4 +1,5 @@
-"""Finds a model's inference script, imports it by file path, and binds its contract functions once.
+"""Finds a model's inference code (fetching it and installing its requirements), imports its script by file path,
+and binds its contract functions once.
 
 Each script is imported under a module name unique to the model, so two models whose scripts are both called
 ``inference.py`` never see each other's functions. Whether a function takes ``context`` is decided here, once.
@@ -17,6 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from mme_runtime.code_fetcher import CodeFetcher, locate_code
+from mme_runtime.config import Config
+from mme_runtime.dependencies import add_to_path, install_requirements
+from mme_runtime.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -126,3 +132,28 @@ def bind_functions(module: ModuleType | None) -> dict[str, UserFunction]:
     if "transform_fn" in functions and {"input_fn", "predict_fn", "output_fn"} & functions.keys():
         raise UserCodeError("transform_fn cannot be combined with input_fn, predict_fn or output_fn")
     return functions
+
+
+def load_user_code(model_name: str, model_dir: Path, config: Config) -> tuple[Path | None, dict[str, UserFunction]]:
+    """The model's code directory (its own ``code/``, else ``SAGEMAKER_SUBMIT_DIRECTORY``) with its requirements
+    installed, and the contract functions its script defines. Raises ``ModelLoadError`` naming what is wrong."""
+    fetcher = CodeFetcher(config.cache_dir / "code", config.s3_timeout_seconds)
+    code_dir, source = locate_code(model_dir, config.submit_directory, fetcher)
+    if code_dir is not None:
+        packages = install_requirements(code_dir, config.cache_dir / "requirements", config.pip_timeout_seconds)
+        if packages is not None:
+            add_to_path(packages)
+    try:
+        script = find_script(code_dir, config.program)
+        module = import_script(model_name, script) if script is not None else None
+        user = bind_functions(module)
+    except UserCodeError as exc:
+        raise ModelLoadError(f"model {model_name}: {exc}") from exc
+    logger.info(
+        "model=%s code=%s script=%s functions=%s",
+        model_name,
+        source,
+        script or f"none (no {config.program})",
+        ",".join(sorted(user)) or "none",
+    )
+    return code_dir, user

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import requests
 from bench_preload import FEATURES, big_model
-from benchlib import Server, our_server, table
+from benchlib import Server, our_server, percentile, table
 from model_factory import IN_FEATURES, torchscript_model
 from serving import pss_mib
 from stock_stack import STOCK_VENV, ensure_venv, serve_isolated, stock_model_dir, stock_server
@@ -72,14 +72,6 @@ class Sample:
     failed: int
     pss_mib: float
     first_body: object
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile: a value that was actually observed (NaN when every request failed)."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def invoke(session: requests.Session, url: str, body: bytes) -> requests.Response | None:

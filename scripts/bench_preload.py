@@ -1,14 +1,20 @@
 #!/usr/bin/env python3
-"""Preload on versus off: LOAD-to-all-workers-ready time and memory of the model's process tree.
+"""Preload on versus off: LOAD-to-ready time and memory of the model's process tree, by devices and workers.
 
-    .venv/bin/python scripts/bench_preload.py [--size-mb 300] [--workers 1 2 4] [--repeat 2] [--style state_dict]
+    .venv/bin/python scripts/bench_preload.py [--size-mb 300] [--setups 1x1 1x8 2x2 4x4] [--repeat 2]
+
+A setup ``DxW`` serves the model on D devices with W workers. A model has one executor per device, whatever its
+worker count: with preload on, the backend server runs ``model_fn`` once and forks the executors, which share the
+weights on the host until each moves them to its GPU; with preload off, each executor loads the model itself. This
+machine has no GPU, so D > 1 lists D GPUs through the test double of nvidia-smi (tests/fake_nvidia_smi.py): the
+frontend hands out GPU ids and each executor binds one, and torch, finding no CUDA, runs them on the CPU.
 
 The default ``state_dict`` style saves the weights as a state dict with a ``code/inference.py`` that rebuilds the
 network and calls ``load_state_dict``, as scripts written for the AWS containers do. ``torchscript`` is served by the
-default ``model_fn``, which the warm process's model cache shares with every worker whether preload is on or not.
+default ``model_fn``, which the warm process's model cache shares in both modes.
 
-Both servers run in the same run on the same machine; the table reports medians and on/off ratios.
-Memory is the PSS of the model's backend server plus its workers (copy-on-write pages counted once).
+Both servers of a setup run at once on the same machine; the table reports medians and on/off ratios. Memory is the
+PSS of the model's backend server plus its executors (copy-on-write pages counted once).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from pathlib import Path
 import requests
 import torch
 from benchlib import Server, our_server, serve, table
+from fake_nvidia_smi import install as fake_gpus  # tests/, which benchlib puts on the path
 from serving import pss_mib
 
 FEATURES = 2048
@@ -75,51 +82,57 @@ def measure(server: Server, name: str, model_dir: Path, workers: int) -> tuple[f
     return load_seconds, memory
 
 
+def parse_setup(text: str) -> tuple[int, int]:
+    devices, _, workers = text.partition("x")
+    if not (devices.isdigit() and workers.isdigit() and int(devices) >= 1 and int(workers) >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r} is not DEVICESxWORKERS, like 2x4")
+    return int(devices), int(workers)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=300)
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--setups", type=parse_setup, nargs="+", default=[(1, 1), (1, 8), (2, 2), (4, 4)])
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--style", choices=["state_dict", "torchscript"], default="state_dict")
     args = parser.parse_args()
 
+    rows = []
     with tempfile.TemporaryDirectory(prefix="bench-preload-") as tmp:
         root = Path(tmp)
         model_dir = big_model(root / "models" / "big", args.size_mb, args.style)
         size = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file()) / 2**20
-        results: dict[tuple[str, int], list[tuple[float, float]]] = {}
-        modes = {"on": "true", "off": "false"}
-        servers = {}
-        with ExitStack() as stack:
-            for mode, flag in modes.items():
-                command, env, port = our_server(root / mode, {"MME_PRELOAD_MODEL_GPU": flag})
-                servers[mode] = stack.enter_context(serve(command, env, root / mode, port))
-            for round_index in range(args.repeat):
-                for workers in args.workers:
+        for devices, workers in args.setups:
+            gpus = fake_gpus(root / f"gpus-{devices}", devices) if devices > 1 else {}
+            results: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
+            with ExitStack() as stack:
+                servers = {}
+                for mode, flag in (("on", "true"), ("off", "false")):
+                    work = root / f"{mode}-{devices}x{workers}"
+                    command, env, port = our_server(work, {"MME_PRELOAD_MODEL_GPU": flag, **gpus})
+                    servers[mode] = stack.enter_context(serve(command, env, work, port))
+                for round_index in range(args.repeat):
                     for mode, server in servers.items():
-                        name = f"big_{mode}_{workers}_{round_index}"
-                        results.setdefault((mode, workers), []).append(measure(server, name, model_dir, workers))
-
-    rows = []
-    for workers in args.workers:
-        on_load = statistics.median(r[0] for r in results[("on", workers)])
-        off_load = statistics.median(r[0] for r in results[("off", workers)])
-        on_mem = statistics.median(r[1] for r in results[("on", workers)])
-        off_mem = statistics.median(r[1] for r in results[("off", workers)])
-        rows.append(
-            [
-                workers,
-                f"{on_load:.2f}",
-                f"{off_load:.2f}",
-                f"{on_load / off_load:.2f}",
-                f"{on_mem:.0f}",
-                f"{off_mem:.0f}",
-                f"{on_mem / off_mem:.2f}",
-            ]
-        )
+                        name = f"big_{mode}_{round_index}"
+                        results[mode].append(measure(server, name, model_dir, workers))
+            on_load, off_load = (statistics.median(r[0] for r in results[mode]) for mode in ("on", "off"))
+            on_mem, off_mem = (statistics.median(r[1] for r in results[mode]) for mode in ("on", "off"))
+            rows.append(
+                [
+                    devices,
+                    workers,
+                    f"{on_load:.2f}",
+                    f"{off_load:.2f}",
+                    f"{on_load / off_load:.2f}",
+                    f"{on_mem:.0f}",
+                    f"{off_mem:.0f}",
+                    f"{on_mem / off_mem:.2f}",
+                ]
+            )
     style = "TorchScript" if args.style == "torchscript" else "state dict + load_state_dict script,"
-    print(f"model: {style} MLP, {size:.0f} MiB on disk; median of {args.repeat} runs; CPU workers")
-    print(table(["workers", "LOAD s (on)", "LOAD s (off)", "on/off", "PSS MiB (on)", "PSS MiB (off)", "on/off"], rows))
+    print(f"model: {style} MLP, {size:.0f} MiB on disk; median of {args.repeat} runs; executors on the CPU")
+    headers = ["devices", "workers", "LOAD s (on)", "LOAD s (off)", "on/off", "PSS MiB (on)", "PSS MiB (off)", "on/off"]
+    print(table(headers, rows))
     return 0
 
 

@@ -5,6 +5,7 @@ Benchmarks print tables; they never assert timings (machines here are noisy: com
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -99,6 +100,26 @@ def stop(server: Server) -> None:
         server.process.wait()
 
 
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def ensure_venv(venv: Path, requirements: Sequence[str], label: str, force: bool = False) -> None:
+    """Creates or refreshes a peer's own virtual environment; a marker file records what was installed, so a run
+    with the same requirements installs nothing."""
+    marker = venv / ".bench-installed"
+    wanted = "\n".join(requirements)
+    if not force and marker.exists() and marker.read_text() == wanted and venv_python(venv).exists():
+        return
+    print(f"installing {label} into {venv} (a minute or so)", file=sys.stderr, flush=True)
+    if not venv_python(venv).exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv_python(venv)), "-m", "pip", "install", "--quiet"]
+    subprocess.run([*pip, "--upgrade", "pip>=24"], check=True)
+    subprocess.run([*pip, *requirements], check=True)
+    marker.write_text(wanted)
+
+
 def our_server(work_dir: Path, env: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str], int]:
     """Command, environment and port that start this project's server."""
     port = free_port()
@@ -110,6 +131,14 @@ def our_server(work_dir: Path, env: Mapping[str, str] | None = None) -> tuple[li
         **(env or {}),
     }
     return [sys.executable, str(REPO / "dockerd-entrypoint.py"), "serve"], full_env, port
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile: a value that was actually observed (NaN when every request failed)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -15,8 +15,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import benchlib
 import psutil
-from benchlib import REPO, Server, serve
+from benchlib import REPO, Server, serve, venv_python
 from ports import free_port
 
 STOCK_VENV = REPO / ".bench-venv"
@@ -31,7 +32,6 @@ STOCK_REQUIREMENTS = (
     "setuptools<81",
 )
 HANDLER_SERVICE = "sagemaker_pytorch_serving_container.handler_service"
-_MARKER = ".bench-installed"
 
 # The AWS handler 1.5.1's default_model_fn raises NotImplementedError unless SAGEMAKER_INFERENCE_ACCELERATOR_PRESENT
 # is "true" (Elastic Inference), and that setting makes its predict_fn call an EI-only torch API. So a stock model
@@ -65,23 +65,8 @@ json.dump({
 _PACKAGES = ("torch", "multi-model-server", "sagemaker-inference", "sagemaker-pytorch-inference")
 
 
-def venv_python(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
 def ensure_venv(venv: Path = STOCK_VENV, force: bool = False) -> None:
-    """Creates or refreshes the stock virtual environment; a marker file records what was installed."""
-    marker = venv / _MARKER
-    wanted = "\n".join(STOCK_REQUIREMENTS)
-    if not force and marker.exists() and marker.read_text() == wanted and venv_python(venv).exists():
-        return
-    print(f"installing the stock stack into {venv} (about a minute)", file=sys.stderr, flush=True)
-    if not venv_python(venv).exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(venv_python(venv)), "-m", "pip", "install", "--quiet"]
-    subprocess.run([*pip, "--upgrade", "pip>=24"], check=True)
-    subprocess.run([*pip, *STOCK_REQUIREMENTS], check=True)
-    marker.write_text(wanted)
+    benchlib.ensure_venv(venv, STOCK_REQUIREMENTS, "the stock stack", force)
 
 
 def stock_model_dir(source: Path, dest: Path) -> Path:

@@ -1,0 +1,104 @@
+"""What a failed request or load step becomes: its HTTP status, the JSON body the client sees, and the log line.
+
+Statuses come from the error's type, never from its text: user errors carrying a status (``ContainerError``, the
+toolkit's ``BaseInferenceToolkitError``) keep theirs, running out of host or device memory is 507, anything else 500.
+The client gets the error's type and message, cut to ``MAX_MESSAGE_CHARS``; the traceback goes to the log only.
+"""
+
+from __future__ import annotations
+
+import http
+import json
+import logging
+from typing import Any
+
+import torch
+from sagemaker_inference.errors import BaseInferenceToolkitError
+
+from mme_runtime.errors import ContainerError, InsufficientMemory, ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+ERROR_CONTENT_TYPE = "application/json"
+MAX_MESSAGE_CHARS = 1000
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Host or device memory exhaustion, judged by type (never by the text "CUDA")."""
+    return isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError))
+
+
+def is_client_error(exc: BaseException) -> bool:
+    return isinstance(exc, BaseInferenceToolkitError) and 400 <= int(exc.status_code) < 500
+
+
+def http_status(exc: BaseException) -> int:
+    if isinstance(exc, BaseInferenceToolkitError):
+        return int(exc.status_code)
+    if is_out_of_memory(exc):
+        return 507
+    return 500
+
+
+def release_cached_device_memory() -> None:
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        torch.cuda.empty_cache()
+
+
+class StepError(Exception):
+    """A failure inside a user (or default) contract function: 500, naming the function."""
+
+    def __init__(self, step: str, cause: Exception) -> None:
+        super().__init__(f"{step}: {cause}")
+        self.step = step
+        self.cause = cause
+
+
+def error_response(exc: Exception, request: Any) -> tuple[bytes, str]:
+    """The body and content type answering ``request`` (an ``InferenceContext``) with ``exc``; logs it."""
+    status = http_status(exc)
+    if isinstance(exc, StepError):
+        message = f"{exc.step} raised {type(exc.cause).__name__}: {exc.cause}"
+        error_type = type(exc.cause).__name__
+    elif isinstance(exc, BaseInferenceToolkitError):
+        message, error_type = str(exc.message), type(exc).__name__
+    elif is_out_of_memory(exc):
+        message, error_type = "out of memory while serving this request", "InsufficientMemory"
+    else:
+        message, error_type = f"{type(exc).__name__}: {exc}", type(exc).__name__
+    message = message[:MAX_MESSAGE_CHARS]
+    if status >= 500:
+        logger.error(
+            "model=%s request=%s status=%d %s",
+            request.model_name,
+            request.request_id,
+            status,
+            message,
+            exc_info=exc,
+        )
+    else:
+        logger.warning("model=%s request=%s status=%d %s", request.model_name, request.request_id, status, message)
+    body = {"code": status, "type": error_type, "message": message, "request_id": request.request_id}
+    return json.dumps(body).encode("utf-8"), ERROR_CONTENT_TYPE
+
+
+def load_failure(model_name: str, step: str, exc: Exception) -> ContainerError:
+    """The error a failed load step answers with: 507 for memory, the user's own status, else 500."""
+    if isinstance(exc, BaseInferenceToolkitError):
+        # A deliberate error with its own message and status: no traceback needed to understand it.
+        message = f"{step} failed: {exc.message}"[:MAX_MESSAGE_CHARS]
+        logger.error("model=%s %s", model_name, message)
+        kind = type(exc) if type(exc) in (ModelLoadError, InsufficientMemory) else ContainerError
+        return kind(message, int(exc.status_code))
+    logger.error("model=%s %s failed", model_name, step, exc_info=exc)
+    message = f"{step} failed: {type(exc).__name__}: {exc}"[:MAX_MESSAGE_CHARS]
+    if is_out_of_memory(exc):
+        return InsufficientMemory(message)
+    return ModelLoadError(message)
+
+
+def phrase(status: int) -> str:
+    try:
+        return http.HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
