@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import model_factory
+import numpy as np
 import pytest
 import torch
 from mms.context import Context, RequestProcessor
@@ -84,3 +85,43 @@ def test_sagemaker_default_accept_is_honoured(tmp_path: Path) -> None:
     context = mms_context(model_dir, [{"Content-Type": "application/json", "Accept": "*/*"}])
     service.handle([{"body": b"[[1,2,3,4]]"}], context)
     assert context.get_response_content_type(0) == "text/csv"
+
+
+def test_batching_settings_reach_the_context_and_transform_fn_models_stay_unbatched(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    batched = model_factory.torchscript_model(tmp_path / "batched")
+    (batched / "serving.properties").write_text("batch_size=4\nmax_batch_delay=3\n")
+    context = mms_context(batched, [])
+    service = HandlerService(Config.from_env({}))
+    service.initialize(context)
+    settings = service.transformer.settings
+    assert (settings.batch_size, settings.max_batch_delay_ms, settings.source) == (4, 3, "serving.properties")
+    assert context.system_properties["batch_size"] == 4  # what context.batch_size reads
+
+    whole = model_factory.transform_model(tmp_path / "whole")
+    (whole / "serving.properties").write_text("batch_size=4\n")
+    service = HandlerService(Config.from_env({}))
+    service.initialize(mms_context(whole, []))
+    assert service.transformer.settings.batch_size == 1
+    assert "batch_size=4 ignored: transform_fn answers each request whole" in caplog.text
+
+
+def test_an_mms_batch_runs_one_forward_pass_and_each_request_gets_its_rows(tmp_path: Path) -> None:
+    """What plain MMS hands over when LOAD carried batch_size: several requests in one message."""
+    model_dir = model_factory.torchscript_model(tmp_path / "m")
+    (model_dir / "serving.properties").write_text("batch_size=8\n")
+    service = service_for(model_dir)
+    rows = [[[1.0, 2.0, 3.0, 4.0]], [[0.5, 0.5, 0.5, 0.5], [4.0, 3.0, 2.0, 1.0]]]
+    context = mms_context(model_dir, [{"Content-Type": "application/json"}] * 2)
+    calls = []
+    model = service.transformer.model
+    service.transformer._model = lambda data: calls.append(data.shape[0]) or model(data)  # counts forward passes
+
+    results = service.handle([{"body": json.dumps(r).encode()} for r in rows], context)
+
+    assert calls == [3]
+    with torch.inference_mode():
+        expected = [model_factory.tiny_net(0)(torch.tensor(r)).numpy() for r in rows]
+    for result, want in zip(results, expected, strict=True):
+        np.testing.assert_allclose(np.array(json.loads(result)), want, rtol=1e-5)
