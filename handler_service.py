@@ -35,7 +35,7 @@ class HandlerService(DefaultHandlerService):  # type: ignore[misc]
         self.transformer.load(context, torch.device("cpu"))
 
     def attach(self, context: Any) -> None:
-        """Places the model on this worker's device (``gpu_id`` is its CUDA ordinal here) and warms it up."""
+        """Places the model on this executor's device (``gpu_id`` is its CUDA ordinal here) and warms it up."""
         self.transformer.attach(context, worker_device(context.system_properties.get("gpu_id")))
 
     def start_batcher(self) -> ServingSettings:

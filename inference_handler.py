@@ -1,6 +1,6 @@
 """PyTorch defaults for the SageMaker inference contract, behaving like the AWS PyTorch handler 1.5.1.
 
-Differences that matter: the model is loaded to host memory and placed on the worker's device once (not per
+Differences that matter: the model is loaded to host memory and placed on the executor's device once (not per
 request), inference runs under ``torch.inference_mode``, and errors carry HTTP statuses.
 """
 
@@ -42,7 +42,7 @@ class DefaultPytorchInferenceHandler(DefaultInferenceHandler):  # type: ignore[m
         return content.decode(input_data, content_type)
 
     def default_predict_fn(self, data: Any, model: Any, context: Any = None) -> Any:
-        """Runs the model under inference mode on the worker's device (the model is already there)."""
+        """Runs the model under inference mode on the executor's device (the model is already there)."""
         device = getattr(context, "device", None) or torch.device("cpu")
         with torch.inference_mode():
             if isinstance(data, torch.Tensor):

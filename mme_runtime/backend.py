@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 ACCEPT_TIMEOUT_SECONDS = 1.0
 # The frontend sends its LOAD message as soon as it connects; a connection that does not is dropped.
 LOAD_MESSAGE_SECONDS = 10.0
+# A hand-over fits in the control socket's buffer many times over: one that waits this long has a stuck executor.
+HAND_OVER_SECONDS = 10.0
 CHILD_STOP_SECONDS = 5.0
 # The frontend reads these exact lines on stdout to learn our pid and that we listen (WorkerLifeCycle).
 STARTED_LINE = "MMS worker started."
@@ -95,7 +97,7 @@ class BackendServer:
         self.loaded: LoadedModel | None = None
         self.worker_threads = fork_safety.DEFAULT_THREADS
         self.load_failure: LoadFailure | None = None
-        self.executors: dict[int | None, _Executor] = {}  # by the frontend's GPU id (None: the CPU)
+        self.executors: dict[str | None, _Executor] = {}  # by the card's CUDA_VISIBLE_DEVICES name (None: the CPU)
         self._pending: list[int] = []
 
     def run(self) -> int:
@@ -140,7 +142,7 @@ class BackendServer:
             check_memory(self.spec, self.config, gpu=None)
             self.loaded = load_model(self.spec, batch_size=1, phase="preload")
         except LoadFailure as failure:
-            # Every worker that connects answers its LOAD with this, so the frontend fails the LOAD with it.
+            # Every connection that arrives gets its LOAD answered with this, so the frontend fails the LOAD with it.
             self.load_failure = failure
             return
         self.worker_threads = fork_safety.threads_for_workers()
@@ -156,7 +158,7 @@ class BackendServer:
         if devices.cuda_initialized():
             return "model_fn initialised CUDA in the preload server (forked executors could not use it)"
         # CUDA matters only where the frontend hands out GPUs (it counts them with nvidia-smi too): a CPU host with a
-        # CUDA build of torch (and no NVML) poisons forks on any is_available(), and its workers never touch CUDA.
+        # CUDA build of torch (and no NVML) poisons forks on any is_available(), and its executors never touch CUDA.
         return fork_safety.probe(self.worker_threads, check_cuda=nvidia.gpu_count() > 0)
 
     def _fall_back_to_loading_per_executor(self, reason: str, pending: socket.socket) -> None:
@@ -218,24 +220,29 @@ class BackendServer:
             refuse_load(connection, self.load_failure, self.spec, self.config)
             return
         assignment = Assignment.from_load_message(message)
+        # One executor per card: two frontend ids can name one card (within an outer CUDA_VISIBLE_DEVICES).
+        device = (
+            None if assignment.gpu is None else devices.visible_gpu(assignment.gpu, self.config.cuda_visible_devices)
+        )
         try:
             for attempt in (1, 2):
-                executor = self.executors.get(assignment.gpu) or self._start_executor(assignment)
+                executor = self.executors.get(device) or self._start_executor(device, assignment, connection)
                 try:
                     hand_over(executor.control, connection, assignment)
                     break
-                except OSError:  # the executor died since the last reap: fork a fresh one, once
-                    self._reap(wait=True)
+                except OSError as exc:  # it died since the last reap, or stopped reading: fork a fresh one, once
+                    logger.warning("model=%s gpu=%s executor unreachable: %s", self.spec.name, device, exc)
+                    self._retire(device, executor)
                     if attempt == 2:
                         raise
         except OSError as exc:
-            logger.error("model=%s gpu=%s could not reach an executor: %s", self.spec.name, assignment.gpu, exc)
+            logger.error("model=%s gpu=%s could not reach an executor: %s", self.spec.name, device, exc)
         finally:
             connection.close()  # the executor holds its own descriptor now
 
-    def _start_executor(self, assignment: Assignment) -> _Executor:
-        # SEQPACKET keeps each handed-over connection's header a message of its own.
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    def _start_executor(self, device: str | None, assignment: Assignment, routed: socket.socket) -> _Executor:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.settimeout(HAND_OVER_SECONDS)
         process = self.context.Process(
             target=serve_executor,
             args=(
@@ -245,31 +252,45 @@ class BackendServer:
                 self.loaded,
                 assignment,
                 self.worker_threads,
-                self._inherited_fds(ours),
+                self._inherited_fds(ours, routed),
             ),
             daemon=False,
         )
-        process.start()
-        theirs.close()
+        try:
+            process.start()
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         executor = _Executor(process, ours)
-        self.executors[assignment.gpu] = executor
-        logger.info("model=%s gpu=%s executor pid=%s started", self.spec.name, assignment.gpu, process.pid)
+        self.executors[device] = executor
+        logger.info("model=%s gpu=%s executor pid=%s started", self.spec.name, device, process.pid)
         return executor
 
-    def _inherited_fds(self, control: socket.socket) -> tuple[int, ...]:
-        """Descriptors a forked executor must close: the listener, the lifeline and the server's control ends (a
-        spawned executor inherits nothing)."""
+    def _retire(self, device: str | None, executor: _Executor) -> None:
+        """Ends an executor that cannot take connections any more (it is dying, or stuck), and forgets it."""
+        if executor.process.exitcode is None:
+            executor.process.kill()
+        executor.process.join(CHILD_STOP_SECONDS)
+        self._reap()
+        if self.executors.get(device) is executor:  # not reaped: the kill did not take within the wait
+            del self.executors[device]
+            executor.control.close()
+
+    def _inherited_fds(self, control: socket.socket, routed: socket.socket) -> tuple[int, ...]:
+        """Descriptors a forked executor must close: the listener, the lifeline, the server's control ends and its copy
+        of the connection being routed, which the executor receives again as its own (a spawned executor inherits
+        nothing)."""
         if self.config.start_method != "fork":
             return ()
         lifeline = () if self.lifeline is None else (self.lifeline.fileno(),)
         controls = tuple(executor.control.fileno() for executor in self.executors.values())
-        return (self.listener.fileno(), *lifeline, control.fileno(), *controls)
+        return (self.listener.fileno(), *lifeline, control.fileno(), routed.fileno(), *controls)
 
-    def _reap(self, wait: bool = False) -> None:
+    def _reap(self) -> None:
         for gpu, executor in list(self.executors.items()):
             process = executor.process
-            if wait:
-                process.join(CHILD_STOP_SECONDS)
             if process.exitcode is None:
                 continue
             del self.executors[gpu]

@@ -4,8 +4,8 @@ Each frontend connection's thread submits its decoded requests (``Job``) and wai
 forward passes, one at a time. When it is idle a request is dispatched at once, so a lone client pays no delay.
 While a pass runs, what arrives queues up. After a pass that answered n requests, the dispatcher expects n requests
 back (busy clients send their next one at once, through whichever frontend connection is free) and waits for them,
-but no request waits more than ``max_delay`` beyond the pass it queued behind (or its own arrival, if later), and
-a batch never holds more than ``batch_size``.
+but never longer than ``max_delay`` after that pass (then it stops expecting them: a lone request after a burst is
+not held), and a batch never holds more than ``batch_size``.
 Only requests with the same collation signature share a batch; the oldest waiting request decides which signature
 goes next.
 
@@ -36,7 +36,6 @@ class Job:
     request: Any  # what the job answers (the contract's request); a lone job's predict gets it as its context
     signature: Signature | None  # None: runs alone
     rows: int
-    queued_at: float = 0.0
     result: Any = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -63,13 +62,14 @@ def run_batch(
     predict: Callable[[Any, Any], Any],
     batch_context: Any,
     retry_in_halves: Callable[[BaseException], bool],
+    before_retry: Callable[[], None] = lambda: None,
 ) -> None:
     """One ``predict`` call for ``jobs`` (collated), each job getting its rows of the prediction or the error.
 
     A lone job's ``predict`` gets its own request; a batch's gets ``batch_context`` (the model's, with no request's
     headers).
-    ``retry_in_halves`` says whether a batch that failed with an error is run again in two halves (and may free
-    memory first).
+    ``retry_in_halves`` says whether a batch that failed with an error is run again in two halves; ``before_retry``
+    runs first (freeing cached device memory, say), once the failed pass's frames are gone.
     """
     try:
         if len(jobs) == 1:
@@ -90,9 +90,10 @@ def run_batch(
             return
         logger.info("batch of %d failed (%s): retrying in halves", len(jobs), type(exc).__name__)
     # Retried outside the handler, so the failed pass's frames (and their tensors) are already released.
+    before_retry()
     half = len(jobs) // 2
-    run_batch(jobs[:half], predict, batch_context, retry_in_halves)
-    run_batch(jobs[half:], predict, batch_context, retry_in_halves)
+    run_batch(jobs[:half], predict, batch_context, retry_in_halves, before_retry)
+    run_batch(jobs[half:], predict, batch_context, retry_in_halves, before_retry)
 
 
 class Batcher:
@@ -114,9 +115,6 @@ class Batcher:
         """Queues ``jobs`` (one message's requests) and returns once each has its result or error."""
         if not jobs:
             return
-        now = time.monotonic()
-        for job in jobs:
-            job.queued_at = now
         with self._ready:
             self._queue.extend(jobs)
             self._awaited = max(0, self._awaited - len(jobs))
@@ -145,9 +143,9 @@ class Batcher:
             while not self._queue:
                 self._ready.wait()
             while self._awaited and not self._full():
-                waiting_since = max(self._pass_ended, self._queue[0].queued_at)
-                remaining = waiting_since + self.max_delay - time.monotonic()
+                remaining = self._pass_ended + self.max_delay - time.monotonic()
                 if remaining <= 0:
+                    self._awaited = 0  # those clients are not coming back soon: stop holding anyone for them
                     break
                 self._ready.wait(remaining)
             return self._take()

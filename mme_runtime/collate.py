@@ -86,15 +86,19 @@ def split(prediction: Any, counts: Sequence[int]) -> list[Any]:
         parts = {key: split(value, counts) for key, value in prediction.items()}
         return [{key: parts[key][index] for key in prediction} for index in range(len(counts))]
     if isinstance(prediction, (list, tuple)):
-        if prediction and all(isinstance(p, torch.Tensor) and p.dim() and p.shape[0] == total for p in prediction):
-            columns = [split(value, counts) for value in prediction]  # several outputs, each batched
+        batched = [isinstance(p, torch.Tensor) and p.dim() > 0 and p.shape[0] == total for p in prediction]
+        if prediction and all(batched):  # several outputs, each with the batch's rows
+            columns = [split(value, counts) for value in prediction]
             return [type(prediction)(column[index] for column in columns) for index in range(len(counts))]
-        if len(prediction) == total:  # one entry per row (a list made by .tolist(), say)
+        # One entry per row (a list made by .tolist(), say); a tuple is always several outputs, and a list holding a
+        # batched tensor is not rows either: cut by position, it would hand one request another's rows.
+        if isinstance(prediction, list) and len(prediction) == total and not any(batched):
             offsets = [sum(counts[:index]) for index in range(len(counts) + 1)]
             return [prediction[offsets[i] : offsets[i + 1]] for i in range(len(counts))]
         raise SplitError(
-            f"predict_fn returned {len(prediction)} entries for a batch of {total} rows from {len(counts)} requests; "
-            "with batching on, predict_fn must answer one row per input row"
+            f"predict_fn returned a {type(prediction).__name__} of {len(prediction)} entries for a batch of {total} "
+            f"rows from {len(counts)} requests; with batching on, it must answer one row per input row, or a tuple "
+            "of tensors with one row per input row each"
         )
     raise SplitError(
         f"predict_fn returned a {type(prediction).__name__} for a batch of {len(counts)} requests; with batching on "

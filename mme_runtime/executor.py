@@ -21,8 +21,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from mms.protocol.otf_message_handler import create_load_model_response, create_predict_response, retrieve_msg
-from mms.service import Service
+from mms.protocol.otf_message_handler import create_load_model_response, retrieve_msg
+from mms.service import emit_metrics
 
 from mme_runtime import devices, fork_safety
 from mme_runtime.config import Config
@@ -42,6 +42,7 @@ from mme_runtime.scaler import request_workers
 logger = logging.getLogger(__name__)
 
 CONTROL_MESSAGE_BYTES = 4096
+MAX_FDS_PER_RECEIVE = 32
 # How long an executor whose load failed waits for the connection it must answer before it exits.
 REFUSE_WAIT_SECONDS = 5.0
 
@@ -60,23 +61,31 @@ class Assignment:
 
 
 def hand_over(control: socket.socket, connection: socket.socket, assignment: Assignment) -> None:
-    """Passes a frontend connection whose LOAD message the server has read to the device's executor."""
-    header = json.dumps({"gpu": assignment.gpu, "batch_size": assignment.batch_size}).encode()
-    socket.send_fds(control, [header], [connection.fileno()])
+    """Passes a frontend connection whose LOAD message the server has read to the device's executor.
+
+    One ``sendmsg`` per connection: a line of JSON carrying the descriptor. The control socket is a stream (its
+    buffer holds hundreds of these, so the server never waits on an executor that is still loading), and Linux
+    never returns two descriptor-carrying messages from one ``recvmsg``; ``_receive`` pairs lines with descriptors
+    all the same."""
+    header = json.dumps({"gpu": assignment.gpu, "batch_size": assignment.batch_size}) + "\n"
+    socket.send_fds(control, [header.encode()], [connection.fileno()])
 
 
-def _receive(control: socket.socket) -> tuple[socket.socket, Assignment] | None:
-    """The next connection the server hands over, or None once the server is gone."""
+def _receive(control: socket.socket) -> list[tuple[socket.socket, Assignment]] | None:
+    """The connections the server handed over since the last call, or None once the server is gone."""
     try:
-        header, fds, _, _ = socket.recv_fds(control, CONTROL_MESSAGE_BYTES, 1)
+        data, fds, _, _ = socket.recv_fds(control, CONTROL_MESSAGE_BYTES, MAX_FDS_PER_RECEIVE)
     except OSError:
         return None
-    if not fds:
+    if not data:
         return None
-    connection = socket.socket(fileno=fds[0])
-    connection.setblocking(True)
-    values = json.loads(header)
-    return connection, Assignment(values["gpu"], values["batch_size"])
+    received = []
+    for line, fd in zip(data.decode().splitlines(), fds, strict=True):
+        values = json.loads(line)
+        connection = socket.socket(fileno=fd)
+        connection.setblocking(True)
+        received.append((connection, Assignment(values["gpu"], values["batch_size"])))
+    return received
 
 
 def serve_executor(
@@ -99,21 +108,17 @@ def serve_executor(
     try:
         loaded = _load_in_executor(spec, config, preloaded, assignment)
     except LoadFailure as failure:
-        # Answer the connection that asked for this device with the cause; later ones get a fresh executor.
+        # Answer the connections that asked for this device with the cause; later ones get a fresh executor.
         control.settimeout(REFUSE_WAIT_SECONDS)
-        received = _receive(control)
-        if received is not None:
-            refuse_load(received[0], failure, spec, config)
+        for connection, _ in _receive(control) or []:
+            refuse_load(connection, failure, spec, config)
         sys.stdout.flush()
         os._exit(WORKER_BOOT_ERROR)
-    settings = loaded.module.start_batcher()
-    if settings.batching and settings.source != "LOAD":
-        # Enough frontend connections to fill a batch; MMS's own batching (LOAD's batch_size) fills them itself.
-        request_workers(config.runtime_dir, spec.name, per_device=settings.batch_size)
+    _start_batching(spec, config, loaded)
     logger.info("model=%s executor pid=%d gpu=%s serving", spec.name, os.getpid(), assignment.gpu)
     while (received := _receive(control)) is not None:
-        connection, _ = received
-        threading.Thread(target=_serve_connection, args=(connection, spec, loaded), daemon=True).start()
+        for connection, _ in received:
+            threading.Thread(target=_serve_connection, args=(connection, spec, loaded), daemon=True).start()
     logger.info("model=%s executor pid=%d: server gone, stopping", spec.name, os.getpid())
     sys.stdout.flush()
     os._exit(0)
@@ -131,11 +136,25 @@ def _load_in_executor(
     devices.record_gpu(properties, gpu, ordinal)
     properties["batch_size"] = assignment.batch_size
     try:
-        preloaded.module.attach(preloaded.service.context)
+        if hasattr(preloaded.module, "attach"):
+            preloaded.module.attach(preloaded.service.context)
     except Exception as exc:  # boundary: this device's LOAD fails with the cause
         status = int(getattr(exc, "status_code", 500))
         raise LoadFailure(status, f"model {spec.name}: {getattr(exc, 'message', exc)}") from exc
     return preloaded
+
+
+def _start_batching(spec: ModelSpec, config: Config, loaded: LoadedModel) -> None:
+    """From here on the handler is called from many threads; our handler then batches their forward passes."""
+    if not hasattr(loaded.module, "start_batcher"):
+        return  # another handler (MMS's ``module:function``): it is called from the connections' threads as it is
+    settings = loaded.module.start_batcher()
+    if settings.batching and settings.source != "LOAD":
+        # Enough frontend connections to fill a batch; MMS's own batching (LOAD's batch_size) fills them itself.
+        try:
+            request_workers(config.runtime_dir, spec.name, per_device=settings.batch_size)
+        except OSError as exc:
+            logger.warning("model=%s could not ask for %d workers per device: %s", spec.name, settings.batch_size, exc)
 
 
 def _serve_connection(connection: socket.socket, spec: ModelSpec, loaded: LoadedModel) -> None:
@@ -154,15 +173,12 @@ def _serve_connection(connection: socket.socket, spec: ModelSpec, loaded: Loaded
 
 
 def _answer(loaded: LoadedModel, message: list[dict[str, Any]]) -> bytes:
-    """MMS's ``Service.predict`` for one message, with a context of the message's own: connections run at once."""
-    headers, inputs, request_ids = Service.retrieve_data_for_inference(message)
-    context = copy.copy(loaded.service.context)  # shares the model's system_properties, not its requests
-    context.request_ids = request_ids
-    context.request_processor = headers
-    context.metrics = None
-    try:
-        bodies = loaded.module.handle(inputs, context)
-    except Exception:  # the handler answers per request; this is a last guard, as in MMS's own Service
-        logger.exception("model=%s request failed outside the handler", loaded.service.context.model_name)
-        return bytes(create_predict_response(None, request_ids, "Prediction failed", 503))
-    return bytes(create_predict_response(bodies, request_ids, "Prediction success", 200, context=context))
+    """MMS's own ``Service.predict`` for one message (its metrics, its statuses for errors outside the handler), on a
+    copy of the service whose context is the message's own: the connections' threads answer at once."""
+    service = copy.copy(loaded.service)
+    # Service keeps its context in ``_context`` (MMS 1.1.11, pinned); the copy shares system_properties, not requests.
+    service._context = copy.copy(loaded.service.context)
+    response = service.predict(message)
+    if service.context.metrics is not None:
+        emit_metrics(service.context.metrics.store)
+    return bytes(response)

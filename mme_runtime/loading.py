@@ -1,6 +1,6 @@
-"""What the backend server and its workers share: the model's spec, the checks before a load, and the load itself.
+"""What the backend server and its executors share: the model's spec, the checks before a load, and the load itself.
 
-Runs in the preload server before fork as well as in workers: it never touches CUDA itself (user code may).
+Runs in the preload server before fork as well as in executors: it never touches CUDA itself (user code may).
 """
 
 from __future__ import annotations
@@ -50,14 +50,14 @@ class ModelSpec:
 
 @dataclass
 class LoadedModel:
-    """A model's handler module and MMS service, as loaded in the server (preload) or in a worker."""
+    """A model's handler module and MMS service, as loaded in the server (preload) or in an executor."""
 
     module: ModuleType
     service: Service
 
 
 class LoadFailure(Exception):
-    """Loading failed: the status and message every worker's LOAD reply carries."""
+    """Loading failed: the status and message every frontend connection's LOAD reply carries."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -99,7 +99,7 @@ def check_location(spec: ModelSpec, config: Config) -> LoadFailure | None:
 def load_model(
     spec: ModelSpec, batch_size: int, phase: str, gpu: int | None = None, cuda_ordinal: int | None = None
 ) -> LoadedModel:
-    """Imports the handler and runs its load step (``preload`` on the server, ``attach`` or ``handle`` in a worker).
+    """Imports the handler and runs its load step (``preload`` on the server, ``attach`` or ``handle`` in an executor).
 
     ``gpu`` is the frontend's assignment, ``cuda_ordinal`` the device naming that GPU in this process.
     """

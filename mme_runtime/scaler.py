@@ -62,23 +62,24 @@ class Scaler:
         description = get_json(url)
         if isinstance(description, list):  # MMS describes a model as a list of its versions
             description = description[0] if description else None
+        expired = age > REQUEST_LIFETIME_SECONDS
         if not isinstance(description, dict) or not any(
             worker.get("status") == "READY" for worker in description.get("workers") or []
         ):
             # Not registered, or its LOAD has not completed: scaling now would race the LOAD's own workers.
-            if age > REQUEST_LIFETIME_SECONDS:
+            if expired:
                 logger.warning("model=%s never became ready: its %d batching workers were not added", model, workers)
-                return True
-            return False
+            return expired
         if int(description.get("minWorkers") or 0) >= workers:
             return True
-        query = urllib.parse.urlencode({"min_worker": workers, "max_worker": workers, "synchronous": "false"})
+        maximum = max(workers, int(description.get("maxWorkers") or 0))  # never lower a maximum set higher
+        query = urllib.parse.urlencode({"min_worker": workers, "max_worker": maximum, "synchronous": "false"})
         try:
             urllib.request.urlopen(
                 urllib.request.Request(f"{url}?{query}", method="PUT"), timeout=REQUEST_TIMEOUT_SECONDS
             )
         except (urllib.error.URLError, OSError) as exc:
             logger.warning("model=%s could not be scaled to %d workers: %s", model, workers, exc)
-            return False
+            return expired  # tried again at the next sweep, until the request expires
         logger.info("model=%s scaled to %d workers to fill its batches on %d device(s)", model, workers, self.devices)
         return True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,8 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         self._negotiates_accept = True
         self._settings = ServingSettings(1, 0, "none")
         self._batcher: Batcher | None = None
+        # torch's grad mode is per thread: the executor's threads get the one its main thread had after model_fn.
+        self._grad_enabled: bool | None = None
 
     @property
     def model(self) -> Any:
@@ -117,7 +120,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         self._context = InferenceContext(mms_context, device)
         try:
             self._model = place_model(self._model, device)
-        except Exception as exc:  # boundary: a model that cannot be placed fails the worker's LOAD
+        except Exception as exc:  # boundary: a model that cannot be placed fails the executor's LOAD
             raise load_failure(self._context.model_name, "placing the model", exc) from exc
         self._run_load_step("model_warmup_fn", self._context, self._context.model_dir, self._model)
         self._dry_run(self._context)
@@ -135,7 +138,9 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
     def start_batcher(self) -> ServingSettings:
         """From now on ``transform`` may be called from many threads at once: their forward passes go through one
         batcher (one at a time, gathered up to ``batch_size``). Called by the executor once the model is attached."""
-        assert self._context is not None, "attach first"
+        if self._context is None:
+            raise RuntimeError("attach the model before starting its batcher")
+        self._grad_enabled = torch.is_grad_enabled()
         if self._batcher is None:
             settings = self._settings
             self._batcher = Batcher(
@@ -181,7 +186,8 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
             requests.append(request)
             payloads.append(payload)
             content_types.append(content_type)
-        self._answer(requests, payloads, content_types)
+        with self._grad_mode():
+            self._answer(requests, payloads, content_types)
         results = []
         for index, request in enumerate(requests):
             if request.error is not None:
@@ -247,8 +253,17 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         rows = collate.rows(data) if signature is not None else 1
         return Job(data, request, signature, rows)
 
+    def _grad_mode(self) -> AbstractContextManager[Any]:
+        if self._grad_enabled is None:
+            return nullcontext()
+        return torch.set_grad_enabled(self._grad_enabled)
+
     def _run_jobs(self, jobs: list[Job]) -> None:
         """One forward pass: ``predict_fn`` on the batch (``transform_fn`` on a lone request)."""
+        with self._grad_mode():
+            self._run_jobs_here(jobs)
+
+    def _run_jobs_here(self, jobs: list[Job]) -> None:
         if "transform_fn" in self._functions:
             for job in jobs:
                 try:
@@ -256,7 +271,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
                 except Exception as exc:  # request boundary
                     job.error = exc
             return
-        run_batch(jobs, self._predict, self._context, _retry_in_halves)
+        run_batch(jobs, self._predict, self._context, _retry_in_halves, release_cached_device_memory)
 
     def _predict(self, data: Any, request: _Request | InferenceContext) -> Any:
         """``predict_fn`` with a lone request's own context, or the model's for a batch."""
@@ -317,12 +332,9 @@ class _Request:
 
 
 def _retry_in_halves(exc: BaseException) -> bool:
-    """A failed batch is retried in halves when a smaller one may pass: out of memory (after freeing the cached
-    device memory), or a client error that one of its requests may have caused alone."""
-    if is_out_of_memory(exc):
-        release_cached_device_memory()
-        return True
-    return is_client_error(exc)
+    """A failed batch is retried in halves when a smaller one may pass: out of memory, or a client error that one of
+    its requests may have caused alone."""
+    return is_out_of_memory(exc) or is_client_error(exc)
 
 
 def _payload(item: Any) -> Any:

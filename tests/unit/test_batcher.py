@@ -27,17 +27,31 @@ def never_retry(_exc: BaseException) -> bool:
 
 
 class Recorder:
-    """A batch runner that records each pass's row count and can hold a pass until released."""
+    """A batch runner that records each pass's row count; ``hold`` keeps the next pass running until released."""
 
     def __init__(self) -> None:
         self.passes: list[int] = []
+        self.running = threading.Event()
         self.release = threading.Event()
         self.release.set()
 
+    def hold(self) -> None:
+        self.running.clear()
+        self.release.clear()
+
     def __call__(self, jobs: list[Job]) -> None:
+        self.running.set()
         self.release.wait(5)
         self.passes.append(sum(j.rows for j in jobs))
         run_batch(jobs, doubling, None, never_retry)
+
+
+def queued(batcher: Batcher, count: int) -> bool:
+    """Waits until ``count`` jobs are queued behind the running pass."""
+    deadline = time.monotonic() + 5
+    while len(batcher._queue) < count and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return len(batcher._queue) >= count
 
 
 def submit_in_thread(batcher: Batcher, jobs: list[Job]) -> threading.Thread:
@@ -103,11 +117,11 @@ def test_a_lone_request_is_dispatched_at_once_whatever_the_delay() -> None:
 def test_requests_arriving_during_a_pass_share_the_next_one_up_to_the_batch_size() -> None:
     recorder = Recorder()
     batcher = Batcher(recorder, batch_size=4, max_delay_ms=50, name="busy")
-    recorder.release.clear()
+    recorder.hold()
     first = submit_in_thread(batcher, [job(torch.ones(1, 2))])
-    time.sleep(0.05)  # the first pass is running (held)
+    assert recorder.running.wait(5)  # the first pass runs, held
     others = [submit_in_thread(batcher, [job(torch.ones(1, 2))]) for _ in range(6)]
-    time.sleep(0.05)
+    assert queued(batcher, 6)
     recorder.release.set()
     for thread in [first, *others]:
         thread.join(5)
@@ -117,21 +131,38 @@ def test_requests_arriving_during_a_pass_share_the_next_one_up_to_the_batch_size
 
 def test_after_a_pass_it_waits_for_as_many_requests_as_it_answered() -> None:
     recorder = Recorder()
-    batcher = Batcher(recorder, batch_size=8, max_delay_ms=2000, name="awaited")
-    recorder.release.clear()
-    first = [submit_in_thread(batcher, [job(torch.ones(1, 2))]) for _ in range(1)]
-    time.sleep(0.05)
+    batcher = Batcher(recorder, batch_size=8, max_delay_ms=300, name="awaited")
+    recorder.hold()
+    first = submit_in_thread(batcher, [job(torch.ones(1, 2))])
+    assert recorder.running.wait(5)
     second = [submit_in_thread(batcher, [job(torch.ones(1, 2))]) for _ in range(3)]
-    time.sleep(0.05)
+    assert queued(batcher, 3)
     recorder.release.set()
-    for thread in first + second:
+    for thread in [first, *second]:
         thread.join(5)
     assert recorder.passes == [1, 3]
     # Three were answered: three clients coming back one after another still share one pass.
     threads = []
     for _ in range(3):
         threads.append(submit_in_thread(batcher, [job(torch.ones(1, 2))]))
-        time.sleep(0.02)
+        time.sleep(0.01)
     for thread in threads:
         thread.join(5)
     assert recorder.passes == [1, 3, 3]
+
+
+def test_a_lone_request_after_a_burst_is_not_held_for_the_clients_that_left() -> None:
+    recorder = Recorder()
+    batcher = Batcher(recorder, batch_size=8, max_delay_ms=300, name="burst")
+    recorder.hold()
+    burst = [submit_in_thread(batcher, [job(torch.ones(1, 2))]) for _ in range(8)]
+    assert recorder.running.wait(5)
+    recorder.release.set()
+    for thread in burst:
+        thread.join(5)
+    time.sleep(0.35)  # the burst's clients are gone: longer than the delay
+
+    started = time.monotonic()
+    batcher.submit([job(torch.ones(1, 2))])
+
+    assert time.monotonic() - started < 0.15

@@ -45,7 +45,7 @@ def test_a_prediction_as_a_list_of_rows_splits_by_row() -> None:
         (torch.zeros(2, 3), "returned 2 rows for a batch of 3 rows from 2 requests"),
         (torch.tensor(1.0), "returned a scalar"),
         ("label", "returned a str"),
-        ([1, 2], "returned 2 entries for a batch of 3 rows"),
+        ([1, 2], "returned a list of 2 entries for a batch of 3 rows"),
     ],
 )
 def test_a_prediction_that_does_not_add_up_names_the_cause(prediction: object, words: str) -> None:
@@ -57,3 +57,14 @@ def test_a_prediction_that_does_not_add_up_names_the_cause(prediction: object, w
 def test_a_lone_request_gets_the_prediction_as_it_is() -> None:
     prediction = {"label": "cat"}
     assert split(prediction, [5]) == [prediction]
+
+
+@pytest.mark.parametrize(
+    "prediction",
+    [(torch.zeros(2, 2), torch.tensor(0.5)), [torch.zeros(2, 2), None]],
+    ids=["logits and a scalar", "logits and None"],
+)
+def test_outputs_that_are_not_all_batched_are_refused_not_cut_by_position(prediction: object) -> None:
+    """Two lone rows and a (logits, aux) pair: cut by position, the first request would get both requests' logits."""
+    with pytest.raises(SplitError, match="for a batch of 2 rows"):
+        split(prediction, [1, 1])

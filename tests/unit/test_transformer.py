@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import model_factory
@@ -125,3 +126,39 @@ def test_an_mms_batch_runs_one_forward_pass_and_each_request_gets_its_rows(tmp_p
         expected = [model_factory.tiny_net(0)(torch.tensor(r)).numpy() for r in rows]
     for result, want in zip(results, expected, strict=True):
         np.testing.assert_allclose(np.array(json.loads(result)), want, rtol=1e-5)
+
+
+GRAD_OFF_SCRIPT = """
+import json
+
+import torch
+
+torch.set_grad_enabled(False)  # as some scripts do at import, instead of no_grad in predict_fn
+
+
+def predict_fn(data, model):
+    return model(data)
+
+
+def output_fn(prediction, accept):
+    return json.dumps(prediction.numpy().tolist())  # fails on a tensor that requires grad
+"""
+
+
+def test_the_grad_mode_user_code_set_holds_in_the_executors_threads(tmp_path: Path) -> None:
+    model_dir = model_factory.state_dict_model(tmp_path / "m")
+    model_factory.write_code(model_dir, model_factory.STATE_DICT_SCRIPT + GRAD_OFF_SCRIPT)
+    try:
+        service = service_for(model_dir)
+        service.start_batcher()  # as the executor does, on the thread that ran model_fn
+        context = mms_context(model_dir, [{"Content-Type": "application/json"}])
+        results: list[bytes] = []
+        thread = threading.Thread(
+            target=lambda: results.extend(service.handle([{"body": b'{"inputs": [[1, 2, 3, 4]]}'}], context))
+        )
+        thread.start()  # a connection's thread: torch starts it with grad enabled
+        thread.join(10)
+    finally:
+        torch.set_grad_enabled(True)
+    assert context.get_response_status(0)[0] in (None, 200), results
+    assert len(json.loads(results[0])[0]) == model_factory.OUT_FEATURES
