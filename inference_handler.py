@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from sagemaker_inference.default_inference_handler import DefaultInferenceHandler
 
-from mme_runtime import content, model_cache
+from mme_runtime import content, model_cache, pt2
 from mme_runtime.errors import InvalidInput, ModelLoadError
 
 MODEL_FILES = model_cache.MODEL_FILES
@@ -22,12 +22,16 @@ class DefaultPytorchInferenceHandler(DefaultInferenceHandler):  # type: ignore[m
     """Defaults used for any contract function the user's ``code/inference.py`` does not define."""
 
     def default_model_fn(self, model_dir: str, context: Any = None) -> Any:
-        """Loads ``model.pt``/``model.pth`` as TorchScript, to host memory; the server places it on the GPU."""
+        """Loads ``model.pt2`` (an exported program, or an AOTInductor package that each executor loads on its
+        device), else ``model.pt``/``model.pth`` as TorchScript, to host memory; the executor places it."""
+        exported = pt2.pt2_file(Path(model_dir))
+        if exported is not None:
+            return pt2.load(exported)
         path = model_cache.model_file(Path(model_dir))
         if path is None:
             raise ModelLoadError(
-                f"no {' or '.join(MODEL_FILES)} in {model_dir}: save a TorchScript model there, "
-                "or supply model_fn in code/inference.py"
+                f"no {' or '.join((pt2.PT2_FILE, *MODEL_FILES))} in {model_dir}: save a model there "
+                "(torch.export, AOTInductor or TorchScript), or supply model_fn in code/inference.py"
             )
         cached = model_cache.cache.lookup(path)
         if cached is not None:

@@ -26,6 +26,7 @@ from mme_runtime.batcher import Batcher, Job, group, run_batch
 from mme_runtime.config import Config
 from mme_runtime.context import InferenceContext
 from mme_runtime.errors import InvalidInput, ModelLoadError, PayloadTooLarge
+from mme_runtime.pt2 import AOTIPackage
 from mme_runtime.responses import (
     ERROR_CONTENT_TYPE,
     StepError,
@@ -48,10 +49,16 @@ WARMUP_SAMPLES = {"warmup.json": content.JSON, "warmup.csv": content.CSV, "warmu
 
 
 def place_model(model: Any, device: torch.device) -> Any:
-    """Moves a module to ``device`` and switches it to eval mode, once per executor (not per request)."""
+    """Moves a module to ``device`` and switches it to eval mode, once per executor (not per request). An artifact
+    that must be loaded on its device (an AOTInductor package) is loaded there."""
+    if isinstance(model, AOTIPackage):
+        return model.place(device)
     if isinstance(model, torch.nn.Module):
         model = model.to(device)
-        model.eval()
+        try:
+            model.eval()
+        except NotImplementedError:
+            pass  # an exported program's module: it has no training mode to leave
     return model
 
 

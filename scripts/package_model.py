@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Packages a model directory as a SageMaker model.tar.gz, and optionally uploads it to S3.
 
-The archive holds the directory's files at its root (model.pt, model.pth, ...) and the inference code under
-code/ (inference.py, optional requirements.txt), the layout SageMaker unpacks into /opt/ml/models/<name>/model.
+The archive holds the directory's files at its root (model.pt2, model.pt, model.pth, ...) and the inference code
+under code/ (inference.py, optional requirements.txt), the layout SageMaker unpacks into
+/opt/ml/models/<name>/model.
 The same inputs always give the same bytes: entries are sorted and carry a fixed time, owner and mode.
 __pycache__ directories and *.pyc files are left out. Symlinks are followed only while they stay inside the
 model directory.
@@ -29,7 +30,7 @@ from _aws_cli import EXIT_OK, ScriptError, boto_session, config_error, parse_s3_
 from boto3.exceptions import S3UploadFailedError
 from botocore.client import BaseClient
 
-MODEL_FILES = ("model.pt", "model.pth")
+MODEL_FILES = ("model.pt2", "model.pt", "model.pth")
 ENTRY_POINT = "code/inference.py"
 REQUIREMENTS = "code/requirements.txt"
 ARCHIVE_SUFFIX = ".tar.gz"

@@ -468,3 +468,37 @@ def batches(model_dir: Path) -> list[ForwardPass]:
     if not log.exists():
         return []
     return [ForwardPass(*map(int, line.split())) for line in log.read_text().splitlines()]
+
+
+class SmallConvNet(torch.nn.Module):
+    """A conv net small enough to compile in seconds: images of 3x16x16 to 5 scores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = torch.relu(self.conv(x)).mean(dim=(2, 3))
+        return torch.softmax(self.head(features), dim=-1)
+
+
+PT2_NETS = {"mlp": (tiny_net, (3, IN_FEATURES)), "conv": (lambda seed: SmallConvNet().eval(), (3, 3, 16, 16))}
+
+
+def pt2_model(model_dir: Path, net: str = "mlp", aoti: bool = False, seed: int = 0) -> torch.nn.Module:
+    """``model.pt2`` with no code: ``net`` exported with a dynamic batch dimension, saved as an ExportedProgram or
+    compiled for the CPU as an AOTInductor package. Returns the eager model, to compare answers with."""
+    build, example_shape = PT2_NETS[net]
+    torch.manual_seed(seed)
+    model = build(seed)
+    example = torch.randn(*example_shape)
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    program = torch.export.export(model, (example,), dynamic_shapes={"x": {0: batch}})
+    model_dir.mkdir(parents=True, exist_ok=True)
+    path = model_dir / "model.pt2"
+    if aoti:
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+    else:
+        torch.export.save(program, str(path))
+    return model

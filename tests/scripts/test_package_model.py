@@ -155,7 +155,7 @@ def test_refuses_directory_without_model_file_or_entry_point(
     assert _package(root, tmp_path / "empty.tar.gz") == EXIT_CONFIG
 
     err = capsys.readouterr().err
-    assert "neither model.pt nor model.pth nor code/inference.py" in err
+    assert "neither model.pt2 nor model.pt nor model.pth nor code/inference.py" in err
     assert len(err.strip().splitlines()) == 1  # one line, no traceback
 
 

@@ -67,7 +67,7 @@ def test_state_dict_without_model_fn_explains_what_to_supply(tmp_path: Path) -> 
 
 def test_missing_model_file_names_what_was_looked_for(tmp_path: Path) -> None:
     (tmp_path / "m").mkdir()
-    with pytest.raises(ModelLoadError, match="no model.pt or model.pth"):
+    with pytest.raises(ModelLoadError, match="no model.pt2 or model.pt or model.pth"):
         service_for(tmp_path / "m")
 
 

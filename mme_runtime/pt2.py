@@ -1,0 +1,90 @@
+"""PyTorch 2 artifacts served with no code: a ``model.pt2`` that holds a ``torch.export`` program or an AOTInductor
+package. Both are PT2 archives; they are told apart by what they hold, never by the file name.
+
+* An ``ExportedProgram`` (``torch.export.save``) loads on the host, in the CUDA-free preload server like any other
+  model, and its ``.module()`` is placed on each executor's device as usual.
+* An AOTInductor package (``torch._inductor.aoti_compile_and_package``) is compiled code for one kind of device, so
+  it is loaded in each executor, on its device, once: the preload server only checks the archive.
+
+Anything else, a corrupt file, or an archive written by an incompatible torch fails the LOAD with the cause.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from mme_runtime.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+PT2_FILE = "model.pt2"
+Kind = Literal["exported_program", "aoti"]
+
+
+def pt2_file(model_dir: Path) -> Path | None:
+    path = model_dir / PT2_FILE
+    return path if path.is_file() else None
+
+
+def kind(path: Path) -> Kind:
+    """What the archive holds; ``ModelLoadError`` naming the problem when it is no PT2 archive we can serve."""
+    from torch.export.pt2_archive import constants
+    from torch.export.pt2_archive._package import PT2ArchiveReader
+
+    try:
+        with PT2ArchiveReader(str(path)) as archive:
+            version = archive.read_string(constants.ARCHIVE_VERSION_PATH)
+            names = archive.get_file_names()
+    except Exception as exc:  # boundary: torch's reader raises RuntimeError for a file that is not a zip archive
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"{path.name} is not a PT2 archive ({reason})") from exc
+    if version != constants.ARCHIVE_VERSION_VALUE:
+        raise ModelLoadError(
+            f"{path.name} was written in PT2 archive version {version}; torch {torch.__version__} reads version "
+            f"{constants.ARCHIVE_VERSION_VALUE}: export it again with this torch"
+        )
+    if any(name.startswith(constants.AOTINDUCTOR_DIR) for name in names):
+        return "aoti"
+    if any(name.startswith(constants.MODELS_DIR) for name in names):
+        return "exported_program"
+    raise ModelLoadError(
+        f"{path.name} is a PT2 archive with neither an exported program nor an AOTInductor package in it "
+        "(save one with torch.export.save or torch._inductor.aoti_compile_and_package)"
+    )
+
+
+def load(path: Path) -> Any:
+    """The model the defaults serve from ``path``: an exported program's module, or an AOTInductor package to be
+    loaded on each executor's device (``AOTIPackage.place``)."""
+    found = kind(path)
+    if found == "aoti":
+        logger.info("%s: AOTInductor package, loaded on each device by its executor", path)
+        return AOTIPackage(path)
+    try:
+        return torch.export.load(str(path)).module()
+    except Exception as exc:  # boundary: the LOAD fails with torch's reason (an opset or schema it cannot read)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"{path.name}: the exported program cannot be loaded: {reason}") from exc
+
+
+@dataclass(frozen=True)
+class AOTIPackage:
+    """An AOTInductor package not yet loaded: compiled for one device kind, so each executor loads it on its own."""
+
+    path: Path
+
+    def place(self, device: torch.device) -> Any:
+        """The package loaded on ``device`` (``cuda:0`` in an executor, which sees only its GPU, or the CPU)."""
+        from torch._inductor import aoti_load_package
+
+        index = device.index if device.type == "cuda" and device.index is not None else -1
+        try:
+            return aoti_load_package(str(self.path), device_index=index)
+        except Exception as exc:  # boundary: compiled for another device kind, or for another torch
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelLoadError(f"{self.path.name}: the AOTInductor package cannot run on {device}: {reason}") from exc
