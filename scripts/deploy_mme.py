@@ -8,7 +8,9 @@ subcommands:
              and the endpoint, and wait until it is InService
   add-model  copy more archives to a deployed endpoint's prefix: they can be called at once, without a redeploy
   invoke     call one model (TargetModel) with JSON through the SageMaker SDK, or with any bytes through boto3
-  delete     delete the endpoint, its endpoint config and its model; the archives in S3 are kept
+  scale      change a deployed endpoint's autoscaling bounds (and its invocations-per-instance target)
+  delete     delete the endpoint's autoscaling, the endpoint, its endpoint config and its model; the archives in
+             S3 are kept
 
 examples:
   scripts/deploy_mme.py deploy --name mme-gpu --image-uri 123456789012.dkr.ecr.us-east-1.amazonaws.com/mme-gpu:0.1.0 \\
@@ -17,6 +19,8 @@ examples:
   scripts/deploy_mme.py invoke --endpoint-name mme-gpu --target-model resnet.tar.gz --data '[[0.1, 0.2, 0.3, 0.4]]'
   scripts/deploy_mme.py invoke --endpoint-name mme-gpu --target-model resnet.tar.gz --client boto3 \\
       --content-type application/x-npy --data-file batch.npy --output result.npy
+  scripts/deploy_mme.py deploy ... --min-instances 1 --max-instances 4 --target-invocations-per-instance 600
+  scripts/deploy_mme.py scale --endpoint-name mme-gpu --min-instances 2 --max-instances 8
   scripts/deploy_mme.py delete --endpoint-name mme-gpu
 """
 
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import _autoscaling
 import boto3
 import botocore.exceptions
 from _aws_cli import EXIT_OK, ScriptError, aws_error_code, aws_error_message, boto_session, config_error, run_cli
@@ -285,6 +290,9 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     prefix = normalize_prefix(args.model_data_prefix)
     role = resolve_role(session.client("iam"), args.role)
     endpoint_name = args.endpoint_name or args.name
+    scaling = _autoscaling.from_arguments(args, default_min=args.instance_count)
+    if scaling is not None and args.no_wait:
+        raise config_error("autoscaling is set up on an InService endpoint: drop --no-wait, or run `scale` later")
     model = multi_data_model(sagemaker_session(session), args.name, prefix, args.image_uri, role, env)
     # Archives first: a wrong path then fails before an endpoint starts billing.
     for uri in add_models(model, specs):
@@ -297,8 +305,26 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     )
     print(f"creating endpoint {endpoint_name} (model {args.name}, {args.instance_count} x {args.instance_type})")
     if not args.no_wait:
-        wait_for_endpoint(session.client("sagemaker"), endpoint_name, args.wait_seconds, args.poll_seconds)
+        sm = session.client("sagemaker")
+        wait_for_endpoint(sm, endpoint_name, args.wait_seconds, args.poll_seconds)
         print(f"endpoint {endpoint_name} is InService")
+        if scaling is not None:
+            variant = _autoscaling.variant_of(describe_endpoint(sm, endpoint_name))
+            for item in _autoscaling.apply(session.client("application-autoscaling"), endpoint_name, variant, scaling):
+                print(f"set {item}")
+    return EXIT_OK
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    session = boto_session(args.region)
+    scaling = _autoscaling.from_arguments(args, default_min=args.min_instances)
+    if scaling is None:  # argparse requires the bounds; kept for the type checker
+        raise config_error("scale needs --min-instances and --max-instances")
+    sm = session.client("sagemaker")
+    require_in_service(sm, args.endpoint_name)
+    variant = _autoscaling.variant_of(describe_endpoint(sm, args.endpoint_name))
+    for item in _autoscaling.apply(session.client("application-autoscaling"), args.endpoint_name, variant, scaling):
+        print(f"set {item}")
     return EXIT_OK
 
 
@@ -365,7 +391,11 @@ def cmd_invoke(args: argparse.Namespace) -> int:
 
 def cmd_delete(args: argparse.Namespace) -> int:
     session = boto_session(args.region)
-    for item in delete_endpoint(session.client("sagemaker"), args.endpoint_name, args.keep_model):
+    sm = session.client("sagemaker")
+    # Autoscaling first: a scalable target left on a deleted endpoint would try to scale it.
+    variant = _autoscaling.variant_of(describe_endpoint(sm, args.endpoint_name))
+    removed = _autoscaling.remove(session.client("application-autoscaling"), args.endpoint_name, variant)
+    for item in removed + delete_endpoint(sm, args.endpoint_name, args.keep_model):
         print(f"deleted {item}")
     return EXIT_OK
 
@@ -412,7 +442,13 @@ def build_parser() -> argparse.ArgumentParser:
     deploy.add_argument(
         "--poll-seconds", type=float, default=30.0, help="status check interval (default: %(default).0f)"
     )
+    _autoscaling.add_arguments(deploy, required=False)
     deploy.set_defaults(handler=cmd_deploy)
+
+    scale = commands.add_parser("scale", parents=[common], help="change a deployed endpoint's autoscaling")
+    scale.add_argument("--endpoint-name", required=True, help="the multi-model endpoint")
+    _autoscaling.add_arguments(scale, required=True)
+    scale.set_defaults(handler=cmd_scale)
 
     add = commands.add_parser("add-model", parents=[common], help="add model archives to a deployed endpoint")
     add.add_argument("--endpoint-name", required=True, help="the multi-model endpoint")

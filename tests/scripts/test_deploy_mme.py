@@ -396,3 +396,98 @@ def test_retry_while_loading_retries_only_model_not_ready_until_the_deadline() -
     with pytest.raises(botocore.exceptions.ClientError, match=MODEL_NOT_READY):
         retry(10)
     assert (len(outcomes), now) == (1, 10)  # tried at 0, 5 and 10 s; a fourth try would come after the deadline
+
+
+RESOURCE = "endpoint/mme-gpu/variant/AllTraffic"
+
+
+def _scalable_targets() -> list[dict[str, Any]]:
+    autoscaling = boto3.client("application-autoscaling")
+    return list(autoscaling.describe_scalable_targets(ServiceNamespace="sagemaker")["ScalableTargets"])
+
+
+def _policies() -> list[dict[str, Any]]:
+    autoscaling = boto3.client("application-autoscaling")
+    return list(autoscaling.describe_scaling_policies(ServiceNamespace="sagemaker")["ScalingPolicies"])
+
+
+def test_deploy_with_autoscaling_registers_the_variant_and_a_target_tracking_policy(
+    archives: dict[str, Any],
+) -> None:
+    code = _deploy(
+        "--role", ROLE_ARN, "--instance-count", "2",
+        "--max-instances", "6", "--target-invocations-per-instance", "750", "--scale-in-cooldown", "600",
+    )  # fmt: skip
+    assert code == EXIT_OK
+
+    [target] = _scalable_targets()
+    assert (target["ResourceId"], target["ScalableDimension"]) == (RESOURCE, "sagemaker:variant:DesiredInstanceCount")
+    assert (target["MinCapacity"], target["MaxCapacity"]) == (2, 6)  # the minimum defaults to --instance-count
+    [policy] = _policies()
+    assert policy["PolicyName"] == "mme-gpu-invocations-per-instance"
+    assert policy["PolicyType"] == "TargetTrackingScaling"
+    configuration = policy["TargetTrackingScalingPolicyConfiguration"]
+    assert configuration["TargetValue"] == 750
+    assert configuration["PredefinedMetricSpecification"]["PredefinedMetricType"] == (
+        "SageMakerVariantInvocationsPerInstance"
+    )
+    assert (configuration["ScaleInCooldown"], configuration["ScaleOutCooldown"]) == (600, 60)
+
+
+def test_deploy_without_scaling_options_sets_up_no_autoscaling(archives: dict[str, Any]) -> None:
+    assert _deploy("--role", ROLE_ARN) == EXIT_OK
+    assert _scalable_targets() == [] and _policies() == []
+
+
+def test_scale_changes_the_bounds_of_a_running_endpoint(archives: dict[str, Any]) -> None:
+    assert _deploy("--role", ROLE_ARN, "--max-instances", "3", "--target-invocations-per-instance", "500") == EXIT_OK
+
+    argv = ["scale", "--endpoint-name", "mme-gpu", "--min-instances", "2", "--max-instances", "8"]
+    assert run_cli(main, argv) == EXIT_OK
+
+    [target] = _scalable_targets()
+    assert (target["MinCapacity"], target["MaxCapacity"]) == (2, 8)
+    assert [p["TargetTrackingScalingPolicyConfiguration"]["TargetValue"] for p in _policies()] == [500]
+
+
+def test_delete_removes_the_policy_and_the_scalable_target_before_the_endpoint(
+    archives: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _deploy("--role", ROLE_ARN, "--max-instances", "3", "--target-invocations-per-instance", "500") == EXIT_OK
+
+    assert run_cli(main, ["delete", "--endpoint-name", "mme-gpu"]) == EXIT_OK
+
+    assert _scalable_targets() == [] and _policies() == []
+    assert capsys.readouterr().out.splitlines()[-5:] == [
+        "deleted scaling policy mme-gpu-invocations-per-instance",
+        f"deleted scalable target {RESOURCE}",
+        "deleted endpoint mme-gpu",
+        "deleted endpoint config mme-gpu",
+        "deleted model mme-gpu",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--min-instances", "5", "--max-instances", "2"], "--max-instances (2) must be at least --min-instances (5)"),
+        (["--min-instances", "-1", "--max-instances", "2"], "--min-instances must be at least 1, not -1"),
+        (["--max-instances", "2", "--target-invocations-per-instance", "0"], "must be above 0, not 0.0"),
+        (["--target-invocations-per-instance", "100"], "autoscaling needs --max-instances"),
+        (["--max-instances", "2", "--no-wait"], "drop --no-wait, or run `scale` later"),
+    ],
+)
+def test_bad_scaling_options_exit_2_with_one_line_before_anything_is_created(
+    archives: dict[str, Any], capsys: pytest.CaptureFixture[str], options: list[str], message: str
+) -> None:
+    assert _deploy("--role", ROLE_ARN, *options) == EXIT_CONFIG
+
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+    assert boto3.client("sagemaker").list_endpoints()["Endpoints"] == []
+
+
+def test_scale_with_bad_bounds_exits_2(aws: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["scale", "--endpoint-name", "mme-gpu", "--min-instances", "3", "--max-instances", "1"]
+    assert run_cli(main, argv) == EXIT_CONFIG
+    assert capsys.readouterr().err.strip() == "error: --max-instances (1) must be at least --min-instances (3)"
