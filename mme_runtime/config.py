@@ -119,7 +119,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "MME_CACHE_DIR",
         "/tmp/mme/cache",
         "cache_dir",
-        "Local cache shared by all workers: `code/` (S3 archives by URI and ETag), `requirements/` (by file hash).",
+        "Local cache shared by all models: `code/` (S3 archives by URI and ETag), `requirements/` (by file hash), "
+        "`compiled/` (AOTInductor packages of `compile=true` models, by content).",
     ),
     EnvVar(
         "MME_MEMORY_HEADROOM_MB",
@@ -203,7 +204,7 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
-def _parse_bool(name: str, value: str) -> bool:
+def parse_bool(name: str, value: str) -> bool:
     lowered = value.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
@@ -325,7 +326,7 @@ class Config:
                 values[field] = parse(name, raw)
 
         take("SAGEMAKER_BIND_TO_PORT", "port", lambda n, v: _parse_port(n, v))
-        take("SAGEMAKER_MULTI_MODEL", "multi_model", _parse_bool)
+        take("SAGEMAKER_MULTI_MODEL", "multi_model", parse_bool)
         take("SAGEMAKER_MODEL_SERVER_WORKERS", "workers_per_model", lambda n, v: parse_int(n, v, 1))
         take("SAGEMAKER_MODEL_SERVER_TIMEOUT", "response_timeout_seconds", lambda n, v: parse_int(n, v, 1))
         take("SAGEMAKER_STARTUP_TIMEOUT", "startup_timeout_seconds", lambda n, v: parse_int(n, v, 1))
@@ -342,14 +343,14 @@ class Config:
         take("MME_S3_TIMEOUT_SECONDS", "s3_timeout_seconds", lambda n, v: parse_int(n, v, 1))
         take("MME_PIP_TIMEOUT_SECONDS", "pip_timeout_seconds", lambda n, v: parse_int(n, v, 1))
         take("SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT", "default_accept", lambda n, v: v.strip())
-        take("MME_PRELOAD_MODEL_GPU", "preload_model_gpu", _parse_bool)
+        take("MME_PRELOAD_MODEL_GPU", "preload_model_gpu", parse_bool)
         take("MME_START_METHOD", "start_method", _parse_start_method)
-        take("MME_WARM_START", "warm_start", _parse_bool)
+        take("MME_WARM_START", "warm_start", parse_bool)
         take("MME_RUNTIME_DIR", "runtime_dir", lambda n, v: Path(v).absolute())
         take("MME_PROPERTIES_FILE", "properties_file", lambda n, v: Path(v).absolute())
         take("MME_LOAD_MODELS", "load_models", _parse_load_models)
         take("MME_MODEL_ROOT", "model_root", lambda n, v: Path(v).absolute())
-        take("MME_ALLOW_ANY_MODEL_LOCATION", "allow_any_model_location", _parse_bool)
+        take("MME_ALLOW_ANY_MODEL_LOCATION", "allow_any_model_location", parse_bool)
         take("MME_START_ATTEMPTS", "start_attempts", lambda n, v: parse_int(n, v, 1))
         take("MME_STOP_GRACE_SECONDS", "stop_grace_seconds", lambda n, v: parse_int(n, v, 1, 28))
         take("JAVA_HOME", "java_home", lambda n, v: v.strip())
@@ -383,7 +384,7 @@ class Config:
         if self.preload_model_gpu is not None:
             return self
         raw = properties.get("preload_model_gpu", "true")
-        return dataclasses.replace(self, preload_model_gpu=_parse_bool("preload_model_gpu (properties)", raw))
+        return dataclasses.replace(self, preload_model_gpu=parse_bool("preload_model_gpu (properties)", raw))
 
     def to_env(self) -> dict[str, str]:
         """The variables that carry this configuration to the backend processes MMS starts."""

@@ -1,7 +1,8 @@
 """A model's own serving settings: ``serving.properties`` in its directory, over the container-wide defaults.
 
 The keys are the ones MMS's LOAD and the AWS large-model container use: ``batch_size`` (requests per forward
-pass) and ``max_batch_delay`` (milliseconds). A LOAD body that carries ``batch_size`` wins over both: MMS then
+pass) and ``max_batch_delay`` (milliseconds); ``compile`` (``true``) and ``compile_mode`` ask for an AOTInductor
+compile of the model on each device (``compiling.py``). A LOAD body that carries ``batch_size`` wins over both: MMS then
 sends it in every worker's LOAD message. A malformed file fails the LOAD, with the cause in the log.
 """
 
@@ -11,13 +12,14 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mme_runtime.config import MAX_BATCH_DELAY_MS, MAX_BATCH_SIZE, Config, parse_int
+from mme_runtime.config import MAX_BATCH_DELAY_MS, MAX_BATCH_SIZE, Config, parse_bool, parse_int
 from mme_runtime.errors import ConfigError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
 FILE_NAME = "serving.properties"
-KNOWN_KEYS = ("batch_size", "max_batch_delay")
+KNOWN_KEYS = ("batch_size", "max_batch_delay", "compile", "compile_mode")
+COMPILE_MODES = ("default", "max-autotune")
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class ServingSettings:
     batch_size: int
     max_batch_delay_ms: int
     source: str
+    compile: bool = False
+    compile_mode: str = "default"
 
     @property
     def batching(self) -> bool:
@@ -51,12 +55,17 @@ def read_settings(model_dir: Path, config: Config) -> ServingSettings:
     try:
         values = _parse(path)
         size, delay = values.get("batch_size"), values.get("max_batch_delay")
+        mode = values.get("compile_mode", "default")
+        if mode not in COMPILE_MODES:
+            raise ConfigError(f"compile_mode={mode!r} must be one of {', '.join(COMPILE_MODES)}")
         return ServingSettings(
             batch_size=defaults.batch_size if size is None else parse_int("batch_size", size, 1, MAX_BATCH_SIZE),
             max_batch_delay_ms=defaults.max_batch_delay_ms
             if delay is None
             else parse_int("max_batch_delay", delay, 0, MAX_BATCH_DELAY_MS),
             source=FILE_NAME if size is not None else defaults.source,
+            compile=parse_bool("compile", values.get("compile", "false")),
+            compile_mode=mode,
         )
     except (ConfigError, OSError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{FILE_NAME} is malformed: {exc}") from exc

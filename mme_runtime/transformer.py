@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from sagemaker_inference.transformer import Transformer as ToolkitTransformer
 
 from mme_runtime import collate, content
 from mme_runtime.batcher import Batcher, Job, group, run_batch
+from mme_runtime.compiling import compile_model
 from mme_runtime.config import Config
 from mme_runtime.context import InferenceContext
 from mme_runtime.errors import InvalidInput, ModelLoadError, PayloadTooLarge
@@ -123,12 +124,14 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
                 mms_context.model_name,
                 self._settings.batch_size,
             )
-            self._settings = ServingSettings(1, 0, "transform_fn")
+            self._settings = replace(self._settings, batch_size=1, source="transform_fn")
         self._context = InferenceContext(mms_context, device)
         try:
             self._model = place_model(self._model, device)
         except Exception as exc:  # boundary: a model that cannot be placed fails the executor's LOAD
             raise load_failure(self._context.model_name, "placing the model", exc) from exc
+        if self._settings.compile:
+            self._compile(self._context, device)
         self._run_load_step("model_warmup_fn", self._context, self._context.model_dir, self._model)
         self._dry_run(self._context)
         self._attached = True
@@ -155,15 +158,50 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
             )
         return self._settings
 
+    def _warmup_sample(self) -> tuple[str, Any, str] | None:
+        """The model's sample request in its ``code/``: file name, payload and content type."""
+        sample = next((p for p in WARMUP_SAMPLES if self._code_dir and (self._code_dir / p).is_file()), None)
+        if sample is None or self._code_dir is None:
+            return None
+        raw = (self._code_dir / sample).read_bytes()
+        content_type = WARMUP_SAMPLES[sample]
+        return sample, content.utf8_text(raw) if content_type in content.TEXT_TYPES else raw, content_type
+
+    def _compile(self, context: InferenceContext, device: torch.device) -> None:
+        """``compile=true``: the model compiled for this device (traced on the decoded warm-up sample), or eager."""
+        found = self._warmup_sample()
+        if found is None:
+            logger.warning(
+                "model=%s compile=true: serving eager, not compiled: compiling needs a sample request in code/ "
+                "(warmup.json, warmup.csv or warmup.npy) to trace the model with",
+                context.model_name,
+            )
+            return
+        _, payload, content_type = found
+        try:
+            sample = self._call("input_fn", context, payload, content_type)
+        except Exception as exc:  # boundary: the dry run below reports a sample the model cannot take
+            logger.warning(
+                "model=%s compile=true: serving eager: input_fn refused the warm-up sample: %s", context.model_name, exc
+            )
+            return
+        self._model = compile_model(
+            self._model,
+            context.model_name,
+            Path(context.model_dir),
+            device,
+            self._settings,
+            sample,
+            self._config.cache_dir,
+        )
+
     def _dry_run(self, context: InferenceContext) -> None:
         """Answers the model's sample request (``code/warmup.json``, ``.csv`` or ``.npy``) once per executor, so
         TorchScript profiling and lazy initialisation are paid at LOAD, not by the first caller."""
-        sample = next((p for p in WARMUP_SAMPLES if self._code_dir and (self._code_dir / p).is_file()), None)
-        if sample is None or self._code_dir is None:
+        found = self._warmup_sample()
+        if found is None:
             return
-        raw = (self._code_dir / sample).read_bytes()
-        content_type = WARMUP_SAMPLES[sample]
-        payload: bytes | str = content.utf8_text(raw) if content_type in content.TEXT_TYPES else raw
+        sample, payload, content_type = found
         started = time.monotonic()
         request = _Request(context, self._config.default_accept)
         self._answer([request], [payload], [content_type])

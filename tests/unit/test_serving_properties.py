@@ -33,9 +33,17 @@ def test_the_file_wins_over_the_defaults_and_load_wins_over_the_file(tmp_path: P
         ("max_batch_delay=100000\n", "at most 60000"),
         ("batch_size=2\nbatch_size=4\n", "line 2: batch_size is set twice"),
         ("=3\n", "line 1: '=3' is not key=value"),
+        ("compile=maybe\n", "compile='maybe' is not a boolean"),
+        ("compile=true\ncompile_mode=fastest\n", "compile_mode='fastest' must be one of default, max-autotune"),
     ],
 )
 def test_a_malformed_file_names_the_cause(tmp_path: Path, text: str, cause: str) -> None:
     (tmp_path / "serving.properties").write_text(text)
     with pytest.raises(ModelLoadError, match=cause):
         read_settings(tmp_path, Config.from_env({}))
+
+
+def test_compile_settings_are_read_with_their_mode(tmp_path: Path) -> None:
+    (tmp_path / "serving.properties").write_text("compile=true\ncompile_mode=max-autotune\n")
+    settings = read_settings(tmp_path, Config.from_env({}))
+    assert (settings.compile, settings.compile_mode, settings.batching) == (True, "max-autotune", False)

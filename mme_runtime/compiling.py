@@ -1,0 +1,138 @@
+"""``compile=true``: a model compiled ahead of time for its device with AOTInductor, once, and kept in the cache.
+
+Each executor exports the placed model with ``torch.export`` on the model's warm-up sample (its first dimension
+dynamic, so any number of rows and any batch fits), compiles the program with AOTInductor and loads the package.
+The package holds code, not weights: the compiled model reads the placed module's own tensors, so compiling costs
+no second copy of the weights, and user code that asks the model for its parameters still finds them. The
+package is stored under ``MME_CACHE_DIR/compiled/`` keyed by the model directory's content, the torch version, the
+device kind, the compile mode and the sample's trailing shape and dtype: a later LOAD of the same artifacts, under
+another name or after a restart, loads the package and compiles nothing. Whatever fails (a model torch.export cannot
+trace, a compiler error) leaves the model eager, with the reason in the log: a compile never fails a LOAD.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mme_runtime.locks import build_once
+from mme_runtime.serving_properties import ServingSettings
+
+logger = logging.getLogger(__name__)
+
+PACKAGE = "model.pt2"
+CHUNK_BYTES = 1 << 20
+# torch.compile's mode names, as AOTInductor options.
+MODE_OPTIONS: dict[str, dict[str, Any]] = {"default": {}, "max-autotune": {"max_autotune": True}}
+
+
+def artifacts_digest(model_dir: Path) -> str:
+    """SHA-256 over the model directory's files (names and contents), code included: what the model is made of."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(str(path.relative_to(model_dir)).encode() + b"\0")
+        with path.open("rb") as stream:
+            while chunk := stream.read(CHUNK_BYTES):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cache_key(model_dir: Path, device: torch.device, settings: ServingSettings, sample: torch.Tensor) -> str:
+    parts = [
+        artifacts_digest(model_dir),
+        torch.__version__,
+        device.type,
+        settings.compile_mode,
+        str(tuple(sample.shape[1:])),
+        str(sample.dtype),
+    ]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def compile_model(
+    model: Any,
+    model_name: str,
+    model_dir: Path,
+    device: torch.device,
+    settings: ServingSettings,
+    sample: Any,
+    cache_dir: Path,
+) -> Any:
+    """The model compiled for ``device`` (from the cache when it holds it), or ``model`` itself when it cannot be."""
+    if not isinstance(model, torch.nn.Module) or isinstance(model, torch.jit.ScriptModule):
+        return _eager(model_name, f"it is a {type(model).__name__}, not an nn.Module torch.export can trace", model)
+    if not isinstance(sample, torch.Tensor) or sample.dim() == 0:
+        return _eager(model_name, "its warm-up sample does not decode to one tensor with rows", model)
+    started = time.monotonic()
+    entry = cache_dir / "compiled" / cache_key(model_dir, device, settings, sample)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        built = build_once(entry, lambda staging: _compile_into(staging, model, device, settings, sample))
+        from torch._inductor import aoti_load_package  # heavy: imported only by models that compile
+
+        runner = aoti_load_package(str(entry / PACKAGE))
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        runner.load_constants(
+            {name: tensors[name] for name in runner.get_constant_fqns()}, check_full_update=True, user_managed=True
+        )
+        compiled = CompiledModule(model, runner)
+    except Exception as exc:  # boundary: a compile that fails leaves the model eager, never fails the LOAD
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        logger.debug("model=%s compile failed", model_name, exc_info=exc)
+        return _eager(model_name, f"{type(exc).__name__}: {reason}", model)
+    logger.info(
+        "model=%s compiled for %s mode=%s %s seconds=%.2f",
+        model_name,
+        device,
+        settings.compile_mode,
+        "compiled now, stored in the cache" if built else "loaded from the compile cache",
+        time.monotonic() - started,
+    )
+    return compiled
+
+
+def _compile_into(
+    staging: Path, model: torch.nn.Module, device: torch.device, settings: ServingSettings, sample: torch.Tensor
+) -> Path:
+    from torch._inductor import aoti_compile_and_package
+
+    if sample.shape[0] == 1:
+        sample = torch.cat([sample, sample])  # torch.export fixes a dimension traced at size 1: trace with two rows
+    rows = torch.export.Dim("rows", min=1, max=1 << 16)
+    with torch.no_grad():
+        program = torch.export.export(model, (sample.to(device),), dynamic_shapes=({0: rows},))
+    package = staging / "package"
+    package.mkdir()
+    # Weights stay out of the package: the runner is given the placed module's tensors (no second copy).
+    options = {**MODE_OPTIONS[settings.compile_mode], "aot_inductor.package_constants_in_so": False}
+    aoti_compile_and_package(program, package_path=str(package / PACKAGE), inductor_configs=options)
+    return package
+
+
+class CompiledModule(torch.nn.Module):
+    """The user's module, its forward run by the AOTInductor runner: parameters, buffers and other attributes are
+    the module's own, for user code that reads them (``next(model.parameters()).device``, say)."""
+
+    def __init__(self, module: torch.nn.Module, runner: Any) -> None:
+        super().__init__()
+        self.module = module
+        self.runner = runner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.runner(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("module"), name)
+
+
+def _eager(model_name: str, reason: str, model: Any) -> Any:
+    logger.warning("model=%s compile=true: serving eager, not compiled: %s", model_name, reason)
+    return model
