@@ -8,8 +8,13 @@ The same inputs always give the same bytes: entries are sorted and carry a fixed
 __pycache__ directories and *.pyc files are left out. Symlinks are followed only while they stay inside the
 model directory.
 
+PyTorch 2: --module FILE.py:FUNCTION builds an nn.Module, exports it with torch.export (traced on a random input of
+--example's shape, its first dimension dynamic) and ships it as model.pt2; --aot cpu compiles the model.pt2 (from
+--module or the directory) into an AOTInductor package for CPU hosts. Both are served with no code.
+
 examples:
   scripts/package_model.py models/resnet                      # writes ./resnet.tar.gz
+  scripts/package_model.py models/resnet --module net.py:build --example 1,3,224,224 --aot cpu
   scripts/package_model.py models/resnet -o dist/resnet.tar.gz --inference src/inference.py
   scripts/package_model.py models/resnet --upload s3://my-bucket/mme/models/
 """
@@ -27,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from _aws_cli import EXIT_OK, ScriptError, boto_session, config_error, parse_s3_uri, run_cli
+from _pt2_packaging import PT2_FILE, aot_compile, export_module, parse_example
 from boto3.exceptions import S3UploadFailedError
 from botocore.client import BaseClient
 
@@ -81,7 +87,7 @@ def _explicit_file(path: Path, option: str) -> Path:
 
 
 def collect_entries(
-    model_dir: Path, inference: Path | None = None, requirements: Path | None = None
+    model_dir: Path, inference: Path | None = None, requirements: Path | None = None, pt2: Path | None = None
 ) -> dict[str, Path]:
     """Maps each archive name to the file that provides it.
 
@@ -96,6 +102,8 @@ def collect_entries(
         entries[ENTRY_POINT] = _explicit_file(inference, "--inference")
     if requirements is not None:
         entries[REQUIREMENTS] = _explicit_file(requirements, "--requirements")
+    if pt2 is not None:
+        entries[PT2_FILE] = pt2  # made by --module or --aot: replaces the directory's
     validate_entries(entries, model_dir)
     return entries
 
@@ -206,15 +214,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="upload to this prefix (s3://bucket/prefix/) or exact key (s3://bucket/key.tar.gz)",
     )
     parser.add_argument("--region", help="AWS region for --upload (default: the AWS configuration's)")
+    parser.add_argument("--module", metavar="FILE.py:FUNCTION", help="export this nn.Module factory as model.pt2")
+    parser.add_argument("--example", type=parse_example, help="input shape to trace --module with, e.g. 1,3,224,224")
+    parser.add_argument("--aot", choices=["cpu"], help="compile model.pt2 ahead of time (AOTInductor) for this device")
     return parser
+
+
+def _pt2(args: argparse.Namespace, scratch: Path) -> Path | None:
+    """The model.pt2 that --module and --aot make (in ``scratch``), or None when neither is asked for."""
+    if args.module is None and args.aot is None:
+        if args.example is not None:
+            raise config_error("--example goes with --module")
+        return None
+    source: Path = args.model_dir / PT2_FILE
+    if args.module is not None:
+        if args.example is None:
+            raise config_error("--module needs --example, the input shape to trace it with")
+        source = export_module(args.module, args.example, scratch / "exported.pt2")
+    elif not source.is_file():
+        raise config_error(f"--aot compiles a model.pt2: {args.model_dir} has none (pass --module to make one)")
+    if args.aot is None:
+        return source
+    return aot_compile(source, scratch / "compiled.pt2")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     output: Path = args.output or Path(args.model_dir.resolve().name + ARCHIVE_SUFFIX)
     check_output_location(args.model_dir, output)
-    entries = collect_entries(args.model_dir, args.inference, args.requirements)
-    write_archive(entries, output)
+    with tempfile.TemporaryDirectory(prefix="package-model-") as scratch:
+        entries = collect_entries(args.model_dir, args.inference, args.requirements, pt2=_pt2(args, Path(scratch)))
+        write_archive(entries, output)
     print(f"wrote {output} ({len(entries)} files, {output.stat().st_size} bytes, sha256 {sha256_of(output)})")
     if args.upload:
         bucket, key = upload_destination(args.upload, output.name)

@@ -210,3 +210,64 @@ def test_upload_without_credentials_says_so_and_exits_2(
         "error: no AWS credentials found: run `aws configure`, set AWS_PROFILE, or export AWS_ACCESS_KEY_ID and "
         "AWS_SECRET_ACCESS_KEY"
     ]
+
+
+NET_FACTORY = """
+import torch
+
+
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+"""
+
+
+def _unpacked_pt2(archive: Path, destination: Path) -> Path:
+    with tarfile.open(archive) as tar:
+        member = tar.extractfile("model.pt2")
+        assert member is not None
+        (destination / "model.pt2").write_bytes(member.read())
+    return destination / "model.pt2"
+
+
+@pytest.mark.parametrize("aot", [False, True], ids=["exported", "aot-cpu"])
+def test_a_module_factory_ships_as_a_pt2_the_container_serves_with_no_code(tmp_path: Path, aot: bool) -> None:
+    import torch
+
+    from mme_runtime import pt2
+
+    factory = tmp_path / "net.py"
+    factory.write_text(NET_FACTORY)
+    model_dir = tmp_path / "net"
+    model_dir.mkdir()
+    archive = tmp_path / "net.tar.gz"
+    argv = [str(model_dir), "-o", str(archive), "--module", f"{factory}:build", "--example", "1,4"]
+
+    assert run_cli(main, [*argv, "--aot", "cpu"] if aot else argv) == EXIT_OK
+
+    path = _unpacked_pt2(archive, tmp_path)
+    assert pt2.kind(path) == ("aoti" if aot else "exported_program")
+    loaded = pt2.load(path)
+    model = loaded.place(torch.device("cpu")) if aot else loaded
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    rows = torch.randn(5, 4)  # any number of rows: the first dimension was exported dynamic
+    with torch.inference_mode():
+        torch.testing.assert_close(model(rows), eager(rows))
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--aot", "cpu"], "--aot compiles a model.pt2"),
+        (["--module", "nowhere.py:build", "--example", "1,4"], "must be FILE.py:FUNCTION naming an existing file"),
+        (["--example", "1,4"], "--example goes with --module"),
+        (["--example", "1,x"], "must be a shape like 1,3,224,224"),
+    ],
+)
+def test_bad_pt2_options_exit_2_with_one_line(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    assert run_cli(main, [str(model_dir), "-o", str(tmp_path / "out.tar.gz"), *extra]) == EXIT_CONFIG
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
