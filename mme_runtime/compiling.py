@@ -77,10 +77,15 @@ def compile_model(
 
         runner = aoti_load_package(str(entry / PACKAGE))
         tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        missing = [name for name in runner.get_constant_fqns() if name not in tensors]
+        if missing:
+            raise ValueError(
+                f"the compiled code needs tensors the module keeps outside its parameters and buffers: {missing[:3]}"
+            )
         runner.load_constants(
             {name: tensors[name] for name in runner.get_constant_fqns()}, check_full_update=True, user_managed=True
         )
-        compiled = CompiledModule(model, runner)
+        compiled = CompiledModule(model, runner, sample.to(device))
     except Exception as exc:  # boundary: a compile that fails leaves the model eager, never fails the LOAD
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         logger.debug("model=%s compile failed", model_name, exc_info=exc)
@@ -103,9 +108,9 @@ def _compile_into(
 
     if sample.shape[0] == 1:
         sample = torch.cat([sample, sample])  # torch.export fixes a dimension traced at size 1: trace with two rows
-    rows = torch.export.Dim("rows", min=1, max=1 << 16)
+    # DYNAMIC, not a named range: a module exported before (an ExportedProgram's) brings its own bounds for the rows.
     with torch.no_grad():
-        program = torch.export.export(model, (sample.to(device),), dynamic_shapes=({0: rows},))
+        program = torch.export.export(model, (sample.to(device),), dynamic_shapes=({0: torch.export.Dim.DYNAMIC},))
     package = staging / "package"
     package.mkdir()
     # Weights stay out of the package: the runner is given the placed module's tensors (no second copy).
@@ -116,15 +121,23 @@ def _compile_into(
 
 class CompiledModule(torch.nn.Module):
     """The user's module, its forward run by the AOTInductor runner: parameters, buffers and other attributes are
-    the module's own, for user code that reads them (``next(model.parameters()).device``, say)."""
+    the module's own, for user code that reads them (``next(model.parameters()).device``, say).
 
-    def __init__(self, module: torch.nn.Module, runner: Any) -> None:
+    The compiled code was traced for the sample's trailing shape, dtype and device (only the rows vary) and does not
+    check what it is given: any other input runs the module eager, as it would without ``compile=true``."""
+
+    def __init__(self, module: torch.nn.Module, runner: Any, sample: torch.Tensor) -> None:
         super().__init__()
         self.module = module
         self.runner = runner
+        self.traced_for = (tuple(sample.shape[1:]), sample.dtype, sample.device)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.runner(*args, **kwargs)
+        if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+            data = args[0]
+            if (tuple(data.shape[1:]), data.dtype, data.device) == self.traced_for and data.shape[0] >= 1:
+                return self.runner(data)
+        return self.module(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:

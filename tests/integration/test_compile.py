@@ -4,6 +4,7 @@ eager serving with the reason in the log whenever a model cannot be compiled."""
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import shutil
@@ -135,3 +136,26 @@ def test_a_compile_that_fails_falls_back_to_eager_and_serves(server: RunningServ
 
     assert server.invoke("branchy", json.dumps([[1.0, 1.0, 1.0, 1.0]])).status_code == 200
     assert "model=branchy compile=true: serving eager, not compiled: " in server.log_text()
+
+
+def test_a_compiled_model_gives_inputs_it_was_not_traced_for_to_the_eager_module(server: RunningServer) -> None:
+    """Compiled for float32 rows of 4 (the sample), whose code checks nothing: other inputs go to the eager module,
+    which answers them as it would without compile=true (here: a float64 request is refused with 400)."""
+    model_dir = server.model_dir("typed")
+    model = model_factory.pt2_model(model_dir, "mlp")
+    (model_dir / "code").mkdir()
+    (model_dir / "code" / "warmup.json").write_text(json.dumps([[1.0, 2.0, 3.0, 4.0]]))
+    (model_dir / "serving.properties").write_text("compile=true\n")
+    assert server.load("typed").status_code == 200
+    assert "model=typed compiled for cpu" in server.log_text()
+    buffer = io.BytesIO()
+    np.save(buffer, np.array(ROWS, dtype=np.float64))
+
+    refused = server.invoke("typed", buffer.getvalue(), content_type="application/x-npy")
+    answered = server.invoke("typed", json.dumps(ROWS))
+
+    assert refused.status_code == 400, refused.text
+    assert answered.status_code == 200, answered.text
+    with torch.inference_mode():
+        want = model(torch.tensor(ROWS)).numpy()
+    np.testing.assert_allclose(np.array(answered.json()), want, rtol=1e-5, atol=1e-6)
