@@ -13,7 +13,7 @@ import torch
 from sagemaker_inference.default_inference_handler import DefaultInferenceHandler
 
 from mme_runtime import content, model_cache, pt2
-from mme_runtime.errors import InvalidInput, ModelLoadError
+from mme_runtime.errors import InvalidInput, ModelLoadError, first_line
 
 MODEL_FILES = model_cache.MODEL_FILES
 
@@ -59,7 +59,7 @@ class DefaultPytorchInferenceHandler(DefaultInferenceHandler):  # type: ignore[m
                 # The defaults decoded this input themselves, so a model that refuses it was sent the wrong shape
                 # or type: the caller's error, with the model's own words.
                 shape = tuple(data.shape) if isinstance(data, torch.Tensor) else type(data).__name__
-                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                reason = first_line(exc)
                 raise InvalidInput(f"the model rejected an input of shape {shape}: {reason}") from exc
 
     def default_output_fn(self, prediction: Any, accept: str, context: Any = None) -> bytes:

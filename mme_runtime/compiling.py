@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mme_runtime.errors import first_line
 from mme_runtime.locks import build_once
 from mme_runtime.serving_properties import ServingSettings
 
@@ -87,7 +88,7 @@ def compile_model(
         )
         compiled = CompiledModule(model, runner, sample.to(device))
     except Exception as exc:  # boundary: a compile that fails leaves the model eager, never fails the LOAD
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc)
         logger.debug("model=%s compile failed", model_name, exc_info=exc)
         return _eager(model_name, f"{type(exc).__name__}: {reason}", model)
     logger.info(

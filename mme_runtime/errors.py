@@ -14,6 +14,12 @@ EXIT_CONFIG = 2
 EXIT_BOOT = 3
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (torch's often run to pages), or its type when it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class ContainerError(BaseInferenceToolkitError):  # type: ignore[misc]
     """An error with an HTTP status; its message is safe to show to the client."""
 

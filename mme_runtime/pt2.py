@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 
-from mme_runtime.errors import ModelLoadError
+from mme_runtime.errors import ModelLoadError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def kind(path: Path) -> Kind:
             version = archive.read_string(constants.ARCHIVE_VERSION_PATH)
             names = archive.get_file_names()
     except Exception as exc:  # boundary: torch's reader raises RuntimeError for a file that is not a zip archive
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc)
         raise ModelLoadError(f"{path.name} is not a PT2 archive ({reason})") from exc
     if version != constants.ARCHIVE_VERSION_VALUE:
         raise ModelLoadError(
@@ -68,7 +68,7 @@ def load(path: Path) -> Any:
     try:
         return torch.export.load(str(path)).module()
     except Exception as exc:  # boundary: the LOAD fails with torch's reason (an opset or schema it cannot read)
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc)
         raise ModelLoadError(f"{path.name}: the exported program cannot be loaded: {reason}") from exc
 
 
@@ -86,5 +86,5 @@ class AOTIPackage:
         try:
             return aoti_load_package(str(self.path), device_index=index)
         except Exception as exc:  # boundary: compiled for another device kind, or for another torch
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            reason = first_line(exc)
             raise ModelLoadError(f"{self.path.name}: the AOTInductor package cannot run on {device}: {reason}") from exc
