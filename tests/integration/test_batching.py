@@ -242,7 +242,8 @@ def test_malformed_serving_properties_fails_the_load_with_the_cause_in_the_log(
 
     assert response.status_code == 500
     assert wait_until(lambda: f"serving.properties is malformed: {cause}" in server.log_text(), 5)
-    assert server.describe(name).status_code == 404  # nothing left registered: the name can be loaded again
+    # Nothing left registered, so the name can be loaded again (MMS unregisters it a moment after it answered).
+    assert wait_until(lambda: server.describe(name).status_code == 404, 10)
 
 
 def test_executor_killed_mid_batch_answers_in_flight_requests_fast_then_serves(server: RunningServer) -> None:
