@@ -97,8 +97,9 @@ RUN set -eux; \
     rm -rf /tmp/mme-src; \
     python -c 'import handler_service, inference_handler, mme_runtime.supervisor'
 
-# SageMaker sends requests to 8080 unless it passes SAGEMAKER_BIND_TO_PORT (the label above allows that).
-EXPOSE 8080
+# SageMaker sends requests to 8080 unless it passes SAGEMAKER_BIND_TO_PORT (the label above allows that);
+# 9090 serves Prometheus metrics (MME_METRICS_PORT).
+EXPOSE 8080 9090
 
 # The entrypoint is PID 1: it forwards SIGTERM to MMS and its workers, reaps orphans and exits with MMS's
 # status, so no init (tini) is wanted; SageMaker also requires an exec-form ENTRYPOINT and runs `IMAGE serve`.

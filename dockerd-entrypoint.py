@@ -14,6 +14,7 @@ from pathlib import Path
 from mme_runtime.config import Config
 from mme_runtime.errors import EXIT_CONFIG, ConfigError
 from mme_runtime.logs import ENTRYPOINT_FORMAT, configure_logging
+from mme_runtime.metrics_exporter import start as start_metrics
 from mme_runtime.nvidia import gpu_count
 from mme_runtime.properties import ensure_mme_properties, mms_properties, write_properties
 from mme_runtime.supervisor import Supervisor, frontend_command, prepare_mms_home
@@ -44,7 +45,15 @@ def serve() -> int:
     command = frontend_command(config, properties_file, home, properties.get("vmargs", ""))
     env = config.child_environment({"MODEL_SERVER_HOME": str(home), "PYTHONUNBUFFERED": "1"})
     warm_command = [sys.executable, "-m", "mme_runtime.warm_start"] if config.warm_start else None
-    supervisor = Supervisor(config=config, command=command, env=env, cwd=config.runtime_dir, warm_command=warm_command)
+    model_metrics = start_metrics(config)
+    supervisor = Supervisor(
+        config=config,
+        command=command,
+        env=env,
+        cwd=config.runtime_dir,
+        warm_command=warm_command,
+        model_metrics=model_metrics,
+    )
     supervisor.install_signal_handlers()
     return supervisor.run()
 

@@ -32,7 +32,7 @@ from typing import Any
 from mms.arg_parser import ArgParser
 from mms.protocol.otf_message_handler import LOAD_MSG, retrieve_msg
 
-from mme_runtime import devices, fork_safety, nvidia
+from mme_runtime import devices, fork_safety, metrics, nvidia
 from mme_runtime.config import INHERITED_LIFELINE_FD, INHERITED_LISTEN_FD, INHERITED_PENDING_FD, Config
 from mme_runtime.executor import Assignment, hand_over, serve_executor
 from mme_runtime.loading import (
@@ -69,6 +69,7 @@ def main(lifeline: socket.socket | None = None) -> int:
         lifeline = socket.socket(fileno=config.inherited_lifeline_fd)
         lifeline.set_inheritable(False)
     spec = ModelSpec(args.model_name, args.model_path, args.handler, args.tmp_dir)
+    metrics.start_model(config, spec.name, os.getpid())
     server = BackendServer(spec, config, _listener(args, config), lifeline)
     return server.run()
 
@@ -98,6 +99,10 @@ class BackendServer:
         self.worker_threads = fork_safety.DEFAULT_THREADS
         self.load_failure: LoadFailure | None = None
         self.executors: dict[str | None, _Executor] = {}  # by the card's CUDA_VISIBLE_DEVICES name (None: the CPU)
+        self.devices_started: set[str | None] = set()
+        self.refused = False  # a LOAD answered with load_failure: counted once
+        self.started = time.monotonic()  # the LOAD's start, for its duration
+        self.stop_requested: float | None = None
         self._pending: list[int] = []
 
     def run(self) -> int:
@@ -128,12 +133,22 @@ class BackendServer:
                     self._preload(connection)
                 self._route(connection)
         finally:
-            self._stop_executors()
-            self.listener.close()
+            self._unload()
         return 0
+
+    def _unload(self) -> None:
+        """Stops every executor, then retires this server's metrics (its model's series go away)."""
+        served = bool(self.devices_started) and self.load_failure is None
+        stopped = self.stop_requested or time.monotonic()
+        clean = self._stop_executors()
+        self.listener.close()
+        if served:
+            metrics.record_unload(clean, time.monotonic() - stopped)
+        metrics.retire(self.config)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self._pending.append(signum)  # record only; the loop stops within ACCEPT_TIMEOUT_SECONDS
+        self.stop_requested = self.stop_requested or time.monotonic()
 
     def _preload(self, pending: socket.socket) -> None:
         started = time.monotonic()
@@ -190,6 +205,7 @@ class BackendServer:
             # The process MMS started for us is gone (UNLOAD, or MMS stopping): stop with it.
             logger.info("model=%s frontend process gone: stopping", self.spec.name)
             self._pending.append(signal.SIGTERM)
+            self.stop_requested = time.monotonic()
             return None
         if self.listener not in readable:
             return None
@@ -217,6 +233,9 @@ class BackendServer:
             connection.close()
             return
         if self.load_failure is not None:
+            if not self.devices_started and not self.refused:
+                metrics.record_load(False, time.monotonic() - self.started)
+            self.refused = True
             refuse_load(connection, self.load_failure, self.spec, self.config)
             return
         assignment = Assignment.from_load_message(message)
@@ -241,6 +260,11 @@ class BackendServer:
             connection.close()  # the executor holds its own descriptor now
 
     def _start_executor(self, device: str | None, assignment: Assignment, routed: socket.socket) -> _Executor:
+        # The first executor answers the LOAD (so it reports its outcome); one for a device served before is a restart.
+        load_started = None if self.devices_started else self.started
+        if device in self.devices_started:
+            metrics.record_executor_restart()
+        self.devices_started.add(device)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         ours.settimeout(HAND_OVER_SECONDS)
         process = self.context.Process(
@@ -252,6 +276,7 @@ class BackendServer:
                 self.loaded,
                 assignment,
                 self.worker_threads,
+                load_started,
                 self._inherited_fds(ours, routed),
             ),
             daemon=False,
@@ -309,7 +334,9 @@ class BackendServer:
             else:
                 logger.info("model=%s gpu=%s executor pid=%d exited status=%d", self.spec.name, gpu, process.pid, code)
 
-    def _stop_executors(self) -> None:
+    def _stop_executors(self) -> bool:
+        """True if every executor ended when asked to; False if one had to be killed."""
+        clean = True
         processes = [executor.process for executor in self.executors.values()]
         for process in processes:
             process.terminate()
@@ -317,11 +344,13 @@ class BackendServer:
         for process in processes:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.exitcode is None:
+                clean = False
                 process.kill()
                 process.join(1.0)
         for executor in self.executors.values():
             executor.control.close()
         self.executors.clear()
+        return clean
 
 
 def _listener(args: argparse.Namespace, config: Config) -> socket.socket:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mme_runtime import metrics
 from mme_runtime.collate import Signature, SplitError, collate, split
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class Job:
     result: Any = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = 0.0
 
 
 def group(jobs: Iterable[Job], batch_size: int) -> list[list[Job]]:
@@ -115,6 +117,9 @@ class Batcher:
         """Queues ``jobs`` (one message's requests) and returns once each has its result or error."""
         if not jobs:
             return
+        now = time.monotonic()
+        for job in jobs:
+            job.queued_at = now
         with self._ready:
             self._queue.extend(jobs)
             self._awaited = max(0, self._awaited - len(jobs))
@@ -125,6 +130,7 @@ class Batcher:
     def _dispatch_forever(self) -> None:
         while True:
             batch = self._next_batch()
+            started = time.monotonic()
             try:
                 self._run(batch)
             except BaseException as exc:  # noqa: BLE001 - the runner answers its own errors; this is a last guard
@@ -137,6 +143,8 @@ class Batcher:
                 self._pass_ended = time.monotonic()
             for job in batch:  # after _awaited is set: an answered client may be back at once
                 job.done.set()
+            waits = [started - job.queued_at for job in batch]
+            metrics.record_pass(waits, self._pass_ended - started, self.batch_size)
 
     def _next_batch(self) -> list[Job]:
         with self._ready:

@@ -17,6 +17,7 @@ import boto3
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
 
+from mme_runtime import metrics
 from mme_runtime.errors import ModelLoadError
 from mme_runtime.locks import build_once
 
@@ -80,7 +81,9 @@ class CodeFetcher:
         bucket, key = parse_s3_uri(uri)
         etag = self._etag(uri, bucket, key)
         entry = self.cache_dir / _entry_name(uri, etag)
-        if build_once(entry, lambda staging: self._download_and_extract(uri, bucket, key, etag, staging)):
+        built = build_once(entry, lambda staging: self._download_and_extract(uri, bucket, key, etag, staging))
+        metrics.record_cache_lookup("code", hit=not built)
+        if built:
             logger.info("code %s etag=%s fetched to %s", uri, etag, entry)
         else:
             logger.info("code %s etag=%s cached at %s", uri, etag, entry)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mme_runtime import metrics
 from mme_runtime.errors import first_line
 from mme_runtime.locks import build_once
 from mme_runtime.serving_properties import ServingSettings
@@ -74,6 +75,7 @@ def compile_model(
     entry.parent.mkdir(parents=True, exist_ok=True)
     try:
         built = build_once(entry, lambda staging: _compile_into(staging, model, device, settings, sample))
+        metrics.record_cache_lookup("compiled", hit=not built)
         from torch._inductor import aoti_load_package  # heavy: imported only by models that compile
 
         runner = aoti_load_package(str(entry / PACKAGE))

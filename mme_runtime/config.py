@@ -95,6 +95,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "preload_model_gpu",
         "Load each model once in a CUDA-free server and fork its workers; `false` loads in every worker.",
     ),
+    EnvVar(
+        "MME_METRICS_PORT",
+        "9090",
+        "metrics_port",
+        "Port of the Prometheus `/metrics` endpoint the entrypoint serves; `0` turns metrics off.",
+    ),
     EnvVar("MME_START_METHOD", "fork", "start_method", "How the backend server starts workers: `fork` or `spawn`."),
     EnvVar(
         "PYTORCH_NVML_BASED_CUDA_CHECK",
@@ -314,6 +320,7 @@ class Config:
     # which the frontend and the other models on the host need. Read when torch loads, so it is set for the processes
     # that import it (the warm process, and backends started without it).
     omp_wait_policy: str = "PASSIVE"
+    metrics_port: int = 9090
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Config:
@@ -344,6 +351,7 @@ class Config:
         take("MME_PIP_TIMEOUT_SECONDS", "pip_timeout_seconds", lambda n, v: parse_int(n, v, 1))
         take("SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT", "default_accept", lambda n, v: v.strip())
         take("MME_PRELOAD_MODEL_GPU", "preload_model_gpu", parse_bool)
+        take("MME_METRICS_PORT", "metrics_port", lambda n, v: parse_int(n, v, 0, 65535))
         take("MME_START_METHOD", "start_method", _parse_start_method)
         take("MME_WARM_START", "warm_start", parse_bool)
         take("MME_RUNTIME_DIR", "runtime_dir", lambda n, v: Path(v).absolute())
@@ -376,6 +384,11 @@ class Config:
         return self.runtime_dir / "warm.sock"
 
     @property
+    def metrics_dir(self) -> Path:
+        """Where the model processes keep their Prometheus values for the entrypoint to expose."""
+        return self.runtime_dir / "metrics"
+
+    @property
     def effective_properties_file(self) -> Path:
         return self.properties_file or self.runtime_dir / "mme-mms.properties"
 
@@ -406,6 +419,7 @@ class Config:
             "MME_PIP_TIMEOUT_SECONDS": str(self.pip_timeout_seconds),
             "PYTORCH_NVML_BASED_CUDA_CHECK": self.nvml_cuda_check,
             "OMP_WAIT_POLICY": self.omp_wait_policy,
+            "MME_METRICS_PORT": str(self.metrics_port),
         }
         if self.submit_directory is not None:
             env["SAGEMAKER_SUBMIT_DIRECTORY"] = self.submit_directory

@@ -14,6 +14,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from mme_runtime import metrics
 from mme_runtime.errors import ModelLoadError
 from mme_runtime.locks import build_once
 
@@ -33,7 +34,9 @@ def install_requirements(code_dir: Path, cache_dir: Path, timeout_seconds: int) 
     if not requirements.is_file():
         return None
     target = cache_dir / hashlib.sha256(requirements.read_bytes()).hexdigest()[:24]
-    if build_once(target, lambda staging: _pip_install(requirements, staging, timeout_seconds)):
+    built = build_once(target, lambda staging: _pip_install(requirements, staging, timeout_seconds))
+    metrics.record_cache_lookup("requirements", hit=not built)
+    if built:
         logger.info("requirements %s installed at %s", requirements, target)
     else:
         logger.info("requirements %s already installed at %s", requirements, target)

@@ -18,13 +18,14 @@ import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from mms.protocol.otf_message_handler import create_load_model_response, retrieve_msg
 from mms.service import emit_metrics
 
-from mme_runtime import devices, fork_safety
+from mme_runtime import devices, fork_safety, metrics
 from mme_runtime.config import Config
 from mme_runtime.loading import (
     WORKER_BOOT_ERROR,
@@ -95,9 +96,12 @@ def serve_executor(
     preloaded: LoadedModel | None,
     assignment: Assignment,
     threads: int,
+    load_started: float | None = None,
     inherited_fds: tuple[int, ...] = (),
 ) -> None:
-    """The executor's life: bind the device, place the model, then serve every connection handed over."""
+    """The executor's life: bind the device, place the model, then serve every connection handed over.
+
+    ``load_started`` (the LOAD's start, for the model's first executor) asks it to report the LOAD's outcome."""
     die_with_parent(signal.SIGKILL)
     for fd in inherited_fds:
         os.close(fd)
@@ -105,9 +109,12 @@ def serve_executor(
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_DFL)
     configure_logging(config.log_level)
+    metrics.start_model(config, spec.name, os.getppid())  # forked: already writing; spawned: starts here
     try:
         loaded = _load_in_executor(spec, config, preloaded, assignment)
     except LoadFailure as failure:
+        if load_started is not None:
+            metrics.record_load(False, time.monotonic() - load_started)
         # Answer the connections that asked for this device with the cause; later ones get a fresh executor.
         control.settimeout(REFUSE_WAIT_SECONDS)
         for connection, _ in _receive(control) or []:
@@ -115,6 +122,8 @@ def serve_executor(
         sys.stdout.flush()
         os._exit(WORKER_BOOT_ERROR)
     _start_batching(spec, config, loaded)
+    if load_started is not None:
+        metrics.record_load(True, time.monotonic() - load_started)
     logger.info("model=%s executor pid=%d gpu=%s serving", spec.name, os.getpid(), assignment.gpu)
     while (received := _receive(control)) is not None:
         for connection, _ in received:
@@ -165,20 +174,35 @@ def _serve_connection(connection: socket.socket, spec: ModelSpec, loaded: Loaded
             command, message = retrieve_msg(connection)
             if command != b"I":
                 raise ValueError(f"unexpected command {command!r} after LOAD")
-            connection.sendall(_answer(loaded, message))
+            started = time.monotonic()
+            context, response = _answer(loaded, message)
+            connection.sendall(response)
+            # Recorded once the answer is on its way: the caller does not wait for its metrics.
+            metrics.record_requests(_statuses(context, response), time.monotonic() - started)
     except (ValueError, OSError) as exc:  # the frontend disconnected (mms.protocol raises ValueError): a normal end
         logger.debug("model=%s connection closed: %s", spec.name, exc)
     finally:
         connection.close()
 
 
-def _answer(loaded: LoadedModel, message: list[dict[str, Any]]) -> bytes:
+def _answer(loaded: LoadedModel, message: list[dict[str, Any]]) -> tuple[Any, bytes]:
     """MMS's own ``Service.predict`` for one message (its metrics, its statuses for errors outside the handler), on a
-    copy of the service whose context is the message's own: the connections' threads answer at once."""
+    copy of the service whose context is the message's own: the connections' threads answer at once. Returns that
+    context, which holds each request's status, with the answer."""
     service = copy.copy(loaded.service)
     # Service keeps its context in ``_context`` (MMS 1.1.11, pinned); the copy shares system_properties, not requests.
     service._context = copy.copy(loaded.service.context)
     response = service.predict(message)
     if service.context.metrics is not None:
         emit_metrics(service.context.metrics.store)
-    return bytes(response)
+    return service.context, bytes(response)
+
+
+def _statuses(context: Any, response: bytes) -> list[int]:
+    """Each request's HTTP status: the response's own code when ``Service.predict`` failed them all (it leads the
+    response), else what the handler set for each."""
+    requests = context.request_ids or {}
+    code = int.from_bytes(response[:4], "big", signed=True)
+    if code != 200:
+        return [code] * len(requests)
+    return [context.get_response_status(idx)[0] or 200 for idx in requests]

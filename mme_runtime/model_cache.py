@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mme_runtime import metrics
+
 logger = logging.getLogger(__name__)
 
 MODEL_FILES = ("model.pt", "model.pth")
@@ -55,6 +57,7 @@ class ModelCache:
         entry = self.entries.get(key)
         if entry is not None:
             self.entries.move_to_end(key)
+            metrics.record_cache_lookup("model", hit=True)
             logger.info("model cache hit %s", path)
             return entry
         if not self._make_room(key[1]):
@@ -70,6 +73,7 @@ class ModelCache:
             return None
         entry = Entry(key, model, key[1])
         self.entries[key] = entry
+        metrics.record_cache_lookup("model", hit=False)
         logger.info("model cache loaded %s seconds=%.2f size_mb=%d", path, time.monotonic() - started, key[1] >> 20)
         return entry
 

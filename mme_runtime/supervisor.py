@@ -25,6 +25,7 @@ from retrying import retry
 from mme_runtime.config import Config
 from mme_runtime.errors import EXIT_BOOT, EXIT_OK
 from mme_runtime.janitor import Janitor
+from mme_runtime.metrics_exporter import ModelMetrics
 from mme_runtime.nvidia import gpu_count
 from mme_runtime.processes import PR_SET_CHILD_SUBREAPER, exited_children, prctl
 from mme_runtime.scaler import Scaler
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 LOG4J_CONFIG = Path(__file__).with_name("log4j2.xml")
 POLL_SECONDS = 0.2
+METRICS_SWEEP_SECONDS = 1.0
 KILL_WAIT_SECONDS = 5.0
 WARM_START_TIMEOUT_SECONDS = 60.0
 
@@ -119,6 +121,7 @@ class Supervisor:
     env: dict[str, str]
     cwd: Path
     warm_command: list[str] | None = None
+    model_metrics: ModelMetrics | None = None
     process: subprocess.Popen[bytes] | None = None
     warm_process: subprocess.Popen[bytes] | None = None
     group: int | None = None
@@ -162,9 +165,13 @@ class Supervisor:
         logger.info("MMS is serving on port %d", self.config.port)
         janitor = Janitor(self.config.runtime_dir, self.config.port)
         scaler = Scaler(self.config.runtime_dir, self.config.port, gpu_count())
+        next_metrics_sweep = 0.0
         while not self.stopping:
             janitor.sweep()
             scaler.sweep()
+            if self.model_metrics is not None and time.monotonic() >= next_metrics_sweep:
+                self.model_metrics.sweep()
+                next_metrics_sweep = time.monotonic() + METRICS_SWEEP_SECONDS
             self._reap()
             if self.exit_status is not None:
                 logger.error("MMS exited on its own with status %d", self.exit_status)

@@ -245,8 +245,9 @@ def main() -> int:
     configure_logging(config.log_level)
     for module in WARM_MODULES:
         __import__(module)
-    from mme_runtime import fork_safety
+    from mme_runtime import fork_safety, metrics
 
+    metrics.start_container(config)  # the model cache's lookups; each forked server then writes its own
     fork_safety.single_threaded()  # model servers are forked from here: no OpenMP pool for them to inherit
     model_cache.cache.limit_bytes = config.model_cache_mb * MIB
     path = Path(config.warm_socket)

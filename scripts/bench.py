@@ -2,6 +2,11 @@
 """Our server against the stock stack, same models, same worker count, one run.
 
     .venv/bin/python scripts/bench.py [--rounds 5] [--requests 300] [--concurrent-requests 640] [--workers 1]
+                                      [--scrape-interval 1]
+
+Our server runs twice: with its Prometheus metrics on, scraped every --scrape-interval seconds while it serves (a
+scraper's usual interval is 15 to 60 s: this is the worst case), and with them off (MME_METRICS_PORT=0), so the table
+shows what metrics cost.
 
 Stock stack: MMS 1.1.11 + sagemaker-inference 1.10.1 + the AWS PyTorch handler (sagemaker-pytorch-inference 1.5.1,
 HandlerService from sagemaker_pytorch_serving_container.handler_service), installed into .bench-venv/ on first use
@@ -44,10 +49,11 @@ import requests
 from bench_preload import FEATURES, big_model
 from benchlib import Server, our_server, percentile, table
 from model_factory import IN_FEATURES, torchscript_model
+from ports import free_port
 from serving import pss_mib
 from stock_stack import STOCK_VENV, ensure_venv, serve_isolated, stock_model_dir, stock_server
 
-STACKS = ("ours", "stock")
+STACKS = ("ours", "ours-metrics-off", "stock")
 HEADERS = {"Content-Type": "application/json", "Accept": "application/json"}
 REQUEST_TIMEOUT_SECONDS = 60  # SageMaker's own limit for one invocation
 Key = tuple[str, str]  # (model label, stack)
@@ -148,7 +154,42 @@ def concurrent(url: str, body: bytes, clients: int, total: int) -> tuple[float, 
     return sum(ok for ok, _ in results) / elapsed, sum(failed for _, failed in results)
 
 
-def measure(server: Server, name: str, case: ModelCase, stack: str, args: argparse.Namespace) -> Sample:
+class Scraper:
+    """Scrapes ``/metrics`` every ``interval`` seconds from a thread while the ``with`` block runs."""
+
+    def __init__(self, url: str | None, interval: float) -> None:
+        self.url = url
+        self.interval = interval
+        self.scrapes = 0
+        self.failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Scraper:
+        if self.url is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        assert self.url is not None
+        with requests.Session() as session:
+            while not self._stop.wait(self.interval):
+                try:
+                    ok = session.get(self.url, timeout=10).status_code == 200
+                except requests.RequestException:
+                    ok = False
+                self.scrapes += 1
+                self.failed += 0 if ok else 1
+
+
+def measure(
+    server: Server, name: str, case: ModelCase, stack: str, args: argparse.Namespace, metrics_url: str | None
+) -> Sample:
     load_call, load_to_first, first_body = load_until_first_response(
         server, name, case.dirs[stack], case.body, args.load_timeout
     )
@@ -161,8 +202,11 @@ def measure(server: Server, name: str, case: ModelCase, stack: str, args: argpar
         warm_failed = sum(
             1 for _ in range(args.warmup) if (r := invoke(session, url, case.body)) is None or r.status_code != 200
         )
-    latencies, rps_1, seq_failed = sequential(url, case.body, args.requests)
-    rps_n, conc_failed = concurrent(url, case.body, args.clients, args.concurrent_requests)
+    with Scraper(metrics_url, args.scrape_interval) as scraper:
+        latencies, rps_1, seq_failed = sequential(url, case.body, args.requests)
+        rps_n, conc_failed = concurrent(url, case.body, args.clients, args.concurrent_requests)
+    if scraper.failed:
+        raise RuntimeError(f"{scraper.failed} of {scraper.scrapes} scrapes of {metrics_url} failed; see {server.log}")
     memory = pss_mib(server.model_tree(name))
     unloaded = server.unload(name)
     if unloaded.status_code != 200:
@@ -212,23 +256,18 @@ def report(cases: list[ModelCase], samples: dict[Key, list[Sample]], rounds: int
     ]
     rows: list[list[object]] = []
     for case in cases:
-        ours, stock = samples[(case.label, "ours")], samples[(case.label, "stock")]
         for metric, value, fmt in metrics:
-            ours_value = statistics.median(value(s) for s in ours)
-            stock_value = statistics.median(value(s) for s in stock)
-            ratio = f"{ours_value / stock_value:.2f}" if stock_value else "-"
-            rows.append([case.label, metric, fmt.format(ours_value), fmt.format(stock_value), ratio])
-        rows.append(
-            [
-                case.label,
-                f"failed requests (all {rounds} rounds)",
-                sum(s.failed for s in ours),
-                sum(s.failed for s in stock),
-                "-",
-            ]
-        )
-    headers = ["model", "metric", "ours", "stock", "ours/stock (s, ms, MiB: lower is better; req/s: higher is better)"]
+            ours, off, stock = (statistics.median(value(s) for s in samples[(case.label, stack)]) for stack in STACKS)
+            formatted = [fmt.format(v) for v in (ours, off, stock)]
+            rows.append([case.label, metric, *formatted, _ratio(ours, stock), _ratio(ours, off)])
+        failed = [sum(s.failed for s in samples[(case.label, stack)]) for stack in STACKS]
+        rows.append([case.label, f"failed requests (all {rounds} rounds)", *failed, "-", "-"])
+    headers = ["model", "metric", "ours", "ours, metrics off", "stock", "ours/stock", "metrics on/off"]
     return table(headers, rows)
+
+
+def _ratio(value: float, reference: float) -> str:
+    return f"{value / reference:.2f}" if reference else "-"
 
 
 def parse_args() -> argparse.Namespace:
@@ -260,6 +299,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=16, help="concurrent clients (threads) for N-client throughput")
     parser.add_argument("--warmup", type=int, default=20, help="untimed requests after the first response")
     parser.add_argument(
+        "--scrape-interval", type=float, default=1.0, help="seconds between scrapes of our /metrics while it serves"
+    )
+    parser.add_argument(
         "--workers", type=int, default=1, help="MMS workers per model, both stacks (SAGEMAKER_MODEL_SERVER_WORKERS)"
     )
     parser.add_argument("--size-mb", type=int, default=100, help="size of the MLP's float32 weights")
@@ -275,6 +317,8 @@ def parse_args() -> argparse.Namespace:
         parser.error("--rounds, --requests, --concurrent-requests, --clients, --workers and --size-mb must be >= 1")
     if args.warmup < 0 or args.warmup_rounds < 0:
         parser.error("--warmup and --warmup-rounds must be >= 0")
+    if args.scrape_interval <= 0:
+        parser.error("--scrape-interval must be > 0")
     if args.concurrent_requests < args.clients:
         parser.error("--concurrent-requests must be at least --clients")
     return args
@@ -284,20 +328,24 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_rounds(servers: dict[str, Server], cases: list[ModelCase], args: argparse.Namespace) -> dict[Key, list[Sample]]:
+def run_rounds(
+    servers: dict[str, Server], cases: list[ModelCase], args: argparse.Namespace, metrics_url: str
+) -> dict[Key, list[Sample]]:
     """Every model on every stack, round after round; warm-up rounds (negative indexes) are measured but not kept."""
     samples: dict[Key, list[Sample]] = {}
     for round_index in range(-args.warmup_rounds, args.rounds):
-        order = STACKS if round_index % 2 == 0 else STACKS[::-1]  # alternate who goes first
+        shift = round_index % len(STACKS)
+        order = STACKS[shift:] + STACKS[:shift]  # rotate who goes first
         round_label = f"{round_index + 1}/{args.rounds}" if round_index >= 0 else "warm-up"
         for case_index, case in enumerate(cases):
             for stack in order:
                 name = f"m{case_index}-r{round_index + args.warmup_rounds}"  # never reused: no LOAD 409
-                sample = measure(servers[stack], name, case, stack, args)
+                scraped = metrics_url if stack == "ours" else None
+                sample = measure(servers[stack], name, case, stack.replace("-metrics-off", ""), args, scraped)
                 if round_index >= 0:
                     samples.setdefault((case.label, stack), []).append(sample)
                 progress(
-                    f"round {round_label:>7} {case.label:>12} {stack:>5}: "
+                    f"round {round_label:>7} {case.label:>12} {stack:>16}: "
                     f"first response {sample.load_to_first_s:.2f} s, p50 {percentile(sample.latencies_ms, 50):.1f} ms, "
                     f"{sample.rps_1:.0f}/{sample.rps_n:.0f} req/s, failed {sample.failed}"
                 )
@@ -318,9 +366,13 @@ def main() -> int:
             root = Path(resources.enter_context(tempfile.TemporaryDirectory(prefix="bench-", dir="/tmp")))
         cases = build_models(root / "models", args.size_mb)
         workers_env = {"SAGEMAKER_MODEL_SERVER_WORKERS": str(args.workers)}
-        ours_command, ours_env, ours_port = our_server(root / "ours", workers_env)
+        metrics_port = free_port()
+        launches = {
+            "ours": our_server(root / "ours", {**workers_env, "MME_METRICS_PORT": str(metrics_port)}),
+            "ours-metrics-off": our_server(root / "ours-off", {**workers_env, "MME_METRICS_PORT": "0"}),
+        }
         stock_command, stock_env, stock_port, versions = stock_server(root / "stock", args.stock_venv, workers_env)
-        launches = {"ours": (ours_command, ours_env, ours_port), "stock": (stock_command, stock_env, stock_port)}
+        launches["stock"] = (stock_command, stock_env, stock_port)
         servers: dict[str, Server] = {}
         start_seconds: dict[str, float] = {}
         for stack, (command, env, port) in launches.items():
@@ -328,7 +380,7 @@ def main() -> int:
             servers[stack] = resources.enter_context(serve_isolated(stack, command, env, root / stack, port))
             start_seconds[stack] = time.perf_counter() - started
             progress(f"{stack}: serving on port {port} after {start_seconds[stack]:.1f} s ({servers[stack].log})")
-        samples = run_rounds(servers, cases, args)
+        samples = run_rounds(servers, cases, args, f"http://127.0.0.1:{metrics_port}/metrics")
     for case in cases:
         agree = same_answer(samples[(case.label, "ours")][0].first_body, samples[(case.label, "stock")][0].first_body)
         progress(f"{case.label}: the two stacks' answers {'agree' if agree else 'DIFFER'}")
@@ -336,14 +388,15 @@ def main() -> int:
     print(
         f"medians of {args.rounds} rounds (after {args.warmup_rounds} warm-up); {args.workers} worker(s) per model; "
         f"{args.requests} sequential and {args.concurrent_requests} over {args.clients} clients per round; "
-        "CPU only"
+        f"ours scraped every {args.scrape_interval:g} s; CPU only"
     )
     print("stock stack: " + ", ".join(f"{package}=={version}" for package, version in versions.items()))
     print()
     print(report(cases, samples, args.rounds, args.clients))
     print()
     print(
-        f"server start to /ping: ours {start_seconds['ours']:.1f} s, stock {start_seconds['stock']:.1f} s; "
+        f"server start to /ping: ours {start_seconds['ours']:.1f} s, metrics off "
+        f"{start_seconds['ours-metrics-off']:.1f} s, stock {start_seconds['stock']:.1f} s; "
         f"benchmark took {time.perf_counter() - began:.0f} s"
     )
     if args.keep:

@@ -128,6 +128,7 @@ def our_server(work_dir: Path, env: Mapping[str, str] | None = None) -> tuple[li
         "MME_RUNTIME_DIR": str(work_dir / "run"),
         "MME_ALLOW_ANY_MODEL_LOCATION": "true",  # benchmarks load from their own temporary directories
         "TMPDIR": str(work_dir),
+        "MME_METRICS_PORT": str(free_port()),  # not 9090: benchmarks run servers side by side
         **(env or {}),
     }
     return [sys.executable, str(REPO / "dockerd-entrypoint.py"), "serve"], full_env, port

@@ -16,6 +16,8 @@ GPUS_VARIABLE = "FAKE_NVIDIA_SMI_GPUS"
 LOG_VARIABLE = "FAKE_NVIDIA_SMI_LOG_DIR"
 FREE_VARIABLE = "FAKE_NVIDIA_SMI_FREE_MIB"
 FREE_MIB = 81920
+# A file of ``pid, uuid, MiB`` lines: the processes the fake says hold GPU memory (none when unset).
+APPS_VARIABLE = "FAKE_NVIDIA_SMI_APPS_FILE"
 
 
 def install(directory: Path, gpus: int) -> dict[str, str]:
@@ -43,8 +45,11 @@ def answer(arguments: list[str], gpus: int) -> str | None:
         gpu = arguments[0].removeprefix("--id=")
         free = os.environ.get(FREE_VARIABLE, str(FREE_MIB))
         return f"{free}\n" if gpu.isdigit() and int(gpu) < gpus else None
+    if arguments == ["--query-gpu=index,uuid", "--format=csv,noheader"]:
+        return "".join(f"{i}, GPU-fake-{i}\n" for i in range(gpus))
     if arguments and arguments[0].startswith("--query-compute-apps="):
-        return ""
+        apps = Path(os.environ.get(APPS_VARIABLE, "/nonexistent"))
+        return apps.read_text(encoding="utf-8") if apps.is_file() else ""
     return None
 
 

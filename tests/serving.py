@@ -35,6 +35,11 @@ class RunningServer:
     models: Path
     log: Path
     process: subprocess.Popen[bytes]
+    metrics_port: int = 0
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def model_dir(self, name: str) -> Path:
         return self.models / name
@@ -166,6 +171,8 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> bool:
 def start_server(home: Path, env: Mapping[str, str] | None = None) -> Iterator[RunningServer]:
     """Starts the entrypoint with its runtime directory and model root under ``home``."""
     port = free_port()
+    # Never the default 9090: tests run servers side by side, and the CI machine may use that port.
+    metrics_port = int((env or {}).get("MME_METRICS_PORT") or free_port())
     models = home / "models"
     models.mkdir(parents=True, exist_ok=True)
     log = home / "server.out"
@@ -176,6 +183,7 @@ def start_server(home: Path, env: Mapping[str, str] | None = None) -> Iterator[R
         "MME_MODEL_ROOT": str(models),
         "TMPDIR": str(home),
         **(env or {}),
+        "MME_METRICS_PORT": str(metrics_port),
     }
     with open(log, "wb") as out:
         process = subprocess.Popen(
@@ -186,7 +194,7 @@ def start_server(home: Path, env: Mapping[str, str] | None = None) -> Iterator[R
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    server = RunningServer(f"http://127.0.0.1:{port}", home, models, log, process)
+    server = RunningServer(f"http://127.0.0.1:{port}", home, models, log, process, metrics_port)
     try:
         if not wait_until(lambda: _ping(server) or process.poll() is not None, START_TIMEOUT_SECONDS, 0.25):
             pytest.fail(f"server did not answer /ping in {START_TIMEOUT_SECONDS} s:\n{_tail(log)}")

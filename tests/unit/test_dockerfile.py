@@ -72,8 +72,8 @@ def test_entrypoint_is_exec_form_python_and_cmd_is_serve() -> None:
     assert [json.loads(arguments) for arguments in arguments_of("CMD")] == [["serve"]]
 
 
-def test_port_8080_is_exposed_and_there_is_no_healthcheck() -> None:
-    assert arguments_of("EXPOSE") == ["8080"]
+def test_ports_8080_and_9090_are_exposed_and_there_is_no_healthcheck() -> None:
+    assert arguments_of("EXPOSE") == ["8080 9090"]
     assert arguments_of("HEALTHCHECK") == []  # SageMaker polls /ping itself
 
 
