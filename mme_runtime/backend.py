@@ -33,8 +33,14 @@ from mms.arg_parser import ArgParser
 from mms.protocol.otf_message_handler import LOAD_MSG, retrieve_msg
 
 from mme_runtime import devices, fork_safety, metrics, nvidia
-from mme_runtime.config import INHERITED_LIFELINE_FD, INHERITED_LISTEN_FD, INHERITED_PENDING_FD, Config
-from mme_runtime.executor import Assignment, hand_over, serve_executor
+from mme_runtime.config import (
+    INHERITED_LIFELINE_FD,
+    INHERITED_LISTEN_FD,
+    INHERITED_LOAD_STARTED,
+    INHERITED_PENDING_FD,
+    Config,
+)
+from mme_runtime.executor import READY, Assignment, hand_over, serve_executor
 from mme_runtime.loading import (
     LoadedModel,
     LoadFailure,
@@ -78,6 +84,16 @@ def main(lifeline: socket.socket | None = None) -> int:
 class _Executor:
     process: multiprocessing.process.BaseProcess
     control: socket.socket  # the server's end: connections for this device are handed over on it
+    ready: bool = False  # it loaded the model and served (it says so on the control socket)
+
+    def served(self) -> bool:
+        """Whether the executor has loaded its model: it writes ``READY`` once, even if it has ended since."""
+        if not self.ready:
+            try:
+                self.ready = self.control.recv(len(READY), socket.MSG_DONTWAIT) == READY
+            except OSError:  # nothing yet (BlockingIOError), or the socket is closed
+                pass
+        return self.ready
 
 
 class BackendServer:
@@ -100,8 +116,9 @@ class BackendServer:
         self.load_failure: LoadFailure | None = None
         self.executors: dict[str | None, _Executor] = {}  # by the card's CUDA_VISIBLE_DEVICES name (None: the CPU)
         self.devices_started: set[str | None] = set()
+        self.devices_served: set[str | None] = set()  # an executor loaded the model there (a new one is a restart)
         self.refused = False  # a LOAD answered with load_failure: counted once
-        self.started = time.monotonic()  # the LOAD's start, for its duration
+        self.started = config.inherited_load_started or time.time()  # the LOAD's start, for its duration
         self.stop_requested: float | None = None
         self._pending: list[int] = []
 
@@ -137,14 +154,14 @@ class BackendServer:
         return 0
 
     def _unload(self) -> None:
-        """Stops every executor, then retires this server's metrics (its model's series go away)."""
-        served = bool(self.devices_started) and self.load_failure is None
+        """Stops every executor, then hands this server's metrics over (its model's series go away)."""
+        served = bool(self.devices_served) or any(executor.served() for executor in self.executors.values())
         stopped = self.stop_requested or time.monotonic()
         clean = self._stop_executors()
         self.listener.close()
-        if served:
+        if served:  # a LOAD that failed is no UNLOAD
             metrics.record_unload(clean, time.monotonic() - stopped)
-        metrics.retire(self.config)
+        metrics.stop_model(self.config)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self._pending.append(signum)  # record only; the loop stops within ACCEPT_TIMEOUT_SECONDS
@@ -187,6 +204,7 @@ class BackendServer:
             "MME_WARM_START": "false",  # run the server in this process again, not through the warm process
             INHERITED_LISTEN_FD: str(self.listener.fileno()),
             INHERITED_PENDING_FD: str(pending.fileno()),
+            INHERITED_LOAD_STARTED: repr(self.started),
         }
         pending.set_inheritable(True)
         if self.lifeline is not None:
@@ -234,7 +252,7 @@ class BackendServer:
             return
         if self.load_failure is not None:
             if not self.devices_started and not self.refused:
-                metrics.record_load(False, time.monotonic() - self.started)
+                metrics.record_load(False, time.time() - self.started)
             self.refused = True
             refuse_load(connection, self.load_failure, self.spec, self.config)
             return
@@ -262,7 +280,7 @@ class BackendServer:
     def _start_executor(self, device: str | None, assignment: Assignment, routed: socket.socket) -> _Executor:
         # The first executor answers the LOAD (so it reports its outcome); one for a device served before is a restart.
         load_started = None if self.devices_started else self.started
-        if device in self.devices_started:
+        if device in self.devices_served:
             metrics.record_executor_restart()
         self.devices_started.add(device)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -295,6 +313,8 @@ class BackendServer:
 
     def _retire(self, device: str | None, executor: _Executor) -> None:
         """Ends an executor that cannot take connections any more (it is dying, or stuck), and forgets it."""
+        if executor.served():
+            self.devices_served.add(device)
         if executor.process.exitcode is None:
             executor.process.kill()
         executor.process.join(CHILD_STOP_SECONDS)
@@ -318,6 +338,8 @@ class BackendServer:
             process = executor.process
             if process.exitcode is None:
                 continue
+            if executor.served():
+                self.devices_served.add(gpu)
             del self.executors[gpu]
             executor.control.close()
             code = process.exitcode

@@ -26,6 +26,7 @@ MAX_BATCH_DELAY_MS = 60_000
 INHERITED_LISTEN_FD = "MME_BACKEND_LISTEN_FD"
 INHERITED_LIFELINE_FD = "MME_BACKEND_LIFELINE_FD"
 INHERITED_PENDING_FD = "MME_BACKEND_PENDING_FD"
+INHERITED_LOAD_STARTED = "MME_BACKEND_LOAD_STARTED"
 
 
 @dataclass(frozen=True)
@@ -314,6 +315,7 @@ class Config:
     inherited_listen_fd: int | None = None
     inherited_lifeline_fd: int | None = None
     inherited_pending_fd: int | None = None
+    inherited_load_started: float | None = None  # the LOAD's start (wall clock), kept across that re-execution
     # torch's is_available() must ask NVML, not the CUDA driver, or the preload server poisons its forks.
     nvml_cuda_check: str = "1"
     # GNU OpenMP spins its idle threads by default: measured here, that burned 40% of a batching executor's CPU time,
@@ -368,6 +370,7 @@ class Config:
         take(INHERITED_LISTEN_FD, "inherited_listen_fd", lambda n, v: parse_int(n, v, 0))
         take(INHERITED_LIFELINE_FD, "inherited_lifeline_fd", lambda n, v: parse_int(n, v, 0))
         take(INHERITED_PENDING_FD, "inherited_pending_fd", lambda n, v: parse_int(n, v, 0))
+        take(INHERITED_LOAD_STARTED, "inherited_load_started", _parse_seconds)
         return cls(**values)  # type: ignore[arg-type]
 
     @classmethod
@@ -436,6 +439,13 @@ class Config:
                 value = logging.getLevelName(value)
             parts.append(f"{field.name}={value}")
         return " ".join(parts)
+
+
+def _parse_seconds(name: str, value: str) -> float:
+    try:
+        return float(value)
+    except ValueError as exc:
+        raise ConfigError(f"{name}={value!r} is not a number of seconds") from exc
 
 
 def _parse_port(name: str, value: str) -> int:

@@ -10,7 +10,9 @@ So worker count buys concurrency, not copies of the weights.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import json
 import logging
 import os
@@ -39,6 +41,9 @@ from mme_runtime.loading import (
 )
 from mme_runtime.logs import configure_logging
 from mme_runtime.scaler import request_workers
+
+# What an executor writes on its control socket once it has loaded the model: the server then counts it as served.
+READY = b"READY"
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +119,7 @@ def serve_executor(
         loaded = _load_in_executor(spec, config, preloaded, assignment)
     except LoadFailure as failure:
         if load_started is not None:
-            metrics.record_load(False, time.monotonic() - load_started)
+            metrics.record_load(False, time.time() - load_started)
         # Answer the connections that asked for this device with the cause; later ones get a fresh executor.
         control.settimeout(REFUSE_WAIT_SECONDS)
         for connection, _ in _receive(control) or []:
@@ -123,7 +128,11 @@ def serve_executor(
         os._exit(WORKER_BOOT_ERROR)
     _start_batching(spec, config, loaded)
     if load_started is not None:
-        metrics.record_load(True, time.monotonic() - load_started)
+        metrics.record_load(True, time.time() - load_started)
+    if assignment.gpu is not None and devices.cuda_initialized():
+        metrics.watch_gpu_memory(str(assignment.gpu))
+    with contextlib.suppress(OSError):  # the server is gone: the loop below ends at once
+        control.sendall(READY)
     logger.info("model=%s executor pid=%d gpu=%s serving", spec.name, os.getpid(), assignment.gpu)
     while (received := _receive(control)) is not None:
         for connection, _ in received:
@@ -178,7 +187,7 @@ def _serve_connection(connection: socket.socket, spec: ModelSpec, loaded: Loaded
             context, response = _answer(loaded, message)
             connection.sendall(response)
             # Recorded once the answer is on its way: the caller does not wait for its metrics.
-            metrics.record_requests(_statuses(context, response), time.monotonic() - started)
+            metrics.record_requests(functools.partial(_statuses, context, response), time.monotonic() - started)
     except (ValueError, OSError) as exc:  # the frontend disconnected (mms.protocol raises ValueError): a normal end
         logger.debug("model=%s connection closed: %s", spec.name, exc)
     finally:

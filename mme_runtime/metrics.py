@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ParamSpec
 
-from prometheus_client import Counter, Histogram, values
+import psutil
+from prometheus_client import Counter, Gauge, Histogram, values
 
 from mme_runtime.config import Config
 
@@ -34,6 +35,9 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # Up to this batch size every size has its own bucket; above it, powers of two and the batch size itself.
 MAX_EXACT_BATCH_BUCKETS = 64
+# A server's directory holds this file: its process's start time, so a reused pid is not taken for the server.
+OWNER_FILE = "owner"
+MKDIR_ATTEMPTS = 3
 
 
 def models_dir(metrics_dir: Path) -> Path:
@@ -46,6 +50,32 @@ def unloaded_dir(metrics_dir: Path) -> Path:
 
 def model_dir_name(model: str) -> str:
     return urllib.parse.quote(model, safe="")
+
+
+def move_to_unloaded(metrics_dir: Path, server_dir: Path) -> None:
+    """Hands a model server's values over to the exporter's fold (``OSError`` if another process did it first)."""
+    target = unloaded_dir(metrics_dir) / f"{server_dir.parent.name}@{server_dir.name}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    server_dir.rename(target)
+    with contextlib.suppress(OSError):  # not empty: another server of this model runs
+        server_dir.parent.rmdir()
+
+
+def process_started(pid: int) -> float | None:
+    """When process ``pid`` started (what ``OWNER_FILE`` holds), or None if there is no such process."""
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return None
+
+
+def server_alive(server_dir: Path) -> bool:
+    """Whether the model server that owns ``server_dir`` still runs (not merely a process with its pid)."""
+    try:
+        recorded = float((server_dir / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return process_started(int(server_dir.name)) is not None  # being created: trust the pid
+    return process_started(int(server_dir.name)) == recorded
 
 
 def batch_size_buckets(batch_size: int) -> list[float]:
@@ -61,6 +91,7 @@ class _Metrics:
     def __init__(self, model: str | None, directory: Path) -> None:
         self.model = model
         self.directory = directory
+        self.gpu: str | None = None  # the executor's card, once it reports its GPU memory
         self.batch_sizes: Histogram | None = None
         # registry=None: the exporter reads the files; nothing in a model process exposes a registry.
         self.requests = Counter(
@@ -88,7 +119,15 @@ class _Metrics:
             registry=None,
         )
         self.executor_restarts = Counter(
-            "mme_executor_restarts", "Executors started again after one ended.", ["model"], registry=None
+            "mme_executor_restarts", "Executors started again after one that served ended.", ["model"], registry=None
+        )
+        # livesum: the exporter leaves out the files of processes that ended, so a dead executor's memory goes.
+        self.gpu_memory = Gauge(
+            "mme_model_gpu_memory_bytes",
+            "GPU memory reserved by PyTorch in the model's executor, per card (the CUDA context not included).",
+            ["model", "gpu"],
+            multiprocess_mode="livesum",
+            registry=None,
         )
         self.loads = Histogram(
             "mme_model_load_duration_seconds",
@@ -118,8 +157,16 @@ def start_model(config: Config, model: str, server_pid: int) -> None:
     """Sends this process's values to the model server's directory; the server and its executors call it."""
     if _metrics is not None and _metrics.model == model:
         return  # forked from the server: its objects already write here, to files of this process's own
-    directory = models_dir(config.metrics_dir) / model_dir_name(model) / str(server_pid)
-    _start(config, model, directory)
+    model_dir = models_dir(config.metrics_dir) / model_dir_name(model)
+    directory = model_dir / str(server_pid)
+    if _start(config, model, directory) and server_pid == os.getpid():
+        (directory / OWNER_FILE).write_text(str(process_started(server_pid)))
+        # Servers of this model that died without stopping (a crash, or an UNLOAD and a quick re-LOAD) end here:
+        # this server's counts start from zero, as after any restart.
+        for sibling in model_dir.iterdir():
+            if sibling != directory and sibling.name.isdigit() and not server_alive(sibling):
+                with contextlib.suppress(OSError):
+                    move_to_unloaded(config.metrics_dir, sibling)
 
 
 def start_container(config: Config) -> None:
@@ -127,18 +174,22 @@ def start_container(config: Config) -> None:
     _start(config, None, config.metrics_dir / "container" / str(os.getpid()))
 
 
-def _start(config: Config, model: str | None, directory: Path) -> None:
+def _start(config: Config, model: str | None, directory: Path) -> bool:
     global _metrics
     if config.metrics_port == 0:
-        return
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        logger.warning("metrics off in this process: cannot create %s: %s", directory, exc)
-        return
+        return False
+    for attempt in range(MKDIR_ATTEMPTS):  # the exporter may remove an empty parent at the same moment
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            break
+        except OSError as exc:
+            if attempt == MKDIR_ATTEMPTS - 1:
+                logger.warning("metrics off in this process: cannot create %s: %s", directory, exc)
+                return False
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
     values.ValueClass = values.MultiProcessValue()
     _metrics = _Metrics(model, directory)
+    return True
 
 
 def _recorder(function: Callable[P, None]) -> Callable[P, None]:
@@ -162,10 +213,11 @@ def _live() -> _Metrics:
 
 
 @_recorder
-def record_requests(statuses: Sequence[int], seconds: float) -> None:
-    """One message from the frontend, answered: each request's status, and the time the backend took."""
+def record_requests(statuses: Callable[[], Sequence[int]], seconds: float) -> None:
+    """One message from the frontend, answered: each request's status (read only with metrics on), and the time the
+    backend took."""
     metrics = _live()
-    for status in statuses:
+    for status in statuses():
         metrics.requests.labels(metrics.model, str(status)).inc()
         metrics.request_seconds.labels(metrics.model).observe(seconds)
 
@@ -186,6 +238,23 @@ def record_pass(waits: Sequence[float], seconds: float, batch_size: int) -> None
             registry=None,
         )
     metrics.batch_sizes.labels(metrics.model).observe(len(waits))
+    _record_gpu_memory(metrics)
+
+
+@_recorder
+def watch_gpu_memory(gpu: str) -> None:
+    """Called by an executor whose model is on GPU ``gpu`` (the frontend's id): its memory is reported from now on,
+    and after every forward pass."""
+    metrics = _live()
+    metrics.gpu = gpu
+    _record_gpu_memory(metrics)
+
+
+def _record_gpu_memory(metrics: _Metrics) -> None:
+    if metrics.gpu is not None:
+        import torch  # only executors watch a GPU, and they have torch loaded
+
+        metrics.gpu_memory.labels(metrics.model, metrics.gpu).set(torch.cuda.memory_reserved())
 
 
 @_recorder
@@ -209,18 +278,13 @@ def record_cache_lookup(cache: str, hit: bool) -> None:
     _live().cache_lookups.labels(cache, "hit" if hit else "miss").inc()
 
 
-def retire(config: Config) -> None:
+def stop_model(config: Config) -> None:
     """The model server stops: its model's series go away (the exporter folds the container's counters)."""
     global _metrics
     if _metrics is None or _metrics.model is None:
         return
     directory, _metrics = _metrics.directory, None
-    target = unloaded_dir(config.metrics_dir) / f"{directory.parent.name}@{directory.name}"
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        directory.rename(target)
+        move_to_unloaded(config.metrics_dir, directory)
     except OSError as exc:
         logger.warning("metrics of %s left in place: %s", directory, exc)
-        return
-    with contextlib.suppress(OSError):  # not empty: another server of this model runs
-        directory.parent.rmdir()

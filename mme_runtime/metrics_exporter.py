@@ -1,25 +1,28 @@
 """The Prometheus endpoint: ``GET /metrics`` on ``MME_METRICS_PORT``, served from a thread of the entrypoint.
 
 Each scrape merges the files the model processes wrote (``metrics.py``) with prometheus_client's own multiprocess
-reader, and adds what is read live: the models loaded, and the host and GPU memory of each model's processes. The
-HTTP thread runs beside MMS, so it answers while a model loads.
+reader, and adds what is read live: the model servers running and the host memory of each model's processes. The
+HTTP thread runs beside MMS, so it answers while a model loads. Only ``mme_`` series are shown: a library in a model
+process that makes prometheus_client metrics of its own writes them to the same files.
 
-An unloaded model leaves its server's directory in ``metrics/unloaded/``: ``fold`` adds the container's counters in
-it (LOADs, UNLOADs, caches: series without a ``model`` label) to ``metrics/retired/`` and deletes it, so the model's
-own series go away and the container's totals never step back. Only this process writes ``retired/``.
+Files of processes that ended are folded: their counters and histograms are added to a file this process owns, and
+their gauges dropped. A stopped model server's directory (``metrics/unloaded/``) folds into ``metrics/retired/``,
+keeping only the container's series, so the model's own go away and the container's totals never step back; the
+files of an executor that ended fold into its server's directory. Only this process writes those files, under one
+lock shared by the scrape thread and the supervisor's sweep; a directory or file is moved aside before its values
+are added, so a fold that fails halfway is never counted twice.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -28,105 +31,115 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from mme_runtime import nvidia
 from mme_runtime.config import Config
 from mme_runtime.janitor import REQUEST_TIMEOUT_SECONDS
-from mme_runtime.metrics import models_dir, unloaded_dir
+from mme_runtime.metrics import models_dir, move_to_unloaded, process_started, server_alive, unloaded_dir
 
 logger = logging.getLogger(__name__)
 
-ADDITIVE_TYPES = ("counter", "histogram")  # what the model processes write for the container; gauges are per model
-MERGE_ATTEMPTS = 3
+PREFIX = "mme_"
+ADDITIVE_KINDS = ("counter", "histogram")  # what folds add up; gauges end with their process
+FOLDING_SUFFIX = ".folding"  # a file or directory being folded: out of every merge
+EXITED = "exited"  # the pid part of the files that hold what a server's ended executors counted
 
 
 class ModelMetrics:
     """The collector behind ``/metrics``; ``sweep`` is called by the supervisor's loop."""
 
-    def __init__(self, metrics_dir: Path, port: int, gpus: int) -> None:
+    def __init__(self, metrics_dir: Path, port: int) -> None:
         self.metrics_dir = metrics_dir
         self.models_url = f"http://127.0.0.1:{port}/models/"
-        self.gpus = gpus
-        self._lock = threading.Lock()  # the scrape thread and the supervisor's sweep both fold
-        self._retired: dict[str, MmapedDict] = {}
+        self._lock = threading.Lock()
 
     def collect(self) -> Iterator[Metric]:
-        for attempt in range(MERGE_ATTEMPTS):
-            # Listed before the fold: a directory moved to unloaded/ after this is missing below, and merged again.
-            files = self._live_files()
-            with self._lock:
-                self._fold()
-                try:
-                    merged = MultiProcessCollector.merge(files + self._retired_files(), accumulate=True)
-                    break
-                except FileNotFoundError:
-                    if attempt == MERGE_ATTEMPTS - 1:
-                        raise
-        yield from merged
+        with self._lock:
+            self._fold_unloaded()
+            merged = self._merge()
+        yield from (family for family in merged if family.name.startswith(PREFIX))
         yield from self._live_gauges()
 
-    def close(self) -> None:
-        with self._lock:
-            for store in self._retired.values():
-                store.close()
-            self._retired.clear()
-
     def sweep(self) -> None:
-        """Retires the directories of model servers that died without stopping, once MMS no longer has the model."""
-        for directory in self._server_dirs():
-            if _alive(int(directory.name)) or self._registered(directory.parent.name) is not False:
-                continue  # a server MMS will start again keeps its counts; an unknown answer changes nothing
-            target = unloaded_dir(self.metrics_dir) / f"{directory.parent.name}@{directory.name}"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            directory.rename(target)
+        """Folds what ended: servers that died without stopping (once MMS no longer has their model), and executors
+        that ended inside running servers. A failure is logged and tried again at the next sweep."""
+        for server_dir in self._server_dirs():
+            try:
+                if server_alive(server_dir):
+                    with self._lock:
+                        self._fold_exited_executors(server_dir)
+                elif self._registered(server_dir.parent.name) is False:
+                    move_to_unloaded(self.metrics_dir, server_dir)
+            except (OSError, ValueError) as exc:  # it moved or ended meanwhile: the next sweep sees where it is now
+                logger.debug("metrics sweep of %s: %s", server_dir, exc)
         with self._lock:
-            self._fold()
-        for model_dir in models_dir(self.metrics_dir).glob("*"):
-            if model_dir.is_dir() and not any(model_dir.iterdir()):
-                model_dir.rmdir()
+            self._fold_unloaded()
 
     def _server_dirs(self) -> list[Path]:
         return [path for path in models_dir(self.metrics_dir).glob("*/*") if path.name.isdigit()]
 
+    def _merge(self) -> list[Metric]:
+        """Every live file and the folded ones, merged; a file another process moved or cut short is left out."""
+        files = self._live_files()
+        skipped: set[str] = set()
+        while True:
+            try:
+                return list(MultiProcessCollector.merge([f for f in files if f not in skipped], accumulate=True))
+            except Exception as exc:  # noqa: BLE001 - a file being written or moved: find it, leave it out
+                bad = [f for f in files if f not in skipped and not _readable(f)]
+                if not bad:
+                    raise
+                logger.debug("metrics: leaving out %s: %s", bad, exc)
+                skipped.update(bad)
+
     def _live_files(self) -> list[str]:
-        patterns = ("models/*/*/*.db", "container/*/*.db")
-        return sorted(str(path) for pattern in patterns for path in self.metrics_dir.glob(pattern))
+        paths = [
+            *self.metrics_dir.glob("models/*/*/*.db"),
+            *self.metrics_dir.glob("container/*/*.db"),
+            *self.metrics_dir.glob("retired/*.db"),
+        ]
+        return sorted(str(path) for path in paths if not _of_ended_process(path))
 
-    def _retired_files(self) -> list[str]:
-        return sorted(str(path) for path in (self.metrics_dir / "retired").glob("*.db"))
-
-    def _fold(self) -> None:
-        """Moves the container's counters out of unloaded servers' directories into retired/, then deletes them."""
+    def _fold_unloaded(self) -> None:
+        """Adds the container's counters of each stopped server to retired/, then deletes its directory."""
         for directory in sorted(unloaded_dir(self.metrics_dir).glob("*")):
-            for path in sorted(directory.glob("*.db")):
-                kind = path.name.split("_")[0]
-                if kind not in ADDITIVE_TYPES:
-                    continue
-                retired = self._retired_store(kind)
-                for key, value, _, _ in MmapedDict.read_all_values_from_file(str(path)):
-                    _, _, labels, _ = json.loads(key)
-                    if "model" not in labels and value:
-                        retired.write_value(key, retired.read_value(key)[0] + value, 0.0)
-            shutil.rmtree(directory, ignore_errors=True)
+            if directory.name.endswith(FOLDING_SUFFIX):
+                shutil.rmtree(directory, ignore_errors=True)  # added already, by a fold that then failed to delete
+                continue
+            values = _read_values(list(directory.glob("*.db")), keep=lambda labels: "model" not in labels)
+            folding = directory.with_name(directory.name + FOLDING_SUFFIX)
+            try:
+                directory.rename(folding)
+            except OSError as exc:
+                logger.warning("metrics of %s not folded yet: %s", directory, exc)
+                continue
+            _add_values(values, lambda kind: self.metrics_dir / "retired" / f"{kind}_retired.db")
+            shutil.rmtree(folding, ignore_errors=True)
 
-    def _retired_store(self, kind: str) -> MmapedDict:
-        if kind not in self._retired:
-            directory = self.metrics_dir / "retired"
-            directory.mkdir(parents=True, exist_ok=True)
-            self._retired[kind] = MmapedDict(str(directory / f"{kind}_retired.db"))
-        return self._retired[kind]
+    def _fold_exited_executors(self, server_dir: Path) -> None:
+        """Adds the counts of the server's executors that ended to the server's ``exited`` files, removing theirs:
+        an executor crashing again and again adds nothing to scrape."""
+        ended = [path for path in server_dir.glob("*.db") if _of_ended_process(path, gauges_only=False)]
+        if not ended:
+            return
+        values = _read_values(ended, keep=lambda labels: True)
+        folding = [path.rename(path.with_name(path.name + FOLDING_SUFFIX)) for path in ended]
+        _add_values(values, lambda kind: server_dir / f"{kind}_{EXITED}.db")
+        for path in folding:
+            path.unlink(missing_ok=True)
 
     def _live_gauges(self) -> Iterator[Metric]:
         servers: dict[str, list[psutil.Process]] = {}
         for directory in self._server_dirs():
+            if not server_alive(directory):
+                continue
             try:
                 server = psutil.Process(int(directory.name))
                 processes = [server, *server.children(recursive=True)]
             except psutil.Error:
                 continue
             servers.setdefault(urllib.parse.unquote(directory.parent.name), []).extend(processes)
-        loaded = GaugeMetricFamily("mme_models_loaded", "Models with a running model server.")
-        loaded.add_metric([], len(servers))
-        yield loaded
+        running = GaugeMetricFamily("mme_models_loaded", "Models whose model server runs (loading, or loaded).")
+        running.add_metric([], len(servers))
+        yield running
         host = GaugeMetricFamily(
             "mme_model_host_memory_bytes",
             "Host memory of a model's processes (proportional set size: shared pages counted once).",
@@ -135,21 +148,6 @@ class ModelMetrics:
         for model, processes in sorted(servers.items()):
             host.add_metric([model], sum(_host_memory(process) for process in processes))
         yield host
-        if self.gpus:
-            yield self._gpu_memory(servers)
-
-    def _gpu_memory(self, servers: dict[str, list[psutil.Process]]) -> Metric:
-        gauge = GaugeMetricFamily(
-            "mme_model_gpu_memory_bytes", "GPU memory a model's processes hold, per GPU.", labels=["model", "gpu"]
-        )
-        owners = {process.pid: model for model, processes in servers.items() for process in processes}
-        totals: dict[tuple[str, str], int] = {}
-        for pid, gpu, used in nvidia.compute_apps():  # asks nvidia-smi: never CUDA, in the entrypoint
-            if pid in owners:
-                totals[(owners[pid], gpu)] = totals.get((owners[pid], gpu), 0) + used
-        for (model, gpu), used in sorted(totals.items()):
-            gauge.add_metric([model, gpu], used)
-        return gauge
 
     def _registered(self, quoted_model: str) -> bool | None:
         """Whether MMS has the model; None when MMS does not answer."""
@@ -163,6 +161,58 @@ class ModelMetrics:
             return None
 
 
+Values = dict[str, dict[str, float]]  # file kind -> mmap key -> value
+
+
+def _read_values(paths: list[Path], keep: Callable[[dict[str, str]], bool]) -> Values:
+    """The additive ``mme_`` values of ``paths`` whose labels ``keep`` accepts; unreadable files are left out."""
+    values: Values = {}
+    for path in sorted(paths):
+        kind = path.name.split("_")[0]
+        if kind not in ADDITIVE_KINDS:
+            continue
+        try:
+            entries = MmapedDict.read_all_values_from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - cut short by a writer killed mid-creation: nothing to keep
+            logger.warning("metrics: cannot read %s (%s): its values are lost", path, exc)
+            continue
+        for key, value, _, _ in entries:
+            metric_name, _, labels, _ = json.loads(key)
+            if value and metric_name.startswith(PREFIX) and keep(labels):
+                values.setdefault(kind, {})[key] = values.get(kind, {}).get(key, 0.0) + value
+    return values
+
+
+def _add_values(values: Values, store_for: Callable[[str], Path]) -> None:
+    for kind, entries in values.items():
+        path = store_for(kind)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        store = MmapedDict(str(path))
+        try:
+            for key, value in entries.items():
+                store.write_value(key, store.read_value(key)[0] + value, 0.0)
+        finally:
+            store.close()
+
+
+def _of_ended_process(path: Path, gauges_only: bool = True) -> bool:
+    """Whether ``path`` (``<kind>_<pid>.db``, ``gauge_<mode>_<pid>.db``) belongs to a process that ended: its gauges
+    end with it (``gauges_only``), its other values are folded by a sweep."""
+    parts = path.stem.split("_")
+    if gauges_only and parts[0] != "gauge":
+        return False
+    pid = parts[-1]  # "retired" and "exited" files belong to no process
+    return pid.isdigit() and pid != path.parent.name and process_started(int(pid)) is None
+
+
+def _readable(path: str) -> bool:
+    try:
+        MmapedDict.read_all_values_from_file(path)
+    except Exception:  # noqa: BLE001 - any reason it cannot be read is a reason to leave it out
+        return False
+    return True
+
+
 def start(config: Config) -> ModelMetrics | None:
     """Clears what an earlier run left and serves ``/metrics``; None when metrics are off."""
     shutil.rmtree(config.metrics_dir, ignore_errors=True)
@@ -170,28 +220,18 @@ def start(config: Config) -> ModelMetrics | None:
         logger.info("metrics off (MME_METRICS_PORT=0)")
         return None
     config.metrics_dir.mkdir(parents=True, exist_ok=True)
-    collector = ModelMetrics(config.metrics_dir, config.port, nvidia.gpu_count())
+    collector = ModelMetrics(config.metrics_dir, config.port)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     try:
         start_http_server(config.metrics_port, registry=registry)
     except OSError as exc:
-        # Serving models matters more than their metrics: say so loudly and go on without them.
-        # The collector is kept all the same: its sweep still clears what unloaded models leave behind.
+        # Serving models matters more than their metrics: say so loudly and go on without them. The collector is
+        # kept all the same: its sweep still clears what unloaded models leave behind.
         logger.error("metrics not served: cannot listen on port %d: %s", config.metrics_port, exc)
         return collector
     logger.info("Prometheus metrics on port %d at /metrics", config.metrics_port)
     return collector
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _host_memory(process: psutil.Process) -> int:

@@ -40,20 +40,3 @@ def gpu_free_bytes(gpu: str) -> int | None:
     except (ValueError, IndexError):
         logger.warning("cannot read free memory of GPU %s from nvidia-smi", gpu)
         return None
-
-
-def compute_apps() -> list[tuple[int, str, int]]:
-    """``(pid, GPU index, bytes)`` for every process holding GPU memory; empty where nvidia-smi cannot tell."""
-    indices = {}
-    for line in (_query("--query-gpu=index,uuid", "--format=csv,noheader") or "").splitlines():
-        index, _, uuid = (part.strip() for part in line.partition(","))
-        indices[uuid] = index
-    apps = []
-    listing = _query("--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits") or ""
-    for line in listing.splitlines():
-        try:
-            pid, uuid, used = (part.strip() for part in line.split(","))
-            apps.append((int(pid), indices.get(uuid, uuid), int(used) * MIB))
-        except ValueError:
-            continue  # "[N/A]" memory (some MIG setups) or a line we do not understand: not a number to report
-    return apps

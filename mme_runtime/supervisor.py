@@ -170,7 +170,7 @@ class Supervisor:
             janitor.sweep()
             scaler.sweep()
             if self.model_metrics is not None and time.monotonic() >= next_metrics_sweep:
-                self.model_metrics.sweep()
+                self._sweep_metrics(self.model_metrics)
                 next_metrics_sweep = time.monotonic() + METRICS_SWEEP_SECONDS
             self._reap()
             if self.exit_status is not None:
@@ -179,6 +179,13 @@ class Supervisor:
                 return self.exit_status or EXIT_BOOT
             time.sleep(POLL_SECONDS)
         return self._stop()
+
+    @staticmethod
+    def _sweep_metrics(model_metrics: ModelMetrics) -> None:
+        try:
+            model_metrics.sweep()
+        except Exception:  # noqa: BLE001 - metrics must never stop the server; the sweep runs again in a second
+            logger.exception("metrics sweep failed")
 
     def _start_with_retry(self) -> None:
         attempts = self.config.start_attempts

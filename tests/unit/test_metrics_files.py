@@ -10,11 +10,13 @@ import multiprocessing
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mme_runtime import metrics
@@ -45,8 +47,9 @@ def scrape(collector: ModelMetrics) -> Samples:
     return samples
 
 
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    """The sample's value, or None when the series is not there at all."""
+    return samples.get((name, frozenset(labels.items())))
 
 
 @pytest.fixture
@@ -61,12 +64,10 @@ def exporter(config: Config) -> Iterator[Callable[[int], ModelMetrics]]:
     made: list[ModelMetrics] = []
 
     def make(port: int = 1) -> ModelMetrics:
-        made.append(ModelMetrics(config.metrics_dir, port=port, gpus=0))
+        made.append(ModelMetrics(config.metrics_dir, port=port))
         return made[-1]
 
     yield make
-    for collector in made:
-        collector.close()
 
 
 class _NotFound(http.server.BaseHTTPRequestHandler):
@@ -93,7 +94,7 @@ def model_server(config: Config, model: str, requests: int, unload: bool) -> Cal
 
     def executor() -> None:
         metrics.start_model(config, model, multiprocessing.parent_process().pid)  # type: ignore[union-attr]
-        metrics.record_requests([200] * requests, 0.01)
+        metrics.record_requests(lambda: [200] * requests, 0.01)
         metrics.record_pass([0.001] * requests, 0.005, batch_size=4)
 
     def server() -> None:
@@ -103,7 +104,7 @@ def model_server(config: Config, model: str, requests: int, unload: bool) -> Cal
         metrics.record_load(True, 1.5)
         if unload:
             metrics.record_unload(True, 0.2)
-            metrics.retire(config)
+            metrics.stop_model(config)
 
     return server
 
@@ -126,7 +127,7 @@ def test_an_unloaded_model_leaves_only_the_container_counters(config: Config, ex
     in_child(model_server(config, "kept", requests=1, unload=False))
     collector = exporter()
     samples = scrape(collector)
-    assert value(samples, "mme_requests_total", model="gone", code="200") == 0
+    assert value(samples, "mme_requests_total", model="gone", code="200") is None
     assert not any(dict(labels).get("model") == "gone" for _, labels in samples)
     assert value(samples, "mme_requests_total", model="kept", code="200") == 1
     assert value(samples, "mme_model_load_duration_seconds_count", outcome="success") == 2
@@ -153,7 +154,7 @@ def test_sweep_retires_a_dead_server_only_once_mms_forgot_its_model(
     collector = exporter(not_found_port)
     collector.sweep()
     samples = scrape(collector)
-    assert value(samples, "mme_requests_total", model="crashed", code="200") == 0
+    assert value(samples, "mme_requests_total", model="crashed", code="200") is None
     assert value(samples, "mme_model_load_duration_seconds_count", outcome="success") == 1
     assert not any(metrics.models_dir(config.metrics_dir).iterdir())
 
@@ -171,8 +172,8 @@ def test_metrics_off_records_nothing(tmp_path: Path) -> None:
 
     def server() -> None:
         metrics.start_model(config, "quiet", 1)
-        metrics.record_requests([200], 0.01)
-        metrics.retire(config)
+        metrics.record_requests(lambda: [200], 0.01)
+        metrics.stop_model(config)
 
     in_child(server)
     assert not config.metrics_dir.exists()
@@ -194,3 +195,103 @@ def test_a_failure_to_record_never_reaches_the_caller(config: Config) -> None:
 )
 def test_batch_size_buckets(batch_size: int, buckets: list[float]) -> None:
     assert metrics.batch_size_buckets(batch_size) == buckets
+
+
+def test_user_metrics_in_a_model_process_stay_out(config: Config, exporter: Exporter) -> None:
+    """A library that makes prometheus_client metrics of its own in a model process writes them to our files."""
+
+    def server() -> None:
+        metrics.start_model(config, "m", os.getpid())
+        Counter("user_requests", "a user's own counter", registry=None).inc(7)
+        metrics.record_cache_lookup("code", hit=True)
+        metrics.stop_model(config)
+
+    in_child(server)
+    samples = scrape(exporter())
+    assert not any(name.startswith("user_") for name, _ in samples)
+    assert value(samples, "mme_cache_lookups_total", cache="code", result="hit") == 1
+    retired = (config.metrics_dir / "retired" / "counter_retired.db").read_bytes()
+    assert b"user_requests" not in retired
+
+
+def test_a_fold_that_meets_a_bad_file_counts_the_rest_once(config: Config, exporter: Exporter) -> None:
+    in_child(model_server(config, "gone", requests=1, unload=True))
+    [unloaded] = list(metrics.unloaded_dir(config.metrics_dir).iterdir())
+    (unloaded / "histogram_999.db").write_bytes(b"")  # a writer killed between creating and sizing its file
+    collector = exporter()
+    for _ in range(3):
+        assert value(scrape(collector), "mme_cache_lookups_total", cache="code", result="miss") == 1
+    assert not any(metrics.unloaded_dir(config.metrics_dir).iterdir())
+
+
+class LiveServer:
+    """A model server that stays up and forks executors when asked (``executor``); ``stop`` ends it."""
+
+    def __init__(self, config: Config, model: str) -> None:
+        self.context = multiprocessing.get_context("fork")
+        self.commands, self.replies = self.context.Queue(), self.context.Queue()
+        self.process = self.context.Process(target=self._run, args=(config, model))
+        self.process.start()
+
+    def _run(self, config: Config, model: str) -> None:
+        metrics.start_model(config, model, os.getpid())
+        running = None
+        while (command := self.commands.get()) is not None:
+            if command == "end" and running is not None:
+                running.terminate()
+                running.join()
+                self.replies.put(running.pid)
+                continue
+            count, keep_alive = command
+            recorded = self.context.Event()
+            child = self.context.Process(target=self._executor, args=(model, count, recorded, keep_alive))
+            child.start()
+            recorded.wait(10)
+            if keep_alive:
+                running = child
+            else:
+                child.join()
+            self.replies.put(child.pid)
+
+    @staticmethod
+    def _executor(model: str, count: int, recorded: Any, keep_alive: bool) -> None:
+        metrics.record_requests(lambda: [200] * count, 0.01)
+        metrics._live().gpu_memory.labels(model, "0").set(1000)  # as watch_gpu_memory would, without CUDA
+        recorded.set()
+        if keep_alive:
+            time.sleep(60)
+
+    def executor(self, count: int, keep_alive: bool = False) -> int:
+        """Forks an executor that answers ``count`` requests, then ends (or runs until ``end_executor``)."""
+        self.commands.put((count, keep_alive))
+        return int(self.replies.get(timeout=30))
+
+    def end_executor(self) -> int:
+        self.commands.put("end")
+        return int(self.replies.get(timeout=30))
+
+    def stop(self) -> None:
+        self.commands.put(None)
+        self.process.join(10)
+
+
+def test_an_ended_executor_folds_into_its_server_and_its_gauges_go(config: Config, exporter: Exporter) -> None:
+    server = LiveServer(config, "m")
+    try:
+        collector = exporter()
+        server.executor(2, keep_alive=True)
+        samples = scrape(collector)
+        assert value(samples, "mme_model_gpu_memory_bytes", model="m", gpu="0") == 1000
+        server.end_executor()
+        for _ in range(3):
+            server.executor(1)  # an executor that crashes again and again
+        server_dir = metrics.models_dir(config.metrics_dir) / "m" / str(server.process.pid)
+        collector.sweep()
+        samples = scrape(collector)
+        assert value(samples, "mme_requests_total", model="m", code="200") == 5
+        assert value(samples, "mme_model_gpu_memory_bytes", model="m", gpu="0") is None
+        pid = server.process.pid
+        names = sorted(path.name for path in server_dir.glob("*.db"))
+        assert names == [f"counter_{pid}.db", "counter_exited.db", "histogram_exited.db"]  # the server's own, and one
+    finally:
+        server.stop()
