@@ -23,6 +23,7 @@ import torch
 from mme_runtime import metrics
 from mme_runtime.errors import first_line
 from mme_runtime.locks import build_once
+from mme_runtime.pt2 import AOTIRunner
 from mme_runtime.serving_properties import ServingSettings
 
 logger = logging.getLogger(__name__)
@@ -76,18 +77,14 @@ def compile_model(
     try:
         built = build_once(entry, lambda staging: _compile_into(staging, model, device, settings, sample))
         metrics.record_cache_lookup("compiled", hit=not built)
-        from torch._inductor import aoti_load_package  # heavy: imported only by models that compile
-
-        runner = aoti_load_package(str(entry / PACKAGE))
+        runner = AOTIRunner(entry / PACKAGE, device)
         tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         missing = [name for name in runner.get_constant_fqns() if name not in tensors]
         if missing:
             raise ValueError(
                 f"the compiled code needs tensors the module keeps outside its parameters and buffers: {missing[:3]}"
             )
-        runner.load_constants(
-            {name: tensors[name] for name in runner.get_constant_fqns()}, check_full_update=True, user_managed=True
-        )
+        runner.load_constants({name: tensors[name] for name in runner.get_constant_fqns()}, user_managed=True)
         compiled = CompiledModule(model, runner, sample.to(device))
     except Exception as exc:  # boundary: a compile that fails leaves the model eager, never fails the LOAD
         reason = first_line(exc)
@@ -107,7 +104,7 @@ def compile_model(
 def _compile_into(
     staging: Path, model: torch.nn.Module, device: torch.device, settings: ServingSettings, sample: torch.Tensor
 ) -> Path:
-    from torch._inductor import aoti_compile_and_package
+    from torch._inductor import aoti_compile_and_package  # heavy (1.5 s): imported only to compile
 
     if sample.shape[0] == 1:
         sample = torch.cat([sample, sample])  # torch.export fixes a dimension traced at size 1: trace with two rows

@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import json
 import random
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -131,3 +133,24 @@ def test_a_pt2_that_is_not_an_exported_program_or_a_package_fails_the_load_with_
     assert wait_until(lambda: cause in server.log_text(), 5)
     # MMS unregisters a model whose LOAD failed a moment after it answered (as in test_reliability)
     assert wait_until(lambda: server.describe(f"bad-{name}").status_code == 404, 10)
+
+
+def test_loading_a_package_never_imports_the_compiler(
+    artifacts: dict[tuple[str, str], tuple[Path, torch.nn.Module]],
+) -> None:
+    """Serving compiled code must not pay for torch._inductor's import (1.5 s of every LOAD on a CPU host)."""
+    source, model = artifacts[("conv", "aoti")]
+    inputs = request_for("conv", 2, np.random.default_rng(3))
+    script = (
+        "import sys, numpy, torch\n"
+        "from pathlib import Path\n"
+        "from mme_runtime import pt2\n"
+        f"runner = pt2.load(Path({str(source / 'model.pt2')!r})).place(torch.device('cpu'))\n"
+        f"print(runner(torch.from_numpy(numpy.load({str(source / 'inputs.npy')!r}))).tolist())\n"
+        "print([m for m in ('torch._inductor', 'torch._dynamo') if m in sys.modules])\n"
+    )
+    np.save(source / "inputs.npy", inputs)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    answer, imported = result.stdout.splitlines()[-2:]
+    np.testing.assert_allclose(np.array(json.loads(answer)), expected(model, inputs), rtol=1e-4, atol=1e-5)
+    assert imported == "[]"
