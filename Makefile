@@ -4,6 +4,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# SageMaker SDK v2 for the tests of what notebooks written for it send: it cannot share a venv with v3.
+SDK_V2_VENV := .sdk-v2-venv
 TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8080
 PYTEST_ARGS ?=
@@ -19,6 +21,12 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml | check
 	$(BIN)/pip install --quiet --no-build-isolation --no-deps -e .
 	touch $@
 
+$(SDK_V2_VENV)/.installed: requirements-sdk-v2.txt
+	$(PYTHON) -m venv $(SDK_V2_VENV)
+	$(SDK_V2_VENV)/bin/pip install --quiet --upgrade "pip>=24"
+	$(SDK_V2_VENV)/bin/pip install --quiet -r requirements-sdk-v2.txt
+	touch $@
+
 check-java:
 	@scripts/check-java
 
@@ -28,7 +36,7 @@ serve: install
 	MME_LOAD_MODELS=demo=$(CURDIR)/.demo/models/demo \
 	$(BIN)/python dockerd-entrypoint.py serve
 
-test: install
+test: install $(SDK_V2_VENV)/.installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Builds the image and runs it: PING, LOAD, INVOKE, UNLOAD and a clean SIGTERM stop (tests/container/README.md).
@@ -42,4 +50,4 @@ lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy mme_runtime
 
 clean:
-	rm -rf $(VENV) .demo .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SDK_V2_VENV) .demo .pytest_cache .mypy_cache .ruff_cache

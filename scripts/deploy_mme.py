@@ -7,7 +7,7 @@ subcommands:
   deploy     copy model archives to the S3 prefix, then create the model (Mode=MultiModel), its endpoint config
              and the endpoint, and wait until it is InService
   add-model  copy more archives to a deployed endpoint's prefix: they can be called at once, without a redeploy
-  invoke     call one model (TargetModel) with JSON through the SageMaker SDK, or with any bytes through boto3
+  invoke     call one model (TargetModel) with JSON through SageMaker SDK v3, or with any bytes through boto3
   scale      change a deployed endpoint's autoscaling bounds (and its invocations-per-instance target)
   delete     delete the endpoint's autoscaling, the endpoint, its endpoint config and its model; the archives in
              S3 are kept
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import os
 import sys
@@ -36,18 +35,23 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import _autoscaling
 import boto3
 import botocore.exceptions
-from _aws_cli import EXIT_OK, ScriptError, aws_error_code, aws_error_message, boto_session, config_error, run_cli
+from _aws_cli import (
+    EXIT_OK,
+    ScriptError,
+    aws_error_code,
+    aws_error_message,
+    boto_session,
+    config_error,
+    parse_s3_uri,
+    run_cli,
+)
 from boto3.exceptions import S3UploadFailedError
 from botocore.client import BaseClient
-
-if TYPE_CHECKING:
-    from sagemaker.multidatamodel import MultiDataModel
-    from sagemaker.session import Session
 
 T = TypeVar("T")
 
@@ -166,43 +170,50 @@ def wait_for_endpoint(sm: BaseClient, name: str, timeout_seconds: float, poll_se
         raise ScriptError(f"endpoint {name!r} did not come into service: {reason}") from exc
 
 
-def sagemaker_session(session: boto3.Session) -> Session:
-    """The SDK, imported only by the subcommands that use it: it takes seconds to import."""
-    # The SDK logs "Not applying SDK defaults" at INFO to stdout, which would mix with the output of `invoke`.
-    logging.getLogger("sagemaker.config").setLevel(logging.WARNING)
-    import sagemaker.session
-
-    return sagemaker.session.Session(boto_session=session)
-
-
-def multi_data_model(
-    session: Session,
-    name: str,
-    prefix: str,
-    image_uri: str | None = None,
-    role: str | None = None,
-    env: dict[str, str] | None = None,
-) -> MultiDataModel:
-    from sagemaker.multidatamodel import MultiDataModel
-
-    return MultiDataModel(
-        name, model_data_prefix=prefix, image_uri=image_uri, role=role, env=env, sagemaker_session=session
-    )
-
-
-def add_models(model: MultiDataModel, specs: Sequence[ModelSpec]) -> list[str]:
-    """Uploads (local) or copies (S3) each archive under the model's prefix; returns the S3 URIs."""
+def upload_archives(s3: BaseClient, specs: Sequence[ModelSpec], prefix: str) -> list[str]:
+    """Uploads (local) or copies (S3) each archive under the prefix, as its TargetModel name; returns the S3 URIs."""
+    bucket, key_prefix = parse_s3_uri(prefix)
     uris = []
     for spec in specs:
+        key = key_prefix + spec.target
         try:
-            uris.append(str(model.add_model(spec.source, spec.target)))
+            if spec.source.startswith("s3://"):
+                source_bucket, source_key = parse_s3_uri(spec.source)
+                s3.copy({"Bucket": source_bucket, "Key": source_key}, bucket, key)  # multipart above 8 MiB
+            else:
+                s3.upload_file(spec.source, bucket, key)
         except S3UploadFailedError as exc:  # boto3 wraps NoSuchBucket, AccessDenied, ... in this one type
-            raise ScriptError(f"upload of {spec.source} to {model.model_data_prefix} failed: {exc}") from exc
+            raise ScriptError(f"upload of {spec.source} to {prefix} failed: {exc}") from exc
         except botocore.exceptions.ClientError as exc:
             if aws_error_code(exc) in ("404", "NoSuchKey"):
                 raise config_error(f"model archive {spec.source} not found") from exc
             raise
+        uris.append(f"s3://{bucket}/{key}")
     return uris
+
+
+def create_endpoint(
+    session: boto3.Session, args: argparse.Namespace, prefix: str, role: str, env: dict[str, str]
+) -> str:
+    """The model (``Mode=MultiModel``), its endpoint config and the endpoint, with SDK v3's resource classes (v3 has
+    no ``MultiDataModel``); returns the endpoint's name. The SDK is imported here: it takes seconds."""
+    from sagemaker.core.resources import Endpoint, EndpointConfig, Model
+    from sagemaker.core.shapes import ContainerDefinition, ProductionVariant
+
+    endpoint_name = str(args.endpoint_name or args.name)
+    where = {"session": session, "region": session.region_name}
+    container = ContainerDefinition(image=args.image_uri, mode="MultiModel", model_data_url=prefix, environment=env)
+    Model.create(model_name=args.name, primary_container=container, execution_role_arn=role, **where)
+    variant = ProductionVariant(
+        variant_name="AllTraffic",
+        model_name=args.name,
+        initial_instance_count=args.instance_count,
+        instance_type=args.instance_type,
+        initial_variant_weight=1.0,
+    )
+    EndpointConfig.create(endpoint_config_name=endpoint_name, production_variants=[variant], **where)
+    Endpoint.create(endpoint_name=endpoint_name, endpoint_config_name=endpoint_name, **where)
+    return endpoint_name
 
 
 def build_invoke_kwargs(
@@ -250,18 +261,25 @@ def retry_while_loading(
 
 
 def invoke_with_sdk(
-    session: Session, endpoint_name: str, target_model: str, data: Any, custom_attributes: str | None
+    session: boto3.Session, endpoint_name: str, target_model: str, data: Any, custom_attributes: str | None
 ) -> Any:
-    """JSON in, JSON out, through the SDK's Predictor; the SDK sets ContentType and Accept to application/json."""
-    # The defining modules of what sagemaker.serializers, .deserializers and .predictor re-export.
-    from sagemaker.base_deserializers import JSONDeserializer
-    from sagemaker.base_predictor import Predictor
-    from sagemaker.base_serializers import JSONSerializer
+    """JSON in, JSON out, through SDK v3's ``Endpoint.invoke`` with its JSON serializer and deserializer."""
+    from sagemaker.core.deserializers import JSONDeserializer
+    from sagemaker.core.resources import Endpoint
+    from sagemaker.core.serializers import JSONSerializer
 
-    predictor = Predictor(
-        endpoint_name, sagemaker_session=session, serializer=JSONSerializer(), deserializer=JSONDeserializer()
+    endpoint = Endpoint(endpoint_name=endpoint_name, serializer=JSONSerializer(), deserializer=JSONDeserializer())
+    extra = {} if custom_attributes is None else {"custom_attributes": custom_attributes}
+    result = endpoint.invoke(
+        body=data,
+        content_type=JSON,
+        accept=JSON,
+        target_model=target_model,
+        session=session,
+        region=session.region_name,
+        **extra,
     )
-    return predictor.predict(data, target_model=target_model, custom_attributes=custom_attributes)
+    return result.body
 
 
 def invoke_with_boto3(runtime: BaseClient, kwargs: dict[str, Any]) -> tuple[bytes, str]:
@@ -293,16 +311,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     scaling = _autoscaling.from_arguments(args, default_min=args.instance_count)
     if scaling is not None and args.no_wait:
         raise config_error("autoscaling is set up on an InService endpoint: drop --no-wait, or run `scale` later")
-    model = multi_data_model(sagemaker_session(session), args.name, prefix, args.image_uri, role, env)
     # Archives first: a wrong path then fails before an endpoint starts billing.
-    for uri in add_models(model, specs):
+    for uri in upload_archives(session.client("s3"), specs, prefix):
         print(f"added {uri}")
-    model.deploy(
-        initial_instance_count=args.instance_count,
-        instance_type=args.instance_type,
-        endpoint_name=endpoint_name,
-        wait=False,
-    )
+    create_endpoint(session, args, prefix, role, env)
     print(f"creating endpoint {endpoint_name} (model {args.name}, {args.instance_count} x {args.instance_type})")
     if not args.no_wait:
         sm = session.client("sagemaker")
@@ -332,8 +344,7 @@ def cmd_add_model(args: argparse.Namespace) -> int:
     session = boto_session(args.region)
     specs = [parse_model_spec(text) for text in args.models]
     prefix = args.model_data_prefix or find_model_data_prefix(session.client("sagemaker"), args.endpoint_name)
-    model = multi_data_model(sagemaker_session(session), args.endpoint_name, normalize_prefix(prefix))
-    for uri in add_models(model, specs):
+    for uri in upload_archives(session.client("s3"), specs, normalize_prefix(prefix)):
         print(f"added {uri}")
     return EXIT_OK
 
@@ -372,9 +383,8 @@ def cmd_invoke(args: argparse.Namespace) -> int:
     session = boto_session(args.region)
     require_in_service(session.client("sagemaker"), args.endpoint_name)
     if args.client == "sdk":
-        sdk = sagemaker_session(session)
         result = retry_while_loading(
-            lambda: invoke_with_sdk(sdk, args.endpoint_name, args.target_model, data, args.custom_attributes),
+            lambda: invoke_with_sdk(session, args.endpoint_name, args.target_model, data, args.custom_attributes),
             args.load_wait_seconds,
         )
         _write_result(args.output, json.dumps(result, indent=2).encode("utf-8"))
@@ -494,6 +504,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # The project pins SDK v2 on purpose (for MultiDataModel): its migration notice on every run is noise.
-    os.environ.setdefault("SAGEMAKER_SUPPRESS_V2_WARNING", "1")
     sys.exit(run_cli(main))

@@ -14,8 +14,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import _aws_cli
 import boto3
 import botocore.exceptions
+import deploy_mme
 import pytest
 from _aws_cli import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, ScriptError, run_cli
 from deploy_mme import (
@@ -37,6 +39,25 @@ IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/mme-gpu:1.0"
 ROLE_ARN = "arn:aws:iam::123456789012:role/SageMakerExecution"
 # moto checks instance types against an older list that has no g5: g4dn is a GPU type it knows.
 INSTANCE_TYPE = "ml.g4dn.xlarge"
+
+
+def _drop_empty_structures(parsed: dict[str, Any], **_: Any) -> None:
+    for key in [key for key, value in parsed.items() if value == {}]:
+        del parsed[key]
+
+
+@pytest.fixture(autouse=True)
+def sdk_v3_reads_moto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """moto 5.2.5 describes models, endpoint configs and endpoints with empty structures (``VpcConfig: {}``,
+    ``DataCaptureConfig: {}``) where AWS leaves them out, and SDK v3's pydantic shapes refuse them after every create.
+    The sessions the script makes here drop them, as AWS would have."""
+
+    def session(region: str | None) -> boto3.Session:
+        made = _aws_cli.boto_session(region)
+        made.events.register("after-call.sagemaker", _drop_empty_structures)
+        return made
+
+    monkeypatch.setattr(deploy_mme, "boto_session", session)
 
 
 @pytest.fixture
