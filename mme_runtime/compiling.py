@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -49,12 +50,21 @@ def cache_key(model_dir: Path, device: torch.device, settings: ServingSettings, 
     parts = [
         artifacts_digest(model_dir),
         torch.__version__,
-        device.type,
+        device_kind(device),
         settings.compile_mode,
         str(tuple(sample.shape[1:])),
         str(sample.dtype),
     ]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def device_kind(device: torch.device) -> str:
+    """What compiled code is specific to: the GPU's architecture and CUDA version, or the CPU's vector instructions
+    (code built for AVX-512 stops with SIGILL on a CPU without it, and a cache directory may be shared by hosts)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda sm_{major}{minor} cuda {torch.version.cuda}"
+    return f"{device.type} {torch.backends.cpu.get_cpu_capability()}"
 
 
 def compile_model(
@@ -75,16 +85,18 @@ def compile_model(
     entry = cache_dir / "compiled" / cache_key(model_dir, device, settings, sample)
     entry.parent.mkdir(parents=True, exist_ok=True)
     try:
-        built = build_once(entry, lambda staging: _compile_into(staging, model, device, settings, sample))
+        build = lambda staging: _compile_into(staging, model, device, settings, sample)  # noqa: E731
+        built = build_once(entry, build)
         metrics.record_cache_lookup("compiled", hit=not built)
-        runner = AOTIRunner(entry / PACKAGE, device)
-        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        missing = [name for name in runner.get_constant_fqns() if name not in tensors]
-        if missing:
-            raise ValueError(
-                f"the compiled code needs tensors the module keeps outside its parameters and buffers: {missing[:3]}"
-            )
-        runner.load_constants({name: tensors[name] for name in runner.get_constant_fqns()}, user_managed=True)
+        try:
+            runner = AOTIRunner(entry / PACKAGE, device)
+        except Exception as exc:  # noqa: BLE001 - a cache entry that does not load (damaged, say) is built again
+            if built:
+                raise
+            logger.warning("model=%s compile cache entry %s unusable (%s): compiling again", model_name, entry, exc)
+            shutil.rmtree(entry, ignore_errors=True)
+            built = build_once(entry, build)
+            runner = AOTIRunner(entry / PACKAGE, device)
         compiled = CompiledModule(model, runner, sample.to(device))
     except Exception as exc:  # boundary: a compile that fails leaves the model eager, never fails the LOAD
         reason = first_line(exc)
@@ -126,14 +138,43 @@ class CompiledModule(torch.nn.Module):
     The compiled code was traced for the sample's trailing shape, dtype and device (only the rows vary) and does not
     check what it is given: any other input runs the module eager, as it would without ``compile=true``."""
 
-    def __init__(self, module: torch.nn.Module, runner: Any, sample: torch.Tensor) -> None:
+    def __init__(self, module: torch.nn.Module, runner: AOTIRunner, sample: torch.Tensor) -> None:
         super().__init__()
         self.module = module
-        self.runner = runner
         self.traced_for = (tuple(sample.shape[1:]), sample.dtype, sample.device)
+        tensors = _tensors(module)
+        missing = [name for name in runner.get_constant_fqns() if name not in tensors]
+        if missing:
+            raise ValueError(
+                f"the compiled code needs tensors the module keeps outside its parameters and buffers: {missing[:3]}"
+            )
+        # What the compiled code was built for, per tensor: it reads them in place and checks nothing.
+        self.constants = {name: (tensors[name].dtype, tensors[name].device) for name in runner.get_constant_fqns()}
+        self.runner: AOTIRunner | None = runner
+        self._point_runner_at(tensors)
+
+    def _point_runner_at(self, tensors: dict[str, torch.Tensor]) -> None:
+        assert self.runner is not None
+        self.runner.load_constants({name: tensors[name] for name in self.constants}, user_managed=True)
+        self.pointers = {name: tensors[name].data_ptr() for name in self.constants}
+
+    def _apply(self, fn: Any, recurse: bool = True) -> CompiledModule:
+        """``.to()``, ``.half()``, ``.cuda()``: the module's tensors are new ones, so the compiled code is pointed at
+        them, or, when they are no longer the dtype and device it was built for, left aside: the module runs eager."""
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        if self.runner is not None:
+            tensors = _tensors(self.module)
+            if all(tensors[name].data_ptr() == pointer for name, pointer in self.pointers.items()):
+                return self  # .to() the device it is on already (the AWS-style predict_fn does it on every call)
+            if all((tensors[name].dtype, tensors[name].device) == built for name, built in self.constants.items()):
+                self._point_runner_at(tensors)
+            else:
+                logger.warning("compiled model moved or converted: it runs eager from now on")
+                self.runner = None
+        return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+        if self.runner is not None and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
             data = args[0]
             if (tuple(data.shape[1:]), data.dtype, data.device) == self.traced_for and data.shape[0] >= 1:
                 return self.runner(data)
@@ -144,6 +185,10 @@ class CompiledModule(torch.nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(super().__getattr__("module"), name)
+
+
+def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
 
 
 def _eager(model_name: str, reason: str, model: Any) -> Any:

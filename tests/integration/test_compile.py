@@ -159,3 +159,58 @@ def test_a_compiled_model_gives_inputs_it_was_not_traced_for_to_the_eager_module
     with torch.inference_mode():
         want = model(torch.tensor(ROWS)).numpy()
     np.testing.assert_allclose(np.array(answered.json()), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def compiled_in_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The tiny net's directory and a compile cache holding its compiled package (compiled here, once)."""
+    from mme_runtime.compiling import compile_model
+
+    root = tmp_path_factory.mktemp("compiled")
+    model_dir = root / "model"
+    model_factory.torchscript_model(model_dir)  # the directory's content keys the cache
+    compile_model(*_compile_arguments(model_dir, root / "cache"))
+    return model_dir, root / "cache"
+
+
+def _compile_arguments(model_dir: Path, cache: Path) -> tuple[object, ...]:
+    from mme_runtime.serving_properties import ServingSettings
+
+    settings = ServingSettings(4, 10, "serving.properties", compile=True)
+    sample = torch.tensor(ROWS[:2])
+    return (model_factory.tiny_net(0), "m", model_dir, torch.device("cpu"), settings, sample, cache)
+
+
+def test_a_compiled_model_converted_after_the_compile_runs_eager_and_right(
+    compiled_in_process: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    from mme_runtime.compiling import CompiledModule, compile_model
+
+    model_dir, cache = compiled_in_process
+    compiled = compile_model(*_compile_arguments(model_dir, cache))
+    assert isinstance(compiled, CompiledModule) and compiled.runner is not None
+    with torch.inference_mode():
+        np.testing.assert_allclose(compiled(torch.tensor(ROWS)).numpy(), expected(ROWS), rtol=1e-5, atol=1e-6)
+        compiled.to("cpu")  # where it is already: still compiled
+        assert compiled.runner is not None
+        compiled.double()  # the compiled code was built for float32 tensors: it must not read float64 ones
+        assert compiled.runner is None
+        answer = compiled(torch.tensor(ROWS, dtype=torch.float64))
+    assert answer.dtype == torch.float64
+    np.testing.assert_allclose(answer.numpy(), expected(ROWS), rtol=1e-5, atol=1e-6)
+    assert "runs eager from now on" in caplog.text
+
+
+def test_a_damaged_compile_cache_entry_is_compiled_again(
+    compiled_in_process: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    from mme_runtime.compiling import CompiledModule, compile_model
+
+    model_dir, cache = compiled_in_process
+    [package] = list((cache / "compiled").glob("*/model.pt2"))
+    package.write_bytes(b"not a package any more")
+    compiled = compile_model(*_compile_arguments(model_dir, cache))
+    assert isinstance(compiled, CompiledModule) and compiled.runner is not None
+    assert "unusable" in caplog.text and "compiling again" in caplog.text
+    with torch.inference_mode():
+        np.testing.assert_allclose(compiled(torch.tensor(ROWS)).numpy(), expected(ROWS), rtol=1e-5, atol=1e-6)

@@ -154,3 +154,13 @@ def test_loading_a_package_never_imports_the_compiler(
     answer, imported = result.stdout.splitlines()[-2:]
     np.testing.assert_allclose(np.array(json.loads(answer)), expected(model, inputs), rtol=1e-4, atol=1e-5)
     assert imported == "[]"
+
+
+def test_the_warm_process_imports_the_pt2_loader_once_for_every_later_model(
+    server: RunningServer, artifacts: dict[tuple[str, str], tuple[Path, torch.nn.Module]]
+) -> None:
+    for index in range(2):
+        name = f"warm-{index}"
+        install(server, name, artifacts[("mlp", "exported")][0])
+        assert server.load(name).status_code == 200
+    assert server.log_text().count("warm process: PyTorch 2 loader imported") == 1
