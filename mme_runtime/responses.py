@@ -1,4 +1,5 @@
-"""What a failed request or load step becomes: its HTTP status, the JSON body the client sees, and the log line.
+"""What a request becomes: its body and type, or for a failed request or load step its HTTP status, the JSON body
+the client sees, and the log line. ``Request`` carries one request through the contract (``transformer.py``).
 
 Statuses come from the error's type, never from its text: user errors carrying a status (``ContainerError``, the
 toolkit's ``BaseInferenceToolkitError``) keep theirs, running out of host or device memory is 507, anything else 500.
@@ -10,12 +11,18 @@ from __future__ import annotations
 import http
 import json
 import logging
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from sagemaker_inference.errors import BaseInferenceToolkitError
 
-from mme_runtime.errors import ContainerError, InsufficientMemory, ModelLoadError
+from mme_runtime import content
+from mme_runtime.errors import ContainerError, InsufficientMemory, InvalidInput, ModelLoadError
+
+if TYPE_CHECKING:
+    from mme_runtime.context import InferenceContext
 
 logger = logging.getLogger(__name__)
 
@@ -102,3 +109,37 @@ def phrase(status: int) -> str:
         return http.HTTPStatus(status).phrase
     except ValueError:
         return "Error"
+
+
+@dataclass(eq=False)
+class Request:
+    """One request on its way through the contract: its context, the Accept it is answered with, and the answer."""
+
+    context: InferenceContext
+    accept: str
+    body: bytes = b""
+    content_type: str = ERROR_CONTENT_TYPE
+    error: Exception | None = None
+
+
+def request_body(item: Any) -> Any:
+    """The request body MMS hands over (parameter "body" for raw payloads)."""
+    if isinstance(item, Mapping):
+        if "body" in item:
+            return item["body"]
+        for value in item.values():
+            return value
+        raise InvalidInput("request has no body")
+    return item
+
+
+def to_bytes(result: Any) -> bytes:
+    """What ``output_fn`` returned, as the answer's bytes (anything else JSON-encoded, or a 500 naming the type)."""
+    if isinstance(result, (bytes, bytearray)):
+        return bytes(result)
+    if isinstance(result, str):
+        return result.encode("utf-8")
+    try:
+        return content.encode(result, content.JSON)
+    except TypeError as exc:
+        raise StepError("output_fn", TypeError(f"returned {type(result).__name__}, expected bytes or str")) from exc

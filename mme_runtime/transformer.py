@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +26,10 @@ from mme_runtime.batcher import Batcher, Job, group, run_batch
 from mme_runtime.compiling import compile_model
 from mme_runtime.config import Config
 from mme_runtime.context import InferenceContext
-from mme_runtime.errors import InvalidInput, ModelLoadError, PayloadTooLarge
-from mme_runtime.pt2 import AOTIPackage
+from mme_runtime.errors import ModelLoadError, PayloadTooLarge
+from mme_runtime.placement import place_model, warmup_sample
 from mme_runtime.responses import (
-    ERROR_CONTENT_TYPE,
+    Request,
     StepError,
     error_response,
     http_status,
@@ -38,6 +38,8 @@ from mme_runtime.responses import (
     load_failure,
     phrase,
     release_cached_device_memory,
+    request_body,
+    to_bytes,
 )
 from mme_runtime.serving_properties import ServingSettings, read_settings
 from mme_runtime.user_code import UserFunction, load_user_code
@@ -45,22 +47,6 @@ from mme_runtime.user_code import UserFunction, load_user_code
 logger = logging.getLogger(__name__)
 
 HOST = torch.device("cpu")
-# An optional sample request in the model's code/, answered once per executor at LOAD (the dry run users enable).
-WARMUP_SAMPLES = {"warmup.json": content.JSON, "warmup.csv": content.CSV, "warmup.npy": content.NPY}
-
-
-def place_model(model: Any, device: torch.device) -> Any:
-    """Moves a module to ``device`` and switches it to eval mode, once per executor (not per request). An artifact
-    that must be loaded on its device (an AOTInductor package) is loaded there."""
-    if isinstance(model, AOTIPackage):
-        return model.place(device)
-    if isinstance(model, torch.nn.Module):
-        model = model.to(device)
-        try:
-            model.eval()
-        except NotImplementedError:
-            pass  # an exported program's module: it has no training mode to leave
-    return model
 
 
 class Transformer(ToolkitTransformer):  # type: ignore[misc]
@@ -158,18 +144,9 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
             )
         return self._settings
 
-    def _warmup_sample(self) -> tuple[str, Any, str] | None:
-        """The model's sample request in its ``code/``: file name, payload and content type."""
-        sample = next((p for p in WARMUP_SAMPLES if self._code_dir and (self._code_dir / p).is_file()), None)
-        if sample is None or self._code_dir is None:
-            return None
-        raw = (self._code_dir / sample).read_bytes()
-        content_type = WARMUP_SAMPLES[sample]
-        return sample, content.utf8_text(raw) if content_type in content.TEXT_TYPES else raw, content_type
-
     def _compile(self, context: InferenceContext, device: torch.device) -> None:
         """``compile=true``: the model compiled for this device (traced on the decoded warm-up sample), or eager."""
-        found = self._warmup_sample()
+        found = warmup_sample(self._code_dir)
         if found is None:
             logger.warning(
                 "model=%s compile=true: serving eager, not compiled: compiling needs a sample request in code/ "
@@ -198,12 +175,12 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
     def _dry_run(self, context: InferenceContext) -> None:
         """Answers the model's sample request (``code/warmup.json``, ``.csv`` or ``.npy``) once per executor, so
         TorchScript profiling and lazy initialisation are paid at LOAD, not by the first caller."""
-        found = self._warmup_sample()
+        found = warmup_sample(self._code_dir)
         if found is None:
             return
         sample, payload, content_type = found
         started = time.monotonic()
-        request = _Request(context, self._config.default_accept)
+        request = Request(context, self._config.default_accept)
         self._answer([request], [payload], [content_type])
         if request.error is not None:  # a sample the model cannot answer fails the LOAD, with the cause
             cause = request.error.cause if isinstance(request.error, StepError) else request.error
@@ -223,7 +200,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         base = InferenceContext(context, self._context.device)
         requests, payloads, content_types = [], [], []
         for index, item in enumerate(data):
-            request = _Request(base.for_request(index), self._config.default_accept)
+            request = Request(base.for_request(index), self._config.default_accept)
             try:
                 payload, content_type = self._read(item, request)
             except Exception as exc:  # request boundary: this request answers with its status
@@ -245,9 +222,9 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
             results.append(request.body)
         return results
 
-    def _read(self, item: Any, request: _Request) -> tuple[Any, str | None]:
+    def _read(self, item: Any, request: Request) -> tuple[Any, str | None]:
         """The request's payload and content type, with its Accept settled on ``request``."""
-        payload = _payload(item)
+        payload = request_body(item)
         if isinstance(payload, (bytes, bytearray, str)) and len(payload) > self._config.max_request_bytes:
             raise PayloadTooLarge(
                 f"request body of {len(payload)} bytes exceeds the limit of {self._config.max_request_bytes} "
@@ -261,7 +238,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
             payload = content.utf8_text(payload)
         return payload, content_type
 
-    def _answer(self, requests: list[_Request], payloads: list[Any], content_types: list[str | None]) -> None:
+    def _answer(self, requests: list[Request], payloads: list[Any], content_types: list[str | None]) -> None:
         """The contract on requests that have no error yet: ``input_fn`` for each, one ``predict_fn`` per batch,
         ``output_fn`` for each (or ``transform_fn`` for each, alone). Sets each request's body or error."""
         jobs = []
@@ -286,7 +263,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
             except Exception as exc:  # request boundary
                 request.error = exc
 
-    def _decode(self, request: _Request, payload: Any, content_type: str | None) -> Job:
+    def _decode(self, request: Request, payload: Any, content_type: str | None) -> Job:
         """``input_fn``, or for ``transform_fn`` the raw request: a job for the batcher."""
         if "transform_fn" in self._functions:
             return Job((payload, content_type, request.accept), request, None, 1)
@@ -318,18 +295,18 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
             return
         run_batch(jobs, self._predict, self._context, _retry_in_halves, release_cached_device_memory)
 
-    def _predict(self, data: Any, request: _Request | InferenceContext) -> Any:
+    def _predict(self, data: Any, request: Request | InferenceContext) -> Any:
         """``predict_fn`` with a lone request's own context, or the model's for a batch."""
-        context = request.context if isinstance(request, _Request) else request
+        context = request.context if isinstance(request, Request) else request
         return self._call("predict_fn", context, data, self._model)
 
-    def _encode(self, request: _Request, result: Any) -> None:
+    def _encode(self, request: Request, result: Any) -> None:
         if "transform_fn" not in self._functions:
             result = self._call("output_fn", request.context, result, request.accept)
         response_type = request.accept
         if isinstance(result, tuple):
             result, response_type = result
-        request.body, request.content_type = _to_bytes(result), str(response_type)
+        request.body, request.content_type = to_bytes(result), str(response_type)
 
     def _call(self, name: str, context: InferenceContext, *args: Any) -> Any:
         try:
@@ -365,40 +342,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
             raise load_failure(context.model_name, name, exc) from exc
 
 
-@dataclass(eq=False)
-class _Request:
-    """One request on its way through the contract: its context, the Accept it is answered with, and the answer."""
-
-    context: InferenceContext
-    accept: str
-    body: bytes = b""
-    content_type: str = ERROR_CONTENT_TYPE
-    error: Exception | None = None
-
-
 def _retry_in_halves(exc: BaseException) -> bool:
     """A failed batch is retried in halves when a smaller one may pass: out of memory, or a client error that one of
     its requests may have caused alone."""
     return is_out_of_memory(exc) or is_client_error(exc)
-
-
-def _payload(item: Any) -> Any:
-    """The request body MMS hands over (parameter "body" for raw payloads)."""
-    if isinstance(item, Mapping):
-        if "body" in item:
-            return item["body"]
-        for value in item.values():
-            return value
-        raise InvalidInput("request has no body")
-    return item
-
-
-def _to_bytes(result: Any) -> bytes:
-    if isinstance(result, (bytes, bytearray)):
-        return bytes(result)
-    if isinstance(result, str):
-        return result.encode("utf-8")
-    try:
-        return content.encode(result, content.JSON)
-    except TypeError as exc:
-        raise StepError("output_fn", TypeError(f"returned {type(result).__name__}, expected bytes or str")) from exc
