@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ParamSpec
 
-import psutil
 from prometheus_client import Counter, Gauge, Histogram, values
 
 from mme_runtime.config import Config
@@ -62,11 +61,15 @@ def move_to_unloaded(metrics_dir: Path, server_dir: Path) -> None:
 
 
 def process_started(pid: int) -> float | None:
-    """When process ``pid`` started (what ``OWNER_FILE`` holds), or None if there is no such process."""
+    """When process ``pid`` started, in clock ticks since boot (what ``OWNER_FILE`` holds), or None if there is no
+    such process. Read from /proc: psutil's start times add the boot time, which a VM whose clock is stepped reports
+    differently from one read to the next."""
     try:
-        return float(psutil.Process(pid).create_time())
-    except psutil.Error:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return None
+    # Fields after the command name (which may hold spaces and parentheses): state is the 3rd, starttime the 22nd.
+    return float(stat.rsplit(")", 1)[1].split()[19])
 
 
 def server_alive(server_dir: Path) -> bool:

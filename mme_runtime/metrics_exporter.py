@@ -19,6 +19,7 @@ import json
 import logging
 import shutil
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -41,6 +42,9 @@ PREFIX = "mme_"
 ADDITIVE_KINDS = ("counter", "histogram")  # what folds add up; gauges end with their process
 FOLDING_SUFFIX = ".folding"  # a file or directory being folded: out of every merge
 EXITED = "exited"  # the pid part of the files that hold what a server's ended executors counted
+# Reading a process's proportional set size makes the kernel walk its page tables (8 ms for a torch process here):
+# each process's value is read at most this often, so frequent scrapes cost the models' cores nothing noticeable.
+HOST_MEMORY_SECONDS = 10.0
 
 
 class ModelMetrics:
@@ -50,13 +54,15 @@ class ModelMetrics:
         self.metrics_dir = metrics_dir
         self.models_url = f"http://127.0.0.1:{port}/models/"
         self._lock = threading.Lock()
+        self._host_memory: dict[tuple[int, float], tuple[float, int]] = {}  # (pid, start) -> (read at, bytes)
 
     def collect(self) -> Iterator[Metric]:
-        with self._lock:
+        with self._lock:  # scrapes may come concurrently; the sweep folds too
             self._fold_unloaded()
             merged = self._merge()
+            live = list(self._live_gauges())
         yield from (family for family in merged if family.name.startswith(PREFIX))
-        yield from self._live_gauges()
+        yield from live
 
     def sweep(self) -> None:
         """Folds what ended: servers that died without stopping (once MMS no longer has their model), and executors
@@ -133,9 +139,13 @@ class ModelMetrics:
                 continue
             try:
                 server = psutil.Process(int(directory.name))
-                processes = [server, *server.children(recursive=True)]
             except psutil.Error:
                 continue
+            try:
+                children = server.children(recursive=True)
+            except psutil.Error:  # an executor ending at this moment: the server still counts, its memory next time
+                children = []
+            processes = [server, *children]
             servers.setdefault(urllib.parse.unquote(directory.parent.name), []).extend(processes)
         running = GaugeMetricFamily("mme_models_loaded", "Models whose model server runs (loading, or loaded).")
         running.add_metric([], len(servers))
@@ -145,8 +155,19 @@ class ModelMetrics:
             "Host memory of a model's processes (proportional set size: shared pages counted once).",
             labels=["model"],
         )
+        now = time.monotonic()
+        readings = {}
         for model, processes in sorted(servers.items()):
-            host.add_metric([model], sum(_host_memory(process) for process in processes))
+            total = 0
+            for process in processes:
+                key = (process.pid, process_started(process.pid) or 0.0)
+                read_at, value = self._host_memory.get(key, (-HOST_MEMORY_SECONDS, 0))
+                if now - read_at >= HOST_MEMORY_SECONDS:
+                    read_at, value = now, _host_memory(process)
+                readings[key] = (read_at, value)
+                total += value
+            host.add_metric([model], total)
+        self._host_memory = readings  # processes that ended are forgotten
         yield host
 
     def _registered(self, quoted_model: str) -> bool | None:
