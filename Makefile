@@ -39,7 +39,7 @@ serve: install
 test: install $(SDK_V2_VENV)/.installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# Builds the image and runs it: PING, LOAD, INVOKE, UNLOAD and a clean SIGTERM stop (tests/container/README.md).
+# Builds the image and runs it: PING, LOAD, INVOKE, METRICS, UNLOAD and a clean SIGTERM stop (tests/container/README.md).
 # Uses a Docker engine when one answers, else podman as root; about 2 minutes the first time on a CI machine.
 TEST_IMAGE_ARGS ?=
 
