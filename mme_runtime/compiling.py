@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import platform
 import shutil
 import time
 from pathlib import Path
@@ -23,7 +25,7 @@ import torch
 
 from mme_runtime import metrics
 from mme_runtime.errors import first_line
-from mme_runtime.locks import build_once
+from mme_runtime.locks import build_once, file_lock
 from mme_runtime.pt2 import AOTIRunner
 from mme_runtime.serving_properties import ServingSettings
 
@@ -59,12 +61,22 @@ def cache_key(model_dir: Path, device: torch.device, settings: ServingSettings, 
 
 
 def device_kind(device: torch.device) -> str:
-    """What compiled code is specific to: the GPU's architecture and CUDA version, or the CPU's vector instructions
-    (code built for AVX-512 stops with SIGILL on a CPU without it, and a cache directory may be shared by hosts)."""
+    """What compiled code is specific to: the GPU's architecture and CUDA version, or the CPU model and its
+    instruction set extensions (AOTInductor compiles CPU code for the host's own, ``-march=native``: it stops with
+    SIGILL on a CPU without one of them, and a cache directory may be shared by hosts)."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"cuda sm_{major}{minor} cuda {torch.version.cuda}"
-    return f"{device.type} {torch.backends.cpu.get_cpu_capability()}"
+    return f"{device.type} {platform.machine()} {_cpu_identity()}"
+
+
+def _cpu_identity() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))][:2]
+    return hashlib.sha256("\n".join(wanted).encode()).hexdigest()[:16]
 
 
 def compile_model(
@@ -94,7 +106,7 @@ def compile_model(
             if built:
                 raise
             logger.warning("model=%s compile cache entry %s unusable (%s): compiling again", model_name, entry, exc)
-            shutil.rmtree(entry, ignore_errors=True)
+            _discard(entry)
             built = build_once(entry, build)
             runner = AOTIRunner(entry / PACKAGE, device)
         compiled = CompiledModule(model, runner, sample.to(device))
@@ -148,36 +160,38 @@ class CompiledModule(torch.nn.Module):
             raise ValueError(
                 f"the compiled code needs tensors the module keeps outside its parameters and buffers: {missing[:3]}"
             )
-        # What the compiled code was built for, per tensor: it reads them in place and checks nothing.
-        self.constants = {name: (tensors[name].dtype, tensors[name].device) for name in runner.get_constant_fqns()}
+        # What the compiled code was built for, per tensor: it reads them in place, as then laid out, checking nothing.
+        self.constants = {name: _layout(tensors[name]) for name in runner.get_constant_fqns()}
+        self._point(runner, tensors)
         self.runner: AOTIRunner | None = runner
-        self._point_runner_at(tensors)
 
-    def _point_runner_at(self, tensors: dict[str, torch.Tensor]) -> None:
-        assert self.runner is not None
-        self.runner.load_constants({name: tensors[name] for name in self.constants}, user_managed=True)
+    def _point(self, runner: AOTIRunner, tensors: dict[str, torch.Tensor]) -> None:
+        runner.load_constants({name: tensors[name] for name in self.constants}, user_managed=True)
         self.pointers = {name: tensors[name].data_ptr() for name in self.constants}
 
     def _apply(self, fn: Any, recurse: bool = True) -> CompiledModule:
         """``.to()``, ``.half()``, ``.cuda()``: the module's tensors are new ones, so the compiled code is pointed at
-        them, or, when they are no longer the dtype and device it was built for, left aside: the module runs eager."""
+        them, or, when they no longer have the dtype, device, shape and layout it was built for, left aside: the module
+        runs eager."""
+        runner, self.runner = self.runner, None  # a forward on another thread runs eager while the tensors change
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        if self.runner is not None:
+        if runner is not None:
             tensors = _tensors(self.module)
             if all(tensors[name].data_ptr() == pointer for name, pointer in self.pointers.items()):
-                return self  # .to() the device it is on already (the AWS-style predict_fn does it on every call)
-            if all((tensors[name].dtype, tensors[name].device) == built for name, built in self.constants.items()):
-                self._point_runner_at(tensors)
+                self.runner = runner  # .to() the device it is on already (the AWS-style predict_fn does it each call)
+            elif all(_layout(tensors[name]) == built for name, built in self.constants.items()):
+                self._point(runner, tensors)
+                self.runner = runner
             else:
                 logger.warning("compiled model moved or converted: it runs eager from now on")
-                self.runner = None
         return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.runner is not None and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+        runner = self.runner  # read once: _apply may set it aside meanwhile
+        if runner is not None and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
             data = args[0]
             if (tuple(data.shape[1:]), data.dtype, data.device) == self.traced_for and data.shape[0] >= 1:
-                return self.runner(data)
+                return runner(data)
         return self.module(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -185,6 +199,22 @@ class CompiledModule(torch.nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(super().__getattr__("module"), name)
+
+
+def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return (tensor.dtype, tensor.device, tuple(tensor.shape), tensor.stride())
+
+
+def _discard(entry: Path) -> None:
+    """Takes a cache entry out of use: moved aside under the entry's lock (the one ``build_once`` takes), so another
+    process sees either the old entry or none, never half of it, then deleted."""
+    stale = entry.with_name(f".stale-{entry.name}-{os.getpid()}")
+    with file_lock(entry.parent / f".{entry.name}.lock"):
+        try:
+            entry.rename(stale)
+        except OSError:
+            return  # another process discarded it first
+    shutil.rmtree(stale, ignore_errors=True)
 
 
 def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -20,11 +20,15 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export._tree_utils import reorder_kwargs
 
-from mme_runtime.errors import ModelLoadError, first_line
+from mme_runtime.errors import InvalidInput, ModelLoadError, first_line
 
 logger = logging.getLogger(__name__)
 
 PT2_FILE = "model.pt2"
+# Recorded in an AOTInductor package's metadata by package_model.py (``input_metadata``): the compiled code reads its
+# input as laid out at compile time and checks nothing, so the server refuses other shapes and dtypes (400).
+INPUT_SHAPE_KEY = "mme_input_shape"
+INPUT_DTYPE_KEY = "mme_input_dtype"
 Kind = Literal["exported_program", "aoti"]
 
 
@@ -61,6 +65,11 @@ def kind(path: Path) -> Kind:
         f"{path.name} is a PT2 archive with neither an exported program nor an AOTInductor package in it "
         "(save one with torch.export.save or torch._inductor.aoti_compile_and_package)"
     )
+
+
+def input_metadata(example: torch.Tensor) -> dict[str, str]:
+    """What to record in a package compiled for inputs like ``example`` (rows of its trailing shape and dtype)."""
+    return {INPUT_SHAPE_KEY: ",".join(str(size) for size in example.shape[1:]), INPUT_DTYPE_KEY: str(example.dtype)}
 
 
 def load(path: Path) -> Any:
@@ -101,14 +110,27 @@ class AOTIRunner:
     outputs rebuilt by the package's own tree spec."""
 
     def __init__(self, path: Path, device: torch.device) -> None:
+        loader_class: Any = torch._C._aoti.AOTIModelPackageLoader  # its static metadata reader is not in the stubs
+        metadata = dict(loader_class.load_metadata_from_package(str(path), "model"))
+        _check_device(metadata, device)
         index = device.index if device.type == "cuda" and device.index is not None else -1
         # (package, model name in it, run single-threaded, runners, device index): aoti_load_package's defaults.
         self._loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, index)
         in_spec, out_spec = self._loader.get_call_spec()
         self._in_spec = pytree.treespec_loads(in_spec)
         self._out_spec = pytree.treespec_loads(out_spec)
+        shape = metadata.get(INPUT_SHAPE_KEY)
+        self._input = None if shape is None else (_shape(shape), metadata.get(INPUT_DTYPE_KEY))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._input is not None and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            shape, dtype = self._input
+            data = args[0]
+            if tuple(data.shape[1:]) != shape or str(data.dtype) != dtype or data.dim() == 0:
+                raise InvalidInput(
+                    f"the model takes rows of shape {list(shape)} and dtype {dtype}; "
+                    f"got shape {list(data.shape)} and dtype {data.dtype}"
+                )
         flat = pytree.tree_flatten((args, reorder_kwargs(kwargs, self._in_spec)))[0]
         outputs = self._loader.boxed_run([value for value in flat if isinstance(value, torch.Tensor)])
         return pytree.tree_unflatten(outputs, self._out_spec)
@@ -120,3 +142,19 @@ class AOTIRunner:
         """Points the compiled code at ``tensors`` (every constant it needs), kept by the caller if ``user_managed``."""
         # (constants, use the inactive buffer, check every constant is given, user managed, allow host-to-device copy)
         self._loader.load_constants(tensors, False, True, user_managed, False)
+
+
+def _check_device(metadata: dict[str, str], device: torch.device) -> None:
+    """Compiled code runs only on the kind of device, and the GPU architecture, it was compiled for."""
+    compiled_for = metadata.get("AOTI_DEVICE_KEY")
+    if compiled_for and compiled_for != device.type:
+        raise ValueError(f"it was compiled for {compiled_for}")
+    capability = metadata.get("AOTI_COMPUTE_CAPABILITY")
+    if device.type == "cuda" and capability:
+        major, minor = torch.cuda.get_device_capability(device)
+        if capability != f"{major}{minor}":
+            raise ValueError(f"it was compiled for GPUs of compute capability {capability}, this one is {major}{minor}")
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    return tuple(int(size) for size in text.split(",")) if text else ()

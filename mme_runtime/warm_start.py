@@ -208,16 +208,18 @@ class WarmProcess:
             return
         model_dir = Path(argv[argv.index("--model-path") + 1])
         try:
-            wanted = (model_dir / "model.pt2").is_file() or "compile" in (model_dir / "serving.properties").read_text()
-        except OSError:  # no serving.properties
-            wanted = False
-        if wanted:
+            properties = model_dir / "serving.properties"
+            compiles = properties.is_file() and b"compile" in properties.read_bytes()
+            if not ((model_dir / "model.pt2").is_file() or compiles):
+                return
             from mme_runtime import fork_safety  # imports torch: not before the warm process has it
 
             started = time.monotonic()
             __import__(PT2_LOADER)
             fork_safety.single_threaded()  # as after the imports at start: nothing for the forks to inherit
             logger.info("warm process: PyTorch 2 loader imported seconds=%.2f", time.monotonic() - started)
+        except Exception as exc:  # noqa: BLE001 - the warm process serves every model: the server imports it itself
+            logger.warning("warm process: PyTorch 2 loader not imported for %s: %s", model_dir, exc)
 
     def _prepare_cached_model(self, argv: list[str]) -> model_cache.Entry | None:
         """Loads the model into the shared cache before the fork, when the defaults will load it."""

@@ -78,4 +78,25 @@ def aot_compile(source: Path, destination: Path) -> Path:
     except Exception as exc:  # boundary: an AOTInductor package or a foreign file is not a program to compile
         reason = str(exc).strip().splitlines()[0]
         raise config_error(f"--aot needs an exported program in {source.name}: {reason}") from exc
-    return Path(aoti_compile_and_package(program, package_path=str(destination)))
+    options = {"aot_inductor.metadata": _input_metadata(program)}
+    return Path(aoti_compile_and_package(program, package_path=str(destination), inductor_configs=options))
+
+
+def _input_metadata(program: Any) -> dict[str, str]:
+    """The rows the package takes (trailing shape and dtype), recorded so that the server refuses others with a 400:
+    compiled code reads its input as laid out at compile time. Empty unless the program takes one tensor whose
+    dimensions after the first are fixed."""
+    import torch
+
+    from mme_runtime.pt2 import input_metadata
+
+    user_inputs = set(program.graph_signature.user_inputs)
+    values = [
+        node.meta.get("val") for node in program.graph.nodes if node.op == "placeholder" and node.name in user_inputs
+    ]
+    if len(values) != 1 or not isinstance(values[0], torch.Tensor):
+        return {}
+    example = values[0]
+    if not all(isinstance(size, int) for size in example.shape[1:]):
+        return {}
+    return input_metadata(torch.empty((1, *example.shape[1:]), dtype=example.dtype))

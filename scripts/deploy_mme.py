@@ -196,14 +196,17 @@ def create_endpoint(
     session: boto3.Session, args: argparse.Namespace, prefix: str, role: str, env: dict[str, str]
 ) -> str:
     """The model (``Mode=MultiModel``), its endpoint config and the endpoint, with SDK v3's resource classes (v3 has
-    no ``MultiDataModel``); returns the endpoint's name. The SDK is imported here: it takes seconds."""
+    no ``MultiDataModel``); returns the endpoint's name. The SDK is imported here: it takes seconds.
+
+    A model of that name left by ``delete --keep-model`` (or by a deploy that stopped halfway) is used again when it
+    is the same image, prefix and environment, as SDK v2's ``deploy`` did; otherwise the deploy stops and says why."""
+    import pydantic
     from sagemaker.core.resources import Endpoint, EndpointConfig, Model
     from sagemaker.core.shapes import ContainerDefinition, ProductionVariant
 
     endpoint_name = str(args.endpoint_name or args.name)
     where = {"session": session, "region": session.region_name}
     container = ContainerDefinition(image=args.image_uri, mode="MultiModel", model_data_url=prefix, environment=env)
-    Model.create(model_name=args.name, primary_container=container, execution_role_arn=role, **where)
     variant = ProductionVariant(
         variant_name="AllTraffic",
         model_name=args.name,
@@ -211,9 +214,34 @@ def create_endpoint(
         instance_type=args.instance_type,
         initial_variant_weight=1.0,
     )
-    EndpointConfig.create(endpoint_config_name=endpoint_name, production_variants=[variant], **where)
-    Endpoint.create(endpoint_name=endpoint_name, endpoint_config_name=endpoint_name, **where)
+    try:
+        try:
+            Model.create(model_name=args.name, primary_container=container, execution_role_arn=role, **where)
+        except botocore.exceptions.ClientError as exc:
+            if not _already_exists(exc):
+                raise
+            _reuse_model(session.client("sagemaker"), args.name, args.image_uri, prefix, env)
+        EndpointConfig.create(endpoint_config_name=endpoint_name, production_variants=[variant], **where)
+        Endpoint.create(endpoint_name=endpoint_name, endpoint_config_name=endpoint_name, **where)
+    except pydantic.ValidationError as exc:  # v3 describes each resource after creating it, and validates the answer
+        reason = str(exc).strip().splitlines()[0]
+        raise ScriptError(f"SageMaker took the request, but SDK v3 could not read its answer back: {reason}") from exc
     return endpoint_name
+
+
+def _already_exists(exc: botocore.exceptions.ClientError) -> bool:
+    return aws_error_code(exc) == "ValidationException" and "already exist" in aws_error_message(exc)
+
+
+def _reuse_model(sm: BaseClient, name: str, image_uri: str, prefix: str, env: dict[str, str]) -> None:
+    container = sm.describe_model(ModelName=name).get("PrimaryContainer", {})
+    found = (container.get("Image"), container.get("Mode"), container.get("ModelDataUrl"), container.get("Environment"))
+    if found != (image_uri, "MultiModel", prefix, env):
+        raise config_error(
+            f"model {name!r} exists with another image, prefix or environment: delete it (`deploy_mme.py delete "
+            "--endpoint-name ...` without --keep-model) or deploy with another --name"
+        )
+    print(f"using the existing model {name}")
 
 
 def build_invoke_kwargs(

@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import torch
 
+from mme_runtime.pt2 import input_metadata
+
 IN_FEATURES = 4
 OUT_FEATURES = 3
 
@@ -498,7 +500,9 @@ def pt2_model(model_dir: Path, net: str = "mlp", aoti: bool = False, seed: int =
     model_dir.mkdir(parents=True, exist_ok=True)
     path = model_dir / "model.pt2"
     if aoti:
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+        # What package_model.py --aot records: the rows the package takes, so that others get a 400.
+        options = {"aot_inductor.metadata": input_metadata(example)}
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=options)
     else:
         torch.export.save(program, str(path))
     return model

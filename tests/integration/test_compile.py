@@ -193,6 +193,9 @@ def test_a_compiled_model_converted_after_the_compile_runs_eager_and_right(
         np.testing.assert_allclose(compiled(torch.tensor(ROWS)).numpy(), expected(ROWS), rtol=1e-5, atol=1e-6)
         compiled.to("cpu")  # where it is already: still compiled
         assert compiled.runner is not None
+        compiled.share_memory()  # new storage, same dtype, shape and layout: the compiled code follows it
+        assert compiled.runner is not None
+        np.testing.assert_allclose(compiled(torch.tensor(ROWS)).numpy(), expected(ROWS), rtol=1e-5, atol=1e-6)
         compiled.double()  # the compiled code was built for float32 tensors: it must not read float64 ones
         assert compiled.runner is None
         answer = compiled(torch.tensor(ROWS, dtype=torch.float64))

@@ -164,3 +164,23 @@ def test_the_warm_process_imports_the_pt2_loader_once_for_every_later_model(
         install(server, name, artifacts[("mlp", "exported")][0])
         assert server.load(name).status_code == 200
     assert server.log_text().count("warm process: PyTorch 2 loader imported") == 1
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"), [((2, 3, 8, 8), np.float32), ((2, 1, 16, 16), np.float32), ((2, 3, 16, 16), np.float64)]
+)
+def test_an_aoti_package_refuses_rows_it_was_not_compiled_for(
+    server: RunningServer,
+    artifacts: dict[tuple[str, str], tuple[Path, torch.nn.Module]],
+    shape: tuple[int, ...],
+    dtype: type,
+) -> None:
+    """Compiled code reads its input as laid out at compile time and checks nothing: the server checks, and says."""
+    name = "conv-aoti-checked"
+    if server.describe(name).status_code == 404:
+        install(server, name, artifacts[("conv", "aoti")][0])
+        assert server.load(name).status_code == 200
+    inputs = np.random.default_rng(5).standard_normal(shape).astype(dtype)
+    answer = server.invoke(name, npy(inputs), content_type="application/x-npy", accept="application/json")
+    assert answer.status_code == 400, answer.text
+    assert "takes rows of shape [3, 16, 16]" in answer.json()["message"]

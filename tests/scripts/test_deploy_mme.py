@@ -512,3 +512,52 @@ def test_scale_with_bad_bounds_exits_2(aws: str, capsys: pytest.CaptureFixture[s
     argv = ["scale", "--endpoint-name", "mme-gpu", "--min-instances", "3", "--max-instances", "1"]
     assert run_cli(main, argv) == EXIT_CONFIG
     assert capsys.readouterr().err.strip() == "error: --max-instances (1) must be at least --min-instances (3)"
+
+
+@pytest.fixture
+def create_model_refuses_existing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SageMaker refuses to create a model whose name exists ("Cannot create already existing model"); moto 5.2.5
+    replaces it silently. This makes SDK v3's Model.create answer as SageMaker does."""
+    from sagemaker.core.resources import Model
+
+    original = Model.create.__func__  # type: ignore[attr-defined]
+
+    def create(cls: Any, model_name: str, **kwargs: Any) -> Any:
+        if any(m["ModelName"] == model_name for m in boto3.client("sagemaker").list_models()["Models"]):
+            message = (
+                f'Cannot create already existing model "arn:aws:sagemaker:us-east-1:123456789012:model/{model_name}".'
+            )
+            raise botocore.exceptions.ClientError(
+                {"Error": {"Code": "ValidationException", "Message": message}}, "CreateModel"
+            )
+        return original(cls, model_name=model_name, **kwargs)
+
+    monkeypatch.setattr(Model, "create", classmethod(create))
+
+
+def test_deploy_again_after_delete_keep_model_reuses_the_model(
+    archives: dict[str, Any], create_model_refuses_existing: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _deploy("--role", ROLE_ARN) == EXIT_OK
+    assert run_cli(main, ["delete", "--endpoint-name", "mme-gpu", "--keep-model"]) == EXIT_OK
+    capsys.readouterr()
+
+    assert _deploy("--role", ROLE_ARN) == EXIT_OK
+
+    assert "using the existing model mme-gpu" in capsys.readouterr().out
+    sm = boto3.client("sagemaker")
+    assert [m["ModelName"] for m in sm.list_models()["Models"]] == ["mme-gpu"]
+    assert sm.describe_endpoint(EndpointName="mme-gpu")["EndpointStatus"] == "InService"
+
+
+def test_deploy_over_a_different_model_of_that_name_exits_2_before_any_endpoint(
+    archives: dict[str, Any], create_model_refuses_existing: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _deploy("--role", ROLE_ARN) == EXIT_OK
+    assert run_cli(main, ["delete", "--endpoint-name", "mme-gpu", "--keep-model"]) == EXIT_OK
+    capsys.readouterr()
+
+    assert _deploy("--role", ROLE_ARN, "--env", "SAGEMAKER_MODEL_SERVER_WORKERS=4") == EXIT_CONFIG
+
+    assert "model 'mme-gpu' exists with another image, prefix or environment" in capsys.readouterr().err
+    assert boto3.client("sagemaker").list_endpoints()["Endpoints"] == []

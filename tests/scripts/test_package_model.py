@@ -6,6 +6,7 @@ import hashlib
 import os
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
@@ -235,6 +236,7 @@ def test_a_module_factory_ships_as_a_pt2_the_container_serves_with_no_code(tmp_p
     import torch
 
     from mme_runtime import pt2
+    from mme_runtime.errors import InvalidInput
 
     factory = tmp_path / "net.py"
     factory.write_text(NET_FACTORY)
@@ -254,6 +256,12 @@ def test_a_module_factory_ships_as_a_pt2_the_container_serves_with_no_code(tmp_p
     rows = torch.randn(5, 4)  # any number of rows: the first dimension was exported dynamic
     with torch.inference_mode():
         torch.testing.assert_close(model(rows), eager(rows))
+        torch.testing.assert_close(model(rows[:1]), eager(rows[:1]))
+        # Rows of another width: the exported program checks its inputs; the package records them and the server
+        # checks for it (compiled code would read past the end of the input).
+        refusal: Any = InvalidInput if aot else (RuntimeError, AssertionError)
+        with pytest.raises(refusal, match="shape|size|dim"):
+            model(torch.randn(2, 5))
 
 
 @pytest.mark.parametrize(
