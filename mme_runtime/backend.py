@@ -313,8 +313,7 @@ class BackendServer:
 
     def _retire(self, device: str | None, executor: _Executor) -> None:
         """Ends an executor that cannot take connections any more (it is dying, or stuck), and forgets it."""
-        if executor.served():
-            self.devices_served.add(device)
+        self._note_served(device, executor)
         if executor.process.exitcode is None:
             executor.process.kill()
         executor.process.join(CHILD_STOP_SECONDS)
@@ -322,6 +321,11 @@ class BackendServer:
         if self.executors.get(device) is executor:  # not reaped: the kill did not take within the wait
             del self.executors[device]
             executor.control.close()
+
+    def _note_served(self, device: str | None, executor: _Executor) -> None:
+        """Before an executor is forgotten: if it had loaded the model, the next one for its device is a restart."""
+        if executor.served():
+            self.devices_served.add(device)
 
     def _inherited_fds(self, control: socket.socket, routed: socket.socket) -> tuple[int, ...]:
         """Descriptors a forked executor must close: the listener, the lifeline, the server's control ends and its copy
@@ -338,8 +342,7 @@ class BackendServer:
             process = executor.process
             if process.exitcode is None:
                 continue
-            if executor.served():
-                self.devices_served.add(gpu)
+            self._note_served(gpu, executor)
             del self.executors[gpu]
             executor.control.close()
             code = process.exitcode

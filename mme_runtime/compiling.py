@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import platform
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ import torch
 
 from mme_runtime import metrics
 from mme_runtime.errors import first_line
-from mme_runtime.locks import build_once, file_lock
+from mme_runtime.locks import build_once, discard
 from mme_runtime.pt2 import AOTIRunner
 from mme_runtime.serving_properties import ServingSettings
 
@@ -106,7 +104,7 @@ def compile_model(
             if built:
                 raise
             logger.warning("model=%s compile cache entry %s unusable (%s): compiling again", model_name, entry, exc)
-            _discard(entry)
+            discard(entry)
             built = build_once(entry, build)
             runner = AOTIRunner(entry / PACKAGE, device)
         compiled = CompiledModule(model, runner, sample.to(device))
@@ -203,18 +201,6 @@ class CompiledModule(torch.nn.Module):
 
 def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
     return (tensor.dtype, tensor.device, tuple(tensor.shape), tensor.stride())
-
-
-def _discard(entry: Path) -> None:
-    """Takes a cache entry out of use: moved aside under the entry's lock (the one ``build_once`` takes), so another
-    process sees either the old entry or none, never half of it, then deleted."""
-    stale = entry.with_name(f".stale-{entry.name}-{os.getpid()}")
-    with file_lock(entry.parent / f".{entry.name}.lock"):
-        try:
-            entry.rename(stale)
-        except OSError:
-            return  # another process discarded it first
-    shutil.rmtree(stale, ignore_errors=True)
 
 
 def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:

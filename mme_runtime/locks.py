@@ -24,6 +24,10 @@ def file_lock(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def _entry_lock(entry: Path) -> Path:
+    return entry.parent / f".{entry.name}.lock"
+
+
 def build_once(entry: Path, build: Callable[[Path], Path]) -> bool:
     """Makes the cache directory ``entry`` unless it exists; True if this call built it.
 
@@ -33,7 +37,7 @@ def build_once(entry: Path, build: Callable[[Path], Path]) -> bool:
     """
     if entry.is_dir():
         return False
-    with file_lock(entry.parent / f".{entry.name}.lock"):
+    with file_lock(_entry_lock(entry)):
         if entry.is_dir():  # another process built it while we waited
             return False
         staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=entry.parent))
@@ -42,3 +46,15 @@ def build_once(entry: Path, build: Callable[[Path], Path]) -> bool:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return True
+
+
+def discard(entry: Path) -> None:
+    """Takes the cache directory ``entry`` out of use: moved aside under its lock (the one ``build_once`` takes), so
+    another process sees the old entry or none, never half of it, then deleted."""
+    stale = entry.with_name(f".stale-{entry.name}-{os.getpid()}")
+    with file_lock(_entry_lock(entry)):
+        try:
+            entry.rename(stale)
+        except OSError:
+            return  # another process discarded it first
+    shutil.rmtree(stale, ignore_errors=True)

@@ -12,6 +12,7 @@ Anything else, a corrupt file, or an archive written by an incompatible torch fa
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -67,9 +68,9 @@ def kind(path: Path) -> Kind:
     )
 
 
-def input_metadata(example: torch.Tensor) -> dict[str, str]:
-    """What to record in a package compiled for inputs like ``example`` (rows of its trailing shape and dtype)."""
-    return {INPUT_SHAPE_KEY: ",".join(str(size) for size in example.shape[1:]), INPUT_DTYPE_KEY: str(example.dtype)}
+def input_metadata(row_shape: Sequence[int], dtype: torch.dtype) -> dict[str, str]:
+    """What to record in a package compiled for inputs of rows of ``row_shape`` (the dimensions after the first)."""
+    return {INPUT_SHAPE_KEY: ",".join(str(size) for size in row_shape), INPUT_DTYPE_KEY: str(dtype)}
 
 
 def load(path: Path) -> Any:

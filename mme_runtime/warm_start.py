@@ -204,9 +204,9 @@ class WarmProcess:
         """Before the first model that uses PyTorch 2 artifacts (``model.pt2``, or ``compile=true``), imports torch's
         loader for them here, once: it brings torch's compiler with it (about 1.2 s and 70 MiB), which every later
         such model's server then inherits instead of importing it again. Containers that serve none never pay."""
-        if PT2_LOADER in sys.modules or "--model-path" not in argv:
+        model_dir = _model_dir(argv)
+        if PT2_LOADER in sys.modules or model_dir is None:
             return
-        model_dir = Path(argv[argv.index("--model-path") + 1])
         try:
             properties = model_dir / "serving.properties"
             compiles = properties.is_file() and b"compile" in properties.read_bytes()
@@ -223,14 +223,21 @@ class WarmProcess:
 
     def _prepare_cached_model(self, argv: list[str]) -> model_cache.Entry | None:
         """Loads the model into the shared cache before the fork, when the defaults will load it."""
-        if "--model-path" not in argv or self.config.model_cache_mb == 0:
+        model_dir = _model_dir(argv)
+        if model_dir is None or self.config.model_cache_mb == 0:
             return None
-        model_dir = Path(argv[argv.index("--model-path") + 1])
         try:
             return model_cache.cache.prepare(model_dir, self.config.program, self.config.submit_directory)
         except OSError as exc:  # the server will load (and report) it itself
             logger.info("model cache: %s unavailable (%s)", model_dir, exc)
             return None
+
+
+def _model_dir(argv: list[str]) -> Path | None:
+    """The model directory in a model server's arguments (MMS passes ``--model-path``)."""
+    if "--model-path" not in argv:
+        return None
+    return Path(argv[argv.index("--model-path") + 1])
 
 
 def _become_server(lifeline: socket.socket, request: dict[str, Any], fds: list[int]) -> None:

@@ -99,4 +99,4 @@ def _input_metadata(program: Any) -> dict[str, str]:
     example = values[0]
     if not all(isinstance(size, int) for size in example.shape[1:]):
         return {}
-    return input_metadata(torch.empty((1, *example.shape[1:]), dtype=example.dtype))
+    return input_metadata(example.shape[1:], example.dtype)

@@ -501,7 +501,7 @@ def pt2_model(model_dir: Path, net: str = "mlp", aoti: bool = False, seed: int =
     path = model_dir / "model.pt2"
     if aoti:
         # What package_model.py --aot records: the rows the package takes, so that others get a 400.
-        options = {"aot_inductor.metadata": input_metadata(example)}
+        options = {"aot_inductor.metadata": input_metadata(example.shape[1:], example.dtype)}
         torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=options)
     else:
         torch.export.save(program, str(path))

@@ -535,12 +535,16 @@ def create_model_refuses_existing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Model, "create", classmethod(create))
 
 
+def _deploy_then_delete_keeping_the_model(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _deploy("--role", ROLE_ARN) == EXIT_OK
+    assert run_cli(main, ["delete", "--endpoint-name", "mme-gpu", "--keep-model"]) == EXIT_OK
+    capsys.readouterr()  # what the later deploy prints is what the tests read
+
+
 def test_deploy_again_after_delete_keep_model_reuses_the_model(
     archives: dict[str, Any], create_model_refuses_existing: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert _deploy("--role", ROLE_ARN) == EXIT_OK
-    assert run_cli(main, ["delete", "--endpoint-name", "mme-gpu", "--keep-model"]) == EXIT_OK
-    capsys.readouterr()
+    _deploy_then_delete_keeping_the_model(capsys)
 
     assert _deploy("--role", ROLE_ARN) == EXIT_OK
 
@@ -553,9 +557,7 @@ def test_deploy_again_after_delete_keep_model_reuses_the_model(
 def test_deploy_over_a_different_model_of_that_name_exits_2_before_any_endpoint(
     archives: dict[str, Any], create_model_refuses_existing: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert _deploy("--role", ROLE_ARN) == EXIT_OK
-    assert run_cli(main, ["delete", "--endpoint-name", "mme-gpu", "--keep-model"]) == EXIT_OK
-    capsys.readouterr()
+    _deploy_then_delete_keeping_the_model(capsys)
 
     assert _deploy("--role", ROLE_ARN, "--env", "SAGEMAKER_MODEL_SERVER_WORKERS=4") == EXIT_CONFIG
 
