@@ -99,19 +99,37 @@ def run_batch(
 
 
 class Batcher:
-    """The queue in front of one device's forward passes, and the thread that runs them."""
+    """The queue in front of one model's forward passes on one device, and the threads that run them: at most
+    ``concurrency`` passes at once (stock MMS runs one request per worker at once; a model that batches needs one)."""
 
-    def __init__(self, run: Callable[[list[Job]], None], batch_size: int, max_delay_ms: float, name: str) -> None:
+    def __init__(
+        self, run: Callable[[list[Job]], None], batch_size: int, max_delay_ms: float, name: str, concurrency: int = 1
+    ) -> None:
         self._run = run
         self.batch_size = batch_size
         self.max_delay = max_delay_ms / 1000.0
         self._queue: deque[Job] = deque()
         self._ready = threading.Condition()
+        self._closed = False
         # Requests answered by the last pass and not yet followed by new ones, and when that pass ended.
         self._awaited = 0
         self._pass_ended = 0.0
-        self._thread = threading.Thread(target=self._dispatch_forever, name=f"batcher-{name}", daemon=True)
-        self._thread.start()
+        self._series = metrics.current()  # a device host's threads each record for their own model
+        self.threads = [
+            threading.Thread(target=self._dispatch_forever, name=f"batcher-{name}-{index}", daemon=True)
+            for index in range(max(1, concurrency))
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def close(self) -> None:
+        """Ends the dispatching threads once the queue is empty (the model is unloaded: nothing new arrives)."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+        for thread in self.threads:
+            if thread is not threading.current_thread():
+                thread.join()
 
     def submit(self, jobs: list[Job]) -> None:
         """Queues ``jobs`` (one message's requests) and returns once each has its result or error."""
@@ -128,8 +146,8 @@ class Batcher:
             job.done.wait()
 
     def _dispatch_forever(self) -> None:
-        while True:
-            batch = self._next_batch()
+        metrics.bind(self._series)
+        while (batch := self._next_batch()) is not None:
             started = time.monotonic()
             try:
                 self._run(batch)
@@ -146,9 +164,11 @@ class Batcher:
             waits = [started - job.queued_at for job in batch]
             metrics.record_pass(waits, self._pass_ended - started, self.batch_size)
 
-    def _next_batch(self) -> list[Job]:
+    def _next_batch(self) -> list[Job] | None:
         with self._ready:
             while not self._queue:
+                if self._closed:
+                    return None
                 self._ready.wait()
             while self._awaited and not self._full():
                 remaining = self._pass_ended + self.max_delay - time.monotonic()

@@ -7,8 +7,11 @@ counters (LOADs, UNLOADs, caches). When the server stops (UNLOAD), it moves that
 the exporter keeps the container's counters from it and deletes the rest, so an unloaded model's series go away
 while the container's totals keep counting. The warm process writes under ``metrics/container/<pid>/``.
 
-Everything here does nothing until ``start_model`` or ``start_container`` ran (metrics are off with
-``MME_METRICS_PORT=0``), and a value that cannot be recorded is logged, never raised into a request.
+A device host serves many models: each has a directory of its own, ``metrics/models/<model>/<host pid>/``
+(``start_hosted``), and every thread the host runs for a model records into that model's series (``bind``).
+
+Everything here does nothing until ``start_model``, ``start_hosted`` or ``start_container`` ran (metrics are off
+with ``MME_METRICS_PORT=0``), and a value that cannot be recorded is logged, never raised into a request.
 """
 
 from __future__ import annotations
@@ -17,25 +20,26 @@ import contextlib
 import functools
 import logging
 import os
+import threading
+import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ParamSpec
 
-from prometheus_client import Counter, Gauge, Histogram, values
+from prometheus_client import Histogram, values
 
 from mme_runtime.config import Config
+from mme_runtime.metric_series import DIRECTORY_VARIABLE, Series, batch_size_buckets
 
 logger = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-# Up to this batch size every size has its own bucket; above it, powers of two and the batch size itself.
-MAX_EXACT_BATCH_BUCKETS = 64
 # A server's directory holds this file: its process's start time, so a reused pid is not taken for the server.
 OWNER_FILE = "owner"
+# A hosted model's directory holds this file: its tensors' bytes in host memory (the host's PSS is every model's).
+HOST_BYTES_FILE = "host_bytes"
 MKDIR_ATTEMPTS = 3
 
 
@@ -54,6 +58,8 @@ def model_dir_name(model: str) -> str:
 def move_to_unloaded(metrics_dir: Path, server_dir: Path) -> None:
     """Hands a model server's values over to the exporter's fold (``OSError`` if another process did it first)."""
     target = unloaded_dir(metrics_dir) / f"{server_dir.parent.name}@{server_dir.name}"
+    if target.exists():  # a host that served this model before (an UNLOAD and a re-LOAD): not folded yet
+        target = target.with_name(f"{target.name}.{time.monotonic_ns()}")
     target.parent.mkdir(parents=True, exist_ok=True)
     server_dir.rename(target)
     with contextlib.suppress(OSError):  # not empty: another server of this model runs
@@ -81,118 +87,111 @@ def server_alive(server_dir: Path) -> bool:
     return process_started(int(server_dir.name)) == recorded
 
 
-def batch_size_buckets(batch_size: int) -> list[float]:
-    if batch_size <= MAX_EXACT_BATCH_BUCKETS:
-        return [float(size) for size in range(1, batch_size + 1)]
-    sizes = {2**power for power in range(batch_size.bit_length()) if 2**power < batch_size}
-    return [float(size) for size in sorted(sizes | {batch_size})]
-
-
-class _Metrics:
-    """This process's metric objects, made once its values go to files (they read ``values.ValueClass`` when made)."""
-
-    def __init__(self, model: str | None, directory: Path) -> None:
-        self.model = model
-        self.directory = directory
-        self.gpu: str | None = None  # the executor's card, once it reports its GPU memory
-        self.batch_sizes: Histogram | None = None
-        # registry=None: the exporter reads the files; nothing in a model process exposes a registry.
-        self.requests = Counter(
-            "mme_requests", "Requests answered by the model, by HTTP status code.", ["model", "code"], registry=None
-        )
-        self.request_seconds = Histogram(
-            "mme_request_duration_seconds",
-            "Time in the model's backend from a request's arrival to its answer.",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=None,
-        )
-        self.queue_seconds = Histogram(
-            "mme_queue_duration_seconds",
-            "Time a decoded request waited for its forward pass.",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=None,
-        )
-        self.predict_seconds = Histogram(
-            "mme_predict_duration_seconds",
-            "Time of one forward pass (predict_fn on a batch, or transform_fn), per pass.",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=None,
-        )
-        self.executor_restarts = Counter(
-            "mme_executor_restarts", "Executors started again after one that served ended.", ["model"], registry=None
-        )
-        # livesum: the exporter leaves out the files of processes that ended, so a dead executor's memory goes.
-        self.gpu_memory = Gauge(
-            "mme_model_gpu_memory_bytes",
-            "GPU memory reserved by PyTorch in the model's executor, per card (the CUDA context not included).",
-            ["model", "gpu"],
-            multiprocess_mode="livesum",
-            registry=None,
-        )
-        self.loads = Histogram(
-            "mme_model_load_duration_seconds",
-            "LOADs that reached a model server, from its start to its first answer, by outcome.",
-            ["outcome"],
-            buckets=LOAD_BUCKETS,
-            registry=None,
-        )
-        self.unloads = Histogram(
-            "mme_model_unload_duration_seconds",
-            "UNLOADs of loaded models, from the stop request to every executor ended, by outcome.",
-            ["outcome"],
-            buckets=LOAD_BUCKETS,
-            registry=None,
-        )
-        self.cache_lookups = Counter(
-            "mme_cache_lookups", "Cache lookups, by cache and result (hit or miss).", ["cache", "result"], registry=None
-        )
-        if model is not None:
-            self.executor_restarts.labels(model)  # shown as 0 from the start, not only after the first restart
-
-
-_metrics: _Metrics | None = None
+_metrics: Series | None = None
+_bound = threading.local()  # in a device host: the series of the model a thread works for
 
 
 def start_model(config: Config, model: str, server_pid: int) -> None:
     """Sends this process's values to the model server's directory; the server and its executors call it."""
     if _metrics is not None and _metrics.model == model:
         return  # forked from the server: its objects already write here, to files of this process's own
-    model_dir = models_dir(config.metrics_dir) / model_dir_name(model)
-    directory = model_dir / str(server_pid)
+    directory = models_dir(config.metrics_dir) / model_dir_name(model) / str(server_pid)
     if _start(config, model, directory) and server_pid == os.getpid():
-        (directory / OWNER_FILE).write_text(str(process_started(server_pid)))
-        # Servers of this model that died without stopping (a crash, or an UNLOAD and a quick re-LOAD) end here:
-        # this server's counts start from zero, as after any restart.
-        for sibling in model_dir.iterdir():
-            if sibling != directory and sibling.name.isdigit() and not server_alive(sibling):
-                with contextlib.suppress(OSError):
-                    move_to_unloaded(config.metrics_dir, sibling)
+        _claim(config, directory)
+
+
+def start_hosted(config: Config, model: str, restart: bool = False) -> Series | None:
+    """A device host's model: its series, writing to a directory of its own; None with metrics off. ``restart``: a
+    host that died served it, and its counts carry on here (as an executor's do in its server's directory)."""
+    directory = models_dir(config.metrics_dir) / model_dir_name(model) / str(os.getpid())
+    if _metrics is None or not _make_directory(directory):
+        return None  # metrics are off (the host's own series, start_container, is made first)
+    try:
+        (directory / HOST_BYTES_FILE).write_text("0")  # a hosted model's directory, before the exporter reads it
+        if restart:
+            _carry_over(directory)
+        _claim(config, directory)
+        return Series(model, directory, home=_metrics.directory)
+    except OSError as exc:
+        logger.warning("model=%s metrics off in this host: %s", model, exc)
+        return None
+
+
+def stop_hosted(config: Config, series: Series | None) -> None:
+    """The host lets the model go: its series go away as a stopped server's do (its files are closed by
+    ``Series.close`` once its threads have ended)."""
+    if series is None:
+        return
+    try:
+        move_to_unloaded(config.metrics_dir, series.directory)
+    except OSError as exc:
+        logger.warning("metrics of %s left in place: %s", series.directory, exc)
+
+
+def record_host_bytes(series: Series | None, host_bytes: int) -> None:
+    """A hosted model's tensors in host memory, for the exporter's ``mme_model_host_memory_bytes``."""
+    if series is not None:
+        with contextlib.suppress(OSError):
+            (series.directory / HOST_BYTES_FILE).write_text(str(host_bytes))
+
+
+def bind(series: Series | None) -> None:
+    """Records made by this thread go to ``series`` (a device host's thread working for one model)."""
+    _bound.series = series
+
+
+def current() -> Series | None:
+    """The series this thread records into: for threads it starts on the model's behalf (a batcher's)."""
+    return getattr(_bound, "series", None) or _metrics
+
+
+def _carry_over(directory: Path) -> None:
+    """Moves the files of this model's hosts that died into ``directory``: the exporter folds them as an ended
+    process's (counters and histograms kept, gauges dropped)."""
+    for sibling in directory.parent.iterdir():
+        if sibling == directory or not sibling.name.isdigit() or server_alive(sibling):
+            continue
+        if not (sibling / HOST_BYTES_FILE).exists():
+            continue  # a loader's or a server's: nothing of the model's own to keep
+        for path in sibling.glob("*.db"):
+            with contextlib.suppress(OSError):
+                path.rename(directory / path.name)
+
+
+def _claim(config: Config, directory: Path) -> None:
+    """Marks ``directory`` as this process's. Processes of this model that died without stopping (a crash, or an
+    UNLOAD and a quick re-LOAD) end here: this one's counts start from zero, as after any restart."""
+    (directory / OWNER_FILE).write_text(str(process_started(os.getpid())))
+    for sibling in directory.parent.iterdir():
+        if sibling != directory and sibling.name.isdigit() and not server_alive(sibling):
+            with contextlib.suppress(OSError):
+                move_to_unloaded(config.metrics_dir, sibling)
 
 
 def start_container(config: Config) -> None:
-    """For processes that serve no model (the warm process)."""
+    """For processes that serve no model of their own (the warm process, a device host)."""
     _start(config, None, config.metrics_dir / "container" / str(os.getpid()))
 
 
 def _start(config: Config, model: str | None, directory: Path) -> bool:
     global _metrics
-    if config.metrics_port == 0:
+    if config.metrics_port == 0 or not _make_directory(directory):
         return False
+    os.environ[DIRECTORY_VARIABLE] = str(directory)
+    values.ValueClass = values.MultiProcessValue()
+    _metrics = Series(model, directory)
+    return True
+
+
+def _make_directory(directory: Path) -> bool:
     for attempt in range(MKDIR_ATTEMPTS):  # the exporter may remove an empty parent at the same moment
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            break
+            return True
         except OSError as exc:
             if attempt == MKDIR_ATTEMPTS - 1:
-                logger.warning("metrics off in this process: cannot create %s: %s", directory, exc)
-                return False
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
-    values.ValueClass = values.MultiProcessValue()
-    _metrics = _Metrics(model, directory)
-    return True
+                logger.warning("metrics off here: cannot create %s: %s", directory, exc)
+    return False
 
 
 def _recorder(function: Callable[P, None]) -> Callable[P, None]:
@@ -200,7 +199,7 @@ def _recorder(function: Callable[P, None]) -> Callable[P, None]:
 
     @functools.wraps(function)
     def record(*args: P.args, **kwargs: P.kwargs) -> None:
-        if _metrics is None:
+        if current() is None:
             return
         try:
             function(*args, **kwargs)
@@ -210,9 +209,10 @@ def _recorder(function: Callable[P, None]) -> Callable[P, None]:
     return record
 
 
-def _live() -> _Metrics:
-    assert _metrics is not None  # _recorder checked
-    return _metrics
+def _live() -> Series:
+    series = current()
+    assert series is not None  # _recorder checked
+    return series
 
 
 @_recorder
@@ -221,8 +221,8 @@ def record_requests(statuses: Callable[[], Sequence[int]], seconds: float) -> No
     backend took."""
     metrics = _live()
     for status in statuses():
-        metrics.requests.labels(metrics.model, str(status)).inc()
-        metrics.request_seconds.labels(metrics.model).observe(seconds)
+        metrics.child(metrics.requests, metrics.model, str(status)).inc()
+        metrics.child(metrics.request_seconds, metrics.model).observe(seconds)
 
 
 @_recorder
@@ -230,8 +230,8 @@ def record_pass(waits: Sequence[float], seconds: float, batch_size: int) -> None
     """One forward pass: how long each of its requests waited for it, how long it took, and how many it served."""
     metrics = _live()
     for wait in waits:
-        metrics.queue_seconds.labels(metrics.model).observe(wait)
-    metrics.predict_seconds.labels(metrics.model).observe(seconds)
+        metrics.child(metrics.queue_seconds, metrics.model).observe(wait)
+    metrics.child(metrics.predict_seconds, metrics.model).observe(seconds)
     if metrics.batch_sizes is None:
         metrics.batch_sizes = Histogram(
             "mme_batch_size",
@@ -240,7 +240,7 @@ def record_pass(waits: Sequence[float], seconds: float, batch_size: int) -> None
             buckets=batch_size_buckets(batch_size),
             registry=None,
         )
-    metrics.batch_sizes.labels(metrics.model).observe(len(waits))
+    metrics.child(metrics.batch_sizes, metrics.model).observe(len(waits))
     _record_gpu_memory(metrics)
 
 
@@ -253,32 +253,50 @@ def watch_gpu_memory(gpu: str) -> None:
     _record_gpu_memory(metrics)
 
 
-def _record_gpu_memory(metrics: _Metrics) -> None:
+def record_device_bytes(gpu: str, device_bytes: int) -> None:
+    """A hosted model's own tensors on GPU ``gpu``: its memory gauge, instead of the host's whole pool."""
+    metrics = current()
+    if metrics is not None:
+        metrics.device_bytes = device_bytes
+        watch_gpu_memory(gpu)
+
+
+def _record_gpu_memory(metrics: Series) -> None:
     if metrics.gpu is not None:
         import torch  # only executors watch a GPU, and they have torch loaded
 
-        metrics.gpu_memory.labels(metrics.model, metrics.gpu).set(torch.cuda.memory_reserved())
+        used = metrics.device_bytes if metrics.device_bytes is not None else torch.cuda.memory_reserved()
+        metrics.child(metrics.gpu_memory, metrics.model, metrics.gpu).set(used)
 
 
 @_recorder
 def record_executor_restart() -> None:
     metrics = _live()
-    metrics.executor_restarts.labels(metrics.model).inc()
+    metrics.child(metrics.executor_restarts, metrics.model).inc()
 
 
 @_recorder
 def record_load(succeeded: bool, seconds: float) -> None:
-    _live().loads.labels("success" if succeeded else "failure").observe(seconds)
+    metrics = _live()
+    metrics.child(metrics.loads, "success" if succeeded else "failure").observe(seconds)
 
 
 @_recorder
 def record_unload(clean: bool, seconds: float) -> None:
-    _live().unloads.labels("success" if clean else "killed").observe(seconds)
+    metrics = _live()
+    metrics.child(metrics.unloads, "success" if clean else "killed").observe(seconds)
+
+
+@_recorder
+def record_quarantine(model: str) -> None:
+    metrics = _live()
+    metrics.child(metrics.quarantines, model).inc()
 
 
 @_recorder
 def record_cache_lookup(cache: str, hit: bool) -> None:
-    _live().cache_lookups.labels(cache, "hit" if hit else "miss").inc()
+    metrics = _live()
+    metrics.child(metrics.cache_lookups, cache, "hit" if hit else "miss").inc()
 
 
 def stop_model(config: Config) -> None:

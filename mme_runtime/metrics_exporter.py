@@ -34,7 +34,14 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from mme_runtime.config import Config
 from mme_runtime.janitor import REQUEST_TIMEOUT_SECONDS
-from mme_runtime.metrics import models_dir, move_to_unloaded, process_started, server_alive, unloaded_dir
+from mme_runtime.metrics import (
+    HOST_BYTES_FILE,
+    models_dir,
+    move_to_unloaded,
+    process_started,
+    server_alive,
+    unloaded_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -134,9 +141,17 @@ class ModelMetrics:
 
     def _live_gauges(self) -> Iterator[Metric]:
         servers: dict[str, list[psutil.Process]] = {}
+        hosted: dict[str, int] = {}  # a device host's models: their own tensors (the host's PSS is all of them)
         for directory in self._server_dirs():
             if not server_alive(directory):
                 continue
+            model = urllib.parse.unquote(directory.parent.name)
+            try:
+                hosted[model] = hosted.get(model, 0) + int((directory / HOST_BYTES_FILE).read_text())
+                servers.setdefault(model, [])
+                continue
+            except (OSError, ValueError):
+                pass  # a server of its own: its processes' memory is the model's
             try:
                 server = psutil.Process(int(directory.name))
             except psutil.Error:
@@ -146,7 +161,7 @@ class ModelMetrics:
             except psutil.Error:  # an executor ending at this moment: the server still counts, its memory next time
                 children = []
             processes = [server, *children]
-            servers.setdefault(urllib.parse.unquote(directory.parent.name), []).extend(processes)
+            servers.setdefault(model, []).extend(processes)
         running = GaugeMetricFamily("mme_models_loaded", "Models whose model server runs (loading, or loaded).")
         running.add_metric([], len(servers))
         yield running
@@ -158,7 +173,7 @@ class ModelMetrics:
         now = time.monotonic()
         readings = {}
         for model, processes in sorted(servers.items()):
-            total = 0
+            total = hosted.get(model, 0)
             for process in processes:
                 key = (process.pid, process_started(process.pid) or 0.0)
                 read_at, value = self._host_memory.get(key, (-HOST_MEMORY_SECONDS, 0))

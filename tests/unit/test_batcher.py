@@ -166,3 +166,36 @@ def test_a_lone_request_after_a_burst_is_not_held_for_the_clients_that_left() ->
     batcher.submit([job(torch.ones(1, 2))])
 
     assert time.monotonic() - started < 0.15
+
+
+def test_an_unbatched_model_runs_up_to_its_concurrency_of_passes_at_once() -> None:
+    running, most = 0, 0
+    lock = threading.Lock()
+
+    def slow(jobs: list[Job]) -> None:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.1)
+        with lock:
+            running -= 1
+        for one in jobs:
+            one.result = one.data
+
+    batcher = Batcher(slow, batch_size=1, max_delay_ms=10, name="parallel", concurrency=3)
+    started = time.monotonic()
+    threads = [submit_in_thread(batcher, [Job(index, None, None, 1)]) for index in range(6)]
+    for thread in threads:
+        thread.join(5)
+    assert most == 3  # never more than its bound, and the bound is used
+    assert time.monotonic() - started < 0.45  # 6 passes of 0.1 s, 3 at a time: about 0.2 s, not 0.6
+
+
+def test_closing_ends_the_dispatchers_once_the_queue_is_done() -> None:
+    batcher = Batcher(Recorder(), batch_size=4, max_delay_ms=10, name="closing", concurrency=2)
+    request = job(torch.ones(1, 2))
+    batcher.submit([request])
+    batcher.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("batcher-closing")]
+    assert torch.equal(request.result, torch.full((1, 2), 2.0))

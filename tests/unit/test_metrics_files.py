@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mme_runtime import metrics
+from mme_runtime import metric_series, metrics
 from mme_runtime.config import Config
 from mme_runtime.metrics_exporter import ModelMetrics
 
@@ -194,7 +194,7 @@ def test_a_failure_to_record_never_reaches_the_caller(config: Config) -> None:
     [(1, [1.0]), (4, [1.0, 2.0, 3.0, 4.0]), (100, [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 100.0])],
 )
 def test_batch_size_buckets(batch_size: int, buckets: list[float]) -> None:
-    assert metrics.batch_size_buckets(batch_size) == buckets
+    assert metric_series.batch_size_buckets(batch_size) == buckets
 
 
 def test_user_metrics_in_a_model_process_stay_out(config: Config, exporter: Exporter) -> None:

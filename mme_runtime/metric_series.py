@@ -1,0 +1,141 @@
+"""The Prometheus series one model process writes (``metrics.py`` records into them), and the values behind them.
+
+A process that serves one model writes every value to its directory (``PROMETHEUS_MULTIPROC_DIR``, set once). A
+device host serves many: each of its models' ``Series`` owns a value class of its own, and every value is made with
+that class and its model's directory in force (prometheus_client reads both when a value is made, never after, in a
+process that does not fork), so each model's files land in its own directory and go with it on UNLOAD.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram, values
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Up to this batch size every size has its own bucket; above it, powers of two and the batch size itself.
+MAX_EXACT_BATCH_BUCKETS = 64
+DIRECTORY_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
+# Held while a hosted model's values are made: the value class and the directory are process-wide.
+_MAKING_VALUES = threading.Lock()
+
+
+def batch_size_buckets(batch_size: int) -> list[float]:
+    if batch_size <= MAX_EXACT_BATCH_BUCKETS:
+        return [float(size) for size in range(1, batch_size + 1)]
+    sizes = {2**power for power in range(batch_size.bit_length()) if 2**power < batch_size}
+    return [float(size) for size in sorted(sizes | {batch_size})]
+
+
+class Series:
+    """One model's metric objects (or the container's, with no model). With ``home`` (the process's own directory),
+    a device host's model: its values go to ``directory``, the process's other values to ``home``."""
+
+    def __init__(self, model: str | None, directory: Path, home: Path | None = None) -> None:
+        self.model = model
+        self.directory = directory
+        self._home = home  # the process's own directory, when this series is a hosted model's
+        self._value_class: Any = None
+        self._close_files: Any = None
+        if home is not None:
+            self._value_class = values.MultiProcessValue()
+            # prometheus_client keeps each value class's cleanup (it closes the class's files) last in this list.
+            self._close_files = values._multi_process_cleanups[-1]
+        self._children: dict[tuple[int, tuple[Any, ...]], Any] = {}
+        self.device_bytes: int | None = None  # a hosted model's own tensors on its GPU (not the process's pool)
+        self.gpu: str | None = None  # the executor's card, once it reports its GPU memory
+        self.batch_sizes: Histogram | None = None
+        # registry=None: the exporter reads the files; nothing in a model process exposes a registry.
+        self.requests = Counter(
+            "mme_requests", "Requests answered by the model, by HTTP status code.", ["model", "code"], registry=None
+        )
+        self.request_seconds = Histogram(
+            "mme_request_duration_seconds",
+            "Time in the model's backend from a request's arrival to its answer.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=None,
+        )
+        self.queue_seconds = Histogram(
+            "mme_queue_duration_seconds",
+            "Time a decoded request waited for its forward pass.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=None,
+        )
+        self.predict_seconds = Histogram(
+            "mme_predict_duration_seconds",
+            "Time of one forward pass (predict_fn on a batch, or transform_fn), per pass.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=None,
+        )
+        self.executor_restarts = Counter(
+            "mme_executor_restarts", "Executors started again after one that served ended.", ["model"], registry=None
+        )
+        # livesum: the exporter leaves out the files of processes that ended, so a dead executor's memory goes.
+        self.gpu_memory = Gauge(
+            "mme_model_gpu_memory_bytes",
+            "GPU memory reserved by PyTorch in the model's executor, per card (the CUDA context not included).",
+            ["model", "gpu"],
+            multiprocess_mode="livesum",
+            registry=None,
+        )
+        self.loads = Histogram(
+            "mme_model_load_duration_seconds",
+            "LOADs that reached a model server, from its start to its first answer, by outcome.",
+            ["outcome"],
+            buckets=LOAD_BUCKETS,
+            registry=None,
+        )
+        self.unloads = Histogram(
+            "mme_model_unload_duration_seconds",
+            "UNLOADs of loaded models, from the stop request to every executor ended, by outcome.",
+            ["outcome"],
+            buckets=LOAD_BUCKETS,
+            registry=None,
+        )
+        self.quarantines = Counter(
+            "mme_model_quarantines",
+            "Models moved out of their device host to processes of their own after crashing it twice.",
+            ["model"],
+            registry=None,
+        )
+        self.cache_lookups = Counter(
+            "mme_cache_lookups", "Cache lookups, by cache and result (hit or miss).", ["cache", "result"], registry=None
+        )
+        if model is not None:
+            self.child(self.executor_restarts, model)  # shown as 0 from the start, not only after the first restart
+
+    def child(self, family: Any, *labels: Any) -> Any:
+        """``family.labels(*labels)``, its values made in this series' directory."""
+        key = (id(family), labels)
+        made = self._children.get(key)
+        if made is None:
+            with self._making_values():
+                made = self._children[key] = family.labels(*labels)
+        return made
+
+    def close(self) -> None:
+        """Closes a hosted model's files (its directory is handed to the exporter next)."""
+        if self._close_files is not None:
+            self._close_files()
+
+    @contextmanager
+    def _making_values(self) -> Iterator[None]:
+        if self._value_class is None or self._home is None:
+            yield
+            return
+        with _MAKING_VALUES:
+            saved_class = values.ValueClass
+            values.ValueClass, os.environ[DIRECTORY_VARIABLE] = self._value_class, str(self.directory)
+            try:
+                yield
+            finally:
+                values.ValueClass, os.environ[DIRECTORY_VARIABLE] = saved_class, str(self._home)
