@@ -37,7 +37,7 @@ class DefaultPytorchInferenceHandler(DefaultInferenceHandler):  # type: ignore[m
         if cached is not None:
             return cached  # loaded once by the warm process, shared with every server forked since
         try:
-            return torch.jit.load(str(path), map_location="cpu")
+            return torch.jit.load(str(path), map_location="cpu")  # type: ignore[no-untyped-call,unused-ignore]
         except RuntimeError as jit_error:
             raise _not_torchscript(path, jit_error) from jit_error
 

@@ -30,7 +30,6 @@ from types import FrameType
 from typing import Any
 
 from mms.arg_parser import ArgParser
-from mms.protocol.otf_message_handler import LOAD_MSG, retrieve_msg
 
 from mme_runtime import devices, fork_safety, metrics, nvidia
 from mme_runtime.config import (
@@ -40,7 +39,7 @@ from mme_runtime.config import (
     INHERITED_PENDING_FD,
     Config,
 )
-from mme_runtime.executor import READY, Assignment, hand_over, serve_executor
+from mme_runtime.executor import READY, Assignment, device_of, hand_over, read_assignment, serve_executor
 from mme_runtime.loading import (
     LoadedModel,
     LoadFailure,
@@ -240,15 +239,8 @@ class BackendServer:
             # Never fork an executor that would die on its first CUDA call.
             reason = "CUDA was initialised in the preload server before fork"
             self._fall_back_to_loading_per_executor(reason, connection)
-        try:
-            connection.settimeout(LOAD_MESSAGE_SECONDS)
-            command, message = retrieve_msg(connection)
-            connection.settimeout(None)
-            if command != LOAD_MSG:
-                raise ValueError(f"expected a LOAD message first, got {command!r}")
-        except (ValueError, OSError) as exc:
-            logger.warning("model=%s dropped a frontend connection: %s", self.spec.name, exc)
-            connection.close()
+        assignment = read_assignment(connection, self.spec.name, LOAD_MESSAGE_SECONDS)
+        if assignment is None:
             return
         if self.load_failure is not None:
             if not self.devices_started and not self.refused:
@@ -256,11 +248,7 @@ class BackendServer:
             self.refused = True
             refuse_load(connection, self.load_failure, self.spec, self.config)
             return
-        assignment = Assignment.from_load_message(message)
-        # One executor per card: two frontend ids can name one card (within an outer CUDA_VISIBLE_DEVICES).
-        device = (
-            None if assignment.gpu is None else devices.visible_gpu(assignment.gpu, self.config.cuda_visible_devices)
-        )
+        device = device_of(assignment, self.config.cuda_visible_devices)  # one executor per card
         try:
             for attempt in (1, 2):
                 executor = self.executors.get(device) or self._start_executor(device, assignment, connection)

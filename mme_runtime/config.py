@@ -23,6 +23,7 @@ MIB = 1024 * 1024
 # Bounds of the batching settings, wherever they come from (environment, serving.properties).
 MAX_BATCH_SIZE = 1024
 MAX_BATCH_DELAY_MS = 60_000
+MAX_CONCURRENCY = 256
 INHERITED_LISTEN_FD = "MME_BACKEND_LISTEN_FD"
 INHERITED_LIFELINE_FD = "MME_BACKEND_LIFELINE_FD"
 INHERITED_PENDING_FD = "MME_BACKEND_PENDING_FD"
@@ -152,6 +153,19 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "10",
         "max_batch_delay_ms",
         "Longest a batch waits for more requests after a forward pass, for models that set no `max_batch_delay`.",
+    ),
+    EnvVar(
+        "MME_MAX_CONCURRENCY",
+        "4 unbatched, 1 batching",
+        "max_concurrency",
+        "Forward passes of one model that may run at once on a device, for models that set no `max_concurrency`.",
+    ),
+    EnvVar(
+        "MME_SHARE_DEVICE",
+        "true",
+        "share_device",
+        "Serve every model that can share one in one device host per device (one CUDA context per GPU); `false` "
+        "gives every model processes of its own, as `isolation=process` does for one model.",
     ),
     EnvVar(
         "MME_S3_TIMEOUT_SECONDS",
@@ -301,6 +315,8 @@ class Config:
     memory_headroom_mb: int = 256
     batch_size: int = 1
     max_batch_delay_ms: int = 10
+    max_concurrency: int | None = None
+    share_device: bool = True
     pip_timeout_seconds: int = 300
     properties_file: Path | None = None
     load_models: tuple[tuple[str, str], ...] = ()
@@ -349,6 +365,8 @@ class Config:
         take("MME_MODEL_CACHE_MB", "model_cache_mb", lambda n, v: parse_int(n, v, 0))
         take("MME_BATCH_SIZE", "batch_size", lambda n, v: parse_int(n, v, 1, MAX_BATCH_SIZE))
         take("MME_MAX_BATCH_DELAY_MS", "max_batch_delay_ms", lambda n, v: parse_int(n, v, 0, MAX_BATCH_DELAY_MS))
+        take("MME_MAX_CONCURRENCY", "max_concurrency", lambda n, v: parse_int(n, v, 1, MAX_CONCURRENCY))
+        take("MME_SHARE_DEVICE", "share_device", parse_bool)
         take("MME_S3_TIMEOUT_SECONDS", "s3_timeout_seconds", lambda n, v: parse_int(n, v, 1))
         take("MME_PIP_TIMEOUT_SECONDS", "pip_timeout_seconds", lambda n, v: parse_int(n, v, 1))
         take("SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT", "default_accept", lambda n, v: v.strip())
@@ -423,7 +441,10 @@ class Config:
             "PYTORCH_NVML_BASED_CUDA_CHECK": self.nvml_cuda_check,
             "OMP_WAIT_POLICY": self.omp_wait_policy,
             "MME_METRICS_PORT": str(self.metrics_port),
+            "MME_SHARE_DEVICE": "true" if self.share_device else "false",
         }
+        if self.max_concurrency is not None:
+            env["MME_MAX_CONCURRENCY"] = str(self.max_concurrency)
         if self.submit_directory is not None:
             env["SAGEMAKER_SUBMIT_DIRECTORY"] = self.submit_directory
         if self.preload_model_gpu is not None:

@@ -21,10 +21,12 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from mms.protocol.otf_message_handler import create_load_model_response, retrieve_msg
+from mms.protocol.otf_message_handler import LOAD_MSG, create_load_model_response, retrieve_msg
 from mms.service import emit_metrics
 
 from mme_runtime import devices, fork_safety, metrics
@@ -64,6 +66,28 @@ class Assignment:
     def from_load_message(cls, message: dict[str, Any]) -> Assignment:
         gpu = message.get("gpu")
         return cls(None if gpu is None else int(gpu), max(1, int(message.get("batchSize") or 1)))
+
+
+def read_assignment(connection: socket.socket, model_name: str, timeout: float) -> Assignment | None:
+    """Reads a frontend connection's first message, its LOAD (the GPU the frontend assigned it); None, with the
+    connection closed and the cause logged, when something else or nothing arrives within ``timeout``."""
+    try:
+        connection.settimeout(timeout)
+        command, message = retrieve_msg(connection)
+        connection.settimeout(None)
+        if command != LOAD_MSG:
+            raise ValueError(f"expected a LOAD message first, got {command!r}")
+    except (ValueError, OSError) as exc:
+        logger.warning("model=%s dropped a frontend connection: %s", model_name, exc)
+        connection.close()
+        return None
+    return Assignment.from_load_message(message)
+
+
+def device_of(assignment: Assignment, visible_devices: str | None) -> str | None:
+    """The card a connection's device names (two frontend ids can name one card within an outer
+    ``CUDA_VISIBLE_DEVICES``); None for the CPU."""
+    return None if assignment.gpu is None else devices.visible_gpu(assignment.gpu, visible_devices)
 
 
 def hand_over(control: socket.socket, connection: socket.socket, assignment: Assignment) -> None:
@@ -126,7 +150,7 @@ def serve_executor(
             refuse_load(connection, failure, spec, config)
         sys.stdout.flush()
         os._exit(WORKER_BOOT_ERROR)
-    _start_batching(spec, config, loaded)
+    start_batching(spec, config, loaded)
     if load_started is not None:
         metrics.record_load(True, time.time() - load_started)
     if assignment.gpu is not None and devices.cuda_initialized():
@@ -136,7 +160,7 @@ def serve_executor(
     logger.info("model=%s executor pid=%d gpu=%s serving", spec.name, os.getpid(), assignment.gpu)
     while (received := _receive(control)) is not None:
         for connection, _ in received:
-            threading.Thread(target=_serve_connection, args=(connection, spec, loaded), daemon=True).start()
+            threading.Thread(target=serve_connection, args=(connection, spec, loaded), daemon=True).start()
     logger.info("model=%s executor pid=%d: server gone, stopping", spec.name, os.getpid())
     sys.stdout.flush()
     os._exit(0)
@@ -162,7 +186,7 @@ def _load_in_executor(
     return preloaded
 
 
-def _start_batching(spec: ModelSpec, config: Config, loaded: LoadedModel) -> None:
+def start_batching(spec: ModelSpec, config: Config, loaded: LoadedModel) -> None:
     """From here on the handler is called from many threads; our handler then batches their forward passes."""
     if not hasattr(loaded.module, "start_batcher"):
         return  # another handler (MMS's ``module:function``): it is called from the connections' threads as it is
@@ -175,8 +199,14 @@ def _start_batching(spec: ModelSpec, config: Config, loaded: LoadedModel) -> Non
             logger.warning("model=%s could not ask for %d workers per device: %s", spec.name, settings.batch_size, exc)
 
 
-def _serve_connection(connection: socket.socket, spec: ModelSpec, loaded: LoadedModel) -> None:
-    """One frontend connection: its LOAD answered, then its inference messages, one at a time, until it closes."""
+def serve_connection(
+    connection: socket.socket,
+    spec: ModelSpec,
+    loaded: LoadedModel,
+    running: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> None:
+    """One frontend connection: its LOAD answered, then its inference messages, one at a time, until it closes.
+    ``running`` brackets each message's handling (a device host marks whose code runs)."""
     try:
         connection.sendall(create_load_model_response(200, f"loaded model {spec.name}. [PID]:{os.getpid()}"))
         while True:
@@ -184,7 +214,8 @@ def _serve_connection(connection: socket.socket, spec: ModelSpec, loaded: Loaded
             if command != b"I":
                 raise ValueError(f"unexpected command {command!r} after LOAD")
             started = time.monotonic()
-            context, response = _answer(loaded, message)
+            with running():
+                context, response = _answer(loaded, message)
             connection.sendall(response)
             # Recorded once the answer is on its way: the caller does not wait for its metrics.
             metrics.record_requests(functools.partial(_statuses, context, response), time.monotonic() - started)

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from mms.protocol.otf_message_handler import create_load_model_response
@@ -52,7 +51,7 @@ class ModelSpec:
 class LoadedModel:
     """A model's handler module and MMS service, as loaded in the server (preload) or in an executor."""
 
-    module: ModuleType
+    module: Any  # the handler module MMS names (``handler_service``), or a device host's handler of the model's own
     service: Service
 
 
@@ -66,11 +65,12 @@ class LoadFailure(Exception):
 
 
 def check_memory(spec: ModelSpec, config: Config, gpu: int | None, host: bool = True) -> None:
-    """507 before loading what will not fit: host memory where the model is loaded, GPU memory where it goes."""
+    """507 before loading what will not fit: host memory where the model is loaded, GPU memory where it goes (in a
+    process whose CUDA context exists, a device host, as that context sees it)."""
     try:
         if host:
             memory.check_host_memory(Path(spec.model_dir), config.memory_headroom_mb)
-        if gpu is not None:
+        if gpu is not None and not memory.check_context_memory(Path(spec.model_dir), config.memory_headroom_mb):
             card = devices.visible_gpu(gpu, config.cuda_visible_devices)
             memory.check_gpu_memory(Path(spec.model_dir), card, config.memory_headroom_mb)
     except InsufficientMemory as exc:
@@ -132,12 +132,16 @@ def load_model(
     return LoadedModel(module, service)
 
 
-def refuse_load(connection: socket.socket, failure: LoadFailure, spec: ModelSpec, config: Config) -> None:
-    """Fails a frontend connection's LOAD with ``failure`` (its LOAD message already read) and closes it."""
+def refuse_load(
+    connection: socket.socket, failure: LoadFailure, spec: ModelSpec, config: Config, drain: bool = True
+) -> None:
+    """Fails a frontend connection's LOAD with ``failure`` (its LOAD message already read) and closes it.
+    ``drain=False`` where the cause was logged by a process that has ended (its output is read already)."""
     # The cause is in the log: give the frontend's log reader a moment to take it before our answer or
     # disconnect makes it stop reading.
     sys.stdout.flush()
-    time.sleep(LOG_DRAIN_SECONDS)
+    if drain:
+        time.sleep(LOG_DRAIN_SECONDS)
     try:
         if failure.status in REPLIED_STATUSES:
             # Statuses the platform acts on are answered; MMS then leaves the model half-registered, which the

@@ -41,6 +41,22 @@ def check_host_memory(model_dir: Path, headroom_mb: int) -> None:
         )
 
 
+def check_context_memory(model_dir: Path, headroom_mb: int) -> bool:
+    """In a process whose CUDA context exists (a device host): the artifacts plus headroom against what that context
+    can still allocate, the card's free memory plus what torch's caching allocator holds unused. False when this
+    process has no CUDA context (nothing checked: never create one for this)."""
+    import torch
+
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return False
+    free, _ = torch.cuda.mem_get_info()
+    free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    needed = artifact_bytes(model_dir) + headroom_mb * MIB
+    if needed > free:
+        raise InsufficientMemory(f"{model_dir} needs about {needed // MIB} MiB on the GPU, {free // MIB} MiB free")
+    return True
+
+
 def check_gpu_memory(model_dir: Path, gpu: str, headroom_mb: int) -> None:
     """Raises InsufficientMemory when the artifacts plus headroom exceed the free memory of ``gpu`` (an nvidia-smi
     index or UUID: the physical card)."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from collections.abc import Iterator
+import signal
+from collections.abc import Iterable, Iterator, Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,21 @@ def exited_children() -> Iterator[tuple[int, int]]:
         if pid == 0:
             return
         yield pid, os.waitstatus_to_exitcode(status)
+
+
+def become_child(title: str, close_fds: Iterable[int], environment: Mapping[str, str]) -> None:
+    """First steps of a child the warm process forked: named for ``ps``, killed with its parent, holding none of the
+    parent's descriptors it was given, with the default SIGTERM and SIGINT, and ``environment`` as its own."""
+    import setproctitle
+
+    setproctitle.setproctitle(title)  # before the environment is replaced: it finds the argv memory through it
+    os.environ.clear()
+    os.environ.update(environment)
+    prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), "PR_SET_PDEATHSIG")
+    for fd in close_fds:
+        os.close(fd)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def prctl(option: int, value: int, what: str) -> None:

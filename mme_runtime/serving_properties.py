@@ -1,7 +1,8 @@
 """A model's own serving settings: ``serving.properties`` in its directory, over the container-wide defaults.
 
 The keys are the ones MMS's LOAD and the AWS large-model container use: ``batch_size`` (requests per forward
-pass) and ``max_batch_delay`` (milliseconds); ``compile`` (``true``) and ``compile_mode`` ask for an AOTInductor
+pass) and ``max_batch_delay`` (milliseconds); ``max_concurrency`` (forward passes at once); ``isolation``
+(``process``: never share the device host); ``compile`` (``true``) and ``compile_mode`` ask for an AOTInductor
 compile of the model on each device (``compiling.py``). A LOAD body that carries ``batch_size`` wins over both: MMS then
 sends it in every worker's LOAD message. A malformed file fails the LOAD, with the cause in the log.
 """
@@ -12,14 +13,18 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mme_runtime.config import MAX_BATCH_DELAY_MS, MAX_BATCH_SIZE, Config, parse_bool, parse_int
+from mme_runtime.config import MAX_BATCH_DELAY_MS, MAX_BATCH_SIZE, MAX_CONCURRENCY, Config, parse_bool, parse_int
 from mme_runtime.errors import ConfigError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
 FILE_NAME = "serving.properties"
-KNOWN_KEYS = ("batch_size", "max_batch_delay", "compile", "compile_mode")
+KNOWN_KEYS = ("batch_size", "max_batch_delay", "compile", "compile_mode", "max_concurrency", "isolation")
 COMPILE_MODES = ("default", "max-autotune")
+ISOLATIONS = ("shared", "process")
+# Forward passes of one model at once when nothing sets it: stock MMS runs one request per worker at once, so an
+# unbatched model keeps that parallelism; a batching model runs one pass at a time, which is what lets a batch form.
+DEFAULT_UNBATCHED_CONCURRENCY = 4
 
 
 @dataclass(frozen=True)
@@ -31,10 +36,19 @@ class ServingSettings:
     source: str
     compile: bool = False
     compile_mode: str = "default"
+    max_concurrency: int | None = None  # None: DEFAULT_UNBATCHED_CONCURRENCY unbatched, 1 batching
+    isolation: str = "shared"  # "process": an executor of its own, never the device host
 
     @property
     def batching(self) -> bool:
         return self.batch_size > 1
+
+    @property
+    def concurrency(self) -> int:
+        """Forward passes of this model that may run at once on one device."""
+        if self.max_concurrency is not None:
+            return self.max_concurrency
+        return 1 if self.batching else DEFAULT_UNBATCHED_CONCURRENCY
 
     def with_load_batch_size(self, batch_size: int) -> ServingSettings:
         """The LOAD body's ``batch_size`` (MMS passes it on; 1 when the body had none) wins over the file."""
@@ -48,7 +62,9 @@ def read_settings(model_dir: Path, config: Config) -> ServingSettings:
 
     Raises ``ModelLoadError`` naming the file, line and problem when the file is malformed.
     """
-    defaults = ServingSettings(config.batch_size, config.max_batch_delay_ms, "MME_BATCH_SIZE")
+    defaults = ServingSettings(
+        config.batch_size, config.max_batch_delay_ms, "MME_BATCH_SIZE", max_concurrency=config.max_concurrency
+    )
     path = model_dir / FILE_NAME
     if not path.is_file():
         return defaults
@@ -58,6 +74,10 @@ def read_settings(model_dir: Path, config: Config) -> ServingSettings:
         mode = values.get("compile_mode", "default")
         if mode not in COMPILE_MODES:
             raise ConfigError(f"compile_mode={mode!r} must be one of {', '.join(COMPILE_MODES)}")
+        isolation = values.get("isolation", "shared")
+        if isolation not in ISOLATIONS:
+            raise ConfigError(f"isolation={isolation!r} must be one of {', '.join(ISOLATIONS)}")
+        concurrency = values.get("max_concurrency")
         return ServingSettings(
             batch_size=defaults.batch_size if size is None else parse_int("batch_size", size, 1, MAX_BATCH_SIZE),
             max_batch_delay_ms=defaults.max_batch_delay_ms
@@ -66,6 +86,10 @@ def read_settings(model_dir: Path, config: Config) -> ServingSettings:
             source=FILE_NAME if size is not None else defaults.source,
             compile=parse_bool("compile", values.get("compile", "false")),
             compile_mode=mode,
+            max_concurrency=defaults.max_concurrency
+            if concurrency is None
+            else parse_int("max_concurrency", concurrency, 1, MAX_CONCURRENCY),
+            isolation=isolation,
         )
     except (ConfigError, OSError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{FILE_NAME} is malformed: {exc}") from exc

@@ -48,14 +48,13 @@ sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != _here]
 
 # The guard matters: a spawned worker re-imports this file as __mp_main__ and must not start a second server.
 if __name__ == "__main__":
-    from mme_runtime.config import Config
+    # Read here, not through mme_runtime.config: importing it would cost every model 13 MiB in this process.
+    if os.environ.get("MME_WARM_START", "true").strip().lower() not in ("0", "false", "no", "off"):
+        from mme_runtime import warm_stub
 
-    config = Config.from_process_env()
-    if config.warm_start:
-        # Fork the server from the warm process (torch already imported); None if it is not there.
-        from mme_runtime.warm_start import run_via_warm_process
-
-        status = run_via_warm_process(str(config.warm_socket))
+        # The warm process serves the model (torch already imported there); None if it is not there.
+        runtime_dir = os.path.abspath(os.environ.get("MME_RUNTIME_DIR") or "/tmp/mme")
+        status = warm_stub.run_via_warm_process(os.path.join(runtime_dir, "warm.sock"), dict(os.environ))
         if status is not None:
             sys.exit(status)
     from mme_runtime.backend import main

@@ -10,8 +10,10 @@ bad request never fails its neighbours. Tracebacks go to the log, never to clien
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -62,6 +64,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         self._loaded = False
         self._attached = False
         self._code_dir: Path | None = None
+        self._user_modules: set[str] = set()
         self._negotiates_accept = True
         self._settings = ServingSettings(1, 0, "none")
         self._batcher: Batcher | None = None
@@ -79,22 +82,38 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
     def load(self, mms_context: Any, device: torch.device = HOST) -> None:
         """Imports the user's code and runs ``model_fn``: what the preload server does once per model."""
         context = InferenceContext(mms_context, device)
-        model_dir = Path(context.model_dir)
         started = time.monotonic()
+        self._prepare(context)
+        self._run_load_step("pre_model_fn", context, context.model_dir)
+        self._model = self._run_load_step("model_fn", context, context.model_dir)
+        self._loaded = True
+        logger.info("model=%s loaded seconds=%.2f", context.model_name, time.monotonic() - started)
+
+    def adopt(self, mms_context: Any, make_model: Callable[[], Any]) -> None:
+        """Imports the user's code and takes the model ``model_fn`` returned in another process (``make_model``
+        rebuilds it here, so it runs once the user's classes are importable): what a device host does."""
+        context = InferenceContext(mms_context, HOST)
+        self._prepare(context)
+        try:
+            self._model = make_model()
+        except Exception as exc:  # boundary: the LOAD fails with the cause
+            raise load_failure(context.model_name, "taking the preloaded model", exc) from exc
+        self._loaded = True
+
+    def _prepare(self, context: InferenceContext) -> None:
+        """The model's settings and its user code (imported under the model's unique name), functions bound."""
+        model_dir = Path(context.model_dir)
         config = self._config
         try:
             self._settings = read_settings(model_dir, config)
         except ModelLoadError as exc:
             raise load_failure(context.model_name, "reading serving settings", exc) from exc
         code_dir, user = load_user_code(context.model_name, model_dir, config)
+        self._user_modules = {function.function.__module__ for function in user.values()}
         self._functions = self._with_defaults(user)
         # Decided once per model, not per request: only our default output_fn needs Accept negotiated up front.
         self._negotiates_accept = "transform_fn" not in user and "output_fn" not in user
         self._code_dir = code_dir
-        self._run_load_step("pre_model_fn", context, str(model_dir))
-        self._model = self._run_load_step("model_fn", context, str(model_dir))
-        self._loaded = True
-        logger.info("model=%s loaded seconds=%.2f", context.model_name, time.monotonic() - started)
 
     def attach(self, mms_context: Any, device: torch.device) -> None:
         """Places the loaded model on this executor's device and warms it up; runs in the executor."""
@@ -140,9 +159,28 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         if self._batcher is None:
             settings = self._settings
             self._batcher = Batcher(
-                self._run_jobs, settings.batch_size, settings.max_batch_delay_ms, self._context.model_name
+                self._run_jobs,
+                settings.batch_size,
+                settings.max_batch_delay_ms,
+                self._context.model_name,
+                settings.concurrency,
             )
         return self._settings
+
+    @property
+    def batcher_threads(self) -> list[threading.Thread]:
+        return [] if self._batcher is None else list(self._batcher.threads)
+
+    def close(self) -> None:
+        """Lets go of the model (its UNLOAD in a device host): the batcher's threads end, the user module goes."""
+        if self._batcher is not None:
+            self._batcher.close()
+            self._batcher = None
+        self._model = None
+        for name in self._user_modules:  # imported under the model's unique name: nothing else refers to it
+            sys.modules.pop(name, None)
+        self._functions = {}
+        self._attached = self._loaded = False
 
     def _compile(self, context: InferenceContext, device: torch.device) -> None:
         """``compile=true``: the model compiled for this device (traced on the decoded warm-up sample), or eager."""

@@ -1,38 +1,37 @@
-"""Warm start: a CUDA-free process with torch and the handler stack imported, from which model servers are forked.
+"""Warm start: a CUDA-free process with torch and the handler stack imported, from which every model process is
+forked: the loaders and device hosts of shared models (``shared_models.py``), and the servers of isolated ones.
 
-MMS still launches one process per model (the stub in MODEL_SERVER_HOME); the stub hands its command line,
-environment and stdio to the warm process over a unix socket (SCM_RIGHTS) and then mirrors the forked server:
-it forwards SIGTERM and SIGINT to it and exits with its status. The server watches the stub's connection and stops
-when the stub dies (MMS kills the stub on UNLOAD). User code is imported only after the fork.
-
-This module is imported by the stub too: keep its top-level imports light (no torch).
+MMS still launches one process per model (the stub in MODEL_SERVER_HOME, ``warm_stub.py``); the stub hands its
+command line, environment and stdio to the warm process over a unix socket (SCM_RIGHTS). An isolated model's server
+watches the stub's connection and stops when the stub dies (MMS kills the stub on UNLOAD); a shared model leaves its
+hosts the same way. User code is imported only after a fork.
 """
 
 from __future__ import annotations
 
-import array
-import json
 import logging
 import os
 import select
 import signal
 import socket
-import struct
 import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mme_runtime import model_cache
-from mme_runtime.config import MIB, Config, process_environment
+from mme_runtime import model_cache, sharing
+from mme_runtime.config import INHERITED_LISTEN_FD, MIB, Config
+from mme_runtime.loading import ModelSpec
 from mme_runtime.processes import exited_children
+from mme_runtime.warm_protocol import receive, send
+
+if TYPE_CHECKING:
+    from mme_runtime.shared_models import SharedModel
 
 logger = logging.getLogger(__name__)
 
-HEADER = struct.Struct("!I")
 STDIO_FDS = 3
-MAX_MESSAGE = 1 << 20
 REQUEST_TIMEOUT_SECONDS = 5.0
 # torch.export's archive reader (torch.export.load, AOTInductor packages): it imports torch._inductor and _dynamo.
 PT2_LOADER = "torch.export.pt2_archive._package"
@@ -50,80 +49,6 @@ WARM_MODULES = (
 )
 
 
-def _send(sock: socket.socket, payload: dict[str, Any], fds: list[int] | None = None) -> None:
-    data = json.dumps(payload).encode()
-    message = HEADER.pack(len(data)) + data
-    if fds:
-        sock.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-    else:
-        sock.sendall(message)
-
-
-def _receive(sock: socket.socket, with_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
-    """One framed JSON message (and up to ``with_fds`` descriptors); None when the peer closed."""
-    fds: list[int] = []
-    ancillary = socket.CMSG_SPACE(with_fds * array.array("i").itemsize) if with_fds else 0
-    header, ancdata, _, _ = sock.recvmsg(HEADER.size, ancillary)
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.extend(array.array("i", data[: len(data) - len(data) % array.array("i").itemsize]))
-    while header and len(header) < HEADER.size:  # a stream may split even four bytes
-        chunk = sock.recv(HEADER.size - len(header))
-        if not chunk:
-            break
-        header += chunk
-    if len(header) < HEADER.size:
-        return None, fds
-    (length,) = HEADER.unpack(header)
-    if length > MAX_MESSAGE:
-        raise ValueError(f"warm-start message of {length} bytes refused")
-    body = b""
-    while len(body) < length:
-        chunk = sock.recv(length - len(body))
-        if not chunk:
-            return None, fds
-        body += chunk
-    return json.loads(body), fds
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The stub side: runs in the process MMS started, with nothing heavy imported.
-
-
-def run_via_warm_process(socket_path: str) -> int | None:
-    """Asks the warm process to fork our model server and mirrors it; None if there is no warm process."""
-    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        client.connect(socket_path)
-    except OSError:
-        client.close()
-        return None
-    request = {"argv": sys.argv, "env": process_environment(), "cwd": os.getcwd()}
-    _send(client, request, [0, 1, 2])
-    reply, _ = _receive(client)
-    if reply is None or "pid" not in reply:
-        return None
-    server_pid = int(reply["pid"])
-
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        try:
-            os.kill(server_pid, signum)
-        except ProcessLookupError:
-            pass
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, forward)
-    while True:
-        try:
-            message, _ = _receive(client)
-        except InterruptedError:
-            continue
-        if message is None:  # the warm process died: so did our server's supervisor, treat it as a crash
-            return 1
-        if "exit" in message:
-            return int(message["exit"])
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The warm process side.
 
@@ -132,9 +57,12 @@ class WarmProcess:
     """Accepts stub connections and forks a model server for each, reporting each server's exit to its stub."""
 
     def __init__(self, listener: socket.socket, config: Config) -> None:
+        from mme_runtime.shared_models import SharedModels
+
         self.listener = listener
         self.config = config
         self.children: dict[int, socket.socket] = {}
+        self.shared = SharedModels(config, self._isolate, self._descriptors)
         self._stopping = False
 
     def serve_forever(self) -> None:
@@ -142,10 +70,17 @@ class WarmProcess:
         signal.signal(signal.SIGINT, self._on_stop)
         print(f"warm process ready pid={os.getpid()}", flush=True)
         while not self._stopping:
-            readable, _, _ = select.select([self.listener], [], [], 0.5)
-            if readable:
-                self._accept()
+            try:
+                readable, _, _ = select.select([self.listener, *self.shared.watched()], [], [], 0.5)
+            except InterruptedError:
+                readable = []
+            for sock in readable:
+                if sock is self.listener:
+                    self._accept()
+                else:
+                    self.shared.readable(sock)
             self._reap()
+        self.shared.stop()
         for pid in list(self.children):
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -161,7 +96,7 @@ class WarmProcess:
         connection, _ = self.listener.accept()
         connection.settimeout(REQUEST_TIMEOUT_SECONDS)  # a client that connects and stalls must not stall us
         try:
-            request, fds = _receive(connection, with_fds=STDIO_FDS)
+            request, fds = receive(connection, with_fds=STDIO_FDS)
         except (OSError, ValueError):
             connection.close()
             return
@@ -171,31 +106,62 @@ class WarmProcess:
                 os.close(fd)
             connection.close()
             return
-        cached = self._prepare_cached_model(request["argv"])
-        self._warm_pt2_loader(request["argv"])
         # The warm process must stay CUDA-free for every later fork to be usable.
         if devices.cuda_initialized():
             raise RuntimeError("CUDA was initialised in the warm process; it cannot fork model servers")
-        sys.stdout.flush()  # or the child would replay our buffered output into the stub's pipe
-        pid = os.fork()
-        if pid == 0:
-            self.listener.close()
-            _become_server(connection, request, fds)  # never returns
+        self._warm_pt2_loader(request["argv"])
+        spec = _spec(request["argv"])
+        reason = sharing.container_reason(spec.handler, self.config) if spec is not None else "no model named"
+        if spec is not None and reason is None:
+            self.shared.add(spec, request, connection, fds)
+            return
+        cached = self._prepare_cached_model(request["argv"])
+        pid = self._fork_server(connection, request, fds)
         for fd in fds:
             os.close(fd)
         if cached is not None:
             model_cache.cache.add_user(cached, pid)
         self.children[pid] = connection
-        _send(connection, {"pid": pid})
+        send(connection, {"pid": pid})
+
+    def _fork_server(
+        self, lifeline: socket.socket, request: dict[str, Any], stdio: list[int], keep: tuple[int, ...] = ()
+    ) -> int:
+        """Forks a model server of today's shape (``backend.py``): its own process, executors per device."""
+        close = [fd for fd in self._descriptors() if fd not in (lifeline.fileno(), *stdio, *keep)]
+        sys.stdout.flush()  # or the child would replay our buffered output into the stub's pipe
+        pid = os.fork()
+        if pid == 0:
+            for fd in close:
+                os.close(fd)
+            _become_server(lifeline, request, stdio)  # never returns
+        return pid
+
+    def _isolate(self, model: SharedModel, reason: str) -> int:
+        """A shared model moved to a server of its own, which takes over its socket (the frontend reconnects)."""
+        listen_fd = model.listener.fileno()
+        request = {**model.request, "env": {**model.request["env"], INHERITED_LISTEN_FD: str(listen_fd)}}
+        stdio = [os.dup(fd) for fd in model.stdio]
+        try:
+            return self._fork_server(model.stub, request, stdio, keep=(listen_fd,))
+        finally:
+            for fd in stdio:
+                os.close(fd)
+
+    def _descriptors(self) -> list[int]:
+        """What this process holds that a forked child must not keep open."""
+        return [self.listener.fileno(), *self.shared.descriptors()]
 
     def _reap(self) -> None:
         for pid, code in exited_children():
             model_cache.cache.remove_user(pid)
+            if self.shared.child_exited(pid, code):
+                continue
             connection = self.children.pop(pid, None)
             if connection is None:
                 continue
             try:
-                _send(connection, {"exit": code})
+                send(connection, {"exit": code})
             except OSError:
                 pass  # the stub is gone already
             connection.close()
@@ -231,6 +197,15 @@ class WarmProcess:
         except OSError as exc:  # the server will load (and report) it itself
             logger.info("model cache: %s unavailable (%s)", model_dir, exc)
             return None
+
+
+def _spec(argv: list[str]) -> ModelSpec | None:
+    """The model MMS started this server for, from the arguments it passes (``--model-name``, ``--model-path``, ...)."""
+    values = dict(zip(argv[1::2], argv[2::2], strict=False))
+    try:
+        return ModelSpec(values["--model-name"], values["--model-path"], values["--handler"], values["--tmp-dir"])
+    except KeyError:
+        return None
 
 
 def _model_dir(argv: list[str]) -> Path | None:

@@ -25,6 +25,8 @@ from ports import free_port
 
 ENTRYPOINT = Path(__file__).resolve().parent.parent / "dockerd-entrypoint.py"
 START_TIMEOUT_SECONDS = 120
+STUB_TITLE = "mme-model-stub"  # mme_runtime.warm_stub
+HOST_TITLE = "mme-device-host"  # mme_runtime.device_host
 REQUEST_TIMEOUT_SECONDS = 90
 
 
@@ -81,16 +83,24 @@ class RunningServer:
             return []
 
     def backend_server(self, model_name: str) -> psutil.Process | None:
+        """The model's own server; for a model that shares the device hosts, its stub (the process MMS started)."""
         return find_backend_server(self.descendants(), model_name)
 
-    def worker_pids(self, model_name: str) -> set[int]:
-        """The pids of the model's workers (the backend server's children); the server must be running."""
+    def shares_device_host(self, model_name: str) -> bool:
         backend = self.backend_server(model_name)
-        assert backend is not None, f"no backend server for {model_name}"
+        return backend is not None and is_stub(backend)
+
+    def worker_pids(self, model_name: str) -> set[int]:
+        """The pids of the processes that serve the model: its executors (its own server's children), or for a
+        model that shares them, the device hosts. The model must be loaded."""
+        backend = self.backend_server(model_name)
+        assert backend is not None, f"no process for {model_name}"
+        if is_stub(backend):
+            return {process.pid for process in device_hosts(self.descendants())}
         return {child.pid for child in backend.children()}
 
     def backend_processes(self, model_name: str) -> list[psutil.Process]:
-        """The model's backend server and all its workers."""
+        """The processes the model has of its own: its server and all its executors, or its stub alone."""
         return model_tree(self.descendants(), model_name)
 
 
@@ -122,6 +132,25 @@ def find_backend_server(processes: list[psutil.Process], model_name: str) -> psu
             continue
         return process
     return stub
+
+
+def is_stub(process: psutil.Process) -> bool:
+    """Whether ``process`` is the stub of a model that shares the device hosts (``cat``, titled after the model)."""
+    try:
+        return process.cmdline()[0].startswith(STUB_TITLE)
+    except (psutil.Error, IndexError):
+        return False
+
+
+def device_hosts(processes: list[psutil.Process]) -> list[psutil.Process]:
+    hosts = []
+    for process in processes:
+        try:
+            if process.cmdline() and process.cmdline()[0].startswith(HOST_TITLE):
+                hosts.append(process)
+        except psutil.Error:
+            continue
+    return hosts
 
 
 def model_tree(processes: list[psutil.Process], model_name: str) -> list[psutil.Process]:

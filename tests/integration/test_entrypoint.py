@@ -18,15 +18,23 @@ from ports import free_port
 from serving import ENTRYPOINT, alive, start_server
 
 
-def test_sigterm_stops_mms_and_every_worker_and_exits_0(tmp_path: Path) -> None:
-    with start_server(tmp_path, {"SAGEMAKER_MODEL_SERVER_WORKERS": "2"}) as server:
+@pytest.mark.parametrize(
+    ("share", "processes"),
+    [
+        ("true", 5),  # the warm process, java, a stub per model, the device host
+        ("false", 8),  # the warm process, java, a stub, a server and an executor per model
+    ],
+)
+def test_sigterm_stops_mms_and_every_worker_and_exits_0(tmp_path: Path, share: str, processes: int) -> None:
+    with start_server(tmp_path, {"SAGEMAKER_MODEL_SERVER_WORKERS": "2", "MME_SHARE_DEVICE": share}) as server:
         model_factory.torchscript_model(server.model_dir("a"))
         model_factory.state_dict_model(server.model_dir("b"))
         assert server.load("a").status_code == 200
         assert server.load("b").status_code == 200
         assert server.invoke("a", json.dumps([[1, 2, 3, 4]])).status_code == 200
+        assert server.invoke("b", json.dumps({"inputs": [[1, 2, 3, 4]]})).status_code == 200
         tree = server.descendants()
-        assert len(tree) >= 7  # java, 2 backend servers, 4 workers (and the metrics collector, at times)
+        assert len(tree) >= processes  # (and the metrics collector, at times)
 
         started = time.monotonic()
         server.process.send_signal(signal.SIGTERM)

@@ -34,6 +34,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, fake_gpus: Path) -> Iterato
         **fake_nvidia_smi.install(fake_gpus, GPUS),
         "SAGEMAKER_MODEL_SERVER_WORKERS": str(WORKERS),
         "MME_TEST_PREDICT_SLEEP": "0.05",
+        "MME_SHARE_DEVICE": "false",  # executors per model; the device hosts' side is in test_device_host.py
     }
     with start_server(tmp_path_factory.mktemp("gpu-assignment"), env) as running:
         yield running

@@ -1,4 +1,6 @@
-"""The warm process's model cache: shared across names, released on UNLOAD, bounded, least recently used out."""
+"""The warm process's model cache for isolated models (MME_SHARE_DEVICE=false): shared across names, released on
+UNLOAD, bounded, least recently used out. Models that share a device host share packages instead
+(test_device_host.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 from serving import start_server, wait_until
 
 ROWS = json.dumps([[1.0, 2.0, 3.0, 4.0]])
+ISOLATED = {"MME_SHARE_DEVICE": "false"}
 
 
 def mlp_model(model_dir: Path, size_mb: int) -> Path:
@@ -24,7 +27,7 @@ def mlp_model(model_dir: Path, size_mb: int) -> Path:
 
 
 def test_same_artifacts_under_two_names_load_once_and_are_released_on_unload(tmp_path: Path) -> None:
-    with start_server(tmp_path) as server:
+    with start_server(tmp_path, ISOLATED) as server:
         model_dir = model_factory.torchscript_model(server.model_dir("artifacts"))
         assert server.load("first", model_dir).status_code == 200
         assert server.load("second", model_dir).status_code == 200
@@ -46,7 +49,7 @@ def test_same_artifacts_under_two_names_load_once_and_are_released_on_unload(tmp
 
 
 def test_cache_is_bounded_and_evicts_the_least_recently_used(tmp_path: Path) -> None:
-    with start_server(tmp_path, {"MME_MODEL_CACHE_MB": "20"}) as server:
+    with start_server(tmp_path, {**ISOLATED, "MME_MODEL_CACHE_MB": "20"}) as server:
         big = mlp_model(server.model_dir("big"), 32)
         small_a = mlp_model(server.model_dir("a"), 12)
         small_b = mlp_model(server.model_dir("b"), 12)

@@ -1,5 +1,6 @@
-"""GPU-safe preload, proven on the CPU through the same code path: one model_fn, one executor serving every
-worker connection of its device (here the CPU)."""
+"""GPU-safe preload of an isolated model (MME_SHARE_DEVICE=false: its own server), proven on the CPU through the
+same code path: one model_fn, one executor serving every worker connection of its device (here the CPU). The device
+host's side of the same promises is in test_device_host.py."""
 
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ ROWS = json.dumps([[1.0, 2.0, 3.0, 4.0]])
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    env = {"SAGEMAKER_MODEL_SERVER_WORKERS": str(WORKERS), "MME_TEST_PREDICT_SLEEP": "0.05"}
+    env = {
+        "SAGEMAKER_MODEL_SERVER_WORKERS": str(WORKERS),
+        "MME_TEST_PREDICT_SLEEP": "0.05",
+        "MME_SHARE_DEVICE": "false",
+    }
     with start_server(tmp_path_factory.mktemp("preload"), env) as running:
         yield running
 

@@ -11,7 +11,7 @@ import model_factory
 import numpy as np
 import pytest
 import torch
-from serving import RunningServer, alive, invoke_many, start_server, wait_until
+from serving import RunningServer, alive, invoke_many, is_stub, start_server, wait_until
 
 ROWS = [[0.5, -1.0, 2.0, 0.25], [1.0, 2.0, 3.0, 4.0]]
 
@@ -212,10 +212,11 @@ def test_unload_removes_the_model_and_its_processes(server: RunningServer) -> No
     assert server.load("temporary").status_code == 200
     assert server.invoke("temporary", json.dumps(ROWS)).status_code == 200
     processes = server.backend_processes("temporary")
-    assert len(processes) >= 2  # the backend server and its worker
+    assert [is_stub(process) for process in processes] == [True]  # its one process: the device host serves it
     assert server.unload("temporary").status_code == 200
     assert server.invoke("temporary", json.dumps(ROWS)).status_code == 404
     assert wait_until(lambda: not alive(processes), 10)
+    assert wait_until(lambda: "model=temporary unloaded from the device host" in server.log_text(), 10)
 
 
 def test_concurrent_requests_all_succeed(server: RunningServer) -> None:

@@ -1,4 +1,5 @@
-"""Warm start: model servers are forked from a warm, CUDA-free process, and models stay isolated from each other."""
+"""Warm start: isolated models' servers are forked from a warm, CUDA-free process, and such models stay isolated
+from each other. What models that share a device host share, and what they do not, is in test_device_host.py."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def transform_fn(model, body, content_type, accept):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    with start_server(tmp_path_factory.mktemp("warm")) as running:
+    with start_server(tmp_path_factory.mktemp("warm"), {"MME_SHARE_DEVICE": "false"}) as running:
         yield running
 
 

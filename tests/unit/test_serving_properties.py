@@ -35,6 +35,8 @@ def test_the_file_wins_over_the_defaults_and_load_wins_over_the_file(tmp_path: P
         ("=3\n", "line 1: '=3' is not key=value"),
         ("compile=maybe\n", "compile='maybe' is not a boolean"),
         ("compile=true\ncompile_mode=fastest\n", "compile_mode='fastest' must be one of default, max-autotune"),
+        ("max_concurrency=0\n", "max_concurrency='0' must be at least 1 and at most 256"),
+        ("isolation=container\n", "isolation='container' must be one of shared, process"),
     ],
 )
 def test_a_malformed_file_names_the_cause(tmp_path: Path, text: str, cause: str) -> None:
@@ -47,3 +49,12 @@ def test_compile_settings_are_read_with_their_mode(tmp_path: Path) -> None:
     (tmp_path / "serving.properties").write_text("compile=true\ncompile_mode=max-autotune\n")
     settings = read_settings(tmp_path, Config.from_env({}))
     assert (settings.compile, settings.compile_mode, settings.batching) == (True, "max-autotune", False)
+
+
+def test_concurrency_defaults_to_parallel_unbatched_and_one_pass_when_batching(tmp_path: Path) -> None:
+    assert read_settings(tmp_path, Config()).concurrency == 4
+    assert read_settings(tmp_path, Config(batch_size=8)).concurrency == 1
+    assert read_settings(tmp_path, Config(max_concurrency=2)).concurrency == 2
+    (tmp_path / "serving.properties").write_text("max_concurrency=6\nisolation=process\n")
+    settings = read_settings(tmp_path, Config(max_concurrency=2, batch_size=8))
+    assert (settings.concurrency, settings.isolation) == (6, "process")

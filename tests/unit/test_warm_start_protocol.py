@@ -7,15 +7,15 @@ import socket
 
 import pytest
 
-from mme_runtime.warm_start import _receive, _send
+from mme_runtime.warm_protocol import receive, send
 
 
 def test_message_and_descriptors_arrive_together() -> None:
     left, right = socket.socketpair()
     read_end, write_end = os.pipe()
     try:
-        _send(left, {"argv": ["worker", "--model-name", "m"]}, [write_end])
-        message, fds = _receive(right, with_fds=3)
+        send(left, {"argv": ["worker", "--model-name", "m"]}, [write_end])
+        message, fds = receive(right, with_fds=3)
         assert message == {"argv": ["worker", "--model-name", "m"]}
         assert len(fds) == 1
         os.write(fds[0], b"through the passed descriptor")
@@ -31,7 +31,7 @@ def test_message_and_descriptors_arrive_together() -> None:
 def test_a_closed_peer_reads_as_none() -> None:
     left, right = socket.socketpair()
     left.close()
-    assert _receive(right) == (None, [])
+    assert receive(right) == (None, [])
     right.close()
 
 
@@ -40,7 +40,7 @@ def test_oversized_messages_are_refused() -> None:
     left.sendall((1 << 30).to_bytes(4, "big"))
     try:
         with pytest.raises(ValueError, match="refused"):
-            _receive(right)
+            receive(right)
     finally:
         left.close()
         right.close()

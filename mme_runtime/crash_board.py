@@ -1,0 +1,112 @@
+"""Which model a device host was running when it died: a board the host writes and the warm process reads after.
+
+The board is an anonymous shared mapping made before the host's fork, so it outlives the host. It holds, per model
+slot, how many of the model's calls are running, and, per thread of the host, the model the thread works for (its
+connections', loading and batching threads each work for one model). The host also has Python's ``faulthandler``
+write the stacks of its threads to a file when a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) kills it;
+that names the thread that crashed, and the board names its model.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import mmap
+import re
+import struct
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+SLOTS = 4096
+THREADS = 4096
+COUNT = struct.Struct("i")
+OWNER = struct.Struct("Qi")  # a thread's ident (threading.get_ident), the slot of the model it works for (-1: none)
+NO_MODEL = -1
+# faulthandler's line for the thread that received the fatal signal.
+CRASHED_THREAD = re.compile(r"^Current thread (0x[0-9a-f]+)", re.MULTILINE)
+
+
+class CrashBoard:
+    def __init__(self) -> None:
+        self.memory = mmap.mmap(-1, SLOTS * COUNT.size + THREADS * OWNER.size)
+        self._lock = threading.Lock()
+        for cell in range(THREADS):
+            OWNER.pack_into(self.memory, self._owner_offset(cell), 0, NO_MODEL)
+
+    # -- written by the host -------------------------------------------------------------------------------
+
+    @contextmanager
+    def running(self, slot: int) -> Iterator[None]:
+        """Brackets a call into the model's code."""
+        self._add(slot, 1)
+        try:
+            yield
+        finally:
+            self._add(slot, -1)
+
+    def work_for(self, slot: int, ident: int | None = None) -> None:
+        """Marks the thread ``ident`` (this one by default) as working for the model in ``slot``."""
+        ident = ident or threading.get_ident()
+        with self._lock:
+            free = None
+            for cell in range(THREADS):
+                owner, _ = OWNER.unpack_from(self.memory, self._owner_offset(cell))
+                if owner == ident or (owner == 0 and free is None):
+                    free = cell
+                    if owner == ident:
+                        break
+            if free is not None:  # a host with more threads than cells names fewer culprits, nothing worse
+                OWNER.pack_into(self.memory, self._owner_offset(free), ident, slot)
+
+    def done(self, ident: int | None = None) -> None:
+        """The thread ends (its ident may be reused by a thread for another model)."""
+        ident = ident or threading.get_ident()
+        with self._lock:
+            for cell in range(THREADS):
+                offset = self._owner_offset(cell)
+                if OWNER.unpack_from(self.memory, offset)[0] == ident:
+                    OWNER.pack_into(self.memory, offset, 0, NO_MODEL)
+
+    # -- read by the warm process after the host died --------------------------------------------------------
+
+    def busy(self) -> list[int]:
+        """Slots with a call running."""
+        return [slot for slot in range(SLOTS) if COUNT.unpack_from(self.memory, slot * COUNT.size)[0] > 0]
+
+    def culprit(self, crash_report: str) -> int | None:
+        """The slot of the model whose thread took the fatal signal, from faulthandler's report; None if unknown."""
+        found = CRASHED_THREAD.search(crash_report)
+        if found is None:
+            return None
+        ident = int(found.group(1), 16)
+        for cell in range(THREADS):
+            owner, slot = OWNER.unpack_from(self.memory, self._owner_offset(cell))
+            if owner == ident and slot != NO_MODEL:
+                return int(slot)
+        return None
+
+    def close(self) -> None:
+        self.memory.close()
+
+    def _add(self, slot: int, delta: int) -> None:
+        with self._lock:
+            offset = slot * COUNT.size
+            COUNT.pack_into(self.memory, offset, COUNT.unpack_from(self.memory, offset)[0] + delta)
+
+    @staticmethod
+    def _owner_offset(cell: int) -> int:
+        return SLOTS * COUNT.size + cell * OWNER.size
+
+
+def report_crashes(path: Path) -> IO[str]:
+    """In the host: faulthandler writes every thread's stack to ``path`` if a fatal signal kills the process."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = path.open("w")
+    faulthandler.enable(file=report, all_threads=True)
+    return report
+
+
+def crash_report_path(runtime_dir: Path, host_pid: int) -> Path:
+    return runtime_dir / "hosts" / f"{host_pid}.crash"

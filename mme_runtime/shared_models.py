@@ -1,0 +1,358 @@
+"""The warm process's side of the device hosts: the shareable models, their loads, their connections, their hosts.
+
+For each model MMS starts, the warm process binds the model's socket and forks a loader (``model_loader``), which
+runs ``model_fn`` once, CUDA-free, and hands back a package (or says why the host must load it, why the model needs
+processes of its own, or why the LOAD fails). Meanwhile the frontend's connections wait in the socket's backlog.
+Once the model is ready, each connection's LOAD message is read here and the connection goes to the host of its
+device, forked on first use; the model is sent to that host once, before its first connection.
+
+When the stub goes (UNLOAD), every host lets the model go. When a host dies, the models whose calls were running are
+named; a model named in two crashes moves to processes of its own (quarantine); the others are loaded again from
+their packages into a new host as the frontend reconnects, without running ``model_fn``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mme_runtime import metrics
+from mme_runtime.config import Config
+from mme_runtime.crash_board import SLOTS
+from mme_runtime.device_hosts import Crash, DeviceHosts, DeviceKey, Host
+from mme_runtime.executor import device_of, read_assignment
+from mme_runtime.loading import LoadFailure, ModelSpec, check_location, refuse_load
+from mme_runtime.model_cache import Key
+from mme_runtime.model_loader import start_loader
+from mme_runtime.model_package import Package
+from mme_runtime.package_cache import PackageCache
+from mme_runtime.warm_protocol import receive, send
+
+logger = logging.getLogger(__name__)
+
+# The frontend sends its LOAD message as soon as it connects; one that does not within this is dropped.
+LOAD_MESSAGE_SECONDS = 2.0
+CRASHES_BEFORE_QUARANTINE = 2
+
+
+@dataclass
+class SharedModel:
+    spec: ModelSpec
+    request: dict[str, Any]  # the stub's command line, environment and directory: for an isolated server later
+    stub: socket.socket  # closes when MMS ends the model's process (UNLOAD)
+    stdio: list[int]  # the stub's stdin, stdout and stderr: the model's log
+    listener: socket.socket
+    slot: int
+    started: float
+    loader: int | None = None
+    result: socket.socket | None = None
+    package: Package | None = None  # None while loading, or where the host runs model_fn
+    ready: bool = False  # connections are routed from now on
+    failure: LoadFailure | None = None
+    hosts: set[DeviceKey] = field(default_factory=set)
+    cache_key: Key | None = None  # its artifacts, when another name may share its package
+    crashes: int = 0
+    served: bool = False  # a host has had it
+    load_recorded: bool = False
+
+
+class SharedModels:
+    """Every shared model and device host of the warm process. ``isolate(model, reason)`` forks a model's own server
+    (the warm process's usual fork, keeping the model's socket) and returns its pid."""
+
+    def __init__(
+        self, config: Config, isolate: Callable[[SharedModel, str], int], close_in_children: Callable[[], list[int]]
+    ) -> None:
+        self.config = config
+        self.isolate = isolate
+        self.close_in_children = close_in_children
+        self.models: dict[str, SharedModel] = {}
+        self.hosts = DeviceHosts(config, close_in_children)
+        self.isolated: dict[int, str] = {}  # pid of a shared model's own server, from the start or after quarantine
+        self.cache = PackageCache(config)
+        self._handlers: dict[socket.socket, Callable[[], None]] = {}
+
+    # -- what the warm process's loop asks --------------------------------------------------------------------
+
+    def watched(self) -> list[socket.socket]:
+        return [*self._handlers, *self.hosts.reports()]
+
+    def readable(self, sock: socket.socket) -> None:
+        handler = self._handlers.get(sock)
+        if handler is not None:
+            handler()
+            return
+        report = self.hosts.reports().get(sock)
+        if report is not None:
+            self._host_reported(report())
+
+    def descriptors(self) -> list[int]:
+        """What a forked child must close: every socket and package of ours (a copy would keep them alive)."""
+        fds = [sock.fileno() for sock in self._handlers]
+        for model in self.models.values():
+            fds += [model.listener.fileno(), model.stub.fileno(), *model.stdio]
+            if model.package is not None:
+                fds.append(model.package.fd)
+        fds += self.hosts.descriptors()
+        return sorted({fd for fd in fds if fd >= 0})
+
+    def child_exited(self, pid: int, code: int) -> bool:
+        """True when ``pid`` was ours (a loader, a host, or a shared model's own server)."""
+        crash = self.hosts.exited(pid, code)
+        if crash is not None:
+            self._host_died(crash)
+            return True
+        for model in self.models.values():
+            if model.loader == pid:
+                model.loader = None
+                if model.result is not None and not model.ready and model.failure is None:
+                    self._loader_reported(model)  # drain its report, if it sent one before it exited
+                return True
+        if pid in self.isolated:
+            ended = self.models.get(self.isolated.pop(pid))
+            if ended is not None:
+                self._unload(ended)  # its stub ends with it, and MMS starts the model anew
+            return True
+        return False
+
+    def stop(self) -> None:
+        self.hosts.stop()
+        for pid in self.isolated:
+            _kill(pid)
+
+    # -- a model arrives --------------------------------------------------------------------------------------
+
+    def add(self, spec: ModelSpec, request: dict[str, Any], stub: socket.socket, stdio: list[int]) -> None:
+        """Binds the model's socket, tells the frontend it may connect, and starts the model's loader (unless the
+        same artifacts are loaded under another name already: then the model takes their package)."""
+        listener = _bind(_socket_name(request["argv"]))
+        os.write(stdio[1], f"[PID] {request.get('pid', os.getpid())}\nMMS worker started.\n".encode())
+        model = SharedModel(spec, request, stub, stdio, listener, self._free_slot(), time.time())
+        self.models[spec.name] = model
+        self._handlers[stub] = lambda: self._stub_readable(model)
+        model.cache_key = self.cache.key(spec)
+        if model.cache_key is not None and check_location(spec, self.config) is None:
+            model.package = self.cache.take(model.cache_key, spec.name)
+            if model.package is not None:
+                self._ready(model)
+                return
+        model.loader, model.result = start_loader(spec, request, stdio, self.close_in_children())
+        self._handlers[model.result] = lambda: self._loader_reported(model)
+
+    def _loader_reported(self, model: SharedModel) -> None:
+        assert model.result is not None
+        try:
+            report, fds = receive(model.result, with_fds=1)
+        except (OSError, ValueError):
+            report, fds = None, []
+        self._handlers.pop(model.result, None)
+        model.result.close()
+        model.result = None
+        spec = model.spec
+        if report is None:
+            model.failure = LoadFailure(500, f"model {spec.name}: its loader died before it reported (see the log)")
+        elif "failure" in report:
+            model.failure = LoadFailure(report["failure"]["status"], report["failure"]["message"])
+        elif "isolate" in report:
+            self._move_to_own_process(model, report["isolate"])
+            return
+        elif "package" in report:
+            model.package = Package(fds[0], **report["package"])
+            if model.cache_key is not None:
+                self.cache.add(model.cache_key, spec.name, model.package)
+        else:
+            logger.warning("model=%s model_fn runs in the device host: %s", spec.name, report["host_loads"])
+        if model.failure is not None:
+            metrics.record_load(False, time.time() - model.started)
+            model.load_recorded = True
+        self._ready(model)
+
+    def _ready(self, model: SharedModel) -> None:
+        """From now on the model's connections are routed (or refused with its failure)."""
+        if model.failure is None:
+            logger.info(
+                "model=%s shares its device host (loaded in %.2f s)", model.spec.name, time.time() - model.started
+            )
+        model.ready = True
+        self._handlers[model.listener] = lambda: self._connection_waiting(model)
+        _tell_stub(model, {"shared": True})
+
+    def _move_to_own_process(self, model: SharedModel, reason: str) -> None:
+        logger.info("model=%s served by processes of its own: %s", model.spec.name, reason)
+        self._handlers.pop(model.listener, None)
+        pid = self.isolate(model, reason)
+        self.isolated[pid] = model.spec.name
+        _tell_stub(model, {"shared": True})
+
+    # -- its connections ---------------------------------------------------------------------------------------
+
+    def _connection_waiting(self, model: SharedModel) -> None:
+        try:
+            connection, _ = model.listener.accept()
+        except (BlockingIOError, InterruptedError, OSError):
+            return
+        assignment = read_assignment(connection, model.spec.name, LOAD_MESSAGE_SECONDS)
+        if assignment is None:
+            return
+        if model.failure is not None:
+            refuse_load(connection, model.failure, model.spec, self.config, drain=False)
+            return
+        key = device_of(assignment, self.config.cuda_visible_devices)
+        try:
+            host = self.hosts.get(key, assignment.gpu, model.request["env"])
+            if key not in model.hosts:
+                self._send_model(host, model, assignment.batch_size)
+                model.hosts.add(key)
+            payload = {
+                "op": "connect",
+                "model": model.spec.name,
+                "gpu": assignment.gpu,
+                "batch_size": assignment.batch_size,
+            }
+            self.hosts.send(host, payload, [connection.fileno()])
+        except OSError as exc:  # the host is dying: the frontend reconnects, and its reap starts a new one
+            logger.warning("model=%s gpu=%s device host unreachable: %s", model.spec.name, key, exc)
+        finally:
+            connection.close()  # the host holds its own descriptor now
+
+    def _send_model(self, host: Host, model: SharedModel, batch_size: int) -> None:
+        """The model to a host, before its first connection there (whose LOAD message carries MMS's batch size)."""
+        package = model.package
+        payload = {
+            "op": "load",
+            "model": model.spec.name,
+            "spec": dataclasses.asdict(model.spec),
+            "slot": model.slot,
+            "package": None if package is None else package.layout,
+            "batch_size": batch_size,
+            "restart": model.crashes > 0 or model.served,  # served before, by a host that has died since
+        }
+        self.hosts.send(host, payload, [] if package is None else [package.fd])
+        host.models.add(model.spec.name)
+
+    def _host_reported(self, message: dict[str, Any] | None) -> None:
+        """A host's word on a model's load there: the LOAD's outcome is counted once."""
+        if message is None:
+            return  # it is dying: its reap names the cause
+        model = self.models.get(message.get("model", ""))
+        if model is not None and not model.load_recorded:
+            metrics.record_load(bool(message.get("loaded")), time.time() - model.started)
+            model.load_recorded = True
+
+    # -- a host dies ---------------------------------------------------------------------------------------------
+
+    def _host_died(self, crash: Crash) -> None:
+        """Names the model whose code killed the host, counts the crash against it (a second one moves it to
+        processes of its own); the frontend's reconnections start a new host and send it the models again."""
+        key = crash.host.key
+        on_host = [model for model in self.models.values() if key in model.hosts]
+        for model in on_host:
+            model.hosts.discard(key)
+            model.served = True
+        running = [model for model in on_host if model.slot in crash.running]
+        culprit = next((model for model in on_host if model.slot == crash.culprit), None)
+        if crash.culprit is None and len(running) == 1:
+            culprit = running[0]  # no fatal signal to go by (an exit, SIGKILL): the one model that was running
+        logger.error(
+            "device host pid=%d gpu=%s %s while running model %s (calls running: %s); the other models load again "
+            "from their packages",
+            crash.host.pid,
+            key,
+            crash.cause,
+            "unknown" if culprit is None else culprit.spec.name,
+            ", ".join(sorted(model.spec.name for model in running)) or "none",
+        )
+        if culprit is None:
+            return
+        culprit.crashes += 1
+        if culprit.crashes >= CRASHES_BEFORE_QUARANTINE and culprit.spec.name not in self.isolated.values():
+            metrics.record_quarantine(culprit.spec.name)
+            self._move_to_own_process(culprit, f"it crashed its device host {culprit.crashes} times")
+
+    # -- a model goes ----------------------------------------------------------------------------------------------
+
+    def _stub_readable(self, model: SharedModel) -> None:
+        try:
+            data = model.stub.recv(4096)
+        except OSError:
+            data = b""
+        if not data:
+            self._unload(model)
+
+    def _unload(self, model: SharedModel) -> None:
+        """The model's process in MMS is gone (UNLOAD, or MMS stopping): every host lets it go, its memory is freed."""
+        name = model.spec.name
+        if self.models.get(name) is not model:
+            return
+        del self.models[name]
+        for sock in (model.stub, model.listener, model.result):
+            if sock is not None:
+                self._handlers.pop(sock, None)
+        if model.loader is not None:
+            _kill(model.loader)
+        for pid, isolated in list(self.isolated.items()):
+            if isolated == name:
+                _kill(pid)
+        for host in self.hosts.hosts.values():
+            if name in host.models:
+                host.models.discard(name)
+                try:
+                    self.hosts.send(host, {"op": "unload", "model": name})
+                except OSError as exc:
+                    logger.info("model=%s device host gone before its unload: %s", name, exc)
+        path = model.listener.getsockname()
+        model.listener.close()
+        if isinstance(path, str) and path:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        if model.cache_key is not None and model.package is not None:
+            self.cache.release(model.cache_key, name)
+        elif model.package is not None:
+            model.package.close()
+        model.stub.close()
+        for fd in model.stdio:
+            os.close(fd)
+        logger.info("model=%s unloaded", name)
+
+    def _free_slot(self) -> int:
+        used = {model.slot for model in self.models.values()}
+        return next(slot for slot in range(SLOTS) if slot not in used)
+
+
+def _tell_stub(model: SharedModel, payload: dict[str, Any]) -> None:
+    try:
+        send(model.stub, payload)
+    except OSError:
+        pass  # the stub is gone: its unload follows
+
+
+def _socket_name(argv: list[str]) -> str:
+    return argv[argv.index("--sock-name") + 1]
+
+
+def _bind(path: str) -> socket.socket:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(128)
+    listener.setblocking(False)
+    return listener
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,50 @@
+"""The warm process's messages: length-prefixed JSON over a unix socket, with descriptors passed beside them
+(SCM_RIGHTS). Stubs, loaders and the warm process speak it. Light on imports: the stub imports it too."""
+
+from __future__ import annotations
+
+import array
+import json
+import socket
+import struct
+from typing import Any
+
+HEADER = struct.Struct("!I")
+MAX_MESSAGE = 1 << 20
+_INT_SIZE = array.array("i").itemsize
+
+
+def send(sock: socket.socket, payload: dict[str, Any], fds: list[int] | None = None) -> None:
+    data = json.dumps(payload).encode()
+    message = HEADER.pack(len(data)) + data
+    if fds:
+        sock.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        sock.sendall(message)
+
+
+def receive(sock: socket.socket, with_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
+    """One framed JSON message (and up to ``with_fds`` descriptors); None when the peer closed."""
+    fds: list[int] = []
+    ancillary = socket.CMSG_SPACE(with_fds * _INT_SIZE) if with_fds else 0
+    header, ancdata, _, _ = sock.recvmsg(HEADER.size, ancillary)
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(array.array("i", data[: len(data) - len(data) % _INT_SIZE]))
+    while header and len(header) < HEADER.size:  # a stream may split even four bytes
+        chunk = sock.recv(HEADER.size - len(header))
+        if not chunk:
+            break
+        header += chunk
+    if len(header) < HEADER.size:
+        return None, fds
+    (length,) = HEADER.unpack(header)
+    if length > MAX_MESSAGE:
+        raise ValueError(f"warm-start message of {length} bytes refused")
+    body = b""
+    while len(body) < length:
+        chunk = sock.recv(length - len(body))
+        if not chunk:
+            return None, fds
+        body += chunk
+    return json.loads(body), fds

@@ -1,0 +1,392 @@
+"""Many models, one process per device: the device host over the real MMS frontend.
+
+Every shareable model is served by one device host per device (tests/fake_nvidia_smi.py lists fake GPUs to the
+frontend); each model keeps its own answers, code, settings, errors and metrics; UNLOAD gives the memory back; a
+model that kills the host costs the others a few seconds, and after a second time it leaves for processes of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
+
+import fake_nvidia_smi
+import model_factory
+import numpy as np
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serving import HOST_TITLE, RunningServer, alive, device_hosts, is_stub, start_server, wait_until
+
+ROWS = [[1.0, 2.0, 3.0, 4.0], [0.5, -1.0, 2.0, 0.0]]
+
+CRASHING_SCRIPT = """
+import ctypes
+import json
+import os
+import time
+
+
+def model_fn(model_dir):
+    return {"name": os.path.basename(model_dir)}
+
+
+def transform_fn(model, body, content_type, accept):
+    text = body.decode() if isinstance(body, (bytes, bytearray)) else str(body)
+    if text == "abort":
+        os.abort()
+    if text == "segfault":
+        ctypes.string_at(0)
+    if text.startswith("sleep"):
+        time.sleep(float(text.split()[1]))
+    return json.dumps({"model": model["name"], "pid": os.getpid()}), "application/json"
+"""
+
+# model_fn returns what cannot be pickled (a lambda): the device host must run model_fn itself.
+UNPICKLABLE_SCRIPT = """
+import json
+import os
+
+
+def model_fn(model_dir):
+    return {"scale": lambda x: x * 3, "pid": os.getpid()}
+
+
+def transform_fn(model, body, content_type, accept):
+    return json.dumps({"value": model["scale"](int(body)), "loaded_in": model["pid"]}), "application/json"
+"""
+
+CONCURRENCY_SCRIPT = """
+import json
+import os
+import time
+
+
+def model_fn(model_dir):
+    return model_dir
+
+
+def transform_fn(model_dir, body, content_type, accept):
+    started = time.monotonic()
+    time.sleep(0.2)
+    with open(os.path.join(model_dir, "spans.log"), "a") as log:
+        log.write(f"{started} {time.monotonic()}\\n")
+    return json.dumps({"ok": True}), "application/json"
+"""
+
+
+def expected(seed: int) -> np.ndarray:
+    import torch
+
+    with torch.inference_mode():
+        return model_factory.tiny_net(seed)(torch.tensor(ROWS)).numpy()
+
+
+def hosts(server: RunningServer) -> list[psutil.Process]:
+    return device_hosts(alive(server.descendants()))
+
+
+def model_processes(server: RunningServer, name: str) -> list[psutil.Process]:
+    """The processes started for ``name`` alone: its stub, or its own server with its executors."""
+    found = []
+    for process in alive(server.descendants()):
+        try:
+            words = " ".join(process.cmdline()).split()
+        except psutil.Error:
+            continue
+        if "--model-name" in words and words[words.index("--model-name") + 1] == name:
+            found.append(process)
+    return found
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    with start_server(tmp_path_factory.mktemp("device-host"), {"MME_TEST_PREDICT_SLEEP": "0"}) as running:
+        yield running
+
+
+def test_twenty_models_are_served_by_one_process_each_with_its_own_answers(server: RunningServer) -> None:
+    names = []
+    for index in range(20):
+        name = f"many{index}"
+        builder = model_factory.torchscript_model if index % 2 else model_factory.state_dict_model
+        builder(server.model_dir(name), seed=index)
+        names.append(name)
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda name: server.load(name).status_code, names)) == [200] * 20
+
+    def answer(index: int) -> np.ndarray:
+        body = json.dumps(ROWS if index % 2 else {"inputs": ROWS})
+        response = server.invoke(names[index], body)
+        assert response.status_code == 200, response.text
+        result = response.json()
+        return np.array(result if index % 2 else result["predictions"])
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(answer, [index for _ in range(3) for index in range(20)]))
+    for position, result in enumerate(answers):
+        np.testing.assert_allclose(result, expected(position % 20), rtol=1e-5)  # each client its own model's answer
+
+    assert len(hosts(server)) == 1  # one device host: the CPU
+    for name in names:
+        [stub] = model_processes(server, name)  # MMS's process for the model, and nothing else of its own
+        assert is_stub(stub)
+        assert stub.memory_info().rss < 8 * 2**20  # cat, not Python
+    for name in names:
+        assert server.unload(name).status_code == 200
+
+
+def test_unload_gives_the_host_memory_back(server: RunningServer) -> None:
+    model_factory.wide_model(server.model_dir("wide"))  # 4 MB of weights, and a model_fn that runs them
+    model_factory.torchscript_model(server.model_dir("resident"))
+    assert server.load("resident").status_code == 200
+    [host] = hosts(server)
+
+    def settled_rss() -> int:
+        time.sleep(0.5)
+        return int(host.memory_info().rss)
+
+    before = settled_rss()
+    for _ in range(5):
+        assert server.load("wide").status_code == 200
+        assert server.invoke("wide", json.dumps([[0.0] * model_factory.WIDE_FEATURES])).status_code == 200
+        assert server.unload("wide").status_code == 200
+    after = settled_rss()
+    assert after <= before * 1.10 + 16 * 2**20, (before, after)
+    assert server.invoke("resident", json.dumps(ROWS)).status_code == 200
+
+
+def test_a_model_that_cannot_travel_is_loaded_in_the_host_and_the_log_says_why(server: RunningServer) -> None:
+    model_factory.write_code(server.model_dir("unpicklable"), UNPICKLABLE_SCRIPT)
+    assert server.load("unpicklable").status_code == 200
+    response = server.invoke("unpicklable", "14", "text/plain")
+    assert response.status_code == 200, response.text
+    [host] = hosts(server)
+    assert response.json() == {"value": 42, "loaded_in": host.pid}
+    assert "model=unpicklable model_fn runs in the device host" in server.log_text()
+    assert server.unload("unpicklable").status_code == 200
+
+
+def test_isolation_and_unmet_requirements_get_processes_of_their_own(server: RunningServer) -> None:
+    model_factory.torchscript_model(server.model_dir("own"))
+    (server.model_dir("own") / "serving.properties").write_text("isolation=process\n")
+    model_factory.state_dict_model(server.model_dir("pinned"))
+    numpy = metadata.version("numpy")
+    (server.model_dir("pinned") / "code" / "requirements.txt").write_text(f"numpy=={numpy}\n")
+    for name in ("own", "pinned"):
+        assert server.load(name).status_code == 200
+    assert server.invoke("own", json.dumps(ROWS)).status_code == 200
+    assert server.invoke("pinned", json.dumps({"inputs": ROWS})).status_code == 200
+
+    assert len(model_processes(server, "own")) >= 3  # its stub, its server, its executor
+    assert len(model_processes(server, "pinned")) == 1  # what the image already has costs no process
+    assert "model=own served by processes of its own: serving.properties sets isolation=process" in server.log_text()
+    for name in ("own", "pinned"):
+        assert server.unload(name).status_code == 200
+
+
+def test_one_model_runs_calls_from_several_workers_at_once(server: RunningServer) -> None:
+    model_dir = model_factory.write_code(server.model_dir("parallel"), CONCURRENCY_SCRIPT).parent.parent
+    assert server.load("parallel", initial_workers=3).status_code == 200
+    with ThreadPoolExecutor(6) as pool:
+        statuses = list(pool.map(lambda _: server.invoke("parallel", "x", "text/plain").status_code, range(12)))
+    assert statuses == [200] * 12
+    spans = [tuple(map(float, line.split())) for line in (model_dir / "spans.log").read_text().split("\n") if line]
+    overlapping = max(sum(1 for s, e in spans if s <= start < e) for start, _ in spans)
+    assert overlapping >= 2  # stock MMS runs one call per worker at once; a device host must not serialise them
+    assert server.unload("parallel").status_code == 200
+
+
+def test_each_hosted_model_has_its_own_series_and_they_go_with_it(server: RunningServer) -> None:
+    for name in ("counted_a", "counted_b"):
+        model_factory.torchscript_model(server.model_dir(name))
+        assert server.load(name).status_code == 200
+    for _ in range(3):
+        assert server.invoke("counted_a", json.dumps(ROWS)).status_code == 200
+    assert server.invoke("counted_b", "[[1", "application/json").status_code == 400
+
+    def requests_by_model() -> dict[tuple[str, str], float]:
+        import requests
+
+        text = requests.get(server.metrics_url, timeout=10).text
+        family = next(f for f in text_string_to_metric_families(text) if f.name == "mme_requests")
+        return {(s.labels["model"], s.labels["code"]): s.value for s in family.samples if s.name.endswith("_total")}
+
+    assert wait_until(lambda: requests_by_model().get(("counted_a", "200")) == 3, 10)
+    counts = requests_by_model()
+    assert counts[("counted_b", "400")] == 1 and ("counted_b", "200") not in counts
+    assert server.unload("counted_a").status_code == 200
+    assert wait_until(lambda: not any(model == "counted_a" for model, _ in requests_by_model()), 10)
+    assert server.unload("counted_b").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def crash_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    with start_server(tmp_path_factory.mktemp("host-crash"), {"MME_TEST_PREDICT_SLEEP": "0"}) as running:
+        yield running
+
+
+@pytest.mark.parametrize("how", ["abort", "segfault"])
+def test_a_model_that_kills_the_host_costs_the_others_seconds_then_leaves(
+    crash_server: RunningServer, how: str
+) -> None:
+    server = crash_server
+    neighbours = [f"{how}_neighbour{index}" for index in range(10)]
+    for name in neighbours:
+        model_factory.counting_model(server.model_dir(name))
+        assert server.load(name).status_code == 200
+    for name in (f"{how}_crasher", f"{how}_slow"):
+        model_factory.write_code(server.model_dir(name), CRASHING_SCRIPT)
+        assert server.load(name).status_code == 200
+    crasher, slow = f"{how}_crasher", f"{how}_slow"
+    body = json.dumps(ROWS)
+    for name in neighbours:
+        assert server.invoke(name, body).status_code == 200
+
+    for crash in (1, 2):
+        in_flight: list[tuple[int, float]] = []
+
+        def wait_on_slow(results: list[tuple[int, float]] = in_flight) -> None:
+            started = time.monotonic()
+            response = server.invoke(slow, "sleep 30", "text/plain")
+            results.append((response.status_code, time.monotonic() - started))
+
+        waiting = threading.Thread(target=wait_on_slow)
+        waiting.start()
+        time.sleep(0.5)  # the slow call is running in the host
+        assert server.invoke(crasher, how, "text/plain").status_code >= 500
+        waiting.join(10)
+        [(status, seconds)] = in_flight
+        assert status >= 500 and seconds < 5.5  # answered at once, not after its 30 s
+
+        started = time.monotonic()
+        assert wait_until(lambda: all(server.invoke(n, body).status_code == 200 for n in neighbours), 10, 0.2)
+        assert time.monotonic() - started < 10
+        log = server.log_text()
+        assert log.count(f"while running model {crasher} ") == crash  # the slow model's call was running too
+        for name in neighbours:  # loaded again from their packages: model_fn ran once, at LOAD
+            assert len(model_factory.model_fn_calls(server.model_dir(name))) == 1
+
+    assert f"model={crasher} served by processes of its own: it crashed its device host 2 times" in server.log_text()
+    assert wait_until(lambda: server.invoke(crasher, "fine", "text/plain").status_code == 200, 10, 0.2)
+    [host] = hosts(server)
+    assert server.invoke(crasher, how, "text/plain").status_code >= 500
+    assert hosts(server) == [host]  # its third crash is its own
+    for name in neighbours:
+        assert server.invoke(name, body).status_code == 200
+    for name in (*neighbours, crasher, slow):
+        server.unload(name)
+
+
+def test_with_fake_gpus_exactly_one_host_per_card_binds_it(tmp_path_factory: pytest.TempPathFactory) -> None:
+    gpus, workers = 2, 4
+    env = {
+        **fake_nvidia_smi.install(tmp_path_factory.mktemp("fake-gpus"), gpus),
+        "SAGEMAKER_MODEL_SERVER_WORKERS": str(workers),
+        "MME_TEST_PREDICT_SLEEP": "0.02",
+    }
+    with start_server(tmp_path_factory.mktemp("device-host-gpus"), env) as server:
+        names = [f"gpu_model{index}" for index in range(20)]
+        for name in names:
+            model_factory.counting_model(server.model_dir(name))
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(lambda name: server.load(name).status_code, names)) == [200] * 20
+        cards = hosts(server)
+        assert sorted(host.cmdline()[0] for host in cards) == [f"{HOST_TITLE} gpu={gpu}" for gpu in range(gpus)]
+        host_pids = {host.pid for host in cards}
+        for name in names:
+            with ThreadPoolExecutor(workers * 2) as pool:
+                answers = [r.json() for r in pool.map(server.invoke, [name] * 16, [json.dumps(ROWS)] * 16)]
+            assert {a["pid"] for a in answers} == host_pids  # both cards serve it, one process each
+            for answer in answers:
+                assert answer["cuda_visible_devices"] == str(answer["gpu_id"])  # bound before any CUDA call
+                assert answer["system_gpu_id"] == 0
+            assert len(model_factory.model_fn_calls(server.model_dir(name))) == 1
+        assert set(hosts(server)) == set(cards)
+
+
+MARKING_SCRIPT = """
+import builtins
+import json
+import os
+
+# Imported at LOAD: in the model's loader, forked from the warm process, and again in the device host.
+builtins.MME_TEST_MARK = getattr(builtins, "MME_TEST_MARK", ()) + ("{name}",)
+with open(os.path.join(os.path.dirname(__file__), "imports.log"), "a") as log:
+    log.write(json.dumps({{"pid": os.getpid(), "marks": list(builtins.MME_TEST_MARK)}}) + "\\n")
+
+
+def model_fn(model_dir):
+    return None
+
+
+def transform_fn(model, body, content_type, accept):
+    return json.dumps({{"module": __name__, "name": "{name}"}})
+"""
+
+
+def test_models_in_one_host_keep_their_own_functions_and_the_warm_process_stays_clean(server: RunningServer) -> None:
+    for name in ("first", "second"):
+        model_factory.write_code(server.model_dir(name), MARKING_SCRIPT.format(name=name))
+        assert server.load(name).status_code == 200
+    first = server.invoke("first", b"{}").json()
+    second = server.invoke("second", b"{}").json()
+    assert (first["name"], second["name"]) == ("first", "second")  # the same inference.py name, each its own
+    assert first["module"] != second["module"]
+    [host] = hosts(server)
+    warm = host.parent()
+    assert warm is not None and "mme_runtime.warm_start" in " ".join(warm.cmdline())
+    for name in ("first", "second"):
+        imports = [
+            json.loads(line) for line in (server.model_dir(name) / "code" / "imports.log").read_text().splitlines()
+        ]
+        loader, in_host = imports
+        assert loader["marks"] == [name]  # its loader, forked from the warm process, had nothing of the other
+        assert in_host["pid"] == host.pid
+    for name in ("first", "second"):
+        assert server.unload(name).status_code == 200
+
+
+def test_model_fn_that_initialises_cuda_runs_in_the_host(server: RunningServer) -> None:
+    """The loader sees CUDA initialised (a test double here, a real ``.to("cuda")`` on a GPU): the model cannot
+    travel, so the host runs model_fn itself, on its device."""
+    model_dir = model_factory.counting_model(server.model_dir("cuda_in_loader"), fake_cuda_init=True)
+    assert server.load("cuda_in_loader").status_code == 200
+    answers = [server.invoke("cuda_in_loader", json.dumps(ROWS)).json() for _ in range(3)]
+    [host] = hosts(server)
+    assert {a["pid"] for a in answers} == {host.pid}
+    calls = model_factory.model_fn_calls(model_dir)
+    assert len(calls) == 2 and calls[1] == host.pid  # the loader's, then the host's
+    assert "model=cuda_in_loader model_fn runs in the device host: model_fn initialised CUDA" in server.log_text()
+    assert server.unload("cuda_in_loader").status_code == 200
+
+
+def test_a_model_fn_with_threads_of_its_own_is_loaded_once(server: RunningServer) -> None:
+    """What makes an isolated server fall back (model_fn left an OpenMP pool before fork) costs a host nothing:
+    hosts are forked from the warm process, never from the process that ran model_fn."""
+    model_dir = model_factory.wide_model(server.model_dir("own_threads"), threads=2)
+    assert server.load("own_threads").status_code == 200
+    rows = json.dumps([[0.001 * i] * model_factory.WIDE_FEATURES for i in range(64)])
+    assert all(server.invoke("own_threads", rows).status_code == 200 for _ in range(4))
+    assert len(model_factory.model_fn_calls(model_dir)) == 1
+    assert server.unload("own_threads").status_code == 200
+
+
+def test_the_same_artifacts_under_two_names_share_one_package(server: RunningServer) -> None:
+    model_dir = model_factory.torchscript_model(server.model_dir("artifacts"))
+    assert server.load("one", model_dir).status_code == 200
+    assert server.load("two", model_dir).status_code == 200
+    for name in ("one", "two"):
+        np.testing.assert_allclose(np.array(server.invoke(name, json.dumps(ROWS)).json()), expected(0), rtol=1e-5)
+    log = server.log_text()
+    assert f"model cache hit {model_dir / 'model.pt'}: model=two shares its package" in log
+    assert "model=one loaded seconds=" in log and "model=two loaded seconds=" not in log  # no loader for two
+    assert "model=two takes the model its package already gave this host (one copy)" in log
+    assert server.unload("one").status_code == 200
+    assert server.invoke("two", json.dumps(ROWS)).status_code == 200  # still its, until it goes too
+    assert server.unload("two").status_code == 200
+    assert wait_until(lambda: "model cache released" in server.log_text(), 10)

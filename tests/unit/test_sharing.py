@@ -1,0 +1,73 @@
+"""Which models share their device host: the container's switches, a model's own setting, its requirements."""
+
+from __future__ import annotations
+
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from mme_runtime.config import Config
+from mme_runtime.sharing import container_reason, model_reason, unmet_requirements
+
+NUMPY = metadata.version("numpy")
+TORCH = metadata.version("torch")
+
+
+def test_requirements_the_image_already_satisfies_are_met() -> None:
+    text = f"""
+    # pinned to what the image ships
+    numpy=={NUMPY}
+    torch>=2.0  # a comment after the requirement
+    requests ; python_version < "3.0"
+    """
+    assert unmet_requirements(text) == []
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "surely-not-installed-package==1.0",
+        f"numpy!={NUMPY}",
+        "torch<1.0",
+        "--index-url https://example.invalid/simple",
+        "git+https://example.invalid/repo.git",
+        "boto3[crt]",
+    ],
+)
+def test_anything_the_image_cannot_vouch_for_is_unmet(line: str) -> None:
+    assert unmet_requirements(f"numpy=={NUMPY}\n{line}\n") == [line]
+
+
+def test_the_container_can_turn_sharing_off() -> None:
+    handler = "handler_service:handle"
+    assert container_reason(handler, Config()) is None
+    assert container_reason(handler, Config(share_device=False)) == "MME_SHARE_DEVICE=false"
+    assert "preload is off" in str(container_reason(handler, Config(preload_model_gpu=False)))
+    assert container_reason(handler, Config(start_method="spawn")) == "MME_START_METHOD=spawn"
+    assert "not this container's" in str(container_reason("/opt/other_handler.py:handle", Config()))
+
+
+def _model(tmp_path: Path, properties: str | None = None, requirements: str | None = None) -> Path:
+    model_dir = tmp_path / "model"
+    (model_dir / "code").mkdir(parents=True)
+    if properties is not None:
+        (model_dir / "serving.properties").write_text(properties)
+    if requirements is not None:
+        (model_dir / "code" / "requirements.txt").write_text(requirements)
+    return model_dir
+
+
+def test_a_model_shares_unless_it_asks_for_a_process_or_brings_requirements(tmp_path: Path) -> None:
+    config = Config(cache_dir=tmp_path / "cache")
+    assert model_reason(_model(tmp_path / "plain"), config) is None
+    assert model_reason(_model(tmp_path / "pinned", requirements=f"torch=={TORCH}\n"), config) is None
+    own = model_reason(_model(tmp_path / "own", properties="isolation=process\n"), config)
+    assert own == "serving.properties sets isolation=process"
+    extra = model_reason(_model(tmp_path / "extra", requirements="surely-not-installed-package\n"), config)
+    assert extra is not None and "surely-not-installed-package" in extra
+
+
+def test_a_malformed_setting_is_left_to_the_load_to_report(tmp_path: Path) -> None:
+    config = Config(cache_dir=tmp_path / "cache")
+    assert model_reason(_model(tmp_path / "bad", properties="isolation=maybe\n"), config) is None
