@@ -168,6 +168,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "gives every model processes of its own, as `isolation=process` does for one model.",
     ),
     EnvVar(
+        "MME_CPU_HOSTS",
+        "2",
+        "cpu_hosts",
+        "Device hosts that serve the models on the CPU, each model on one (the one with the fewest models): each "
+        "host has one Python interpreter lock, so two let Python-bound models run side by side.",
+    ),
+    EnvVar(
         "MME_S3_TIMEOUT_SECONDS",
         "30",
         "s3_timeout_seconds",
@@ -317,6 +324,7 @@ class Config:
     max_batch_delay_ms: int = 10
     max_concurrency: int | None = None
     share_device: bool = True
+    cpu_hosts: int = 2
     pip_timeout_seconds: int = 300
     properties_file: Path | None = None
     load_models: tuple[tuple[str, str], ...] = ()
@@ -367,6 +375,7 @@ class Config:
         take("MME_MAX_BATCH_DELAY_MS", "max_batch_delay_ms", lambda n, v: parse_int(n, v, 0, MAX_BATCH_DELAY_MS))
         take("MME_MAX_CONCURRENCY", "max_concurrency", lambda n, v: parse_int(n, v, 1, MAX_CONCURRENCY))
         take("MME_SHARE_DEVICE", "share_device", parse_bool)
+        take("MME_CPU_HOSTS", "cpu_hosts", lambda n, v: parse_int(n, v, 1, 64))
         take("MME_S3_TIMEOUT_SECONDS", "s3_timeout_seconds", lambda n, v: parse_int(n, v, 1))
         take("MME_PIP_TIMEOUT_SECONDS", "pip_timeout_seconds", lambda n, v: parse_int(n, v, 1))
         take("SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT", "default_accept", lambda n, v: v.strip())
@@ -442,6 +451,7 @@ class Config:
             "OMP_WAIT_POLICY": self.omp_wait_policy,
             "MME_METRICS_PORT": str(self.metrics_port),
             "MME_SHARE_DEVICE": "true" if self.share_device else "false",
+            "MME_CPU_HOSTS": str(self.cpu_hosts),
         }
         if self.max_concurrency is not None:
             env["MME_MAX_CONCURRENCY"] = str(self.max_concurrency)

@@ -159,13 +159,14 @@ class DeviceHost:
     def _unpack(self, name: str, fd: int, layout: dict[str, int]) -> Any:
         """The model in the package; a package that another model here unpacked already (the same artifacts under
         two names: the warm process's package cache) gives the same object, so its weights are here once."""
-        identity = (os.fstat(fd).st_ino, layout["pickle_offset"], layout["pickle_bytes"])
+        offset, size = layout["pickle_offset"], layout["pickle_bytes"]
+        identity = (os.fstat(fd).st_ino, offset, size)
         with self._control_lock:
             model = self._unpacked.get(identity)
         if model is not None:
             logger.info("model=%s takes the model its package already gave this host (one copy)", name)
             return model
-        model = unpack(fd, **layout)
+        model = unpack(fd, offset, size)
         with self._control_lock, contextlib.suppress(TypeError):  # what cannot be weakly referenced is not shared
             self._unpacked[identity] = model
         return model
@@ -282,14 +283,15 @@ def run_host(
     control: socket.socket,
     config: Config,
     gpu: int | None,
+    label: str,
     board: CrashBoard,
     close_fds: list[int],
     environment: dict[str, str],
 ) -> None:
-    """The host's life, in the child the warm process forked; never returns."""
+    """The host's life, in the child the warm process forked (``label`` names its device); never returns."""
     status = 1
     try:
-        become_child(f"mme-device-host gpu={'cpu' if gpu is None else gpu}", close_fds, environment)
+        become_child(f"mme-device-host {label}", close_fds, environment)
         configure_logging(config.log_level)
         fork_safety.set_threads(fork_safety.DEFAULT_THREADS)
         metrics.start_container(config)  # the host's own directory; each model gets one of its own too

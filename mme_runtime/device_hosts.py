@@ -24,7 +24,7 @@ from mme_runtime.warm_protocol import receive, send
 logger = logging.getLogger(__name__)
 
 CONTROL_SECONDS = 10.0
-DeviceKey = str | None  # the card's name within CUDA_VISIBLE_DEVICES; None: the CPU
+DeviceKey = str  # the card's name within CUDA_VISIBLE_DEVICES, or "cpu=N": one of the CPU's hosts
 
 
 @dataclass
@@ -65,7 +65,8 @@ class DeviceHosts:
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
-            run_host(theirs, self.config, gpu, board, close, env)  # never returns
+            label = f"gpu={gpu}" if gpu is not None else key
+            run_host(theirs, self.config, gpu, label, board, close, env)  # never returns
         theirs.close()
         ours.settimeout(CONTROL_SECONDS)
         host = self.hosts[key] = Host(key, pid, ours, board)

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,10 @@ from mme_runtime import devices, metrics, sharing
 from mme_runtime.config import Config
 from mme_runtime.loading import LoadFailure, ModelSpec, check_location, check_memory, load_model
 from mme_runtime.logs import configure_logging
-from mme_runtime.model_package import NotPackable, pack, unpack
+from mme_runtime.model_cache import model_file
+from mme_runtime.model_package import NotPackable, is_torchscript, pack, pack_torchscript_file, unpack
 from mme_runtime.processes import become_child
+from mme_runtime.pt2 import pt2_file
 from mme_runtime.warm_protocol import send
 
 logger = logging.getLogger(__name__)
@@ -73,6 +76,14 @@ def _load(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
         return {"isolate": reason}, []
     try:
         check_memory(spec, config, gpu=None)
+        archive = _plain_torchscript(Path(spec.model_dir), config)
+        if archive is not None:  # what the default model_fn would load: its bytes are the package
+            started = time.monotonic()
+            package = pack_torchscript_file(archive, spec.name)
+            logger.info(
+                "model=%s loaded seconds=%.2f (TorchScript, packed as it is)", spec.name, time.monotonic() - started
+            )
+            return {"package": package.layout}, [package.fd]
         loaded = load_model(spec, batch_size=1, phase="preload")
     except LoadFailure as failure:
         return _failure(failure), []
@@ -84,11 +95,19 @@ def _load(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
     except NotPackable as exc:
         return {"host_loads": str(exc)}, []
     try:
-        unpack(package.fd, **package.layout)  # what pickles must also unpickle (an exported program's module does not)
+        unpack(package.fd, **package.layout, trial=True)
     except Exception as exc:  # noqa: BLE001 - any reason means the host must load it itself
         package.close()
         return {"host_loads": f"{type(model).__name__} does not unpickle: {type(exc).__name__}: {exc}"}, []
     return {"package": package.layout}, [package.fd]
+
+
+def _plain_torchscript(model_dir: Path, config: Config) -> Path | None:
+    """The model's TorchScript archive, when the defaults alone serve it (no inference code, no ``model.pt2``)."""
+    if config.submit_directory or (model_dir / "code" / config.program).is_file() or pt2_file(model_dir):
+        return None
+    path = model_file(model_dir)
+    return path if path is not None and is_torchscript(path) else None
 
 
 def _failure(failure: LoadFailure) -> dict[str, Any]:

@@ -13,13 +13,16 @@ import io
 import mmap
 import os
 import pickle
+import zipfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 ALIGNMENT = 64
 PROTOCOL = 5
+_FILE = object()  # stands for a TorchScript archive packed as it is
 
 
 class NotPackable(Exception):
@@ -60,6 +63,18 @@ class _Writer:
         self.size = offset + len(view)
         return offset
 
+    def append_file(self, path: Path) -> tuple[int, int]:
+        """``path``'s bytes, copied by the kernel; returns their offset and size."""
+        offset = -(-self.size // ALIGNMENT) * ALIGNMENT
+        size = path.stat().st_size
+        os.lseek(self.fd, offset, os.SEEK_SET)  # sendfile writes at the file's position
+        copied = 0
+        with path.open("rb") as source:
+            while copied < size and (sent := os.sendfile(self.fd, source.fileno(), copied, size - copied)):
+                copied += sent
+        self.size = offset + copied
+        return offset, copied
+
     def storage(self, storage: torch.UntypedStorage) -> int:
         key = (storage.data_ptr(), storage.nbytes())
         if key not in self._storages:
@@ -89,6 +104,30 @@ class _Pickler(pickle.Pickler):
         return None
 
 
+def pack_torchscript_file(path: Path, name: str) -> Package:
+    """A TorchScript archive as it is on disk: what ``torch.jit.save`` would write again, when the default
+    ``model_fn`` would only load it (its bytes reach the host with no load and save here)."""
+    writer = _Writer(name)
+    offset, size = writer.append_file(path)
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=PROTOCOL)
+    pickler.persistent_id = lambda obj: ("torchscript", offset, size) if obj is _FILE else None  # type: ignore[method-assign]
+    pickler.dump(_FILE)
+    pickle_offset = writer.append(buffer.getbuffer())
+    return Package(writer.fd, pickle_offset, writer.size - pickle_offset)
+
+
+def is_torchscript(path: Path) -> bool:
+    """Whether ``path`` is a TorchScript archive (``torch.jit.save``: code and constants beside the data), not a
+    ``torch.save`` checkpoint; read from the zip's directory only."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return False
+    return any(name.endswith("/constants.pkl") for name in names) and any("/code/" in name for name in names)
+
+
 def pack(model: Any, name: str) -> Package:
     """``model`` as a package; ``NotPackable`` with the reason when it cannot be pickled (a lambda, a lock, an open
     file or a GPU tensor in it)."""
@@ -107,9 +146,10 @@ def pack(model: Any, name: str) -> Package:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, data: mmap.mmap) -> None:
+    def __init__(self, file: io.BytesIO, data: mmap.mmap, trial: bool = False) -> None:
         super().__init__(file)
         self.data = data
+        self.trial = trial  # TorchScript saved whole loads again: a trial skips it (its one costly part)
         self._storages: dict[int, torch.UntypedStorage] = {}
 
     def persistent_load(self, pid: Any) -> Any:
@@ -122,6 +162,8 @@ class _Unpickler(pickle.Unpickler):
             )
         if kind == "torchscript":
             _, offset, nbytes = pid
+            if self.trial:
+                return None
             return torch.jit.load(io.BytesIO(self.data[offset : offset + nbytes]), map_location="cpu")  # type: ignore[no-untyped-call]
         raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
 
@@ -135,10 +177,11 @@ class _Unpickler(pickle.Unpickler):
         return self._storages[offset]
 
 
-def unpack(fd: int, pickle_offset: int, pickle_bytes: int) -> Any:
+def unpack(fd: int, pickle_offset: int, pickle_bytes: int, trial: bool = False) -> Any:
     """The model, its weights mapped copy-on-write from ``fd`` (the caller keeps or closes the descriptor: the mapping
     does not need it). The model's classes must be importable here: the host imports the model's script under the
-    same unique module name first."""
+    same unique module name first. ``trial``: only whether it unpacks (what pickles may still not unpickle: an exported
+    program's module does not), its TorchScript modules not loaded."""
     data = mmap.mmap(fd, pickle_offset + pickle_bytes, flags=mmap.MAP_PRIVATE)
     pickled = bytes(data[pickle_offset : pickle_offset + pickle_bytes])
-    return _Unpickler(io.BytesIO(pickled), data).load()
+    return _Unpickler(io.BytesIO(pickled), data, trial).load()

@@ -58,6 +58,7 @@ class SharedModel:
     failure: LoadFailure | None = None
     hosts: set[DeviceKey] = field(default_factory=set)
     cache_key: Key | None = None  # its artifacts, when another name may share its package
+    cpu_host: str | None = None  # which of the CPU's hosts serves it
     crashes: int = 0
     served: bool = False  # a host has had it
     load_recorded: bool = False
@@ -204,7 +205,7 @@ class SharedModels:
         if model.failure is not None:
             refuse_load(connection, model.failure, model.spec, self.config, drain=False)
             return
-        key = device_of(assignment, self.config.cuda_visible_devices)
+        key = device_of(assignment, self.config.cuda_visible_devices) or self._cpu_host(model)
         try:
             host = self.hosts.get(key, assignment.gpu, model.request["env"])
             if key not in model.hosts:
@@ -221,6 +222,17 @@ class SharedModels:
             logger.warning("model=%s gpu=%s device host unreachable: %s", model.spec.name, key, exc)
         finally:
             connection.close()  # the host holds its own descriptor now
+
+    def _cpu_host(self, model: SharedModel) -> str:
+        """The CPU host of the pool (MME_CPU_HOSTS) that serves the model: the one with the fewest models when its
+        first connection arrived (one GIL per host: a pool lets Python-bound models run side by side), or the one
+        that has its artifacts under another name (so that they are there once)."""
+        if model.cpu_host is None:
+            pool = [f"cpu={index}" for index in range(self.config.cpu_hosts)]
+            taken = [other.cpu_host for other in self.models.values()]
+            same = [o.cpu_host for o in self.models.values() if o.cpu_host and o.cache_key == model.cache_key]
+            model.cpu_host = same[0] if model.cache_key is not None and same else min(pool, key=taken.count)
+        return model.cpu_host
 
     def _send_model(self, host: Host, model: SharedModel, batch_size: int) -> None:
         """The model to a host, before its first connection there (whose LOAD message carries MMS's batch size)."""

@@ -9,6 +9,7 @@ hosts the same way. User code is imported only after a fork.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import select
@@ -256,6 +257,9 @@ def main() -> int:
 
     metrics.start_container(config)  # the model cache's lookups; each forked server then writes its own
     fork_safety.single_threaded()  # model servers are forked from here: no OpenMP pool for them to inherit
+    # What the imports made lives as long as every process forked from here: out of the collector's way, so a full
+    # collection in a device host (each UNLOAD runs one) walks the models' objects, not torch's.
+    gc.freeze()
     model_cache.cache.limit_bytes = config.model_cache_mb * MIB
     path = Path(config.warm_socket)
     path.unlink(missing_ok=True)

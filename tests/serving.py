@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -96,8 +97,15 @@ class RunningServer:
         backend = self.backend_server(model_name)
         assert backend is not None, f"no process for {model_name}"
         if is_stub(backend):
-            return {process.pid for process in device_hosts(self.descendants())}
+            return self.hosts_of(model_name)
         return {child.pid for child in backend.children()}
+
+    def hosts_of(self, model_name: str) -> set[int]:
+        """The device hosts serving ``model_name``: each keeps the model's metrics in a directory named by its pid."""
+        hosts = {process.pid for process in device_hosts(self.descendants())}
+        directory = self.home / "run" / "metrics" / "models" / urllib.parse.quote(model_name, safe="")
+        named = {int(path.name) for path in directory.iterdir() if path.name.isdigit()} if directory.is_dir() else set()
+        return hosts & named
 
     def backend_processes(self, model_name: str) -> list[psutil.Process]:
         """The processes the model has of its own: its server and all its executors, or its stub alone."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
@@ -131,7 +132,11 @@ def test_twenty_models_are_served_by_one_process_each_with_its_own_answers(serve
     for position, result in enumerate(answers):
         np.testing.assert_allclose(result, expected(position % 20), rtol=1e-5)  # each client its own model's answer
 
-    assert len(hosts(server)) == 1  # one device host: the CPU
+    cpu_hosts = {host.pid for host in hosts(server)}
+    assert len(cpu_hosts) == 2  # the CPU's two hosts (MME_CPU_HOSTS), each serving half of the models
+    served_by = [server.hosts_of(name) for name in names]
+    assert all(len(pids) == 1 and pids <= cpu_hosts for pids in served_by)
+    assert sorted(Counter(pid for pids in served_by for pid in pids).values()) == [10, 10]
     for name in names:
         [stub] = model_processes(server, name)  # MMS's process for the model, and nothing else of its own
         assert is_stub(stub)
@@ -144,11 +149,12 @@ def test_unload_gives_the_host_memory_back(server: RunningServer) -> None:
     model_factory.wide_model(server.model_dir("wide"))  # 4 MB of weights, and a model_fn that runs them
     model_factory.torchscript_model(server.model_dir("resident"))
     assert server.load("resident").status_code == 200
-    [host] = hosts(server)
+    assert server.load("wide").status_code == 200  # every host it may land on exists from here on
+    assert server.unload("wide").status_code == 200
 
     def settled_rss() -> int:
         time.sleep(0.5)
-        return int(host.memory_info().rss)
+        return sum(int(host.memory_info().rss) for host in hosts(server))
 
     before = settled_rss()
     for _ in range(5):
@@ -165,8 +171,7 @@ def test_a_model_that_cannot_travel_is_loaded_in_the_host_and_the_log_says_why(s
     assert server.load("unpicklable").status_code == 200
     response = server.invoke("unpicklable", "14", "text/plain")
     assert response.status_code == 200, response.text
-    [host] = hosts(server)
-    assert response.json() == {"value": 42, "loaded_in": host.pid}
+    assert response.json() == {"value": 42, "loaded_in": server.hosts_of("unpicklable").pop()}
     assert "model=unpicklable model_fn runs in the device host" in server.log_text()
     assert server.unload("unpicklable").status_code == 200
 
@@ -225,16 +230,17 @@ def test_each_hosted_model_has_its_own_series_and_they_go_with_it(server: Runnin
 
 
 @pytest.fixture(scope="module")
-def crash_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    with start_server(tmp_path_factory.mktemp("host-crash"), {"MME_TEST_PREDICT_SLEEP": "0"}) as running:
+def one_host_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    env = {"MME_TEST_PREDICT_SLEEP": "0", "MME_CPU_HOSTS": "1"}  # every model in the host the crasher kills
+    with start_server(tmp_path_factory.mktemp("host-crash"), env) as running:
         yield running
 
 
 @pytest.mark.parametrize("how", ["abort", "segfault"])
 def test_a_model_that_kills_the_host_costs_the_others_seconds_then_leaves(
-    crash_server: RunningServer, how: str
+    one_host_server: RunningServer, how: str
 ) -> None:
-    server = crash_server
+    server = one_host_server
     neighbours = [f"{how}_neighbour{index}" for index in range(10)]
     for name in neighbours:
         model_factory.counting_model(server.model_dir(name))
@@ -329,7 +335,10 @@ def transform_fn(model, body, content_type, accept):
 """
 
 
-def test_models_in_one_host_keep_their_own_functions_and_the_warm_process_stays_clean(server: RunningServer) -> None:
+def test_models_in_one_host_keep_their_own_functions_and_the_warm_process_stays_clean(
+    one_host_server: RunningServer,
+) -> None:
+    server = one_host_server
     for name in ("first", "second"):
         model_factory.write_code(server.model_dir(name), MARKING_SCRIPT.format(name=name))
         assert server.load(name).status_code == 200
@@ -337,7 +346,7 @@ def test_models_in_one_host_keep_their_own_functions_and_the_warm_process_stays_
     second = server.invoke("second", b"{}").json()
     assert (first["name"], second["name"]) == ("first", "second")  # the same inference.py name, each its own
     assert first["module"] != second["module"]
-    [host] = hosts(server)
+    [host] = [psutil.Process(pid) for pid in server.hosts_of("first")]
     warm = host.parent()
     assert warm is not None and "mme_runtime.warm_start" in " ".join(warm.cmdline())
     for name in ("first", "second"):
@@ -357,10 +366,10 @@ def test_model_fn_that_initialises_cuda_runs_in_the_host(server: RunningServer) 
     model_dir = model_factory.counting_model(server.model_dir("cuda_in_loader"), fake_cuda_init=True)
     assert server.load("cuda_in_loader").status_code == 200
     answers = [server.invoke("cuda_in_loader", json.dumps(ROWS)).json() for _ in range(3)]
-    [host] = hosts(server)
-    assert {a["pid"] for a in answers} == {host.pid}
+    [host] = server.hosts_of("cuda_in_loader")
+    assert {a["pid"] for a in answers} == {host}
     calls = model_factory.model_fn_calls(model_dir)
-    assert len(calls) == 2 and calls[1] == host.pid  # the loader's, then the host's
+    assert len(calls) == 2 and calls[1] == host  # the loader's, then the host's
     assert "model=cuda_in_loader model_fn runs in the device host: model_fn initialised CUDA" in server.log_text()
     assert server.unload("cuda_in_loader").status_code == 200
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mme_runtime.model_package import NotPackable, pack, unpack
+from mme_runtime.model_package import NotPackable, is_torchscript, pack, pack_torchscript_file, unpack
 
 
 class Tied(torch.nn.Module):
@@ -144,3 +144,18 @@ def test_the_file_holds_each_storage_once() -> None:
     size = os.fstat(package.fd).st_size
     assert size < 2 * 512 * 512 * 4  # one copy of the weight, not three
     package.close()
+
+
+def test_a_torchscript_file_travels_as_it_is_and_a_checkpoint_is_told_apart(tmp_path: Path) -> None:
+    torch.manual_seed(2)
+    scripted = torch.jit.script(Tied().eval())
+    archive, checkpoint = tmp_path / "model.pt", tmp_path / "model.pth"
+    scripted.save(str(archive))
+    torch.save(Tied(), checkpoint)
+    assert is_torchscript(archive) and not is_torchscript(checkpoint) and not is_torchscript(tmp_path / "missing")
+
+    package = pack_torchscript_file(archive, "file")
+    restored = unpack(package.fd, **package.layout)
+    package.close()
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(restored(x), scripted(x))
