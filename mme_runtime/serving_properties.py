@@ -37,7 +37,7 @@ class ServingSettings:
     compile: bool = False
     compile_mode: str = "default"
     max_concurrency: int | None = None  # None: DEFAULT_UNBATCHED_CONCURRENCY unbatched, 1 batching
-    isolation: str = "shared"  # "process": an executor of its own, never the device host
+    isolation: str | None = None  # "process": processes of its own; "shared": its device's host; None: the rules
 
     @property
     def batching(self) -> bool:
@@ -74,8 +74,8 @@ def read_settings(model_dir: Path, config: Config) -> ServingSettings:
         mode = values.get("compile_mode", "default")
         if mode not in COMPILE_MODES:
             raise ConfigError(f"compile_mode={mode!r} must be one of {', '.join(COMPILE_MODES)}")
-        isolation = values.get("isolation", "shared")
-        if isolation not in ISOLATIONS:
+        isolation = values.get("isolation")
+        if isolation is not None and isolation not in ISOLATIONS:
             raise ConfigError(f"isolation={isolation!r} must be one of {', '.join(ISOLATIONS)}")
         concurrency = values.get("max_concurrency")
         return ServingSettings(

@@ -3,8 +3,11 @@ executors), and why: the answer is logged with the model's LOAD.
 
 A model is isolated when the container turns sharing off (``MME_SHARE_DEVICE=false``), when it runs in a way the
 host does not (preload off, spawned workers, a handler other than ours), when its ``serving.properties`` says
-``isolation=process``, or when its ``requirements.txt`` asks for anything the image does not already satisfy: what
-pip installs for one model must not change the modules every other model in the host imports.
+``isolation=process``, when its ``requirements.txt`` asks for anything the image does not already satisfy (what pip
+installs for one model must not change the modules every other model in the host imports), or when its own
+``code/`` holds Python modules beside its script: a host imports them by their plain names (``import utils``), which
+one interpreter holds once, so another model's ``utils`` would be taken for its own. ``isolation=shared`` says the
+names are unique and shares such a model all the same.
 """
 
 from __future__ import annotations
@@ -43,20 +46,38 @@ def model_reason(model_dir: Path, config: Config) -> str | None:
     """Why this model needs processes of its own; None when it can share. Fetches code from S3 if the model uses it
     (cached for its load). A setting or code that cannot be read is the load's to report: it shares."""
     try:
-        if read_settings(model_dir, config).isolation == "process":
+        isolation = read_settings(model_dir, config).isolation
+        if isolation == "process":
             return "serving.properties sets isolation=process"
-        code_dir, _ = locate_code(
-            model_dir, config.submit_directory, CodeFetcher(config.cache_dir / "code", config.s3_timeout_seconds)
-        )
+        fetcher = CodeFetcher(config.cache_dir / "code", config.s3_timeout_seconds)
+        code_dir, _ = locate_code(model_dir, config.submit_directory, fetcher)
     except (ModelLoadError, OSError) as exc:
         logger.debug("sharing check of %s deferred to its load: %s", model_dir, exc)
         return None
-    if code_dir is None or not (code_dir / REQUIREMENTS).is_file():
+    if code_dir is None:
         return None
-    unmet = unmet_requirements((code_dir / REQUIREMENTS).read_text(encoding="utf-8", errors="replace"))
-    if unmet:
-        return f"its {REQUIREMENTS} asks for what the image does not have: {', '.join(unmet[:3])}"
+    if (code_dir / REQUIREMENTS).is_file():
+        unmet = unmet_requirements((code_dir / REQUIREMENTS).read_text(encoding="utf-8", errors="replace"))
+        if unmet:
+            return f"its {REQUIREMENTS} asks for what the image does not have: {', '.join(unmet[:3])}"
+    helpers = helper_modules(code_dir, config.program)
+    if helpers and isolation != "shared" and code_dir == model_dir / "code":
+        return (
+            f"its code/ holds modules beside {config.program} ({', '.join(helpers[:3])}), imported by names another "
+            "model of a shared host could hold (isolation=shared in serving.properties shares it all the same)"
+        )
     return None
+
+
+def helper_modules(code_dir: Path, program: str) -> list[str]:
+    """The importable modules and packages in ``code_dir`` other than the script itself."""
+    names = []
+    for path in sorted(code_dir.iterdir()):
+        if path.suffix == ".py" and path.name != program:
+            names.append(path.name)
+        elif path.is_dir() and (path / "__init__.py").is_file():
+            names.append(f"{path.name}/")
+    return names
 
 
 def unmet_requirements(text: str) -> list[str]:

@@ -20,6 +20,7 @@ import model_factory
 import numpy as np
 import psutil
 import pytest
+import requests
 from prometheus_client.parser import text_string_to_metric_families
 from serving import HOST_TITLE, RunningServer, alive, device_hosts, is_stub, start_server, wait_until
 
@@ -215,8 +216,6 @@ def test_each_hosted_model_has_its_own_series_and_they_go_with_it(server: Runnin
     assert server.invoke("counted_b", "[[1", "application/json").status_code == 400
 
     def requests_by_model() -> dict[tuple[str, str], float]:
-        import requests
-
         text = requests.get(server.metrics_url, timeout=10).text
         family = next(f for f in text_string_to_metric_families(text) if f.name == "mme_requests")
         return {(s.labels["model"], s.labels["code"]): s.value for s in family.samples if s.name.endswith("_total")}
@@ -227,6 +226,13 @@ def test_each_hosted_model_has_its_own_series_and_they_go_with_it(server: Runnin
     assert server.unload("counted_a").status_code == 200
     assert wait_until(lambda: not any(model == "counted_a" for model, _ in requests_by_model()), 10)
     assert server.unload("counted_b").status_code == 200
+
+
+def quarantines(server: RunningServer) -> dict[str, float]:
+    text = requests.get(server.metrics_url, timeout=10).text
+    family = next((f for f in text_string_to_metric_families(text) if f.name == "mme_model_quarantines"), None)
+    samples = [] if family is None else family.samples
+    return {s.labels["model"]: s.value for s in samples if s.name.endswith("_total")}
 
 
 @pytest.fixture(scope="module")
@@ -278,6 +284,7 @@ def test_a_model_that_kills_the_host_costs_the_others_seconds_then_leaves(
             assert len(model_factory.model_fn_calls(server.model_dir(name))) == 1
 
     assert f"model={crasher} served by processes of its own: it crashed its device host 2 times" in server.log_text()
+    assert wait_until(lambda: quarantines(server).get(crasher) == 1, 10)
     assert wait_until(lambda: server.invoke(crasher, "fine", "text/plain").status_code == 200, 10, 0.2)
     [host] = hosts(server)
     assert server.invoke(crasher, how, "text/plain").status_code >= 500

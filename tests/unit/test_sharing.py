@@ -68,6 +68,28 @@ def test_a_model_shares_unless_it_asks_for_a_process_or_brings_requirements(tmp_
     assert extra is not None and "surely-not-installed-package" in extra
 
 
+def test_helper_modules_in_a_models_own_code_isolate_it_unless_it_says_their_names_are_unique(tmp_path: Path) -> None:
+    """A host imports a script's helpers by their plain names: two models' ``utils`` cannot both be ``utils``."""
+    config = Config(cache_dir=tmp_path / "cache")
+    helped = _model(tmp_path / "helped")
+    (helped / "code" / "inference.py").write_text("from utils import scale\n")
+    (helped / "code" / "utils.py").write_text("scale = 2\n")
+    (helped / "code" / "layers").mkdir()
+    (helped / "code" / "layers" / "__init__.py").write_text("")
+    reason = model_reason(helped, config)
+    assert reason is not None and "holds modules beside inference.py (layers/, utils.py)" in reason
+    (helped / "serving.properties").write_text("isolation=shared\n")
+    assert model_reason(helped, config) is None
+    # Code shared by every model (SAGEMAKER_SUBMIT_DIRECTORY) is the same files for all: it shares.
+    common = tmp_path / "common"
+    common.mkdir()
+    (common / "inference.py").write_text("from utils import scale\n")
+    (common / "utils.py").write_text("scale = 2\n")
+    plain = tmp_path / "plain_model"
+    plain.mkdir()
+    assert model_reason(plain, Config(cache_dir=tmp_path / "cache", submit_directory=str(common))) is None
+
+
 def test_a_malformed_setting_is_left_to_the_load_to_report(tmp_path: Path) -> None:
     config = Config(cache_dir=tmp_path / "cache")
     assert model_reason(_model(tmp_path / "bad", properties="isolation=maybe\n"), config) is None
