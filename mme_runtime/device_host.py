@@ -99,7 +99,11 @@ class DeviceHost:
         elif op == "connect":
             connection = socket.socket(fileno=fds[0])
             connection.setblocking(True)
-            self._connect(self.models[name], connection, Assignment(message["gpu"], message["batch_size"]))
+            hosted = self.models.get(name)
+            if hosted is None:  # unloaded meanwhile: the frontend is done with this connection too
+                connection.close()
+                return
+            self._connect(hosted, connection, Assignment(message["gpu"], message["batch_size"]))
         elif op == "unload":
             leaving = self.models.pop(name, None)
             if leaving is not None:

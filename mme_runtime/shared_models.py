@@ -6,9 +6,9 @@ processes of its own, or why the LOAD fails). Meanwhile the frontend's connectio
 Once the model is ready, each connection's LOAD message is read here and the connection goes to the host of its
 device, forked on first use; the model is sent to that host once, before its first connection.
 
-When the stub goes (UNLOAD), every host lets the model go. When a host dies, the models whose calls were running are
-named; a model named in two crashes moves to processes of its own (quarantine); the others are loaded again from
-their packages into a new host as the frontend reconnects, without running ``model_fn``.
+When the stub goes (UNLOAD), every host lets the model go. When a host dies, the model whose code killed it is named
+(``crash_board.py``); a model named in two crashes moves to processes of its own (quarantine); the others are loaded
+again from their packages into a new host as the frontend reconnects, without running ``model_fn``.
 """
 
 from __future__ import annotations
