@@ -19,7 +19,7 @@ import torch
 from sagemaker_inference.errors import BaseInferenceToolkitError
 
 from mme_runtime import content
-from mme_runtime.errors import ContainerError, InsufficientMemory, InvalidInput, ModelLoadError
+from mme_runtime.errors import ContainerError, InsufficientMemory, InvalidInput, ModelLoadError, first_line
 
 if TYPE_CHECKING:
     from mme_runtime.context import InferenceContext
@@ -39,12 +39,24 @@ def is_client_error(exc: BaseException) -> bool:
     return isinstance(exc, BaseInferenceToolkitError) and 400 <= int(exc.status_code) < 500
 
 
+# What input_fn raises when it cannot decode the request (json.JSONDecodeError and UnicodeDecodeError are ValueErrors,
+# a missing key a KeyError): the client's bad input, answered 400. Anything else it raises stays 500.
+DECODING_ERRORS = (ValueError, TypeError, KeyError, IndexError)
+
+
 def http_status(exc: BaseException) -> int:
     if isinstance(exc, BaseInferenceToolkitError):
         return int(exc.status_code)
     if is_out_of_memory(exc):
         return 507
+    if is_decoding_error(exc):
+        return 400
     return 500
+
+
+def is_decoding_error(exc: BaseException) -> bool:
+    """An exception the user's ``input_fn`` raised decoding the request (``DECODING_ERRORS``)."""
+    return isinstance(exc, StepError) and exc.step == "input_fn" and isinstance(exc.cause, DECODING_ERRORS)
 
 
 def release_cached_device_memory() -> None:
@@ -65,7 +77,8 @@ def error_response(exc: Exception, request: Any) -> tuple[bytes, str]:
     """The body and content type answering ``request`` (an ``InferenceContext``) with ``exc``; logs it."""
     status = http_status(exc)
     if isinstance(exc, StepError):
-        message = f"{exc.step} raised {type(exc.cause).__name__}: {exc.cause}"
+        cause = first_line(exc.cause) if status < 500 else str(exc.cause)  # a client sees what it sent wrong
+        message = f"{exc.step} raised {type(exc.cause).__name__}: {cause}"
         error_type = type(exc.cause).__name__
     elif isinstance(exc, BaseInferenceToolkitError):
         message, error_type = str(exc.message), type(exc).__name__

@@ -161,10 +161,17 @@ def write_archive(entries: Mapping[str, Path], output: Path) -> None:
                 else:
                     with source.open("rb") as data:
                         tar.addfile(_tar_info(name, source), data)
+        os.chmod(tmp_name, 0o666 & ~_umask())  # mkstemp makes it 0600: an archive is for others to read and upload
         os.replace(tmp_name, output)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def check_output_location(model_dir: Path, output: Path) -> None:
@@ -245,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="package-model-") as scratch:
         entries = collect_entries(args.model_dir, args.inference, args.requirements, pt2=_pt2(args, Path(scratch)))
         write_archive(entries, output)
-    print(f"wrote {output} ({len(entries)} files, {output.stat().st_size} bytes, sha256 {sha256_of(output)})")
+    print(f"wrote {output.resolve()} ({len(entries)} files, {output.stat().st_size} bytes, sha256 {sha256_of(output)})")
     if args.upload:
         bucket, key = upload_destination(args.upload, output.name)
         uri = upload_archive(boto_session(args.region).client("s3"), output, bucket, key)

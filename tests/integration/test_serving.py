@@ -259,3 +259,15 @@ def test_batches_reach_user_code_with_per_item_headers(server: RunningServer) ->
     assert all(s["batch_size"] == 4 for s in seen)
     assert max(int(str(s["batch_items"])) for s in seen) > 1  # the frontend really batched them
     assert server.unload("batched_context").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "cause"),
+    [("{not json", "JSONDecodeError"), ('{"rows": [[1, 2, 3, 4]]}', "KeyError: 'inputs'")],
+    ids=["malformed", "missing-key"],
+)
+def test_an_aws_style_input_fn_that_cannot_decode_answers_400(server: RunningServer, body: str, cause: str) -> None:
+    """The AWS-style inference.py, unchanged: json.loads(request_body)["inputs"] raising is the client's error."""
+    response = server.invoke("state_dict", body, accept="application/json")
+    assert response.status_code == 400, response.text
+    assert f"input_fn raised {cause}" in response.json()["message"]

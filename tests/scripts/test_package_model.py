@@ -279,3 +279,19 @@ def test_bad_pt2_options_exit_2_with_one_line(
     assert run_cli(main, [str(model_dir), "-o", str(tmp_path / "out.tar.gz"), *extra]) == EXIT_CONFIG
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
+
+
+def test_the_archive_lands_in_the_current_directory_readable_by_others_and_the_path_is_printed(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    previous = os.umask(0o022)
+    try:
+        assert run_cli(main, [str(model_dir)]) == EXIT_OK
+    finally:
+        os.umask(previous)
+    archive = work / "resnet.tar.gz"
+    assert archive.stat().st_mode & 0o777 == 0o644
+    assert f"wrote {archive.resolve()} (" in capsys.readouterr().out

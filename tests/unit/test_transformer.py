@@ -162,3 +162,47 @@ def test_the_grad_mode_user_code_set_holds_in_the_executors_threads(tmp_path: Pa
         torch.set_grad_enabled(True)
     assert context.get_response_status(0)[0] in (None, 200), results
     assert len(json.loads(results[0])[0]) == model_factory.OUT_FEATURES
+
+
+AWS_STYLE_INPUT_FN = """
+import json
+
+import torch
+
+
+def input_fn(request_body, request_content_type):
+    if request_content_type == "application/x-boom":
+        raise RuntimeError("the decoder itself broke")
+    data = json.loads(request_body)["inputs"]
+    if request_content_type == "application/x-sixth":
+        data = data[5]
+    return torch.tensor(data, dtype=torch.float32)
+"""
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "status", "cause"),
+    [
+        (b"{not json", "application/json", 400, "JSONDecodeError: Expecting property name enclosed in double quotes"),
+        (b'{"rows": [[1, 2, 3, 4]]}', "application/json", 400, "KeyError: 'inputs'"),
+        (b'{"inputs": [[1, 2], [3]]}', "application/json", 400, "ValueError: expected sequence of length 2"),
+        (b'{"inputs": "one two"}', "application/json", 400, "TypeError: new(): invalid data type 'str'"),
+        (b'{"inputs": [[1, 2, 3, 4]]}', "application/x-sixth", 400, "IndexError: list index out of range"),
+        (b"\xc3\x28", "application/x-bytes", 400, "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xc3"),
+        (b'{"inputs": [[1, 2, 3, 4]]}', "application/x-boom", 500, "RuntimeError: the decoder itself broke"),
+    ],
+    ids=["json", "key", "value", "type", "index", "encoding", "other"],
+)
+def test_what_a_users_input_fn_cannot_decode_is_the_clients_error(
+    tmp_path: Path, body: bytes, content_type: str, status: int, cause: str
+) -> None:
+    """An AWS-style input_fn, unchanged: its decoding errors answer 400 with their first line, the rest 500."""
+    model_dir = model_factory.torchscript_model(tmp_path / "m")
+    model_factory.write_code(model_dir, AWS_STYLE_INPUT_FN)
+    service = service_for(model_dir)
+    context = mms_context(model_dir, [{"Content-Type": content_type}])
+    [answer] = service.handle([{"body": body}], context)
+    assert context.get_response_status(0)[0] == status
+    error = json.loads(answer)
+    assert error["code"] == status and f"input_fn raised {cause}" in error["message"]
+    assert "\n" not in error["message"] or status == 500
