@@ -12,13 +12,21 @@ PYTEST_ARGS ?=
 
 .PHONY: install serve test lint check-java test-image clean
 
-install: $(VENV)/.installed
+# What serving needs (requirements.txt and torch), then what developing adds (requirements-dev.txt), in one venv.
+SERVE_INSTALLED := $(VENV)/.installed-serve
+DEV_INSTALLED := $(VENV)/.installed-dev
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml | check-java
+install: $(DEV_INSTALLED)
+
+$(SERVE_INSTALLED): requirements.txt pyproject.toml | check-java
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade "pip>=24" "setuptools<81" wheel
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)" -r requirements-dev.txt
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)" -r requirements.txt
 	$(BIN)/pip install --quiet --no-build-isolation --no-deps -e .
+	touch $@
+
+$(DEV_INSTALLED): $(SERVE_INSTALLED) requirements-dev.txt
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)" -r requirements-dev.txt
 	touch $@
 
 $(SDK_V2_VENV)/.installed: requirements-sdk-v2.txt
@@ -30,13 +38,13 @@ $(SDK_V2_VENV)/.installed: requirements-sdk-v2.txt
 check-java:
 	@scripts/check-java
 
-serve: install
+serve: $(SERVE_INSTALLED)
 	$(BIN)/python scripts/make-test-models --demo .demo/models
 	SAGEMAKER_BIND_TO_PORT=$(PORT) MME_RUNTIME_DIR=$(CURDIR)/.demo/run MME_MODEL_ROOT=$(CURDIR)/.demo/models \
 	MME_LOAD_MODELS=demo=$(CURDIR)/.demo/models/demo \
 	$(BIN)/python dockerd-entrypoint.py serve
 
-test: install $(SDK_V2_VENV)/.installed
+test: $(DEV_INSTALLED) $(SDK_V2_VENV)/.installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Builds the image and runs it: PING, LOAD, INVOKE, METRICS, UNLOAD and a clean SIGTERM stop (tests/container/README.md).

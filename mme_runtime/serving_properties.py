@@ -10,6 +10,7 @@ sends it in every worker's LOAD message. A malformed file fails the LOAD, with t
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -109,6 +110,10 @@ def _parse(path: Path) -> dict[str, str]:
             raise ConfigError(f"line {number}: {stripped[:80]!r} is not key=value")
         if key in values:
             raise ConfigError(f"line {number}: {key} is set twice")
+        if re.search(r"\s[#!]", value):
+            # Java properties (and the AWS large-model container's files) have no trailing comments: MMS would read
+            # the comment as part of the value, so it is refused rather than guessed at.
+            raise ConfigError(f"line {number}: {key}={value!r}: a comment must be on a line of its own")
         if key not in KNOWN_KEYS:
             logger.warning("%s line %d: %s is not a setting of this container; ignored", path, number, key)
             continue

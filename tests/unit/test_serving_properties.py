@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ def test_the_file_wins_over_the_defaults_and_load_wins_over_the_file(tmp_path: P
         ("compile=true\ncompile_mode=fastest\n", "compile_mode='fastest' must be one of default, max-autotune"),
         ("max_concurrency=0\n", "max_concurrency='0' must be at least 1 and at most 256"),
         ("isolation=container\n", "isolation='container' must be one of shared, process"),
+        ("batch_size=16   # at most\n", "line 1: batch_size='16   # at most': a comment must be on a line of its own"),
     ],
 )
 def test_a_malformed_file_names_the_cause(tmp_path: Path, text: str, cause: str) -> None:
@@ -58,3 +60,12 @@ def test_concurrency_defaults_to_parallel_unbatched_and_one_pass_when_batching(t
     (tmp_path / "serving.properties").write_text("max_concurrency=6\nisolation=process\n")
     settings = read_settings(tmp_path, Config(max_concurrency=2, batch_size=8))
     assert (settings.concurrency, settings.isolation) == (6, "process")
+
+
+def test_every_properties_block_in_the_readme_reads_as_a_serving_properties_file(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = re.findall(r"```properties\n(.*?)```", readme, flags=re.DOTALL)
+    assert blocks
+    for block in blocks:
+        (tmp_path / "serving.properties").write_text(block)
+        read_settings(tmp_path, Config())  # raises, naming the line, on anything the server would refuse
