@@ -139,6 +139,10 @@ class Batcher:
         for job in jobs:
             job.queued_at = now
         with self._ready:
+            if self._closed:  # the model was unloaded under this request
+                for job in jobs:
+                    job.error = RuntimeError("the model was unloaded")
+                return
             self._queue.extend(jobs)
             self._awaited = max(0, self._awaited - len(jobs))
             self._ready.notify()

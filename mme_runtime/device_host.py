@@ -57,6 +57,7 @@ class HostedModel:
     waiting: list[tuple[socket.socket, Assignment]] = field(default_factory=list)
     connections: set[socket.socket] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    loading: threading.Thread | None = None
 
 
 class DeviceHost:
@@ -95,7 +96,8 @@ class DeviceHost:
             model = self.models[name] = HostedModel(spec, int(message["slot"]), series)
             layout = message.get("package")
             arguments = (model, layout, fds, int(message["batch_size"]), bool(message.get("restart")))
-            threading.Thread(target=self._load, args=arguments, name=f"load-{name}", daemon=True).start()
+            model.loading = threading.Thread(target=self._load, args=arguments, name=f"load-{name}", daemon=True)
+            model.loading.start()
         elif op == "connect":
             connection = socket.socket(fileno=fds[0])
             connection.setblocking(True)
@@ -136,7 +138,7 @@ class DeviceHost:
             self._record_memory(model, handler.transformer.model)
         except LoadFailure as failure:
             model.failure = failure
-        except Exception as exc:  # boundary: this model's LOAD fails with the cause, the host serves on
+        except BaseException as exc:  # noqa: BLE001 - boundary: user code's sys.exit too fails this LOAD alone
             status = int(getattr(exc, "status_code", 500))
             message = str(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
             logger.error(
@@ -212,6 +214,8 @@ class DeviceHost:
 
     def _unload(self, model: HostedModel) -> None:
         """Closes the model's connections, ends its batcher and drops every reference, then gives the memory back."""
+        if model.loading is not None:
+            model.loading.join()  # an UNLOAD during the load: what the load makes must not outlive the model
         with model.lock:
             waiting, model.waiting = model.waiting, []
         for connection, _ in waiting:

@@ -53,15 +53,16 @@ class DeviceHosts:
         self.close_in_children = close_in_children
         self.hosts: dict[DeviceKey, Host] = {}
 
-    def get(self, key: DeviceKey, gpu: int | None, env: dict[str, str]) -> Host:
+    def get(self, key: DeviceKey, gpu: int | None, env: dict[str, str], in_hand: socket.socket) -> Host:
         """The device's host, forked now if there is none, with the environment MMS gives its model processes (it
-        reads some of it, such as ``MMS_DECODE_INPUT_REQUEST``, while answering)."""
+        reads some of it, such as ``MMS_DECODE_INPUT_REQUEST``, while answering). ``in_hand``: the connection being
+        routed, which a new host must not keep a copy of (the frontend would never see it close)."""
         host = self.hosts.get(key)
         if host is not None:
             return host
         board = CrashBoard()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        close = [*self.close_in_children(), ours.fileno()]
+        close = [*self.close_in_children(), ours.fileno(), in_hand.fileno()]
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
@@ -103,7 +104,7 @@ class DeviceHosts:
             report = ""
         crash = Crash(
             host,
-            f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}",
+            f"killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}",
             host.board.culprit(report),
             frozenset(host.board.busy()),
         )
@@ -119,3 +120,10 @@ class DeviceHosts:
                 os.kill(host.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name
+        return f"signal {number}"

@@ -41,17 +41,19 @@ def start_loader(
     if pid == 0:
         for target, fd in enumerate(stdio):
             os.dup2(fd, target)
-        os.chdir(request["cwd"])
-        run_loader(theirs, spec, [fd for fd in close if fd > 2], request["env"])  # never returns
+        run_loader(theirs, spec, [fd for fd in close if fd > 2], request["env"], request["cwd"])  # never returns
     theirs.close()
     return pid, result
 
 
-def run_loader(result: socket.socket, spec: ModelSpec, close_fds: list[int], environment: dict[str, str]) -> None:
+def run_loader(
+    result: socket.socket, spec: ModelSpec, close_fds: list[int], environment: dict[str, str], cwd: str
+) -> None:
     """In the forked child, its stdio already the model's: load, report, exit. Never returns."""
     status = 1
     try:
         become_child(f"mme-loader {spec.name}", close_fds, environment)
+        os.chdir(cwd)
         config = Config.from_process_env()
         configure_logging(config.log_level)
         metrics.start_model(config, spec.name, os.getpid())  # counted as loading until it reports

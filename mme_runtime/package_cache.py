@@ -55,8 +55,16 @@ class PackageCache:
         logger.info("model cache hit %s: model=%s shares its package", key[0], name)
         return entry.package
 
-    def add(self, key: Key, name: str, package: Package) -> None:
-        self.entries[key] = _Entry(package, {name})
+    def add(self, key: Key, name: str, package: Package) -> Package:
+        """The package ``name`` uses from now on: ``package``, or the one another name's loader made first (two
+        loads of the same artifacts at once), in which case ``package`` is closed."""
+        entry = self.entries.get(key)
+        if entry is None:
+            self.entries[key] = _Entry(package, {name})
+            return package
+        entry.users.add(name)
+        package.close()
+        return entry.package
 
     def release(self, key: Key, name: str) -> None:
         """``name`` is unloaded; the package is closed once no model uses it."""

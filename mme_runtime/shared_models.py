@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 # The frontend sends its LOAD message as soon as it connects; one that does not within this is dropped.
 LOAD_MESSAGE_SECONDS = 2.0
 CRASHES_BEFORE_QUARANTINE = 2
+# How long the warm process waits for the rest of a loader's report once it has begun to arrive.
+RESULT_SECONDS = 1.0
 
 
 @dataclass
@@ -59,7 +61,6 @@ class SharedModel:
     hosts: set[DeviceKey] = field(default_factory=set)
     cache_key: Key | None = None  # its artifacts, when another name may share its package
     cpu_host: str | None = None  # which of the CPU's hosts serves it
-    crashes: int = 0
     served: bool = False  # a host has had it
     load_recorded: bool = False
 
@@ -76,7 +77,8 @@ class SharedModels:
         self.close_in_children = close_in_children
         self.models: dict[str, SharedModel] = {}
         self.hosts = DeviceHosts(config, close_in_children)
-        self.isolated: dict[int, str] = {}  # pid of a shared model's own server, from the start or after quarantine
+        self.isolated: dict[int, SharedModel] = {}  # by pid: shared models' own servers (from the start, or quarantine)
+        self.crashes: dict[str, int] = {}  # by model name: a model unloaded and loaded again keeps its record
         self.cache = PackageCache(config)
         self._handlers: dict[socket.socket, Callable[[], None]] = {}
 
@@ -117,8 +119,8 @@ class SharedModels:
                     self._loader_reported(model)  # drain its report, if it sent one before it exited
                 return True
         if pid in self.isolated:
-            ended = self.models.get(self.isolated.pop(pid))
-            if ended is not None:
+            ended = self.isolated.pop(pid)
+            if self.models.get(ended.spec.name) is ended:
                 self._unload(ended)  # its stub ends with it, and MMS starts the model anew
             return True
         return False
@@ -133,6 +135,11 @@ class SharedModels:
     def add(self, spec: ModelSpec, request: dict[str, Any], stub: socket.socket, stdio: list[int]) -> None:
         """Binds the model's socket, tells the frontend it may connect, and starts the model's loader (unless the
         same artifacts are loaded under another name already: then the model takes their package)."""
+        existing = self.models.get(spec.name)
+        if existing is not None:  # unloaded, and loaded again before this loop saw its stub go
+            self._unload(existing)
+        if len(self.models) >= SLOTS:
+            raise RuntimeError(f"{SLOTS} shared models are loaded already")
         listener = _bind(_socket_name(request["argv"]))
         os.write(stdio[1], f"[PID] {request.get('pid', os.getpid())}\nMMS worker started.\n".encode())
         model = SharedModel(spec, request, stub, stdio, listener, self._free_slot(), time.time())
@@ -145,7 +152,16 @@ class SharedModels:
                 self._ready(model)
                 return
         model.loader, model.result = start_loader(spec, request, stdio, self.close_in_children())
+        model.result.settimeout(RESULT_SECONDS)  # a loader's child could hold the socket open after the loader died
         self._handlers[model.result] = lambda: self._loader_reported(model)
+
+    def forget(self, name: str) -> bool:
+        """After ``add`` failed halfway: lets go of what it took; True if that included the stub and its stdio."""
+        model = self.models.get(name)
+        if model is None:
+            return False
+        self._unload(model)
+        return True
 
     def _loader_reported(self, model: SharedModel) -> None:
         assert model.result is not None
@@ -163,11 +179,12 @@ class SharedModels:
             model.failure = LoadFailure(report["failure"]["status"], report["failure"]["message"])
         elif "isolate" in report:
             self._move_to_own_process(model, report["isolate"])
+            _tell_stub(model, {"shared": True})
             return
         elif "package" in report:
             model.package = Package(fds[0], **report["package"])
             if model.cache_key is not None:
-                self.cache.add(model.cache_key, spec.name, model.package)
+                model.package = self.cache.add(model.cache_key, spec.name, model.package)
         else:
             logger.warning("model=%s model_fn runs in the device host: %s", spec.name, report["host_loads"])
         if model.failure is not None:
@@ -186,11 +203,11 @@ class SharedModels:
         _tell_stub(model, {"shared": True})
 
     def _move_to_own_process(self, model: SharedModel, reason: str) -> None:
+        """A server of its own takes over the model's socket; every host lets the model go."""
         logger.info("model=%s served by processes of its own: %s", model.spec.name, reason)
         self._handlers.pop(model.listener, None)
-        pid = self.isolate(model, reason)
-        self.isolated[pid] = model.spec.name
-        _tell_stub(model, {"shared": True})
+        self._leave_hosts(model)
+        self.isolated[self.isolate(model, reason)] = model
 
     # -- its connections ---------------------------------------------------------------------------------------
 
@@ -207,7 +224,7 @@ class SharedModels:
             return
         key = device_of(assignment, self.config.cuda_visible_devices) or self._cpu_host(model)
         try:
-            host = self.hosts.get(key, assignment.gpu, model.request["env"])
+            host = self.hosts.get(key, assignment.gpu, model.request["env"], connection)
             if key not in model.hosts:
                 self._send_model(host, model, assignment.batch_size)
                 model.hosts.add(key)
@@ -244,7 +261,7 @@ class SharedModels:
             "slot": model.slot,
             "package": None if package is None else package.layout,
             "batch_size": batch_size,
-            "restart": model.crashes > 0 or model.served,  # served before, by a host that has died since
+            "restart": model.served,  # served before, by a host that has died since
         }
         self.hosts.send(host, payload, [] if package is None else [package.fd])
         host.models.add(model.spec.name)
@@ -283,10 +300,11 @@ class SharedModels:
         )
         if culprit is None:
             return
-        culprit.crashes += 1
-        if culprit.crashes >= CRASHES_BEFORE_QUARANTINE and culprit.spec.name not in self.isolated.values():
-            metrics.record_quarantine(culprit.spec.name)
-            self._move_to_own_process(culprit, f"it crashed its device host {culprit.crashes} times")
+        name = culprit.spec.name
+        self.crashes[name] = self.crashes.get(name, 0) + 1
+        if self.crashes[name] >= CRASHES_BEFORE_QUARANTINE and culprit not in self.isolated.values():
+            metrics.record_quarantine(name)
+            self._move_to_own_process(culprit, f"it crashed its device host {self.crashes[name]} times")
 
     # -- a model goes ----------------------------------------------------------------------------------------------
 
@@ -309,16 +327,13 @@ class SharedModels:
                 self._handlers.pop(sock, None)
         if model.loader is not None:
             _kill(model.loader)
+        if model.result is not None:
+            _drain(model.result)  # a package it sent and nobody read: its memfd goes too
         for pid, isolated in list(self.isolated.items()):
-            if isolated == name:
+            if isolated is model:
+                del self.isolated[pid]  # its exit (reaped later) concerns no model of that name any more
                 _kill(pid)
-        for host in self.hosts.hosts.values():
-            if name in host.models:
-                host.models.discard(name)
-                try:
-                    self.hosts.send(host, {"op": "unload", "model": name})
-                except OSError as exc:
-                    logger.info("model=%s device host gone before its unload: %s", name, exc)
+        self._leave_hosts(model)
         path = model.listener.getsockname()
         model.listener.close()
         if isinstance(path, str) and path:
@@ -335,6 +350,18 @@ class SharedModels:
             os.close(fd)
         logger.info("model=%s unloaded", name)
 
+    def _leave_hosts(self, model: SharedModel) -> None:
+        """Every host that has the model lets it go."""
+        name = model.spec.name
+        for host in list(self.hosts.hosts.values()):
+            if name in host.models:
+                host.models.discard(name)
+                try:
+                    self.hosts.send(host, {"op": "unload", "model": name})
+                except OSError as exc:
+                    logger.info("model=%s device host gone before its unload: %s", name, exc)
+        model.hosts.clear()
+
     def _free_slot(self) -> int:
         used = {model.slot for model in self.models.values()}
         return next(slot for slot in range(SLOTS) if slot not in used)
@@ -345,6 +372,21 @@ def _tell_stub(model: SharedModel, payload: dict[str, Any]) -> None:
         send(model.stub, payload)
     except OSError:
         pass  # the stub is gone: its unload follows
+
+
+def _drain(result: socket.socket) -> None:
+    """Closes a loader's result socket and any descriptor waiting in it."""
+    result.setblocking(False)
+    try:
+        while True:
+            _, fds = receive(result, with_fds=1)
+            for fd in fds:
+                os.close(fd)
+            if not fds:
+                break
+    except (OSError, ValueError):
+        pass
+    result.close()
 
 
 def _socket_name(argv: list[str]) -> str:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ from mme_runtime.responses import (
     to_bytes,
 )
 from mme_runtime.serving_properties import ServingSettings, read_settings
-from mme_runtime.user_code import UserFunction, load_user_code
+from mme_runtime.user_code import USER_MODULE_PREFIX, UserFunction, load_user_code
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         self._loaded = False
         self._attached = False
         self._code_dir: Path | None = None
-        self._user_modules: set[str] = set()
+        self._user_modules: dict[str, ModuleType] = {}
         self._negotiates_accept = True
         self._settings = ServingSettings(1, 0, "none")
         self._batcher: Batcher | None = None
@@ -109,7 +110,11 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
         except ModelLoadError as exc:
             raise load_failure(context.model_name, "reading serving settings", exc) from exc
         code_dir, user = load_user_code(context.model_name, model_dir, config)
-        self._user_modules = {function.function.__module__ for function in user.values()}
+        self._user_modules = {
+            name: sys.modules[name]
+            for name in {function.function.__module__ for function in user.values()}
+            if name.startswith(USER_MODULE_PREFIX) and name in sys.modules
+        }
         self._functions = self._with_defaults(user)
         # Decided once per model, not per request: only our default output_fn needs Accept negotiated up front.
         self._negotiates_accept = "transform_fn" not in user and "output_fn" not in user
@@ -177,8 +182,9 @@ class Transformer(ToolkitTransformer):  # type: ignore[misc]
             self._batcher.close()
             self._batcher = None
         self._model = None
-        for name in self._user_modules:  # imported under the model's unique name: nothing else refers to it
-            sys.modules.pop(name, None)
+        for name, module in self._user_modules.items():  # its script, under the model's unique name
+            if sys.modules.get(name) is module:  # not a LOAD of the same name that imported it again since
+                del sys.modules[name]
         self._functions = {}
         self._attached = self._loaded = False
 

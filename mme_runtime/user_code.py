@@ -26,6 +26,7 @@ from mme_runtime.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
+USER_MODULE_PREFIX = "mme_user_"
 CONTRACT = ("model_fn", "input_fn", "predict_fn", "output_fn", "transform_fn", "pre_model_fn", "model_warmup_fn")
 # Positional arguments each contract function takes before the optional trailing ``context``.
 ARITY = {
@@ -87,7 +88,7 @@ def module_name_for(model_name: str, script: Path) -> str:
     """A module name unique to the model and script: ``mme_user_<model>_<hash>``."""
     digest = hashlib.sha1(f"{model_name}\0{script.resolve()}".encode()).hexdigest()[:10]
     safe = re.sub(r"\W", "_", model_name)[:40]
-    return f"mme_user_{safe}_{digest}"
+    return f"{USER_MODULE_PREFIX}{safe}_{digest}"
 
 
 def find_script(code_dir: Path | None, program: str) -> Path | None:

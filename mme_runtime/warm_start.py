@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import resource
 import select
 import signal
 import socket
@@ -71,10 +72,7 @@ class WarmProcess:
         signal.signal(signal.SIGINT, self._on_stop)
         print(f"warm process ready pid={os.getpid()}", flush=True)
         while not self._stopping:
-            try:
-                readable, _, _ = select.select([self.listener, *self.shared.watched()], [], [], 0.5)
-            except InterruptedError:
-                readable = []
+            readable = _readable([self.listener, *self.shared.watched()], 0.5)
             for sock in readable:
                 if sock is self.listener:
                     self._accept()
@@ -114,7 +112,14 @@ class WarmProcess:
         spec = _spec(request["argv"])
         reason = sharing.container_reason(spec.handler, self.config) if spec is not None else "no model named"
         if spec is not None and reason is None:
-            self.shared.add(spec, request, connection, fds)
+            try:
+                self.shared.add(spec, request, connection, fds)
+            except Exception:  # noqa: BLE001 - one model's arrival must never end the process every model needs
+                logger.exception("model=%s could not be taken in: its LOAD fails", spec.name)
+                self.shared.forget(spec.name)
+                for fd in fds:
+                    os.close(fd)
+                connection.close()
             return
         cached = self._prepare_cached_model(request["argv"])
         pid = self._fork_server(connection, request, fds)
@@ -151,7 +156,8 @@ class WarmProcess:
 
     def _descriptors(self) -> list[int]:
         """What this process holds that a forked child must not keep open."""
-        return [self.listener.fileno(), *self.shared.descriptors()]
+        stubs = [connection.fileno() for connection in self.children.values()]
+        return [self.listener.fileno(), *stubs, *self.shared.descriptors()]
 
     def _reap(self) -> None:
         for pid, code in exited_children():
@@ -198,6 +204,28 @@ class WarmProcess:
         except OSError as exc:  # the server will load (and report) it itself
             logger.info("model cache: %s unavailable (%s)", model_dir, exc)
             return None
+
+
+def _readable(sockets: list[socket.socket], timeout: float) -> list[socket.socket]:
+    """Which of ``sockets`` can be read within ``timeout``. poll, not select: a process holding a few sockets per model
+    passes descriptor 1024 at a few hundred models, where select stops working."""
+    poller = select.poll()
+    by_fd = {sock.fileno(): sock for sock in sockets}
+    for fd in by_fd:
+        poller.register(fd, select.POLLIN)
+    try:
+        events = poller.poll(timeout * 1000)
+    except InterruptedError:
+        return []
+    return [by_fd[fd] for fd, _ in events if fd in by_fd]
+
+
+def _raise_descriptor_limit() -> None:
+    """Each shared model holds a few descriptors in this process (its socket, its stub's, its package): lift the
+    soft limit to the hard one, so that thousands of models fit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _spec(argv: list[str]) -> ModelSpec | None:
@@ -261,6 +289,7 @@ def main() -> int:
     # collection in a device host (each UNLOAD runs one) walks the models' objects, not torch's.
     gc.freeze()
     model_cache.cache.limit_bytes = config.model_cache_mb * MIB
+    _raise_descriptor_limit()
     path = Path(config.warm_socket)
     path.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -199,3 +199,11 @@ def test_closing_ends_the_dispatchers_once_the_queue_is_done() -> None:
     batcher.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("batcher-closing")]
     assert torch.equal(request.result, torch.full((1, 2), 2.0))
+
+
+def test_a_request_after_close_is_answered_with_an_error_not_held() -> None:
+    batcher = Batcher(Recorder(), batch_size=1, max_delay_ms=10, name="gone")
+    batcher.close()
+    request = job(torch.ones(1, 2))
+    batcher.submit([request])  # returns at once
+    assert isinstance(request.error, RuntimeError) and "unloaded" in str(request.error)
