@@ -78,11 +78,8 @@ class DeviceHosts:
         """``OSError`` when the host is gone or stuck: its reap follows."""
         send(host.control, payload, fds)
 
-    def reports(self) -> dict[socket.socket, Callable[[], dict[str, Any] | None]]:
-        """Per control socket to watch, what reads the host's next report (None once it is gone)."""
-        return {host.control: lambda host=host: self._report(host) for host in self.hosts.values()}  # type: ignore[misc]
-
-    def _report(self, host: Host) -> dict[str, Any] | None:
+    def report(self, host: Host) -> dict[str, Any] | None:
+        """The host's next report, once its control socket is readable; None once it is gone."""
         try:
             message, _ = receive(host.control)
         except (OSError, ValueError):

@@ -85,16 +85,12 @@ class SharedModels:
     # -- what the warm process's loop asks --------------------------------------------------------------------
 
     def watched(self) -> list[socket.socket]:
-        return [*self._handlers, *self.hosts.reports()]
+        return list(self._handlers)
 
     def readable(self, sock: socket.socket) -> None:
         handler = self._handlers.get(sock)
         if handler is not None:
             handler()
-            return
-        report = self.hosts.reports().get(sock)
-        if report is not None:
-            self._host_reported(report())
 
     def descriptors(self) -> list[int]:
         """What a forked child must close: every socket and package of ours (a copy would keep them alive)."""
@@ -225,6 +221,8 @@ class SharedModels:
         key = device_of(assignment, self.config.cuda_visible_devices) or self._cpu_host(model)
         try:
             host = self.hosts.get(key, assignment.gpu, model.request["env"], connection)
+            if host.control not in self._handlers:  # a host started just now
+                self._handlers[host.control] = lambda: self._host_reported(host)
             if key not in model.hosts:
                 self._send_model(host, model, assignment.batch_size)
                 model.hosts.add(key)
@@ -266,10 +264,12 @@ class SharedModels:
         self.hosts.send(host, payload, [] if package is None else [package.fd])
         host.models.add(model.spec.name)
 
-    def _host_reported(self, message: dict[str, Any] | None) -> None:
+    def _host_reported(self, host: Host) -> None:
         """A host's word on a model's load there: the LOAD's outcome is counted once."""
+        message = self.hosts.report(host)
         if message is None:
-            return  # it is dying: its reap names the cause
+            self._handlers.pop(host.control, None)  # it is dying: its reap names the cause
+            return
         model = self.models.get(message.get("model", ""))
         if model is not None and not model.load_recorded:
             metrics.record_load(bool(message.get("loaded")), time.time() - model.started)
@@ -281,6 +281,7 @@ class SharedModels:
         """Names the model whose code killed the host, counts the crash against it (a second one moves it to
         processes of its own); the frontend's reconnections start a new host and send it the models again."""
         key = crash.host.key
+        self._handlers.pop(crash.host.control, None)
         on_host = [model for model in self.models.values() if key in model.hosts]
         for model in on_host:
             model.hosts.discard(key)
