@@ -95,7 +95,7 @@ RUN set -eux; \
     install -m 0755 /tmp/mme-src/dockerd-entrypoint.py /opt/mme/dockerd-entrypoint.py; \
     install -m 0644 /tmp/mme-src/mme-mms.properties /opt/mme/mme-mms.properties; \
     rm -rf /tmp/mme-src; \
-    python -c 'import handler_service, inference_handler, mme_runtime.supervisor'
+    python -c 'import handler_service, inference_handler, mme_runtime.processes.supervisor'
 
 # SageMaker sends requests to 8080 unless it passes SAGEMAKER_BIND_TO_PORT (the label above allows that);
 # 9090 serves Prometheus metrics (MME_METRICS_PORT).

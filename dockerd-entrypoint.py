@@ -11,13 +11,19 @@ import os
 import sys
 from pathlib import Path
 
-from mme_runtime.config import Config
-from mme_runtime.errors import EXIT_CONFIG, ConfigError
-from mme_runtime.logs import ENTRYPOINT_FORMAT, configure_logging
-from mme_runtime.metrics_exporter import start as start_metrics
-from mme_runtime.nvidia import gpu_count
-from mme_runtime.properties import ensure_mme_properties, mms_properties, write_properties
-from mme_runtime.supervisor import Supervisor, frontend_command, prepare_mms_home
+from mme_runtime.base.config import Config
+from mme_runtime.base.errors import EXIT_CONFIG, ConfigError
+from mme_runtime.base.logs import ENTRYPOINT_FORMAT, configure_logging
+from mme_runtime.base.nvidia import gpu_count
+from mme_runtime.operations.metrics_exporter import start as start_metrics
+from mme_runtime.processes.frontend import (
+    ensure_mme_properties,
+    frontend_command,
+    mms_properties,
+    prepare_mms_home,
+    write_properties,
+)
+from mme_runtime.processes.supervisor import Supervisor
 
 logger = logging.getLogger("mme.entrypoint")
 
@@ -44,7 +50,7 @@ def serve() -> int:
 
     command = frontend_command(config, properties_file, home, properties.get("vmargs", ""))
     env = config.child_environment({"MODEL_SERVER_HOME": str(home), "PYTHONUNBUFFERED": "1"})
-    warm_command = [sys.executable, "-m", "mme_runtime.warm_start"] if config.warm_start else None
+    warm_command = [sys.executable, "-m", "mme_runtime.processes.warm_start"] if config.warm_start else None
     model_metrics = start_metrics(config)
     supervisor = Supervisor(
         config=config,

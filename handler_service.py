@@ -13,10 +13,10 @@ import torch
 from sagemaker_inference.default_handler_service import DefaultHandlerService
 
 from inference_handler import DefaultPytorchInferenceHandler
-from mme_runtime.config import Config
-from mme_runtime.devices import worker_device
-from mme_runtime.serving_properties import ServingSettings
-from mme_runtime.transformer import Transformer
+from mme_runtime.base.config import Config
+from mme_runtime.base.devices import worker_device
+from mme_runtime.models.serving_properties import ServingSettings
+from mme_runtime.serving.transformer import Transformer
 
 
 class HandlerService(DefaultHandlerService):  # type: ignore[misc]

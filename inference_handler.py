@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from sagemaker_inference.default_inference_handler import DefaultInferenceHandler
 
-from mme_runtime import content, model_cache, pt2
-from mme_runtime.errors import InvalidInput, ModelLoadError, first_line
+from mme_runtime.base.errors import InvalidInput, ModelLoadError, first_line
+from mme_runtime.models import model_cache, pt2
+from mme_runtime.serving import content
 
 MODEL_FILES = model_cache.MODEL_FILES
 

@@ -1,4 +1,11 @@
-"""Internals of the mme-gpu container: configuration, MMS supervision, the GPU-aware backend and the handler.
+"""Internals of the mme-gpu container, in five layers; a layer imports only the layers before it:
 
-Importing this package (or any module in it) never initialises CUDA: the backend server imports it before fork.
+* ``base``: configuration, errors, logs, devices, process plumbing.
+* ``operations``: metrics and their endpoint, memory checks, worker scaling.
+* ``models``: a model's artifacts, its code and its settings, loaded, packed and cached.
+* ``serving``: one request from the socket to ``predict_fn`` and back.
+* ``processes``: the process tree, from the entrypoint's supervisor to the device hosts.
+
+``handler_service.py`` and ``inference_handler.py`` (the handler MMS names, with its PyTorch defaults) sit between
+``serving`` and ``processes``. Importing any of it never initialises CUDA: model processes are forked after it.
 """

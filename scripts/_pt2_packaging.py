@@ -88,7 +88,7 @@ def _input_metadata(program: Any) -> dict[str, str]:
     dimensions after the first are fixed."""
     import torch
 
-    from mme_runtime.pt2 import input_metadata
+    from mme_runtime.models.pt2 import input_metadata
 
     user_inputs = set(program.graph_signature.user_inputs)
     values = [

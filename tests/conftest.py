@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mme_runtime.nvidia import gpu_count
+from mme_runtime.base.nvidia import gpu_count
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from mme_runtime.pt2 import input_metadata
+from mme_runtime.models.pt2 import input_metadata
 
 IN_FEATURES = 4
 OUT_FEATURES = 3
@@ -190,7 +190,7 @@ def failing_model(model_dir: Path) -> Path:
 USER_ERROR_SCRIPT = """
 import json
 
-from mme_runtime.errors import ContainerError
+from mme_runtime.base.errors import ContainerError
 
 
 class QuotaExceeded(ContainerError):
@@ -240,13 +240,13 @@ def model_fn(model_dir, context):
     if os.path.exists(os.path.join(model_dir, "fake_cuda_init")):
         # Test double of the CUDA probe: on a CPU-only machine this simulates a model_fn that moved the
         # model to "cuda" and so initialised CUDA in the preload server.
-        import mme_runtime.devices
-        mme_runtime.devices.cuda_initialized = lambda: True
+        import mme_runtime.base.devices
+        mme_runtime.base.devices.cuda_initialized = lambda: True
     if os.path.exists(os.path.join(model_dir, "fake_poisoned_fork")):
         # Test double of torch's bad-fork flag, read by the forked probe child: simulates a model_fn that asked the
         # CUDA runtime for the device count, which poisons forks without initialising CUDA.
-        import mme_runtime.fork_safety
-        mme_runtime.fork_safety._in_bad_fork = lambda: True
+        import mme_runtime.processes.fork_safety
+        mme_runtime.processes.fork_safety._in_bad_fork = lambda: True
     return torch.jit.load(os.path.join(model_dir, "model.pt"), map_location="cpu")
 
 

@@ -26,8 +26,8 @@ from ports import free_port
 
 ENTRYPOINT = Path(__file__).resolve().parent.parent / "dockerd-entrypoint.py"
 START_TIMEOUT_SECONDS = 120
-STUB_TITLE = "mme-model-stub"  # mme_runtime.warm_stub
-HOST_TITLE = "mme-device-host"  # mme_runtime.device_host
+STUB_TITLE = "mme-model-stub"  # mme_runtime.processes.warm_stub
+HOST_TITLE = "mme-device-host"  # mme_runtime.processes.device_host
 REQUEST_TIMEOUT_SECONDS = 90
 
 

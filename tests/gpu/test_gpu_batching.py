@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from serving import start_server, wait_until
 
-from mme_runtime.nvidia import gpu_count
+from mme_runtime.base.nvidia import gpu_count
 
 CONNECTIONS_PER_GPU = 8
 WIDTH = 2048  # a 2048x2048 float32 layer: 16 MiB of weights, easy to tell from eight copies of it

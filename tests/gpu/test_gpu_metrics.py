@@ -15,7 +15,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from serving import start_server, wait_until
 
-from mme_runtime.nvidia import gpu_count
+from mme_runtime.base.nvidia import gpu_count
 
 WIDTH = 2048  # 16 MiB of float32 weights in the first layer
 

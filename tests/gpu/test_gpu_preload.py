@@ -16,7 +16,7 @@ import pytest
 import serving
 from serving import RunningServer, start_server
 
-from mme_runtime.nvidia import gpu_count
+from mme_runtime.base.nvidia import gpu_count
 
 ROWS = json.dumps([[1.0, 2.0, 3.0, 4.0]])
 

@@ -14,7 +14,7 @@ import pytest
 from ports import free_port
 from s3_server import S3Server, start_s3
 
-from mme_runtime.code_fetcher import CodeFetcher, CodeFetchError
+from mme_runtime.models.code_fetcher import CodeFetcher, CodeFetchError
 
 BUCKET = "fetch"
 

@@ -355,7 +355,7 @@ def test_models_in_one_host_keep_their_own_functions_and_the_warm_process_stays_
     assert first["module"] != second["module"]
     [host] = [psutil.Process(pid) for pid in server.hosts_of("first")]
     warm = host.parent()
-    assert warm is not None and "mme_runtime.warm_start" in " ".join(warm.cmdline())
+    assert warm is not None and "mme_runtime.processes.warm_start" in " ".join(warm.cmdline())
     for name in ("first", "second"):
         imports = [
             json.loads(line) for line in (server.model_dir(name) / "code" / "imports.log").read_text().splitlines()

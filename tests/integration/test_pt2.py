@@ -144,7 +144,7 @@ def test_loading_a_package_never_imports_the_compiler(
     script = (
         "import sys, numpy, torch\n"
         "from pathlib import Path\n"
-        "from mme_runtime import pt2\n"
+        "from mme_runtime.models import pt2\n"
         f"runner = pt2.load(Path({str(source / 'model.pt2')!r})).place(torch.device('cpu'))\n"
         f"print(runner(torch.from_numpy(numpy.load({str(source / 'inputs.npy')!r}))).tolist())\n"
         "print([m for m in ('torch._inductor', 'torch._dynamo') if m in sys.modules])\n"

@@ -41,7 +41,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 
 def warm_process(server: RunningServer) -> psutil.Process:
     [warm] = [
-        p for p in psutil.Process(server.process.pid).children() if "mme_runtime.warm_start" in " ".join(p.cmdline())
+        p
+        for p in psutil.Process(server.process.pid).children()
+        if "mme_runtime.processes.warm_start" in " ".join(p.cmdline())
     ]
     return warm
 

@@ -235,8 +235,8 @@ def _unpacked_pt2(archive: Path, destination: Path) -> Path:
 def test_a_module_factory_ships_as_a_pt2_the_container_serves_with_no_code(tmp_path: Path, aot: bool) -> None:
     import torch
 
-    from mme_runtime import pt2
-    from mme_runtime.errors import InvalidInput
+    from mme_runtime.base.errors import InvalidInput
+    from mme_runtime.models import pt2
 
     factory = tmp_path / "net.py"
     factory.write_text(NET_FACTORY)

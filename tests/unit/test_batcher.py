@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from mme_runtime.batcher import Batcher, Job, group, run_batch
-from mme_runtime.collate import signature
-from mme_runtime.errors import InvalidInput
+from mme_runtime.base.errors import InvalidInput
+from mme_runtime.serving.batcher import Batcher, Job, group, run_batch
+from mme_runtime.serving.collate import signature
 
 
 def job(data: Any) -> Job:

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from mme_runtime.config import ENV_VARS, Config
-from mme_runtime.errors import ConfigError
+from mme_runtime.base.config import Config
+from mme_runtime.base.errors import ConfigError
+from mme_runtime.base.settings import SETTINGS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,9 +81,11 @@ def test_idle_openmp_threads_sleep_unless_the_user_chose_otherwise() -> None:
     assert Config.from_env({"OMP_WAIT_POLICY": "ACTIVE"}).to_env()["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
-def test_every_documented_variable_names_a_config_field() -> None:
+def test_every_variable_names_a_config_field_and_is_listed_once() -> None:
     fields = set(Config.__dataclass_fields__)
-    assert {var.field for var in ENV_VARS} <= fields
+    assert {setting.field for setting in SETTINGS} <= fields
+    names = [setting.name for setting in SETTINGS]
+    assert len(names) == len(set(names))
 
 
 WRITES = ("clear", "update")  # replacing the environment (the warm process does) is not reading it
@@ -105,15 +108,16 @@ def _reads_environment(path: Path) -> bool:
 
 
 def test_only_config_reads_the_environment() -> None:
-    modules = [*sorted((REPO / "mme_runtime").glob("*.py")), REPO / "handler_service.py", REPO / "inference_handler.py"]
+    modules = [*sorted((REPO / "mme_runtime").rglob("*.py")), REPO / "handler_service.py"]
+    modules.append(REPO / "inference_handler.py")
     offenders = [p.name for p in modules if p.name != "config.py" and _reads_environment(p)]
     assert offenders == []
 
 
-def test_readme_configuration_table_is_the_generated_one() -> None:
-    from mme_runtime.config import markdown_table
+def test_the_configuration_page_is_the_generated_one() -> None:
+    from mme_runtime.base.config_page import configuration_page
 
-    readme = (REPO / "README.md").read_text()
-    assert markdown_table() in readme, (
-        "regenerate with: .venv/bin/python -c 'import mme_runtime.config as c; print(c.markdown_table())'"
+    page = (REPO / "docs" / "configuration.md").read_text()
+    assert page == configuration_page(), (
+        "regenerate with: .venv/bin/python -m mme_runtime.base.config_page > docs/configuration.md"
     )

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from mme_runtime import content
-from mme_runtime.errors import InvalidInput, UnsupportedAccept, UnsupportedContentType
+from mme_runtime.base.errors import InvalidInput, UnsupportedAccept, UnsupportedContentType
+from mme_runtime.serving import content
 
 
 @pytest.mark.parametrize(

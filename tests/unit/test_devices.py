@@ -10,10 +10,10 @@ import fake_nvidia_smi
 import pytest
 import torch
 
-from mme_runtime import devices
-from mme_runtime.config import Config
-from mme_runtime.context import InferenceContext
-from mme_runtime.loading import LoadFailure, ModelSpec, check_memory
+from mme_runtime.base import devices
+from mme_runtime.base.config import Config
+from mme_runtime.models.loading import LoadFailure, ModelSpec, check_memory
+from mme_runtime.serving.context import InferenceContext
 
 
 @pytest.mark.parametrize(

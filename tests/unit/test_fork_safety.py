@@ -21,7 +21,8 @@ def run(body: str) -> str:
     """Runs ``body`` in a fresh interpreter, from a file (TorchScript needs the source); returns its output."""
     # os._exit at the end: torch's inter-op pool can abort the interpreter's own exit (its threads are torn down
     # while they still wait), which has nothing to do with what the case printed.
-    source = "import os\nimport sys\nimport torch\nfrom mme_runtime import fork_safety\n" + textwrap.dedent(body)
+    header = "import os\nimport sys\nimport torch\nfrom mme_runtime.processes import fork_safety\n"
+    source = header + textwrap.dedent(body)
     source += "\nsys.stdout.flush()\nos._exit(0)\n"
     with tempfile.TemporaryDirectory() as directory:
         script = Path(directory) / "probe_case.py"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mme_runtime.model_package import NotPackable, is_torchscript, pack, pack_torchscript_file, unpack
+from mme_runtime.models.model_package import NotPackable, is_torchscript, pack, pack_torchscript_file, unpack
 
 
 class Tied(torch.nn.Module):
@@ -118,8 +118,8 @@ def test_a_class_from_a_user_script_unpacks_where_the_script_is_imported_under_t
         f"""
         import os, sys, torch
         from pathlib import Path
-        from mme_runtime.model_package import pack, unpack
-        from mme_runtime.user_code import import_script
+        from mme_runtime.models.model_package import pack, unpack
+        from mme_runtime.models.user_code import import_script
 
         module = import_script("m", Path({str(script)!r}))
         if sys.argv[1] == "pack":

@@ -2,9 +2,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mme_runtime.config import Config, read_properties
-from mme_runtime.properties import ensure_mme_properties, mms_properties, write_properties
-from mme_runtime.supervisor import frontend_command, prepare_mms_home
+from mme_runtime.base.config import Config
+from mme_runtime.base.parsing import read_properties
+from mme_runtime.processes.frontend import (
+    ensure_mme_properties,
+    frontend_command,
+    mms_properties,
+    prepare_mms_home,
+    write_properties,
+)
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "mme-mms.properties"
 
@@ -45,7 +51,7 @@ def test_mms_home_runs_our_backend_and_keeps_mms_metrics(tmp_path: Path) -> None
     home = prepare_mms_home(tmp_path)
     prepare_mms_home(tmp_path)  # idempotent
     stub = (home / "mms" / "model_service_worker.py").read_text()
-    assert "from mme_runtime.backend import main" in stub
+    assert "from mme_runtime.processes.backend import main" in stub
     assert (home / "mms" / "metrics" / "metric_collector.py").is_file()
 
 

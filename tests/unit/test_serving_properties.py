@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from mme_runtime.config import Config
-from mme_runtime.errors import ModelLoadError
-from mme_runtime.serving_properties import read_settings
+from mme_runtime.base.config import Config
+from mme_runtime.base.errors import ModelLoadError
+from mme_runtime.models.serving_properties import read_settings
 
 
 def test_without_a_file_the_container_defaults_apply(tmp_path: Path) -> None:

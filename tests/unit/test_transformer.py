@@ -13,8 +13,8 @@ import torch
 from mms.context import Context, RequestProcessor
 
 from handler_service import HandlerService
-from mme_runtime.config import Config
-from mme_runtime.errors import ModelLoadError
+from mme_runtime.base.config import Config
+from mme_runtime.base.errors import ModelLoadError
 
 
 def mms_context(model_dir: Path, requests: list[dict[str, str]], gpu: int | None = None) -> Context:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from mme_runtime.user_code import UserCodeError, UserFunction, bind_functions, find_script, import_script
+from mme_runtime.models.user_code import UserCodeError, UserFunction, bind_functions, find_script, import_script
 
 
 def test_context_is_detected_by_name_or_by_one_extra_parameter() -> None:

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from mme_runtime.warm_protocol import receive, send
+from mme_runtime.processes.warm_protocol import receive, send
 
 
 def test_message_and_descriptors_arrive_together() -> None:

@@ -1,0 +1,154 @@
+"""Every setting the container reads, in one frozen object built from an environment mapping (``settings.py``
+lists the variables, ``parsing.py`` turns their text into values).
+
+This is the only module that reads ``os.environ``; everything else receives a ``Config``. It never imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from mme_runtime.base.parsing import MIB, StartMethod, parse_bool
+from mme_runtime.base.settings import SETTINGS
+
+
+def process_environment() -> dict[str, str]:
+    """A copy of this process's environment, for handing on to a process that stands in for this one."""
+    return dict(os.environ)
+
+
+@dataclass(frozen=True)
+class Config:
+    """The effective configuration. Build it with ``Config.from_env``; tests pass a plain dict."""
+
+    port: int = 8080
+    multi_model: bool = True
+    workers_per_model: int | None = None
+    response_timeout_seconds: int = 60
+    startup_timeout_seconds: int = 600
+    max_request_bytes: int = 6 * MIB
+    log_level: int = logging.INFO
+    program: str = "inference.py"
+    submit_directory: str | None = None
+    default_accept: str = "application/json"
+    preload_model_gpu: bool | None = None
+    start_method: StartMethod = "fork"
+    warm_start: bool = True
+    runtime_dir: Path = Path("/tmp/mme")
+    cache_dir: Path = Path("/tmp/mme/cache")
+    s3_timeout_seconds: int = 30
+    model_cache_mb: int = 2048
+    memory_headroom_mb: int = 256
+    batch_size: int = 1
+    max_batch_delay_ms: int = 10
+    max_concurrency: int | None = None
+    share_device: bool = True
+    cpu_hosts: int = 2
+    pip_timeout_seconds: int = 300
+    properties_file: Path | None = None
+    load_models: tuple[tuple[str, str], ...] = ()
+    model_root: Path = Path("/opt/ml/models")
+    allow_any_model_location: bool = False
+    start_attempts: int = 3
+    stop_grace_seconds: int = 20
+    java_home: str | None = None
+    # Read, not set, by us: the GPUs this container may use; workers pick theirs among them.
+    cuda_visible_devices: str | None = None
+    # Internal: a backend server that re-executed itself passes its listening socket on.
+    inherited_listen_fd: int | None = None
+    inherited_lifeline_fd: int | None = None
+    inherited_pending_fd: int | None = None
+    inherited_load_started: float | None = None  # the LOAD's start (wall clock), kept across that re-execution
+    # torch's is_available() must ask NVML, not the CUDA driver, or the preload server poisons its forks.
+    nvml_cuda_check: str = "1"
+    # GNU OpenMP spins its idle threads by default: measured here, that burned 40% of a batching executor's CPU time,
+    # which the frontend and the other models on the host need. Read when torch loads, so it is set for the processes
+    # that import it (the warm process, and backends started without it).
+    omp_wait_policy: str = "PASSIVE"
+    metrics_port: int = 9090
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Config:
+        """Builds the configuration; raises ``ConfigError`` naming the variable and value that are wrong."""
+        values: dict[str, object] = {}
+        for setting in SETTINGS:
+            raw = env.get(setting.name)
+            if raw is not None and raw.strip() != "":
+                values[setting.field] = setting.parse(setting.name, raw)
+        return cls(**values)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_process_env(cls) -> Config:
+        """The configuration of this process: what entrypoints call."""
+        return cls.from_env(os.environ)
+
+    def child_environment(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """This process's environment plus the variables that carry this configuration to MMS's backends."""
+        return {**os.environ, **self.to_env(), **(extra or {})}
+
+    @property
+    def warm_socket(self) -> Path:
+        return self.runtime_dir / "warm.sock"
+
+    @property
+    def metrics_dir(self) -> Path:
+        """Where the model processes keep their Prometheus values for the entrypoint to expose."""
+        return self.runtime_dir / "metrics"
+
+    @property
+    def effective_properties_file(self) -> Path:
+        return self.properties_file or self.runtime_dir / "mme-mms.properties"
+
+    def with_properties(self, properties: Mapping[str, str]) -> Config:
+        """Fills settings the environment left open from the MME properties file (environment wins)."""
+        if self.preload_model_gpu is not None:
+            return self
+        raw = properties.get("preload_model_gpu", "true")
+        return dataclasses.replace(self, preload_model_gpu=parse_bool("preload_model_gpu (properties)", raw))
+
+    def to_env(self) -> dict[str, str]:
+        """The variables that carry this configuration to the backend processes MMS starts."""
+        env = {
+            "SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT": self.default_accept,
+            "SAGEMAKER_PROGRAM": self.program,
+            "SAGEMAKER_CONTAINER_LOG_LEVEL": str(self.log_level),
+            "MME_START_METHOD": self.start_method,
+            "MME_WARM_START": "true" if self.warm_start else "false",
+            "MME_RUNTIME_DIR": str(self.runtime_dir),
+            "MME_CACHE_DIR": str(self.cache_dir),
+            "MME_MODEL_ROOT": str(self.model_root),
+            "MME_ALLOW_ANY_MODEL_LOCATION": "true" if self.allow_any_model_location else "false",
+            "MME_S3_TIMEOUT_SECONDS": str(self.s3_timeout_seconds),
+            "MME_MEMORY_HEADROOM_MB": str(self.memory_headroom_mb),
+            "MME_MODEL_CACHE_MB": str(self.model_cache_mb),
+            "MME_BATCH_SIZE": str(self.batch_size),
+            "MME_MAX_BATCH_DELAY_MS": str(self.max_batch_delay_ms),
+            "MME_PIP_TIMEOUT_SECONDS": str(self.pip_timeout_seconds),
+            "PYTORCH_NVML_BASED_CUDA_CHECK": self.nvml_cuda_check,
+            "OMP_WAIT_POLICY": self.omp_wait_policy,
+            "MME_METRICS_PORT": str(self.metrics_port),
+            "MME_SHARE_DEVICE": "true" if self.share_device else "false",
+            "MME_CPU_HOSTS": str(self.cpu_hosts),
+        }
+        if self.max_concurrency is not None:
+            env["MME_MAX_CONCURRENCY"] = str(self.max_concurrency)
+        if self.submit_directory is not None:
+            env["SAGEMAKER_SUBMIT_DIRECTORY"] = self.submit_directory
+        if self.preload_model_gpu is not None:
+            env["MME_PRELOAD_MODEL_GPU"] = "true" if self.preload_model_gpu else "false"
+        return env
+
+    def describe(self) -> str:
+        """One log line with every effective setting."""
+        parts = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "log_level":
+                value = logging.getLevelName(value)
+            parts.append(f"{field.name}={value}")
+        return " ".join(parts)

@@ -1,0 +1,37 @@
+"""The configuration page, ``docs/configuration.md``, generated from ``settings.py`` so that it cannot drift from the
+code: a test compares the page with ``configuration_page()``. Regenerate it with::
+
+    .venv/bin/python -m mme_runtime.base.config_page > docs/configuration.md
+"""
+
+from __future__ import annotations
+
+from mme_runtime.base.settings import SECTIONS, Setting
+
+INTRODUCTION = """\
+# Configuration
+
+Every variable the container reads, with its default. SageMaker's own variables come first; the project's own
+start with `MME_`. The container logs its effective configuration once at start. A model's own settings
+(`batch_size`, `max_batch_delay`, `max_concurrency`, `isolation`, `compile`) go in its `serving.properties`
+(see [batching](batching.md)); where both are set, the model's file wins.
+
+This page is generated from `mme_runtime/base/settings.py`; edit the descriptions there.
+"""
+
+
+def markdown_table(settings: tuple[Setting, ...]) -> str:
+    lines = ["| Variable | Default | What it does |", "|---|---|---|"]
+    lines += [f"| `{s.name}` | {s.default} | {s.description} |" for s in settings if s.description]
+    return "\n".join(lines)
+
+
+def configuration_page() -> str:
+    parts = [INTRODUCTION]
+    for title, settings in SECTIONS:
+        parts.append(f"## {title}\n\n{markdown_table(settings)}\n")
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    print(configuration_page(), end="")

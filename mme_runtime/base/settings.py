@@ -1,0 +1,296 @@
+"""Every environment variable the container reads, grouped by what it configures: its field of ``Config``, its
+parser, and for the documented ones the default and description that ``docs/configuration.md`` is generated from
+(``config_page.py``).
+
+Reading the environment is ``config.py``'s job; this module only describes it. Never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mme_runtime.base.parsing import (
+    MAX_BATCH_DELAY_MS,
+    MAX_BATCH_SIZE,
+    MAX_CONCURRENCY,
+    Parser,
+    integer,
+    megabytes,
+    parse_bool,
+    parse_load_models,
+    parse_log_level,
+    parse_port,
+    parse_seconds,
+    parse_start_method,
+    path,
+    text,
+)
+
+# What a backend server hands to the process that stands in for it (``backend.py``): not for users.
+INHERITED_LISTEN_FD = "MME_BACKEND_LISTEN_FD"
+INHERITED_LIFELINE_FD = "MME_BACKEND_LIFELINE_FD"
+INHERITED_PENDING_FD = "MME_BACKEND_PENDING_FD"
+INHERITED_LOAD_STARTED = "MME_BACKEND_LOAD_STARTED"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One variable. Undocumented ones (no description) are read but left out of the docs."""
+
+    name: str
+    field: str
+    parse: Parser
+    default: str = ""
+    description: str = ""
+
+
+# When two variables set the same field, the later one in this order wins.
+SAGEMAKER: tuple[Setting, ...] = (
+    Setting(
+        "SAGEMAKER_BIND_TO_PORT", "port", parse_port, "8080", "Port of the inference and management API (below 32767)."
+    ),
+    Setting(
+        "SAGEMAKER_MULTI_MODEL",
+        "multi_model",
+        parse_bool,
+        "true",
+        "Multi-model mode: models arrive by LOAD. `false`: `/opt/ml/model` is loaded at start for `/invocations`.",
+    ),
+    Setting(
+        "SAGEMAKER_MODEL_SERVER_WORKERS",
+        "workers_per_model",
+        integer(1),
+        "1 per GPU (1 on CPU)",
+        "Workers per model (`default_workers_per_model`).",
+    ),
+    Setting(
+        "SAGEMAKER_MODEL_SERVER_TIMEOUT",
+        "response_timeout_seconds",
+        integer(1),
+        "60",
+        "Seconds a worker may take for one request, and for loading a model.",
+    ),
+    Setting(
+        "SAGEMAKER_STARTUP_TIMEOUT",
+        "startup_timeout_seconds",
+        integer(1),
+        "600",
+        "Seconds the entrypoint waits for MMS to answer `/ping` before it retries the start.",
+    ),
+    Setting("SAGEMAKER_MAX_PAYLOAD_IN_MB", "max_request_bytes", megabytes),
+    Setting(
+        "SAGEMAKER_MAX_REQUEST_SIZE",
+        "max_request_bytes",
+        integer(1),
+        "6291456 (6 MiB)",
+        "Largest request body in bytes (`max_request_size`); `SAGEMAKER_MAX_PAYLOAD_IN_MB` is accepted too.",
+    ),
+    Setting(
+        "SAGEMAKER_CONTAINER_LOG_LEVEL",
+        "log_level",
+        parse_log_level,
+        "INFO",
+        "Log level of the entrypoint and workers (a name or a number).",
+    ),
+    Setting(
+        "SAGEMAKER_PROGRAM", "program", text, "inference.py", "File name of the user script in the model's `code/`."
+    ),
+    Setting(
+        "SAGEMAKER_SUBMIT_DIRECTORY",
+        "submit_directory",
+        text,
+        "unset",
+        "Inference code for models without `code/`: a local directory or `s3://bucket/key.tar.gz`.",
+    ),
+    Setting(
+        "SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT",
+        "default_accept",
+        text,
+        "application/json",
+        "Response type when a request has no `Accept` or `*/*`.",
+    ),
+)
+MODELS: tuple[Setting, ...] = (
+    Setting(
+        "MME_MODEL_ROOT",
+        "model_root",
+        path,
+        "/opt/ml/models",
+        "LOAD accepts only model directories under this root (resolved: `..` and symlinks cannot leave it).",
+    ),
+    Setting(
+        "MME_ALLOW_ANY_MODEL_LOCATION",
+        "allow_any_model_location",
+        parse_bool,
+        "false",
+        "Lets LOAD name any directory, and http(s) URLs MMS downloads; off in multi-model mode for safety.",
+    ),
+    Setting(
+        "MME_LOAD_MODELS",
+        "load_models",
+        parse_load_models,
+        "unset",
+        "Models to load at start, `name=/path,name2=/path2` (used by `make serve` for its demo model).",
+    ),
+    Setting(
+        "MME_CACHE_DIR",
+        "cache_dir",
+        path,
+        "/tmp/mme/cache",
+        "Local cache shared by all models: `code/` (S3 archives by URI and ETag), `requirements/` (by file hash), "
+        "`compiled/` (AOTInductor packages of `compile=true` models, by content).",
+    ),
+    Setting(
+        "MME_MODEL_CACHE_MB",
+        "model_cache_mb",
+        integer(0),
+        "2048",
+        "Host memory the warm process may hold for loaded TorchScript models shared by servers (0: no cache).",
+    ),
+    Setting(
+        "MME_MEMORY_HEADROOM_MB",
+        "memory_headroom_mb",
+        integer(0),
+        "256",
+        "Memory a LOAD must leave free beyond the model's artifacts (host, and its GPU), or it answers 507.",
+    ),
+    Setting(
+        "MME_PIP_TIMEOUT_SECONDS",
+        "pip_timeout_seconds",
+        integer(1),
+        "300",
+        "Longest a model's `requirements.txt` install may take before its LOAD fails.",
+    ),
+    Setting(
+        "MME_S3_TIMEOUT_SECONDS",
+        "s3_timeout_seconds",
+        integer(1),
+        "30",
+        "Read timeout of one S3 call for inference code (connect: at most 5 s; 2 attempts).",
+    ),
+)
+BATCHING: tuple[Setting, ...] = (
+    Setting(
+        "MME_BATCH_SIZE",
+        "batch_size",
+        integer(1, MAX_BATCH_SIZE),
+        "1 (off)",
+        "Requests per forward pass for models whose `serving.properties` sets no `batch_size` (see Batching).",
+    ),
+    Setting(
+        "MME_MAX_BATCH_DELAY_MS",
+        "max_batch_delay_ms",
+        integer(0, MAX_BATCH_DELAY_MS),
+        "10",
+        "Longest a batch waits for more requests after a forward pass, for models that set no `max_batch_delay`.",
+    ),
+    Setting(
+        "MME_MAX_CONCURRENCY",
+        "max_concurrency",
+        integer(1, MAX_CONCURRENCY),
+        "4 unbatched, 1 batching",
+        "Forward passes of one model that may run at once on a device, for models that set no `max_concurrency`.",
+    ),
+)
+PROCESSES: tuple[Setting, ...] = (
+    Setting(
+        "MME_SHARE_DEVICE",
+        "share_device",
+        parse_bool,
+        "true",
+        "Serve every model that can share one in one device host per device (one CUDA context per GPU); `false` gives "
+        "every model processes of its own, as `isolation=process` does for one model.",
+    ),
+    Setting(
+        "MME_CPU_HOSTS",
+        "cpu_hosts",
+        integer(1, 64),
+        "2",
+        "Device hosts that serve the models on the CPU, each model on one (the one with the fewest models): each host "
+        "has one Python interpreter lock, so two let Python-bound models run side by side.",
+    ),
+    Setting(
+        "MME_PRELOAD_MODEL_GPU",
+        "preload_model_gpu",
+        parse_bool,
+        "from `mme-mms.properties` (`true`)",
+        "Load each model once in a CUDA-free server and fork its workers; `false` loads in every worker.",
+    ),
+    Setting(
+        "MME_START_METHOD",
+        "start_method",
+        parse_start_method,
+        "fork",
+        "How the backend server starts workers: `fork` or `spawn`.",
+    ),
+    Setting("MME_WARM_START", "warm_start", parse_bool),
+    Setting(
+        "MME_RUNTIME_DIR",
+        "runtime_dir",
+        path,
+        "/tmp/mme",
+        "Writable directory for the effective MMS properties, the MMS home and logs.",
+    ),
+    Setting(
+        "MME_PROPERTIES_FILE",
+        "properties_file",
+        path,
+        "`<runtime dir>/mme-mms.properties`",
+        "MME properties; seeded from the shipped `mme-mms.properties`, `preload_model_gpu=true` added once.",
+    ),
+    Setting(
+        "MME_START_ATTEMPTS",
+        "start_attempts",
+        integer(1),
+        "3",
+        "How many times the entrypoint tries to start MMS before it gives up.",
+    ),
+    Setting(
+        "MME_STOP_GRACE_SECONDS",
+        "stop_grace_seconds",
+        integer(1, 28),
+        "20",
+        "Seconds between SIGTERM and SIGKILL for MMS and its workers (SageMaker kills at 30 s).",
+    ),
+    Setting(
+        "PYTORCH_NVML_BASED_CUDA_CHECK",
+        "nvml_cuda_check",
+        text,
+        "1",
+        "Passed to workers: makes `torch.cuda.is_available()` safe in the preload server before fork.",
+    ),
+    Setting(
+        "OMP_WAIT_POLICY",
+        "omp_wait_policy",
+        text,
+        "PASSIVE",
+        "Passed to the model processes: idle OpenMP threads sleep instead of spinning, leaving the cores to other "
+        "models, the frontend and request decoding.",
+    ),
+)
+METRICS: tuple[Setting, ...] = (
+    Setting(
+        "MME_METRICS_PORT",
+        "metrics_port",
+        integer(0, 65535),
+        "9090",
+        "Port of the Prometheus `/metrics` endpoint the entrypoint serves; `0` turns metrics off.",
+    ),
+)
+INHERITED: tuple[Setting, ...] = (
+    Setting("JAVA_HOME", "java_home", text),
+    Setting("CUDA_VISIBLE_DEVICES", "cuda_visible_devices", text),
+    Setting(INHERITED_LISTEN_FD, "inherited_listen_fd", integer(0)),
+    Setting(INHERITED_LIFELINE_FD, "inherited_lifeline_fd", integer(0)),
+    Setting(INHERITED_PENDING_FD, "inherited_pending_fd", integer(0)),
+    Setting(INHERITED_LOAD_STARTED, "inherited_load_started", parse_seconds),
+)
+
+SECTIONS: tuple[tuple[str, tuple[Setting, ...]], ...] = (
+    ("SageMaker's own variables", SAGEMAKER),
+    ("Models, their code and their caches", MODELS),
+    ("Batching and concurrency", BATCHING),
+    ("Processes and devices", PROCESSES),
+    ("Metrics", METRICS),
+)
+SETTINGS: tuple[Setting, ...] = (*SAGEMAKER, *MODELS, *BATCHING, *PROCESSES, *METRICS, *INHERITED)

@@ -1,0 +1,161 @@
+"""What the backend server and its executors share: the model's spec, the checks before a load, and the load itself.
+
+Runs in the preload server before fork as well as in executors: it never touches CUDA itself (user code may).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mms.protocol.otf_message_handler import create_load_model_response
+from mms.service import Service
+
+from mme_runtime.base import devices
+from mme_runtime.base.child_processes import PR_SET_PDEATHSIG, prctl
+from mme_runtime.base.config import Config
+from mme_runtime.base.errors import InsufficientMemory
+from mme_runtime.base.janitor import mark_failed_load
+from mme_runtime.operations import memory
+
+logger = logging.getLogger(__name__)
+
+# SageMaker's model names are opaque hashes; anything path-like is refused before it reaches a log, a module name
+# or a file name.
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+WORKER_BOOT_ERROR = 3
+LOG_DRAIN_SECONDS = 0.3
+# LOAD failures answered with their own status: 403 (outside the model root) and 507 (SageMaker evicts and
+# retries). A bad name is not among them: the janitor could not address a name holding "/" to clean it up.
+REPLIED_STATUSES = frozenset({403, 507})
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What MMS tells the server about its model (command line and first LOAD message)."""
+
+    name: str
+    model_dir: str
+    handler: str
+    tmp_dir: str
+
+
+@dataclass
+class LoadedModel:
+    """A model's handler module and MMS service, as loaded in the server (preload) or in an executor."""
+
+    module: Any  # the handler module MMS names (``handler_service``), or a device host's handler of the model's own
+    service: Service
+
+
+class LoadFailure(Exception):
+    """Loading failed: the status and message every frontend connection's LOAD reply carries."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def check_memory(spec: ModelSpec, config: Config, gpu: int | None, host: bool = True) -> None:
+    """507 before loading what will not fit: host memory where the model is loaded, GPU memory where it goes (in a
+    process whose CUDA context exists, a device host, as that context sees it)."""
+    try:
+        if host:
+            memory.check_host_memory(Path(spec.model_dir), config.memory_headroom_mb)
+        if gpu is not None and not memory.check_context_memory(Path(spec.model_dir), config.memory_headroom_mb):
+            card = devices.visible_gpu(gpu, config.cuda_visible_devices)
+            memory.check_gpu_memory(Path(spec.model_dir), card, config.memory_headroom_mb)
+    except InsufficientMemory as exc:
+        logger.error("model=%s gpu=%s load refused status=507: %s", spec.name, gpu, exc)
+        raise LoadFailure(507, f"model {spec.name}: {exc}") from exc
+
+
+def check_location(spec: ModelSpec, config: Config) -> LoadFailure | None:
+    """A model name must be a plain name, and in multi-model mode a LOAD may name only a directory under the model
+    root (after resolving links and ``..``); URLs MMS downloaded land in its temp directory and are refused."""
+    if not MODEL_NAME.fullmatch(spec.name):
+        message = f"model name {spec.name!r} must be letters, digits, '.', '_' or '-' (at most 255), not a path"
+        logger.error("load refused: %s", message)
+        return LoadFailure(500, message)
+    if not config.multi_model or config.allow_any_model_location:
+        return None
+    model_dir = Path(spec.model_dir).resolve()
+    root = config.model_root.resolve()
+    if model_dir.is_relative_to(root):
+        return None
+    message = f"model {spec.name}: {spec.model_dir} is outside the model root {root} (MME_MODEL_ROOT)"
+    logger.error("model=%s load refused status=403: %s", spec.name, message)
+    return LoadFailure(403, message)
+
+
+def load_model(
+    spec: ModelSpec, batch_size: int, phase: str, gpu: int | None = None, cuda_ordinal: int | None = None
+) -> LoadedModel:
+    """Imports the handler and runs its load step (``preload`` on the server, ``attach`` or ``handle`` in an executor).
+
+    ``gpu`` is the frontend's assignment, ``cuda_ordinal`` the device naming that GPU in this process.
+    """
+    try:
+        module_name, _, function_name = spec.handler.partition(":")
+        module = importlib.import_module(Path(module_name).stem)
+        entry_point: Callable[..., Any] = getattr(module, function_name or "handle")
+        service = Service(spec.name, spec.model_dir, None, entry_point, cuda_ordinal, batch_size)
+        devices.record_gpu(service.context.system_properties, gpu, cuda_ordinal)
+        if phase == "preload" and hasattr(module, "preload"):
+            module.preload(service.context)
+        elif hasattr(module, "attach"):
+            module.attach(service.context)
+        else:
+            entry_point(None, service.context)
+    except Exception as exc:  # boundary: the LOAD reply carries the status and cause; the traceback is logged
+        status = int(getattr(exc, "status_code", 507 if isinstance(exc, MemoryError) else 500))
+        message = str(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
+        # Status-carrying errors were logged with their traceback where they arose.
+        expected = hasattr(exc, "status_code")
+        logger.error(
+            "model=%s gpu=%s load failed status=%d: %s",
+            spec.name,
+            gpu,
+            status,
+            message,
+            exc_info=None if expected else exc,
+        )
+        raise LoadFailure(status, f"model {spec.name}: {message}") from exc
+    return LoadedModel(module, service)
+
+
+def refuse_load(
+    connection: socket.socket, failure: LoadFailure, spec: ModelSpec, config: Config, drain: bool = True
+) -> None:
+    """Fails a frontend connection's LOAD with ``failure`` (its LOAD message already read) and closes it.
+    ``drain=False`` where the cause was logged by a process that has ended (its output is read already)."""
+    # The cause is in the log: give the frontend's log reader a moment to take it before our answer or
+    # disconnect makes it stop reading.
+    sys.stdout.flush()
+    if drain:
+        time.sleep(LOG_DRAIN_SECONDS)
+    try:
+        if failure.status in REPLIED_STATUSES:
+            # Statuses the platform acts on are answered; MMS then leaves the model half-registered, which the
+            # entrypoint's janitor unregisters (mme_runtime/base/janitor.py).
+            mark_failed_load(config.runtime_dir, spec.name, failure.status)
+            connection.sendall(create_load_model_response(failure.status, failure.message))
+        # Otherwise close without a reply: MMS fails the LOAD with 500 and unregisters the model cleanly.
+    except OSError as exc:
+        logger.info("model=%s frontend gone before its LOAD was refused: %s", spec.name, exc)
+    finally:
+        connection.close()
+
+
+def die_with_parent(signum: int) -> None:
+    """Asks the kernel to send ``signum`` when our parent dies, so no process outlives its model."""
+    prctl(PR_SET_PDEATHSIG, int(signum), "PR_SET_PDEATHSIG")

@@ -1,0 +1,78 @@
+"""Packages of shared models that the defaults load (a TorchScript ``model.pt``/``model.pth``, no inference code),
+kept by their artifacts: another name for the same files takes the same shared-memory file, with no loader run, and a
+CPU host maps the same pages for both (one copy of the weights). A package goes when its last model is unloaded.
+
+The warm process's side of the model cache for models that share a device host (``model_cache.py`` is the isolated
+servers'); ``MME_MODEL_CACHE_MB=0`` turns both off.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mme_runtime.base.config import Config
+from mme_runtime.models.loading import ModelSpec
+from mme_runtime.models.model_cache import Key, key_for, model_file
+from mme_runtime.models.model_package import Package
+from mme_runtime.operations import metrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Entry:
+    package: Package
+    users: set[str] = field(default_factory=set)
+
+
+class PackageCache:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.entries: dict[Key, _Entry] = {}
+
+    def key(self, spec: ModelSpec) -> Key | None:
+        """The model's artifacts, when the defaults will load them and the cache is on; else None."""
+        model_dir = Path(spec.model_dir)
+        if self.config.model_cache_mb == 0 or self.config.submit_directory:
+            return None
+        if (model_dir / "code" / self.config.program).is_file():
+            return None  # user code may bring its own model_fn: its result is not the files'
+        path = model_file(model_dir)
+        try:
+            return None if path is None else key_for(path)
+        except OSError:
+            return None
+
+    def take(self, key: Key, name: str) -> Package | None:
+        """The package already made from these artifacts, now used by ``name`` too; None (a miss) if there is none."""
+        entry = self.entries.get(key)
+        metrics.record_cache_lookup("model", hit=entry is not None)
+        if entry is None:
+            return None
+        entry.users.add(name)
+        logger.info("model cache hit %s: model=%s shares its package", key[0], name)
+        return entry.package
+
+    def add(self, key: Key, name: str, package: Package) -> Package:
+        """The package ``name`` uses from now on: ``package``, or the one another name's loader made first (two
+        loads of the same artifacts at once), in which case ``package`` is closed."""
+        entry = self.entries.get(key)
+        if entry is None:
+            self.entries[key] = _Entry(package, {name})
+            return package
+        entry.users.add(name)
+        package.close()
+        return entry.package
+
+    def release(self, key: Key, name: str) -> None:
+        """``name`` is unloaded; the package is closed once no model uses it."""
+        entry = self.entries.get(key)
+        if entry is None:
+            return
+        entry.users.discard(name)
+        if not entry.users:
+            del self.entries[key]
+            entry.package.close()
+            logger.info("model cache released %s", key[0])

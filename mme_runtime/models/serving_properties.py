@@ -1,0 +1,122 @@
+"""A model's own serving settings: ``serving.properties`` in its directory, over the container-wide defaults.
+
+The keys are the ones MMS's LOAD and the AWS large-model container use: ``batch_size`` (requests per forward
+pass) and ``max_batch_delay`` (milliseconds); ``max_concurrency`` (forward passes at once); ``isolation``
+(``process``: never share the device host); ``compile`` (``true``) and ``compile_mode`` ask for an AOTInductor
+compile of the model on each device (``compiling.py``). A LOAD body that carries ``batch_size`` wins over both: MMS then
+sends it in every worker's LOAD message. A malformed file fails the LOAD, with the cause in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from mme_runtime.base.config import Config
+from mme_runtime.base.errors import ConfigError, ModelLoadError
+from mme_runtime.base.parsing import MAX_BATCH_DELAY_MS, MAX_BATCH_SIZE, MAX_CONCURRENCY, parse_bool, parse_int
+
+logger = logging.getLogger(__name__)
+
+FILE_NAME = "serving.properties"
+KNOWN_KEYS = ("batch_size", "max_batch_delay", "compile", "compile_mode", "max_concurrency", "isolation")
+COMPILE_MODES = ("default", "max-autotune")
+ISOLATIONS = ("shared", "process")
+# Forward passes of one model at once when nothing sets it: stock MMS runs one request per worker at once, so an
+# unbatched model keeps that parallelism; a batching model runs one pass at a time, which is what lets a batch form.
+DEFAULT_UNBATCHED_CONCURRENCY = 4
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    """How one model is served: ``batch_size`` 1 means no batching; ``source`` says where the size came from."""
+
+    batch_size: int
+    max_batch_delay_ms: int
+    source: str
+    compile: bool = False
+    compile_mode: str = "default"
+    max_concurrency: int | None = None  # None: DEFAULT_UNBATCHED_CONCURRENCY unbatched, 1 batching
+    isolation: str | None = None  # "process": processes of its own; "shared": its device's host; None: the rules
+
+    @property
+    def batching(self) -> bool:
+        return self.batch_size > 1
+
+    @property
+    def concurrency(self) -> int:
+        """Forward passes of this model that may run at once on one device."""
+        if self.max_concurrency is not None:
+            return self.max_concurrency
+        return 1 if self.batching else DEFAULT_UNBATCHED_CONCURRENCY
+
+    def with_load_batch_size(self, batch_size: int) -> ServingSettings:
+        """The LOAD body's ``batch_size`` (MMS passes it on; 1 when the body had none) wins over the file."""
+        if batch_size <= 1:
+            return self
+        return replace(self, batch_size=min(batch_size, MAX_BATCH_SIZE), source="LOAD")
+
+
+def read_settings(model_dir: Path, config: Config) -> ServingSettings:
+    """The model's settings: its ``serving.properties`` where it has one, the container's defaults otherwise.
+
+    Raises ``ModelLoadError`` naming the file, line and problem when the file is malformed.
+    """
+    defaults = ServingSettings(
+        config.batch_size, config.max_batch_delay_ms, "MME_BATCH_SIZE", max_concurrency=config.max_concurrency
+    )
+    path = model_dir / FILE_NAME
+    if not path.is_file():
+        return defaults
+    try:
+        values = _parse(path)
+        size, delay = values.get("batch_size"), values.get("max_batch_delay")
+        mode = values.get("compile_mode", "default")
+        if mode not in COMPILE_MODES:
+            raise ConfigError(f"compile_mode={mode!r} must be one of {', '.join(COMPILE_MODES)}")
+        isolation = values.get("isolation")
+        if isolation is not None and isolation not in ISOLATIONS:
+            raise ConfigError(f"isolation={isolation!r} must be one of {', '.join(ISOLATIONS)}")
+        concurrency = values.get("max_concurrency")
+        return ServingSettings(
+            batch_size=defaults.batch_size if size is None else parse_int("batch_size", size, 1, MAX_BATCH_SIZE),
+            max_batch_delay_ms=defaults.max_batch_delay_ms
+            if delay is None
+            else parse_int("max_batch_delay", delay, 0, MAX_BATCH_DELAY_MS),
+            source=FILE_NAME if size is not None else defaults.source,
+            compile=parse_bool("compile", values.get("compile", "false")),
+            compile_mode=mode,
+            max_concurrency=defaults.max_concurrency
+            if concurrency is None
+            else parse_int("max_concurrency", concurrency, 1, MAX_CONCURRENCY),
+            isolation=isolation,
+        )
+    except (ConfigError, OSError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{FILE_NAME} is malformed: {exc}") from exc
+
+
+def _parse(path: Path) -> dict[str, str]:
+    """``key=value`` lines (``#``/``!`` comments, blank lines); a line without ``=`` or a repeated key is an error.
+    Keys this container does not use are logged and ignored, since files are often shared with other servers."""
+    values: dict[str, str] = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", "!")):
+            continue
+        key, sep, value = stripped.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            raise ConfigError(f"line {number}: {stripped[:80]!r} is not key=value")
+        if key in values:
+            raise ConfigError(f"line {number}: {key} is set twice")
+        if re.search(r"\s[#!]", value):
+            # Java properties (and the AWS large-model container's files) have no trailing comments: MMS would read
+            # the comment as part of the value, so it is refused rather than guessed at.
+            raise ConfigError(f"line {number}: {key}={value!r}: a comment must be on a line of its own")
+        if key not in KNOWN_KEYS:
+            logger.warning("%s line %d: %s is not a setting of this container; ignored", path, number, key)
+            continue
+        values[key] = value
+    return values

@@ -1,0 +1,160 @@
+"""Finds a model's inference code (fetching it and installing its requirements), imports its script by file path,
+and binds its contract functions once.
+
+Each script is imported under a module name unique to the model, so two models whose scripts are both called
+``inference.py`` never see each other's functions. Whether a function takes ``context`` is decided here, once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import logging
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from mme_runtime.base.config import Config
+from mme_runtime.base.errors import ModelLoadError
+from mme_runtime.models.code_fetcher import CodeFetcher, locate_code
+from mme_runtime.models.dependencies import add_to_path, install_requirements
+
+logger = logging.getLogger(__name__)
+
+USER_MODULE_PREFIX = "mme_user_"
+CONTRACT = ("model_fn", "input_fn", "predict_fn", "output_fn", "transform_fn", "pre_model_fn", "model_warmup_fn")
+# Positional arguments each contract function takes before the optional trailing ``context``.
+ARITY = {
+    "model_fn": 1,
+    "input_fn": 2,
+    "predict_fn": 2,
+    "output_fn": 2,
+    "transform_fn": 4,
+    "pre_model_fn": 1,
+    "model_warmup_fn": 2,
+}
+
+
+class UserCodeError(Exception):
+    """The user script cannot be imported or breaks the contract."""
+
+
+@dataclass(frozen=True)
+class UserFunction:
+    """A contract function with its context convention decided at bind time, not per request."""
+
+    name: str
+    function: Callable[..., Any]
+    takes_context: bool
+
+    def __call__(self, *args: Any, context: Any = None) -> Any:
+        if self.takes_context:
+            return self.function(*args, context)
+        return self.function(*args)
+
+    @classmethod
+    def bind(cls, name: str, function: Callable[..., Any]) -> UserFunction:
+        return cls(name, function, _takes_context(name, function))
+
+
+def _takes_context(name: str, function: Callable[..., Any]) -> bool:
+    """True when the function's trailing parameter is ``context``, or (toolkit rule) it has one extra parameter."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if positional and positional[-1].name == "context":
+        return True
+    expected = ARITY[name]
+    if len(positional) == expected + 1:
+        return True
+    required = [p for p in positional if p.default is inspect.Parameter.empty]
+    if len(required) > expected:
+        raise UserCodeError(
+            f"{name} takes {len(required)} required arguments; expected {expected} (plus an optional context)"
+        )
+    return False
+
+
+def module_name_for(model_name: str, script: Path) -> str:
+    """A module name unique to the model and script: ``mme_user_<model>_<hash>``."""
+    digest = hashlib.sha1(f"{model_name}\0{script.resolve()}".encode()).hexdigest()[:10]
+    safe = re.sub(r"\W", "_", model_name)[:40]
+    return f"{USER_MODULE_PREFIX}{safe}_{digest}"
+
+
+def find_script(code_dir: Path | None, program: str) -> Path | None:
+    """The user's script in the model's code directory, or None when there is none."""
+    if code_dir is None:
+        return None
+    candidate = code_dir / program
+    return candidate if candidate.is_file() else None
+
+
+def import_script(model_name: str, script: Path) -> ModuleType:
+    """Imports ``script`` under a name unique to the model; its directory goes on ``sys.path`` for its helpers."""
+    code_dir = str(script.parent.resolve())
+    if code_dir not in sys.path:
+        sys.path.insert(0, code_dir)
+    name = module_name_for(model_name, script)
+    spec = importlib.util.spec_from_file_location(name, script)
+    if spec is None or spec.loader is None:
+        raise UserCodeError(f"cannot import {script}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # boundary: any failure in user code at import fails the LOAD with its cause
+        del sys.modules[name]
+        raise UserCodeError(f"importing {script.name} failed: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def bind_functions(module: ModuleType | None) -> dict[str, UserFunction]:
+    """The contract functions the script defines, each bound once."""
+    if module is None:
+        return {}
+    functions: dict[str, UserFunction] = {}
+    for name in CONTRACT:
+        function = getattr(module, name, None)
+        if function is None:
+            continue
+        if not callable(function):
+            raise UserCodeError(f"{name} in {module.__file__} is not a function")
+        functions[name] = UserFunction.bind(name, function)
+    if "transform_fn" in functions and {"input_fn", "predict_fn", "output_fn"} & functions.keys():
+        raise UserCodeError("transform_fn cannot be combined with input_fn, predict_fn or output_fn")
+    return functions
+
+
+def load_user_code(model_name: str, model_dir: Path, config: Config) -> tuple[Path | None, dict[str, UserFunction]]:
+    """The model's code directory (its own ``code/``, else ``SAGEMAKER_SUBMIT_DIRECTORY``) with its requirements
+    installed, and the contract functions its script defines. Raises ``ModelLoadError`` naming what is wrong."""
+    fetcher = CodeFetcher(config.cache_dir / "code", config.s3_timeout_seconds)
+    code_dir, source = locate_code(model_dir, config.submit_directory, fetcher)
+    if code_dir is not None:
+        packages = install_requirements(code_dir, config.cache_dir / "requirements", config.pip_timeout_seconds)
+        if packages is not None:
+            add_to_path(packages)
+    try:
+        script = find_script(code_dir, config.program)
+        module = import_script(model_name, script) if script is not None else None
+        user = bind_functions(module)
+    except UserCodeError as exc:
+        raise ModelLoadError(f"model {model_name}: {exc}") from exc
+    logger.info(
+        "model=%s code=%s script=%s functions=%s",
+        model_name,
+        source,
+        script or f"none (no {config.program})",
+        ",".join(sorted(user)) or "none",
+    )
+    return code_dir, user

@@ -1,0 +1,4 @@
+"""What an operator watches and the container adjusts: ``metrics`` recorded by every model process (in
+``metric_directories``, through ``metric_series``) and merged by ``metrics_exporter``, ``memory`` checks before a
+LOAD, and the ``scaler`` that gives batching models their workers. It may import: ``base``.
+"""

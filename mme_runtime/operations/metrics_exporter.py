@@ -1,0 +1,280 @@
+"""The Prometheus endpoint: ``GET /metrics`` on ``MME_METRICS_PORT``, served from a thread of the entrypoint.
+
+Each scrape merges the files the model processes wrote (``metrics.py``) with prometheus_client's own multiprocess
+reader, and adds what is read live: the model servers running and the host memory of each model's processes. The
+HTTP thread runs beside MMS, so it answers while a model loads. Only ``mme_`` series are shown: a library in a model
+process that makes prometheus_client metrics of its own writes them to the same files.
+
+Files of processes that ended are folded: their counters and histograms are added to a file this process owns, and
+their gauges dropped. A stopped model server's directory (``metrics/unloaded/``) folds into ``metrics/retired/``,
+keeping only the container's series, so the model's own go away and the container's totals never step back; the
+files of an executor that ended fold into its server's directory. Only this process writes those files, under one
+lock shared by the scrape thread and the supervisor's sweep; a directory or file is moved aside before its values
+are added, so a fold that fails halfway is never counted twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.mmap_dict import MmapedDict
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from mme_runtime.base.config import Config
+from mme_runtime.base.janitor import REQUEST_TIMEOUT_SECONDS
+from mme_runtime.operations.metric_directories import (
+    HOST_BYTES_FILE,
+    models_dir,
+    move_to_unloaded,
+    process_started,
+    server_alive,
+    unloaded_dir,
+)
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "mme_"
+ADDITIVE_KINDS = ("counter", "histogram")  # what folds add up; gauges end with their process
+FOLDING_SUFFIX = ".folding"  # a file or directory being folded: out of every merge
+EXITED = "exited"  # the pid part of the files that hold what a server's ended executors counted
+# Reading a process's proportional set size makes the kernel walk its page tables (8 ms for a torch process here):
+# each process's value is read at most this often, so frequent scrapes cost the models' cores nothing noticeable.
+HOST_MEMORY_SECONDS = 10.0
+
+
+class ModelMetrics:
+    """The collector behind ``/metrics``; ``sweep`` is called by the supervisor's loop."""
+
+    def __init__(self, metrics_dir: Path, port: int) -> None:
+        self.metrics_dir = metrics_dir
+        self.models_url = f"http://127.0.0.1:{port}/models/"
+        self._lock = threading.Lock()
+        self._host_memory: dict[tuple[int, float], tuple[float, int]] = {}  # (pid, start) -> (read at, bytes)
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:  # scrapes may come concurrently; the sweep folds too
+            self._fold_unloaded()
+            merged = self._merge()
+            live = list(self._live_gauges())
+        yield from (family for family in merged if family.name.startswith(PREFIX))
+        yield from live
+
+    def sweep(self) -> None:
+        """Folds what ended: servers that died without stopping (once MMS no longer has their model), and executors
+        that ended inside running servers. A failure is logged and tried again at the next sweep."""
+        for server_dir in self._server_dirs():
+            try:
+                if server_alive(server_dir):
+                    with self._lock:
+                        self._fold_exited_executors(server_dir)
+                elif self._registered(server_dir.parent.name) is False:
+                    move_to_unloaded(self.metrics_dir, server_dir)
+            except (OSError, ValueError) as exc:  # it moved or ended meanwhile: the next sweep sees where it is now
+                logger.debug("metrics sweep of %s: %s", server_dir, exc)
+        with self._lock:
+            self._fold_unloaded()
+
+    def _server_dirs(self) -> list[Path]:
+        return [path for path in models_dir(self.metrics_dir).glob("*/*") if path.name.isdigit()]
+
+    def _merge(self) -> list[Metric]:
+        """Every live file and the folded ones, merged; a file another process moved or cut short is left out."""
+        files = self._live_files()
+        skipped: set[str] = set()
+        while True:
+            try:
+                return list(MultiProcessCollector.merge([f for f in files if f not in skipped], accumulate=True))
+            except Exception as exc:  # noqa: BLE001 - a file being written or moved: find it, leave it out
+                bad = [f for f in files if f not in skipped and not _readable(f)]
+                if not bad:
+                    raise
+                logger.debug("metrics: leaving out %s: %s", bad, exc)
+                skipped.update(bad)
+
+    def _live_files(self) -> list[str]:
+        paths = [
+            *self.metrics_dir.glob("models/*/*/*.db"),
+            *self.metrics_dir.glob("container/*/*.db"),
+            *self.metrics_dir.glob("retired/*.db"),
+        ]
+        return sorted(str(path) for path in paths if not _of_ended_process(path))
+
+    def _fold_unloaded(self) -> None:
+        """Adds the container's counters of each stopped server to retired/, then deletes its directory."""
+        for directory in sorted(unloaded_dir(self.metrics_dir).glob("*")):
+            if directory.name.endswith(FOLDING_SUFFIX):
+                shutil.rmtree(directory, ignore_errors=True)  # added already, by a fold that then failed to delete
+                continue
+            values = _read_values(list(directory.glob("*.db")), keep=lambda labels: "model" not in labels)
+            folding = directory.with_name(directory.name + FOLDING_SUFFIX)
+            try:
+                directory.rename(folding)
+            except OSError as exc:
+                logger.warning("metrics of %s not folded yet: %s", directory, exc)
+                continue
+            _add_values(values, lambda kind: self.metrics_dir / "retired" / f"{kind}_retired.db")
+            shutil.rmtree(folding, ignore_errors=True)
+
+    def _fold_exited_executors(self, server_dir: Path) -> None:
+        """Adds the counts of the server's executors that ended to the server's ``exited`` files, removing theirs:
+        an executor crashing again and again adds nothing to scrape."""
+        ended = [path for path in server_dir.glob("*.db") if _of_ended_process(path, gauges_only=False)]
+        if not ended:
+            return
+        values = _read_values(ended, keep=lambda labels: True)
+        folding = [path.rename(path.with_name(path.name + FOLDING_SUFFIX)) for path in ended]
+        _add_values(values, lambda kind: server_dir / f"{kind}_{EXITED}.db")
+        for path in folding:
+            path.unlink(missing_ok=True)
+
+    def _live_gauges(self) -> Iterator[Metric]:
+        servers: dict[str, list[psutil.Process]] = {}
+        hosted: dict[str, int] = {}  # a device host's models: their own tensors (the host's PSS is all of them)
+        for directory in self._server_dirs():
+            if not server_alive(directory):
+                continue
+            model = urllib.parse.unquote(directory.parent.name)
+            try:
+                hosted[model] = hosted.get(model, 0) + int((directory / HOST_BYTES_FILE).read_text())
+                servers.setdefault(model, [])
+                continue
+            except (OSError, ValueError):
+                pass  # a server of its own: its processes' memory is the model's
+            try:
+                server = psutil.Process(int(directory.name))
+            except psutil.Error:
+                continue
+            try:
+                children = server.children(recursive=True)
+            except psutil.Error:  # an executor ending at this moment: the server still counts, its memory next time
+                children = []
+            processes = [server, *children]
+            servers.setdefault(model, []).extend(processes)
+        running = GaugeMetricFamily("mme_models_loaded", "Models whose model server runs (loading, or loaded).")
+        running.add_metric([], len(servers))
+        yield running
+        host = GaugeMetricFamily(
+            "mme_model_host_memory_bytes",
+            "Host memory of a model's processes (proportional set size: shared pages counted once).",
+            labels=["model"],
+        )
+        now = time.monotonic()
+        readings = {}
+        for model, processes in sorted(servers.items()):
+            total = hosted.get(model, 0)
+            for process in processes:
+                key = (process.pid, process_started(process.pid) or 0.0)
+                read_at, value = self._host_memory.get(key, (-HOST_MEMORY_SECONDS, 0))
+                if now - read_at >= HOST_MEMORY_SECONDS:
+                    read_at, value = now, _host_memory(process)
+                readings[key] = (read_at, value)
+                total += value
+            host.add_metric([model], total)
+        self._host_memory = readings  # processes that ended are forgotten
+        yield host
+
+    def _registered(self, quoted_model: str) -> bool | None:
+        """Whether MMS has the model; None when MMS does not answer."""
+        try:
+            with urllib.request.urlopen(self.models_url + quoted_model, timeout=REQUEST_TIMEOUT_SECONDS):
+                return True
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            return False if exc.code == 404 else None
+        except (urllib.error.URLError, OSError):
+            return None
+
+
+Values = dict[str, dict[str, float]]  # file kind -> mmap key -> value
+
+
+def _read_values(paths: list[Path], keep: Callable[[dict[str, str]], bool]) -> Values:
+    """The additive ``mme_`` values of ``paths`` whose labels ``keep`` accepts; unreadable files are left out."""
+    values: Values = {}
+    for path in sorted(paths):
+        kind = path.name.split("_")[0]
+        if kind not in ADDITIVE_KINDS:
+            continue
+        try:
+            entries = MmapedDict.read_all_values_from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - cut short by a writer killed mid-creation: nothing to keep
+            logger.warning("metrics: cannot read %s (%s): its values are lost", path, exc)
+            continue
+        for key, value, _, _ in entries:
+            metric_name, _, labels, _ = json.loads(key)
+            if value and metric_name.startswith(PREFIX) and keep(labels):
+                values.setdefault(kind, {})[key] = values.get(kind, {}).get(key, 0.0) + value
+    return values
+
+
+def _add_values(values: Values, store_for: Callable[[str], Path]) -> None:
+    for kind, entries in values.items():
+        path = store_for(kind)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        store = MmapedDict(str(path))
+        try:
+            for key, value in entries.items():
+                store.write_value(key, store.read_value(key)[0] + value, 0.0)
+        finally:
+            store.close()
+
+
+def _of_ended_process(path: Path, gauges_only: bool = True) -> bool:
+    """Whether ``path`` (``<kind>_<pid>.db``, ``gauge_<mode>_<pid>.db``) belongs to a process that ended: its gauges
+    end with it (``gauges_only``), its other values are folded by a sweep."""
+    parts = path.stem.split("_")
+    if gauges_only and parts[0] != "gauge":
+        return False
+    pid = parts[-1]  # "retired" and "exited" files belong to no process
+    return pid.isdigit() and pid != path.parent.name and process_started(int(pid)) is None
+
+
+def _readable(path: str) -> bool:
+    try:
+        MmapedDict.read_all_values_from_file(path)
+    except Exception:  # noqa: BLE001 - any reason it cannot be read is a reason to leave it out
+        return False
+    return True
+
+
+def start(config: Config) -> ModelMetrics | None:
+    """Clears what an earlier run left and serves ``/metrics``; None when metrics are off."""
+    shutil.rmtree(config.metrics_dir, ignore_errors=True)
+    if config.metrics_port == 0:
+        logger.info("metrics off (MME_METRICS_PORT=0)")
+        return None
+    config.metrics_dir.mkdir(parents=True, exist_ok=True)
+    collector = ModelMetrics(config.metrics_dir, config.port)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    try:
+        start_http_server(config.metrics_port, registry=registry)
+    except OSError as exc:
+        # Serving models matters more than their metrics: say so loudly and go on without them. The collector is
+        # kept all the same: its sweep still clears what unloaded models leave behind.
+        logger.error("metrics not served: cannot listen on port %d: %s", config.metrics_port, exc)
+        return collector
+    logger.info("Prometheus metrics on port %d at /metrics", config.metrics_port)
+    return collector
+
+
+def _host_memory(process: psutil.Process) -> int:
+    try:
+        return int(process.memory_full_info().pss)
+    except (psutil.Error, AttributeError):
+        try:
+            return int(process.memory_info().rss)
+        except psutil.Error:
+            return 0

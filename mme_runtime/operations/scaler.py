@@ -1,0 +1,85 @@
+"""Gives a batching model the frontend connections that fill its batches.
+
+MMS sends a backend at most one request per worker connection at a time, so a batch of ``batch_size`` needs that
+many connections per device. They cost a frontend thread and an executor thread each, not a process or a copy of
+the weights. A model whose ``serving.properties`` asks for batching therefore asks for ``batch_size`` workers per
+device: its executor leaves a request in the runtime directory, and the entrypoint's supervisor, which knows the
+management port, raises the model's worker count with MMS's scale call (``PUT /models/{name}?min_worker=N``) once its
+LOAD has completed. It never lowers a count someone set higher. Neither side imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from mme_runtime.base.janitor import REQUEST_TIMEOUT_SECONDS, get_json, write_marker
+
+logger = logging.getLogger(__name__)
+
+REQUEST_LIFETIME_SECONDS = 120.0  # a LOAD slower than this gets no extra connections: the log says so
+
+
+def requests_dir(runtime_dir: Path) -> Path:
+    return runtime_dir / "worker-requests"
+
+
+def request_workers(runtime_dir: Path, model_name: str, per_device: int) -> None:
+    """Written by an executor: ``model_name`` wants ``per_device`` frontend connections on each device."""
+    write_marker(requests_dir(runtime_dir), model_name, {"per_device": per_device})
+
+
+class Scaler:
+    """Raises models' worker counts as their executors asked, on ``devices`` devices (GPUs, or 1 for the CPU)."""
+
+    def __init__(self, runtime_dir: Path, port: int, devices: int) -> None:
+        self.directory = requests_dir(runtime_dir)
+        self.base = f"http://127.0.0.1:{port}/models/"
+        self.devices = max(1, devices)
+
+    def sweep(self) -> None:
+        if not self.directory.is_dir():
+            return
+        for request in self.directory.iterdir():
+            if request.name.startswith("."):
+                continue
+            try:
+                wanted = json.loads(request.read_text())
+                age = time.time() - request.stat().st_mtime
+            except (OSError, ValueError):
+                continue
+            if self._settle(str(wanted["model"]), int(wanted["per_device"]) * self.devices, age):
+                request.unlink(missing_ok=True)
+
+    def _settle(self, model: str, workers: int, age: float) -> bool:
+        """True once nothing is left to do for this request."""
+        url = self.base + urllib.parse.quote(model, safe="")
+        description = get_json(url)
+        if isinstance(description, list):  # MMS describes a model as a list of its versions
+            description = description[0] if description else None
+        expired = age > REQUEST_LIFETIME_SECONDS
+        if not isinstance(description, dict) or not any(
+            worker.get("status") == "READY" for worker in description.get("workers") or []
+        ):
+            # Not registered, or its LOAD has not completed: scaling now would race the LOAD's own workers.
+            if expired:
+                logger.warning("model=%s never became ready: its %d batching workers were not added", model, workers)
+            return expired
+        if int(description.get("minWorkers") or 0) >= workers:
+            return True
+        maximum = max(workers, int(description.get("maxWorkers") or 0))  # never lower a maximum set higher
+        query = urllib.parse.urlencode({"min_worker": workers, "max_worker": maximum, "synchronous": "false"})
+        try:
+            urllib.request.urlopen(
+                urllib.request.Request(f"{url}?{query}", method="PUT"), timeout=REQUEST_TIMEOUT_SECONDS
+            )
+        except (urllib.error.URLError, OSError) as exc:
+            logger.warning("model=%s could not be scaled to %d workers: %s", model, workers, exc)
+            return expired  # tried again at the next sweep, until the request expires
+        logger.info("model=%s scaled to %d workers to fill its batches on %d device(s)", model, workers, self.devices)
+        return True

@@ -1,0 +1,251 @@
+"""A device host: the one process that serves every shareable model on one device (a GPU, or the CPU).
+
+The warm process forks it, CUDA-free, for the first connection assigned to its device; the host binds its GPU before
+its first CUDA call, so a GPU holds one CUDA context and one caching allocator however many models it serves. The
+warm process sends it, over the control socket, each model once (``load``, with the model packed by the loader, or
+with no package when ``model_fn`` must run here) and then each frontend connection for it (``connect``). Each model
+keeps its own handler (user module, batcher, settings, context), loaded on a thread of its own; each connection is
+served from a thread, as in an executor. ``unload`` lets a model go and gives its memory back.
+
+Every thread the host runs for a model is marked as that model's on the crash board (``crash_board.py``), and a fatal
+signal writes the threads' stacks to a file: if user code kills the host, the warm process can tell whose it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+from mme_runtime.base import devices
+from mme_runtime.base.child_processes import become_child
+from mme_runtime.base.config import Config
+from mme_runtime.base.logs import configure_logging
+from mme_runtime.models.loading import LoadFailure, ModelSpec, check_memory, refuse_load
+from mme_runtime.models.model_package import unpack
+from mme_runtime.operations import metrics
+from mme_runtime.processes import fork_safety
+from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, report_crashes
+from mme_runtime.processes.executor import Assignment, start_batching
+from mme_runtime.processes.hosted_model import HostedModel, model_handler, release_memory, tensor_bytes
+from mme_runtime.processes.warm_protocol import receive, send
+from mme_runtime.serving.connection import serve_connection
+
+logger = logging.getLogger(__name__)
+
+MAX_FDS = 2
+
+
+class DeviceHost:
+    def __init__(self, control: socket.socket, config: Config, gpu: int | None, board: CrashBoard) -> None:
+        self.control = control
+        self.config = config
+        self.gpu = gpu
+        self.board = board
+        self.ordinal: int | None = None
+        self.models: dict[str, HostedModel] = {}
+        self._control_lock = threading.Lock()
+        self._unpacked: weakref.WeakValueDictionary[tuple[int, int, int], Any] = weakref.WeakValueDictionary()
+
+    def serve(self) -> None:
+        self.ordinal = devices.bind_gpu(self.gpu, self.config.cuda_visible_devices)
+        logger.info("device host pid=%d gpu=%s serving", os.getpid(), self.gpu)
+        while True:
+            try:
+                message, fds = receive(self.control, with_fds=MAX_FDS)
+            except (OSError, ValueError):
+                message, fds = None, []
+            if message is None:
+                break
+            try:
+                self._dispatch(message, fds)
+            except Exception:  # noqa: BLE001 - one bad message must not take every model of the host down
+                logger.exception("device host pid=%d: message %s not handled", os.getpid(), message.get("op"))
+        logger.info("device host pid=%d: warm process gone, stopping", os.getpid())
+
+    def _dispatch(self, message: dict[str, Any], fds: list[int]) -> None:
+        op = message["op"]
+        name = message["model"]
+        if op == "load":
+            spec = ModelSpec(**message["spec"])
+            series = metrics.start_hosted(self.config, name, restart=bool(message.get("restart")))
+            model = self.models[name] = HostedModel(spec, int(message["slot"]), series)
+            layout = message.get("package")
+            arguments = (model, layout, fds, int(message["batch_size"]), bool(message.get("restart")))
+            model.loading = threading.Thread(target=self._load, args=arguments, name=f"load-{name}", daemon=True)
+            model.loading.start()
+        elif op == "connect":
+            connection = socket.socket(fileno=fds[0])
+            connection.setblocking(True)
+            hosted = self.models.get(name)
+            if hosted is None:  # unloaded meanwhile: the frontend is done with this connection too
+                connection.close()
+                return
+            self._connect(hosted, connection, Assignment(message["gpu"], message["batch_size"]))
+        elif op == "unload":
+            leaving = self.models.pop(name, None)
+            if leaving is not None:
+                # Its series go now, before a LOAD of the same name (the next message, maybe) makes their directory.
+                metrics.stop_hosted(self.config, leaving.series)
+                threading.Thread(target=self._unload, args=(leaving,), name=f"unload-{name}", daemon=True).start()
+
+    def _load(
+        self, model: HostedModel, layout: dict[str, int] | None, fds: list[int], batch_size: int, restart: bool
+    ) -> None:
+        """The model's handler here: the packed model adopted (or ``model_fn`` run here when there is no package),
+        placed on this host's device and warmed up; then the connections that waited for it are served."""
+        spec = model.spec
+        metrics.bind(model.series)
+        self.board.work_for(model.slot)
+        if restart:
+            metrics.record_executor_restart()
+        try:
+            check_memory(spec, self.config, self.gpu, host=layout is None)
+            loaded = model_handler(spec, self.config, self.gpu, self.ordinal, batch_size)
+            handler = loaded.module
+            context = loaded.service.context
+            with self.board.running(model.slot):
+                if layout is not None:
+                    handler.transformer.adopt(context, lambda: self._unpack(spec.name, fds[0], layout))
+                handler.attach(context)
+            start_batching(spec, self.config, loaded)
+            for thread in handler.transformer.batcher_threads:
+                self.board.work_for(model.slot, thread.ident)
+            self._record_memory(model, handler.transformer.model)
+        except LoadFailure as failure:
+            model.failure = failure
+        except BaseException as exc:  # noqa: BLE001 - boundary: user code's sys.exit too fails this LOAD alone
+            status = int(getattr(exc, "status_code", 500))
+            message = str(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
+            logger.error(
+                "model=%s gpu=%s load failed in the device host status=%d: %s",
+                spec.name,
+                self.gpu,
+                status,
+                message,
+                exc_info=None if hasattr(exc, "status_code") else exc,
+            )
+            model.failure = LoadFailure(status, f"model {spec.name}: {message}")
+        else:
+            model.loaded = loaded
+        finally:
+            for fd in fds:
+                os.close(fd)
+            self.board.done()
+        self._report({"model": spec.name, "loaded": model.loaded is not None})
+        with model.lock:
+            waiting, model.waiting = model.waiting, []
+        for connection, assignment in waiting:
+            self._connect(model, connection, assignment)
+
+    def _unpack(self, name: str, fd: int, layout: dict[str, int]) -> Any:
+        """The model in the package; a package that another model here unpacked already (the same artifacts under
+        two names: the warm process's package cache) gives the same object, so its weights are here once."""
+        offset, size = layout["pickle_offset"], layout["pickle_bytes"]
+        identity = (os.fstat(fd).st_ino, offset, size)
+        with self._control_lock:
+            model = self._unpacked.get(identity)
+        if model is not None:
+            logger.info("model=%s takes the model its package already gave this host (one copy)", name)
+            return model
+        model = unpack(fd, offset, size)
+        with self._control_lock, contextlib.suppress(TypeError):  # what cannot be weakly referenced is not shared
+            self._unpacked[identity] = model
+        return model
+
+    def _report(self, message: dict[str, Any]) -> None:
+        with self._control_lock:  # load threads report at once
+            try:
+                send(self.control, message)
+            except OSError:
+                pass  # the warm process is gone: the main loop ends
+
+    def _connect(self, model: HostedModel, connection: socket.socket, assignment: Assignment) -> None:
+        with model.lock:
+            if model.loaded is None and model.failure is None:
+                model.waiting.append((connection, assignment))
+                return
+        if model.failure is not None:
+            arguments = (connection, model.failure, model.spec, self.config)
+            threading.Thread(target=refuse_load, args=arguments, daemon=True).start()
+            return
+        model.connections.add(connection)
+        threading.Thread(target=self._serve_connection, args=(model, connection), daemon=True).start()
+
+    def _record_memory(self, model: HostedModel, placed: Any) -> None:
+        host_bytes, device_bytes = tensor_bytes(placed)
+        metrics.record_host_bytes(model.series, host_bytes)
+        if self.gpu is not None and devices.cuda_initialized():
+            metrics.record_device_bytes(str(self.gpu), device_bytes)
+
+    def _serve_connection(self, model: HostedModel, connection: socket.socket) -> None:
+        assert model.loaded is not None
+        metrics.bind(model.series)
+        self.board.work_for(model.slot)
+        try:
+            serve_connection(connection, model.spec, model.loaded, lambda: self.board.running(model.slot))
+        finally:
+            model.connections.discard(connection)
+            self.board.done()
+
+    def _unload(self, model: HostedModel) -> None:
+        """Closes the model's connections, ends its batcher and drops every reference, then gives the memory back."""
+        if model.loading is not None:
+            model.loading.join()  # an UNLOAD during the load: what the load makes must not outlive the model
+        with model.lock:
+            waiting, model.waiting = model.waiting, []
+        for connection, _ in waiting:
+            connection.close()
+        for connection in list(model.connections):
+            try:
+                connection.shutdown(socket.SHUT_RDWR)  # its thread wakes from its read and ends
+            except OSError:
+                pass
+        started = time.monotonic()
+        if model.loaded is not None:
+            for thread in model.loaded.module.transformer.batcher_threads:
+                self.board.done(thread.ident)
+            model.loaded.module.transformer.close()
+        model.loaded = None
+        gc.collect()
+        release_memory(self.ordinal)
+        if model.series is not None:
+            model.series.close()
+        metrics.bind(None)  # the container's count: the host's own series
+        metrics.record_unload(True, time.monotonic() - started)
+        logger.info("model=%s unloaded from the device host", model.spec.name)
+
+
+def run_host(
+    control: socket.socket,
+    config: Config,
+    gpu: int | None,
+    label: str,
+    board: CrashBoard,
+    close_fds: list[int],
+    environment: dict[str, str],
+) -> None:
+    """The host's life, in the child the warm process forked (``label`` names its device); never returns."""
+    status = 1
+    try:
+        become_child(f"mme-device-host {label}", close_fds, environment)
+        configure_logging(config.log_level)
+        fork_safety.set_threads(fork_safety.DEFAULT_THREADS)
+        metrics.start_container(config)  # the host's own directory; each model gets one of its own too
+        crash_report = report_crashes(crash_report_path(config.runtime_dir, os.getpid()))
+        DeviceHost(control, config, gpu, board).serve()
+        crash_report.close()
+        crash_report_path(config.runtime_dir, os.getpid()).unlink(missing_ok=True)
+        status = 0
+    except BaseException:  # the child must never return into the warm process's loop
+        logger.exception("device host failed")
+    finally:
+        sys.stdout.flush()
+        os._exit(status)

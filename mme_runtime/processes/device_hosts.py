@@ -1,0 +1,155 @@
+"""The warm process's device hosts: one per device (a card, or the CPU), forked CUDA-free on first use, each with
+the crash board that says, once it has died, whose code killed it (``crash_board.py``).
+
+``shared_models.py`` decides what goes to which host and what a crash costs a model; this module starts hosts, talks
+to them and reads what a dead one left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mme_runtime.base.config import Config
+from mme_runtime.processes.crash_board import CrashBoard, crash_report_path
+from mme_runtime.processes.device_host import run_host
+from mme_runtime.processes.warm_protocol import receive, send
+
+logger = logging.getLogger(__name__)
+
+CONTROL_SECONDS = 10.0
+CRASHES_BEFORE_QUARANTINE = 2
+DeviceKey = str  # the card's name within CUDA_VISIBLE_DEVICES, or "cpu=N": one of the CPU's hosts
+
+
+@dataclass
+class Host:
+    key: DeviceKey
+    pid: int
+    control: socket.socket
+    board: CrashBoard
+    models: set[str] = field(default_factory=set)  # names sent to it
+
+
+@dataclass(frozen=True)
+class Crash:
+    """What a dead host left: how it ended, the slot of the model whose thread took the fatal signal (if one did),
+    and the slots with a call running."""
+
+    host: Host
+    cause: str
+    culprit: int | None
+    running: frozenset[int]
+
+
+class CrashCount:
+    """Crashes by model name, kept across a model's UNLOAD and LOAD: the second one quarantines the model."""
+
+    def __init__(self) -> None:
+        self.crashes: dict[str, int] = {}
+
+    def blame(self, crash: Crash, on_host: Mapping[int, str]) -> str | None:
+        """Logs whose code killed the host, among its models (``on_host``: their names by slot), and counts it.
+        Returns that model's name when it should leave for processes of its own."""
+        running = sorted(name for slot, name in on_host.items() if slot in crash.running)
+        culprit = None if crash.culprit is None else on_host.get(crash.culprit)
+        if crash.culprit is None and len(running) == 1:
+            culprit = running[0]  # no fatal signal to go by (an exit, SIGKILL): the one model that was running
+        logger.error(
+            "device host pid=%d gpu=%s %s while running model %s (calls running: %s); the other models load again "
+            "from their packages",
+            crash.host.pid,
+            crash.host.key,
+            crash.cause,
+            culprit or "unknown",
+            ", ".join(running) or "none",
+        )
+        if culprit is None:
+            return None
+        self.crashes[culprit] = self.crashes.get(culprit, 0) + 1
+        return culprit if self.crashes[culprit] >= CRASHES_BEFORE_QUARANTINE else None
+
+
+class DeviceHosts:
+    def __init__(self, config: Config, close_in_children: Callable[[], list[int]]) -> None:
+        self.config = config
+        self.close_in_children = close_in_children
+        self.hosts: dict[DeviceKey, Host] = {}
+
+    def get(self, key: DeviceKey, gpu: int | None, env: dict[str, str], in_hand: socket.socket) -> Host:
+        """The device's host, forked now if there is none, with the environment MMS gives its model processes (it
+        reads some of it, such as ``MMS_DECODE_INPUT_REQUEST``, while answering). ``in_hand``: the connection being
+        routed, which a new host must not keep a copy of (the frontend would never see it close)."""
+        host = self.hosts.get(key)
+        if host is not None:
+            return host
+        board = CrashBoard()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        close = [*self.close_in_children(), ours.fileno(), in_hand.fileno()]
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            label = f"gpu={gpu}" if gpu is not None else key
+            run_host(theirs, self.config, gpu, label, board, close, env)  # never returns
+        theirs.close()
+        ours.settimeout(CONTROL_SECONDS)
+        host = self.hosts[key] = Host(key, pid, ours, board)
+        logger.info("device host pid=%d gpu=%s started", pid, key)
+        return host
+
+    def send(self, host: Host, payload: dict[str, Any], fds: list[int] | None = None) -> None:
+        """``OSError`` when the host is gone or stuck: its reap follows."""
+        send(host.control, payload, fds)
+
+    def report(self, host: Host) -> dict[str, Any] | None:
+        """The host's next report, once its control socket is readable; None once it is gone."""
+        try:
+            message, _ = receive(host.control)
+        except (OSError, ValueError):
+            return None
+        return message
+
+    def exited(self, pid: int, code: int) -> Crash | None:
+        """The crash of host ``pid`` (its report read, the host forgotten); None if ``pid`` was no host of ours."""
+        host = next((host for host in self.hosts.values() if host.pid == pid), None)
+        if host is None:
+            return None
+        del self.hosts[host.key]
+        host.control.close()
+        path = crash_report_path(self.config.runtime_dir, pid)
+        try:
+            report = path.read_text(errors="replace")
+            path.unlink()
+        except OSError:
+            report = ""
+        crash = Crash(
+            host,
+            f"killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}",
+            host.board.culprit(report),
+            frozenset(host.board.busy()),
+        )
+        host.board.close()
+        return crash
+
+    def descriptors(self) -> list[int]:
+        return [host.control.fileno() for host in self.hosts.values()]
+
+    def stop(self) -> None:
+        for host in self.hosts.values():
+            try:
+                os.kill(host.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name
+        return f"signal {number}"

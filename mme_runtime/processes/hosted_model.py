@@ -1,0 +1,85 @@
+"""One model in a device host: its state there, a handler of its own, and the memory its tensors take and give back.
+
+``device_host.py`` keeps one ``HostedModel`` per model it serves; nothing here talks to the warm process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from mms.service import Service
+
+from mme_runtime.base import devices
+from mme_runtime.base.config import Config
+from mme_runtime.models.loading import LoadedModel, LoadFailure, ModelSpec
+from mme_runtime.operations.metric_series import Series
+from mme_runtime.processes.executor import Assignment
+
+
+@dataclass
+class HostedModel:
+    """One model in the host: its handler once loaded, or why it failed, and the connections that wait or run."""
+
+    spec: ModelSpec
+    slot: int
+    series: Series | None  # its metrics
+    loaded: LoadedModel | None = None
+    failure: LoadFailure | None = None
+    waiting: list[tuple[socket.socket, Assignment]] = field(default_factory=list)
+    connections: set[socket.socket] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    loading: threading.Thread | None = None
+
+
+def model_handler(
+    spec: ModelSpec, config: Config, gpu: int | None, ordinal: int | None, batch_size: int
+) -> LoadedModel:
+    """A handler of the model's own (the module-level ``handler_service`` one is one per process), wrapped in MMS's
+    ``Service`` as the executor's is."""
+    from handler_service import HandlerService
+
+    handler = HandlerService(config)
+
+    def entry_point(data: Any, context: Any) -> Any:
+        if data is None:
+            handler.initialize(context)
+            return None
+        return handler.handle(data, context)
+
+    service = Service(spec.name, spec.model_dir, None, entry_point, ordinal, batch_size)
+    devices.record_gpu(service.context.system_properties, gpu, ordinal)
+    return LoadedModel(handler, service)
+
+
+def tensor_bytes(model: Any) -> tuple[int, int]:
+    """The bytes of a module's parameters and buffers in host memory and on a GPU, each storage once (tied weights
+    share one); (0, 0) for what is not a module."""
+    if not isinstance(model, torch.nn.Module):
+        return 0, 0
+    seen: set[int] = set()
+    host = device = 0
+    for tensor in (*model.parameters(), *model.buffers()):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        if tensor.device.type == "cpu":
+            host += storage.nbytes()
+        else:
+            device += storage.nbytes()
+    return host, device
+
+
+def release_memory(ordinal: int | None) -> None:
+    """Freed tensors back to the system: glibc keeps freed heap unless asked, torch keeps freed GPU blocks cached."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    if ordinal is not None and devices.cuda_initialized():
+        torch.cuda.empty_cache()

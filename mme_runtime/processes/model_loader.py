@@ -1,0 +1,118 @@
+"""The loader: a short-lived child of the warm process that runs one shareable model's ``model_fn``, CUDA-free, and
+packs the result for the device hosts (``model_package``), then exits: the package outlives it in the warm process.
+
+It reports one message to the warm process: ``package`` (with the shared-memory file), ``host_loads`` (the model
+cannot leave this process: the host runs ``model_fn`` itself, and the reason is logged), ``isolate`` (the model needs
+processes of its own) or ``failure`` (the LOAD fails with this status and message). Its output is the model's log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mme_runtime.base import devices
+from mme_runtime.base.child_processes import become_child
+from mme_runtime.base.config import Config
+from mme_runtime.base.logs import configure_logging
+from mme_runtime.models import sharing
+from mme_runtime.models.loading import LoadFailure, ModelSpec, check_location, check_memory, load_model
+from mme_runtime.models.model_cache import model_file
+from mme_runtime.models.model_package import NotPackable, is_torchscript, pack, pack_torchscript_file, unpack
+from mme_runtime.models.pt2 import pt2_file
+from mme_runtime.operations import metrics
+from mme_runtime.processes.warm_protocol import send
+
+logger = logging.getLogger(__name__)
+
+
+def start_loader(
+    spec: ModelSpec, request: dict[str, Any], stdio: list[int], close_fds: list[int]
+) -> tuple[int, socket.socket]:
+    """Forks the model's loader with the stub's stdio, directory and environment (``request``); returns its pid and
+    the socket its report arrives on. ``close_fds``: what the forked child must not keep."""
+    result, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    close = [fd for fd in close_fds if fd not in stdio] + [result.fileno()]
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        for target, fd in enumerate(stdio):
+            os.dup2(fd, target)
+        run_loader(theirs, spec, [fd for fd in close if fd > 2], request["env"], request["cwd"])  # never returns
+    theirs.close()
+    return pid, result
+
+
+def run_loader(
+    result: socket.socket, spec: ModelSpec, close_fds: list[int], environment: dict[str, str], cwd: str
+) -> None:
+    """In the forked child, its stdio already the model's: load, report, exit. Never returns."""
+    status = 1
+    try:
+        become_child(f"mme-loader {spec.name}", close_fds, environment)
+        os.chdir(cwd)
+        config = Config.from_process_env()
+        configure_logging(config.log_level)
+        metrics.start_model(config, spec.name, os.getpid())  # counted as loading until it reports
+        report, fds = _load(spec, config)
+        metrics.stop_model(config)  # what it counted for the container stays; the model's series are the host's
+        send(result, report, fds)
+        status = 0
+    except BaseException:  # the child must never return into the warm process's loop
+        logger.exception("model=%s loader failed", spec.name)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
+def _load(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
+    refused = check_location(spec, config)
+    if refused is not None:
+        return _failure(refused), []
+    reason = sharing.model_reason(Path(spec.model_dir), config)
+    if reason is not None:
+        return {"isolate": reason}, []
+    try:
+        check_memory(spec, config, gpu=None)
+        archive = _plain_torchscript(Path(spec.model_dir), config)
+        if archive is not None:  # what the default model_fn would load: its bytes are the package
+            started = time.monotonic()
+            package = pack_torchscript_file(archive, spec.name)
+            logger.info(
+                "model=%s loaded seconds=%.2f (TorchScript, packed as it is)", spec.name, time.monotonic() - started
+            )
+            return {"package": package.layout}, [package.fd]
+        loaded = load_model(spec, batch_size=1, phase="preload")
+    except LoadFailure as failure:
+        return _failure(failure), []
+    if devices.cuda_initialized():
+        return {"host_loads": "model_fn initialised CUDA: it runs in the device host, on the host's GPU"}, []
+    model = loaded.module.service().transformer.model
+    try:
+        package = pack(model, spec.name)
+    except NotPackable as exc:
+        return {"host_loads": str(exc)}, []
+    try:
+        unpack(package.fd, **package.layout, trial=True)
+    except Exception as exc:  # noqa: BLE001 - any reason means the host must load it itself
+        package.close()
+        return {"host_loads": f"{type(model).__name__} does not unpickle: {type(exc).__name__}: {exc}"}, []
+    return {"package": package.layout}, [package.fd]
+
+
+def _plain_torchscript(model_dir: Path, config: Config) -> Path | None:
+    """The model's TorchScript archive, when the defaults alone serve it (no inference code, no ``model.pt2``)."""
+    if config.submit_directory or (model_dir / "code" / config.program).is_file() or pt2_file(model_dir):
+        return None
+    path = model_file(model_dir)
+    return path if path is not None and is_torchscript(path) else None
+
+
+def _failure(failure: LoadFailure) -> dict[str, Any]:
+    return {"failure": {"status": failure.status, "message": failure.message}}

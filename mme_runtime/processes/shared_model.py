@@ -1,0 +1,110 @@
+"""One shared model as the warm process holds it (``shared_models.py`` holds them all), and the sockets it owns:
+the stub MMS started for it, the model's own socket where the frontend connects, its loader's result socket.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mme_runtime.models.loading import LoadFailure, ModelSpec
+from mme_runtime.models.model_cache import Key
+from mme_runtime.models.model_package import Package
+from mme_runtime.processes.device_hosts import DeviceKey
+from mme_runtime.processes.warm_protocol import receive, send
+
+
+@dataclass
+class SharedModel:
+    """One model MMS started, in the warm process: its stub, its socket, its loader, its package, its hosts."""
+
+    spec: ModelSpec
+    request: dict[str, Any]  # the stub's command line, environment and directory: for an isolated server later
+    stub: socket.socket  # closes when MMS ends the model's process (UNLOAD)
+    stdio: list[int]  # the stub's stdin, stdout and stderr: the model's log
+    listener: socket.socket
+    slot: int
+    started: float
+    loader: int | None = None
+    result: socket.socket | None = None
+    package: Package | None = None  # None while loading, or where the host runs model_fn
+    ready: bool = False  # connections are routed from now on
+    failure: LoadFailure | None = None
+    hosts: set[DeviceKey] = field(default_factory=set)
+    cache_key: Key | None = None  # its artifacts, when another name may share its package
+    cpu_host: str | None = None  # which of the CPU's hosts serves it
+    served: bool = False  # a host has had it
+    load_recorded: bool = False
+
+    def tell_stub(self, payload: dict[str, Any]) -> None:
+        try:
+            send(self.stub, payload)
+        except OSError:
+            pass  # the stub is gone: its unload follows
+
+    def close(self) -> None:
+        """Closes the model's socket (and removes its path), its stub and the stub's stdio."""
+        path = self.listener.getsockname()
+        self.listener.close()
+        if isinstance(path, str) and path:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        self.stub.close()
+        for fd in self.stdio:
+            os.close(fd)
+
+
+def cpu_host_for(model: SharedModel, models: Iterable[SharedModel], cpu_hosts: int) -> str:
+    """The CPU host of the pool (MME_CPU_HOSTS) that serves the model: the one with the fewest models when its first
+    connection arrived (one GIL per host: a pool lets Python-bound models run side by side), or the one that has its
+    artifacts under another name (so that they are there once)."""
+    if model.cpu_host is None:
+        pool = [f"cpu={index}" for index in range(cpu_hosts)]
+        others = list(models)
+        taken = [other.cpu_host for other in others]
+        same = [o.cpu_host for o in others if o.cpu_host and o.cache_key == model.cache_key]
+        model.cpu_host = same[0] if model.cache_key is not None and same else min(pool, key=taken.count)
+    return model.cpu_host
+
+
+def bind_model_socket(argv: list[str]) -> socket.socket:
+    """The socket MMS's stub command line names (``--sock-name``), bound and listening, where the frontend's
+    connections for the model wait in the backlog until the model is ready."""
+    path = argv[argv.index("--sock-name") + 1]
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(128)
+    listener.setblocking(False)
+    return listener
+
+
+def drain(result: socket.socket) -> None:
+    """Closes a loader's result socket and any descriptor waiting in it."""
+    result.setblocking(False)
+    try:
+        while True:
+            _, fds = receive(result, with_fds=1)
+            for fd in fds:
+                os.close(fd)
+            if not fds:
+                break
+    except (OSError, ValueError):
+        pass
+    result.close()
+
+
+def kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass

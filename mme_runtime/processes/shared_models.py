@@ -1,0 +1,297 @@
+"""The warm process's side of the device hosts: the shareable models, their loads, their connections, their hosts.
+
+For each model MMS starts, the warm process binds the model's socket and forks a loader (``model_loader``), which
+runs ``model_fn`` once, CUDA-free, and hands back a package (or says why the host must load it, why the model needs
+processes of its own, or why the LOAD fails). Meanwhile the frontend's connections wait in the socket's backlog.
+Once the model is ready, each connection's LOAD message is read here and the connection goes to the host of its
+device, forked on first use; the model is sent to that host once, before its first connection.
+
+When the stub goes (UNLOAD), every host lets the model go. When a host dies, the model whose code killed it is named
+(``crash_board.py``); a model named in two crashes moves to processes of its own (quarantine); the others are loaded
+again from their packages into a new host as the frontend reconnects, without running ``model_fn``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mme_runtime.base.config import Config
+from mme_runtime.models.loading import LoadFailure, ModelSpec, check_location, refuse_load
+from mme_runtime.models.model_package import Package
+from mme_runtime.models.package_cache import PackageCache
+from mme_runtime.operations import metrics
+from mme_runtime.processes.crash_board import SLOTS
+from mme_runtime.processes.device_hosts import Crash, CrashCount, DeviceHosts, Host
+from mme_runtime.processes.executor import device_of, read_assignment
+from mme_runtime.processes.model_loader import start_loader
+from mme_runtime.processes.shared_model import SharedModel, bind_model_socket, cpu_host_for, drain, kill
+from mme_runtime.processes.warm_protocol import receive
+
+logger = logging.getLogger(__name__)
+
+# The frontend sends its LOAD message as soon as it connects; one that does not within this is dropped.
+LOAD_MESSAGE_SECONDS = 2.0
+# How long the warm process waits for the rest of a loader's report once it has begun to arrive.
+RESULT_SECONDS = 1.0
+
+
+class SharedModels:
+    """Every shared model and device host of the warm process. ``isolate(model, reason)`` forks a model's own server
+    (the warm process's usual fork, keeping the model's socket) and returns its pid. The methods follow a model's
+    life: what the warm process's loop asks, a model arrives, its connections, a host dies, a model goes."""
+
+    def __init__(
+        self, config: Config, isolate: Callable[[SharedModel, str], int], close_in_children: Callable[[], list[int]]
+    ) -> None:
+        self.config = config
+        self.isolate = isolate
+        self.close_in_children = close_in_children
+        self.models: dict[str, SharedModel] = {}
+        self.hosts = DeviceHosts(config, close_in_children)
+        self.isolated: dict[int, SharedModel] = {}  # by pid: shared models' own servers (from the start, or quarantine)
+        self.crash_count = CrashCount()
+        self.cache = PackageCache(config)
+        self._handlers: dict[socket.socket, Callable[[], None]] = {}
+
+    def watched(self) -> list[socket.socket]:
+        return list(self._handlers)
+
+    def readable(self, sock: socket.socket) -> None:
+        handler = self._handlers.get(sock)
+        if handler is not None:
+            handler()
+
+    def descriptors(self) -> list[int]:
+        """What a forked child must close: every socket and package of ours (a copy would keep them alive)."""
+        fds = [sock.fileno() for sock in self._handlers]
+        for model in self.models.values():
+            fds += [model.listener.fileno(), model.stub.fileno(), *model.stdio]
+            if model.package is not None:
+                fds.append(model.package.fd)
+        fds += self.hosts.descriptors()
+        return sorted({fd for fd in fds if fd >= 0})
+
+    def child_exited(self, pid: int, code: int) -> bool:
+        """True when ``pid`` was ours (a loader, a host, or a shared model's own server)."""
+        crash = self.hosts.exited(pid, code)
+        if crash is not None:
+            self._host_died(crash)
+            return True
+        for model in self.models.values():
+            if model.loader == pid:
+                model.loader = None
+                if model.result is not None and not model.ready and model.failure is None:
+                    self._loader_reported(model)  # drain its report, if it sent one before it exited
+                return True
+        if pid in self.isolated:
+            ended = self.isolated.pop(pid)
+            if self.models.get(ended.spec.name) is ended:
+                self._unload(ended)  # its stub ends with it, and MMS starts the model anew
+            return True
+        return False
+
+    def stop(self) -> None:
+        self.hosts.stop()
+        for pid in self.isolated:
+            kill(pid)
+
+    def add(self, spec: ModelSpec, request: dict[str, Any], stub: socket.socket, stdio: list[int]) -> None:
+        """Binds the model's socket, tells the frontend it may connect, and starts the model's loader (unless the
+        same artifacts are loaded under another name already: then the model takes their package)."""
+        existing = self.models.get(spec.name)
+        if existing is not None:  # unloaded, and loaded again before this loop saw its stub go
+            self._unload(existing)
+        if len(self.models) >= SLOTS:
+            raise RuntimeError(f"{SLOTS} shared models are loaded already")
+        listener = bind_model_socket(request["argv"])
+        os.write(stdio[1], f"[PID] {request.get('pid', os.getpid())}\nMMS worker started.\n".encode())
+        model = SharedModel(spec, request, stub, stdio, listener, self._free_slot(), time.time())
+        self.models[spec.name] = model
+        self._handlers[stub] = lambda: self._stub_readable(model)
+        model.cache_key = self.cache.key(spec)
+        if model.cache_key is not None and check_location(spec, self.config) is None:
+            model.package = self.cache.take(model.cache_key, spec.name)
+            if model.package is not None:
+                self._ready(model)
+                return
+        model.loader, model.result = start_loader(spec, request, stdio, self.close_in_children())
+        model.result.settimeout(RESULT_SECONDS)  # a loader's child could hold the socket open after the loader died
+        self._handlers[model.result] = lambda: self._loader_reported(model)
+
+    def forget(self, name: str) -> bool:
+        """After ``add`` failed halfway: lets go of what it took; True if that included the stub and its stdio."""
+        model = self.models.get(name)
+        if model is None:
+            return False
+        self._unload(model)
+        return True
+
+    def _loader_reported(self, model: SharedModel) -> None:
+        assert model.result is not None
+        try:
+            report, fds = receive(model.result, with_fds=1)
+        except (OSError, ValueError):
+            report, fds = None, []
+        self._handlers.pop(model.result, None)
+        model.result.close()
+        model.result = None
+        spec = model.spec
+        if report is None:
+            model.failure = LoadFailure(500, f"model {spec.name}: its loader died before it reported (see the log)")
+        elif "failure" in report:
+            model.failure = LoadFailure(report["failure"]["status"], report["failure"]["message"])
+        elif "isolate" in report:
+            self._move_to_own_process(model, report["isolate"])
+            model.tell_stub({"shared": True})
+            return
+        elif "package" in report:
+            model.package = Package(fds[0], **report["package"])
+            if model.cache_key is not None:
+                model.package = self.cache.add(model.cache_key, spec.name, model.package)
+        else:
+            logger.warning("model=%s model_fn runs in the device host: %s", spec.name, report["host_loads"])
+        if model.failure is not None:
+            metrics.record_load(False, time.time() - model.started)
+            model.load_recorded = True
+        self._ready(model)
+
+    def _ready(self, model: SharedModel) -> None:
+        """From now on the model's connections are routed (or refused with its failure)."""
+        if model.failure is None:
+            logger.info(
+                "model=%s shares its device host (loaded in %.2f s)", model.spec.name, time.time() - model.started
+            )
+        model.ready = True
+        self._handlers[model.listener] = lambda: self._connection_waiting(model)
+        model.tell_stub({"shared": True})
+
+    def _move_to_own_process(self, model: SharedModel, reason: str) -> None:
+        """A server of its own takes over the model's socket; every host lets the model go."""
+        logger.info("model=%s served by processes of its own: %s", model.spec.name, reason)
+        self._handlers.pop(model.listener, None)
+        self._leave_hosts(model)
+        self.isolated[self.isolate(model, reason)] = model
+
+    def _connection_waiting(self, model: SharedModel) -> None:
+        try:
+            connection, _ = model.listener.accept()
+        except (BlockingIOError, InterruptedError, OSError):
+            return
+        assignment = read_assignment(connection, model.spec.name, LOAD_MESSAGE_SECONDS)
+        if assignment is None:
+            return
+        if model.failure is not None:
+            refuse_load(connection, model.failure, model.spec, self.config, drain=False)
+            return
+        key = device_of(assignment, self.config.cuda_visible_devices)
+        key = key or cpu_host_for(model, self.models.values(), self.config.cpu_hosts)
+        try:
+            host = self.hosts.get(key, assignment.gpu, model.request["env"], connection)
+            if host.control not in self._handlers:  # a host started just now
+                self._handlers[host.control] = lambda: self._host_reported(host)
+            if key not in model.hosts:
+                self._send_model(host, model, assignment.batch_size)
+                model.hosts.add(key)
+            payload = {"op": "connect", "model": model.spec.name, "gpu": assignment.gpu}
+            self.hosts.send(host, {**payload, "batch_size": assignment.batch_size}, [connection.fileno()])
+        except OSError as exc:  # the host is dying: the frontend reconnects, and its reap starts a new one
+            logger.warning("model=%s gpu=%s device host unreachable: %s", model.spec.name, key, exc)
+        finally:
+            connection.close()  # the host holds its own descriptor now
+
+    def _send_model(self, host: Host, model: SharedModel, batch_size: int) -> None:
+        """The model to a host, before its first connection there (whose LOAD message carries MMS's batch size)."""
+        package = model.package
+        payload = {
+            "op": "load",
+            "model": model.spec.name,
+            "spec": dataclasses.asdict(model.spec),
+            "slot": model.slot,
+            "package": None if package is None else package.layout,
+            "batch_size": batch_size,
+            "restart": model.served,  # served before, by a host that has died since
+        }
+        self.hosts.send(host, payload, [] if package is None else [package.fd])
+        host.models.add(model.spec.name)
+
+    def _host_reported(self, host: Host) -> None:
+        """A host's word on a model's load there: the LOAD's outcome is counted once."""
+        message = self.hosts.report(host)
+        if message is None:
+            self._handlers.pop(host.control, None)  # it is dying: its reap names the cause
+            return
+        model = self.models.get(message.get("model", ""))
+        if model is not None and not model.load_recorded:
+            metrics.record_load(bool(message.get("loaded")), time.time() - model.started)
+            model.load_recorded = True
+
+    def _host_died(self, crash: Crash) -> None:
+        """Names the model whose code killed the host and counts the crash against it (a second one moves it to
+        processes of its own); the frontend's reconnections start a new host and send it the models again."""
+        key = crash.host.key
+        self._handlers.pop(crash.host.control, None)
+        on_host = [model for model in self.models.values() if key in model.hosts]
+        for model in on_host:
+            model.hosts.discard(key)
+            model.served = True
+        name = self.crash_count.blame(crash, {model.slot: model.spec.name for model in on_host})
+        culprit = None if name is None else self.models.get(name)
+        if culprit is not None and culprit not in self.isolated.values():
+            metrics.record_quarantine(culprit.spec.name)
+            crashes = self.crash_count.crashes[culprit.spec.name]
+            self._move_to_own_process(culprit, f"it crashed its device host {crashes} times")
+
+    def _stub_readable(self, model: SharedModel) -> None:
+        try:
+            data = model.stub.recv(4096)
+        except OSError:
+            data = b""
+        if not data:
+            self._unload(model)
+
+    def _unload(self, model: SharedModel) -> None:
+        """The model's process in MMS is gone (UNLOAD, or MMS stopping): every host lets it go, its memory is freed."""
+        name = model.spec.name
+        if self.models.get(name) is not model:
+            return
+        del self.models[name]
+        for sock in (model.stub, model.listener, model.result):
+            if sock is not None:
+                self._handlers.pop(sock, None)
+        if model.loader is not None:
+            kill(model.loader)
+        if model.result is not None:
+            drain(model.result)  # a package it sent and nobody read: its memfd goes too
+        for pid, isolated in list(self.isolated.items()):
+            if isolated is model:
+                del self.isolated[pid]  # its exit (reaped later) concerns no model of that name any more
+                kill(pid)
+        self._leave_hosts(model)
+        if model.cache_key is not None and model.package is not None:
+            self.cache.release(model.cache_key, name)
+        elif model.package is not None:
+            model.package.close()
+        model.close()
+        logger.info("model=%s unloaded", name)
+
+    def _leave_hosts(self, model: SharedModel) -> None:
+        """Every host that has the model lets it go."""
+        name = model.spec.name
+        for host in list(self.hosts.hosts.values()):
+            if name in host.models:
+                host.models.discard(name)
+                try:
+                    self.hosts.send(host, {"op": "unload", "model": name})
+                except OSError as exc:
+                    logger.info("model=%s device host gone before its unload: %s", name, exc)
+        model.hosts.clear()
+
+    def _free_slot(self) -> int:
+        used = {model.slot for model in self.models.values()}
+        return next(slot for slot in range(SLOTS) if slot not in used)

@@ -1,0 +1,7 @@
+"""One request, from the socket to ``predict_fn`` and back, in reading order: ``connection`` (MMS's messages on a
+frontend connection, answered through ``handler_service.py``), ``transformer`` (the model's lifecycle), ``pipeline``
+(each request through the contract), ``contract`` (the user's functions over the defaults), ``batcher`` and
+``collate`` (one forward pass for many requests), ``responses`` (statuses and error bodies), ``content`` (codecs),
+``context`` (what user functions receive) and ``placement`` (the model on its device). It may import: ``base``,
+``operations``, ``models``.
+"""

@@ -1,0 +1,205 @@
+"""Dynamic batching: requests to one model on one device, gathered into one ``predict_fn`` call.
+
+Each frontend connection's thread submits its decoded requests (``Job``) and waits; one dispatcher thread runs the
+forward passes, one at a time. When it is idle a request is dispatched at once, so a lone client pays no delay.
+While a pass runs, what arrives queues up. After a pass that answered n requests, the dispatcher expects n requests
+back (busy clients send their next one at once, through whichever frontend connection is free) and waits for them,
+but never longer than ``max_delay`` after that pass (then it stops expecting them: a lone request after a burst is
+not held), and a batch never holds more than ``batch_size``.
+Only requests with the same collation signature share a batch; the oldest waiting request decides which signature
+goes next.
+
+A batch that fails with a retryable error (out of memory, or a client error that one request may have caused) is
+split in halves and retried, so the error lands on the request that caused it, alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mme_runtime.operations import metrics
+from mme_runtime.serving.collate import Signature, SplitError, collate, split
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's decoded input, waiting for its share of a forward pass."""
+
+    data: Any
+    request: Any  # what the job answers (the contract's request); a lone job's predict gets it as its context
+    signature: Signature | None  # None: runs alone
+    rows: int
+    result: Any = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = 0.0
+
+
+def group(jobs: Iterable[Job], batch_size: int) -> list[list[Job]]:
+    """Jobs in batches of at most ``batch_size`` with one signature each, in order of their first job."""
+    batches: list[list[Job]] = []
+    open_batches: dict[Signature, list[Job]] = {}
+    for job in jobs:
+        batch = open_batches.get(job.signature) if job.signature is not None else None
+        if batch is None or len(batch) >= batch_size:
+            batch = [job]
+            batches.append(batch)
+            if job.signature is not None:
+                open_batches[job.signature] = batch
+        else:
+            batch.append(job)
+    return batches
+
+
+def run_batch(
+    jobs: list[Job],
+    predict: Callable[[Any, Any], Any],
+    batch_context: Any,
+    retry_in_halves: Callable[[BaseException], bool],
+    before_retry: Callable[[], None] = lambda: None,
+) -> None:
+    """One ``predict`` call for ``jobs`` (collated), each job getting its rows of the prediction or the error.
+
+    A lone job's ``predict`` gets its own request; a batch's gets ``batch_context`` (the model's, with no request's
+    headers).
+    ``retry_in_halves`` says whether a batch that failed with an error is run again in two halves; ``before_retry``
+    runs first (freeing cached device memory, say), once the failed pass's frames are gone.
+    """
+    try:
+        if len(jobs) == 1:
+            jobs[0].result = predict(jobs[0].data, jobs[0].request)
+            return
+        prediction = predict(collate([job.data for job in jobs]), batch_context)
+        for job, part in zip(jobs, split(prediction, [job.rows for job in jobs]), strict=True):
+            job.result = part
+        return
+    except SplitError as exc:
+        for job in jobs:
+            job.error = exc
+        return
+    except Exception as exc:  # noqa: BLE001 - each request of the batch answers with it, unless halves retry
+        if len(jobs) == 1 or not retry_in_halves(exc):
+            for job in jobs:
+                job.error = exc
+            return
+        logger.info("batch of %d failed (%s): retrying in halves", len(jobs), type(exc).__name__)
+    # Retried outside the handler, so the failed pass's frames (and their tensors) are already released.
+    before_retry()
+    half = len(jobs) // 2
+    run_batch(jobs[:half], predict, batch_context, retry_in_halves, before_retry)
+    run_batch(jobs[half:], predict, batch_context, retry_in_halves, before_retry)
+
+
+class Batcher:
+    """The queue in front of one model's forward passes on one device, and the threads that run them: at most
+    ``concurrency`` passes at once (stock MMS runs one request per worker at once; a model that batches needs one)."""
+
+    def __init__(
+        self, run: Callable[[list[Job]], None], batch_size: int, max_delay_ms: float, name: str, concurrency: int = 1
+    ) -> None:
+        self._run = run
+        self.batch_size = batch_size
+        self.max_delay = max_delay_ms / 1000.0
+        self._queue: deque[Job] = deque()
+        self._ready = threading.Condition()
+        self._closed = False
+        # Requests answered by the last pass and not yet followed by new ones, and when that pass ended.
+        self._awaited = 0
+        self._pass_ended = 0.0
+        self._series = metrics.current()  # a device host's threads each record for their own model
+        self.threads = [
+            threading.Thread(target=self._dispatch_forever, name=f"batcher-{name}-{index}", daemon=True)
+            for index in range(max(1, concurrency))
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def close(self) -> None:
+        """Ends the dispatching threads once the queue is empty (the model is unloaded: nothing new arrives)."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+        for thread in self.threads:
+            if thread is not threading.current_thread():
+                thread.join()
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Queues ``jobs`` (one message's requests) and returns once each has its result or error."""
+        if not jobs:
+            return
+        now = time.monotonic()
+        for job in jobs:
+            job.queued_at = now
+        with self._ready:
+            if self._closed:  # the model was unloaded under this request
+                for job in jobs:
+                    job.error = RuntimeError("the model was unloaded")
+                return
+            self._queue.extend(jobs)
+            self._awaited = max(0, self._awaited - len(jobs))
+            self._ready.notify()
+        for job in jobs:
+            job.done.wait()
+
+    def _dispatch_forever(self) -> None:
+        metrics.bind(self._series)
+        while (batch := self._next_batch()) is not None:
+            started = time.monotonic()
+            try:
+                self._run(batch)
+            except BaseException as exc:  # noqa: BLE001 - the runner answers its own errors; this is a last guard
+                logger.exception("batch runner failed")
+                for job in batch:
+                    if job.result is None and job.error is None:
+                        job.error = exc
+            with self._ready:
+                self._awaited = len(batch)
+                self._pass_ended = time.monotonic()
+            for job in batch:  # after _awaited is set: an answered client may be back at once
+                job.done.set()
+            waits = [started - job.queued_at for job in batch]
+            metrics.record_pass(waits, self._pass_ended - started, self.batch_size)
+
+    def _next_batch(self) -> list[Job] | None:
+        with self._ready:
+            while not self._queue:
+                if self._closed:
+                    return None
+                self._ready.wait()
+            while self._awaited and not self._full():
+                remaining = self._pass_ended + self.max_delay - time.monotonic()
+                if remaining <= 0:
+                    self._awaited = 0  # those clients are not coming back soon: stop holding anyone for them
+                    break
+                self._ready.wait(remaining)
+            return self._take()
+
+    def _full(self) -> bool:
+        head = self._queue[0].signature
+        if head is None or self.batch_size == 1:
+            return True
+        return sum(1 for job in self._queue if job.signature == head) >= self.batch_size
+
+    def _take(self) -> list[Job]:
+        """The oldest job and up to ``batch_size - 1`` more of its signature; the rest stay queued in order."""
+        head = self._queue.popleft()
+        batch = [head]
+        if head.signature is None:
+            return batch
+        kept: deque[Job] = deque()
+        while self._queue:
+            job = self._queue.popleft()
+            if len(batch) < self.batch_size and job.signature == head.signature:
+                batch.append(job)
+            else:
+                kept.append(job)
+        self._queue = kept
+        return batch

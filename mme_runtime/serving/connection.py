@@ -1,0 +1,76 @@
+"""One frontend connection, from the socket to the handler and back: its LOAD answered, then each inference message
+read with MMS's protocol (``mms.protocol``), answered by MMS's ``Service`` (which calls ``handler_service.handle`` and
+so the model's ``Transformer``, ``pipeline.py``), and written back, with the request metrics recorded after.
+
+Executors and device hosts run it on a thread per connection: every connection of a model answers at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from mms.protocol.otf_message_handler import create_load_model_response, retrieve_msg
+from mms.service import emit_metrics
+
+from mme_runtime.models.loading import LoadedModel, ModelSpec
+from mme_runtime.operations import metrics
+
+logger = logging.getLogger(__name__)
+
+
+def serve_connection(
+    connection: socket.socket,
+    spec: ModelSpec,
+    loaded: LoadedModel,
+    running: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> None:
+    """One frontend connection: its LOAD answered, then its inference messages, one at a time, until it closes.
+    ``running`` brackets each message's handling (a device host marks whose code runs)."""
+    try:
+        connection.sendall(create_load_model_response(200, f"loaded model {spec.name}. [PID]:{os.getpid()}"))
+        while True:
+            command, message = retrieve_msg(connection)
+            if command != b"I":
+                raise ValueError(f"unexpected command {command!r} after LOAD")
+            started = time.monotonic()
+            with running():
+                context, response = _answer(loaded, message)
+            connection.sendall(response)
+            # Recorded once the answer is on its way: the caller does not wait for its metrics.
+            metrics.record_requests(functools.partial(_statuses, context, response), time.monotonic() - started)
+    except (ValueError, OSError) as exc:  # the frontend disconnected (mms.protocol raises ValueError): a normal end
+        logger.debug("model=%s connection closed: %s", spec.name, exc)
+    finally:
+        connection.close()
+
+
+def _answer(loaded: LoadedModel, message: list[dict[str, Any]]) -> tuple[Any, bytes]:
+    """MMS's own ``Service.predict`` for one message (its metrics, its statuses for errors outside the handler), on a
+    copy of the service whose context is the message's own: the connections' threads answer at once. Returns that
+    context, which holds each request's status, with the answer."""
+    service = copy.copy(loaded.service)
+    # Service keeps its context in ``_context`` (MMS 1.1.11, pinned); the copy shares system_properties, not requests.
+    service._context = copy.copy(loaded.service.context)
+    response = service.predict(message)
+    if service.context.metrics is not None:
+        emit_metrics(service.context.metrics.store)
+    return service.context, bytes(response)
+
+
+def _statuses(context: Any, response: bytes) -> list[int]:
+    """Each request's HTTP status: the response's own code when ``Service.predict`` failed them all (it leads the
+    response), else what the handler set for each."""
+    requests = context.request_ids or {}
+    code = int.from_bytes(response[:4], "big", signed=True)
+    if code != 200:
+        return [code] * len(requests)
+    return [context.get_response_status(idx)[0] or 200 for idx in requests]

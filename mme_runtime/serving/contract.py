@@ -1,0 +1,57 @@
+"""A model's contract functions: the user's ``model_fn``, ``input_fn``, ``predict_fn``, ``output_fn`` or
+``transform_fn`` over the PyTorch defaults, each bound once, and how a load step or a request step calls them.
+
+A failing request step raises ``StepError`` (its status decided in ``responses.py``); a failing load step fails
+the LOAD with the step named. Out-of-memory errors pass through unwrapped: the batcher retries them in halves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from sagemaker_inference.errors import BaseInferenceToolkitError
+
+from mme_runtime.models.user_code import UserFunction
+from mme_runtime.serving.context import InferenceContext
+from mme_runtime.serving.responses import StepError, is_out_of_memory, load_failure
+
+
+class Contract:
+    """The functions one model answers with, decided once at LOAD."""
+
+    def __init__(self, functions: Mapping[str, UserFunction] | None = None, user: Collection[str] = ()) -> None:
+        self._functions = dict(functions or {})
+        self.answers_whole = "transform_fn" in self._functions  # no batching: the request goes in and out whole
+        # Decided once per model, not per request: only our default output_fn needs Accept negotiated up front.
+        self.negotiates_accept = not self.answers_whole and "output_fn" not in user
+
+    @classmethod
+    def bind(cls, defaults: Any, user: Mapping[str, UserFunction]) -> Contract:
+        """The user's functions over the defaults' (``model_fn``, ``input_fn``, ``predict_fn``, ``output_fn``)."""
+        functions = {
+            name: UserFunction.bind(name, getattr(defaults, f"default_{name}"))
+            for name in ("model_fn", "input_fn", "predict_fn", "output_fn")
+        }
+        return cls({**functions, **user}, user)
+
+    def call(self, name: str, context: InferenceContext, *args: Any) -> Any:
+        """A request step: what it raises becomes that request's status, never its neighbours'."""
+        try:
+            return self._functions[name](*args, context=context)
+        except BaseInferenceToolkitError:
+            raise
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise
+            raise StepError(name, exc) from exc
+
+    def run_load_step(self, name: str, context: InferenceContext, *args: Any) -> Any:
+        """A load step (``pre_model_fn``, ``model_fn``, ``model_warmup_fn``), skipped when the model has none."""
+        function = self._functions.get(name)
+        if function is None:
+            return None
+        try:
+            return function(*args, context=context)
+        except Exception as exc:  # boundary: the LOAD fails with the cause named; the traceback is logged
+            raise load_failure(context.model_name, name, exc) from exc

@@ -1,0 +1,171 @@
+"""One message's requests through the contract: each read on its own, ``input_fn`` for each, one ``predict_fn`` per
+batch (through the batcher, so requests from many connections share a forward pass), ``output_fn`` for each.
+
+Each request carries its own status (``responses.py``): one bad request never fails its neighbours, and tracebacks go
+to the log, never to clients. ``Transformer`` (``transformer.py``) adds the model's lifecycle: load, place, close.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from sagemaker_inference.transformer import Transformer as ToolkitTransformer
+
+from mme_runtime.base.config import Config
+from mme_runtime.base.errors import PayloadTooLarge
+from mme_runtime.models.serving_properties import ServingSettings
+from mme_runtime.serving import collate, content
+from mme_runtime.serving.batcher import Batcher, Job, group, run_batch
+from mme_runtime.serving.context import InferenceContext
+from mme_runtime.serving.contract import Contract
+from mme_runtime.serving.responses import (
+    Request,
+    error_response,
+    http_status,
+    is_client_error,
+    is_out_of_memory,
+    phrase,
+    release_cached_device_memory,
+    request_body,
+    to_bytes,
+)
+
+
+class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
+    """The toolkit's Transformer, answering per request: per-item batches and status-carrying errors."""
+
+    def __init__(self, default_inference_handler: Any, config: Config) -> None:
+        super().__init__(default_inference_handler=default_inference_handler)
+        self._config = config
+        self._contract = Contract()
+        self._model: Any = None
+        self._context: InferenceContext | None = None  # the model's, once it is placed on its device
+        self._attached = False
+        self._settings = ServingSettings(1, 0, "none")
+        self._batcher: Batcher | None = None
+        # torch's grad mode is per thread: the connections' threads get the one the loading thread had after model_fn.
+        self._grad_enabled: bool | None = None
+
+    def transform(self, data: list[Any], context: Any) -> list[bytes]:
+        """Answers one message's requests (MMS's ``context`` is this message's own); safe from many threads."""
+        if not self._attached:
+            self.validate_and_initialize(context=context)
+        assert self._context is not None
+        base = InferenceContext(context, self._context.device)
+        requests, payloads, content_types = [], [], []
+        for index, item in enumerate(data):
+            request = Request(base.for_request(index), self._config.default_accept)
+            try:
+                payload, content_type = self._read(item, request)
+            except Exception as exc:  # request boundary: this request answers with its status
+                request.error, payload, content_type = exc, None, None
+            requests.append(request)
+            payloads.append(payload)
+            content_types.append(content_type)
+        with self._grad_mode():
+            self._answer(requests, payloads, content_types)
+        results = []
+        for index, request in enumerate(requests):
+            if request.error is not None:
+                if is_out_of_memory(request.error):
+                    release_cached_device_memory()  # so the next request finds the memory this one could not
+                request.body, request.content_type = error_response(request.error, request.context)
+                status = http_status(request.error)
+                context.set_response_status(status, phrase(status), index)
+            context.set_response_content_type(index, request.content_type)
+            results.append(request.body)
+        return results
+
+    def _read(self, item: Any, request: Request) -> tuple[Any, str | None]:
+        """The request's payload and content type, with its Accept settled on ``request``."""
+        payload = request_body(item)
+        if isinstance(payload, (bytes, bytearray, str)) and len(payload) > self._config.max_request_bytes:
+            raise PayloadTooLarge(
+                f"request body of {len(payload)} bytes exceeds the limit of {self._config.max_request_bytes} "
+                "(SAGEMAKER_MAX_REQUEST_SIZE)"
+            )
+        content_type = request.context.header("content-type")
+        accept = request.context.header("accept")
+        if accept is not None and accept.strip() not in ("", content.ANY):
+            request.accept = accept
+        if isinstance(payload, (bytes, bytearray)) and content.media_type(content_type) in content.TEXT_TYPES:
+            payload = content.utf8_text(payload)
+        return payload, content_type
+
+    def _answer(self, requests: list[Request], payloads: list[Any], content_types: list[str | None]) -> None:
+        """The contract on requests that have no error yet: ``input_fn`` for each, one ``predict_fn`` per batch,
+        ``output_fn`` for each (or ``transform_fn`` for each, alone). Sets each request's body or error."""
+        jobs = []
+        for request, payload, content_type in zip(requests, payloads, content_types, strict=True):
+            if request.error is None:
+                try:
+                    jobs.append(self._decode(request, payload, content_type))
+                except Exception as exc:  # request boundary
+                    request.error = exc
+        if self._batcher is not None:
+            self._batcher.submit(jobs)
+        else:
+            for batch in group(jobs, self._settings.batch_size):
+                self._run_jobs(batch)
+        for job in jobs:
+            request = job.request
+            if job.error is not None:
+                request.error = job.error
+                continue
+            try:
+                self._encode(request, job.result)
+            except Exception as exc:  # request boundary
+                request.error = exc
+
+    def _decode(self, request: Request, payload: Any, content_type: str | None) -> Job:
+        """``input_fn``, or for ``transform_fn`` the raw request: a job for the batcher."""
+        if self._contract.answers_whole:
+            return Job((payload, content_type, request.accept), request, None, 1)
+        if self._contract.negotiates_accept:
+            # Decided before any work, so an Accept we cannot produce costs the caller nothing.
+            request.accept = content.negotiate(request.accept, self._config.default_accept)
+        data = self._contract.call("input_fn", request.context, payload, content_type)
+        signature = collate.signature(data) if self._settings.batching else None
+        rows = collate.rows(data) if signature is not None else 1
+        return Job(data, request, signature, rows)
+
+    def _grad_mode(self) -> AbstractContextManager[Any]:
+        if self._grad_enabled is None:
+            return nullcontext()
+        return torch.set_grad_enabled(self._grad_enabled)
+
+    def _run_jobs(self, jobs: list[Job]) -> None:
+        """One forward pass: ``predict_fn`` on the batch (``transform_fn`` on a lone request)."""
+        with self._grad_mode():
+            self._run_jobs_here(jobs)
+
+    def _run_jobs_here(self, jobs: list[Job]) -> None:
+        if self._contract.answers_whole:
+            for job in jobs:
+                try:
+                    job.result = self._contract.call("transform_fn", job.request.context, self._model, *job.data)
+                except Exception as exc:  # request boundary
+                    job.error = exc
+            return
+        run_batch(jobs, self._predict, self._context, _retry_in_halves, release_cached_device_memory)
+
+    def _predict(self, data: Any, request: Request | InferenceContext) -> Any:
+        """``predict_fn`` with a lone request's own context, or the model's for a batch."""
+        context = request.context if isinstance(request, Request) else request
+        return self._contract.call("predict_fn", context, data, self._model)
+
+    def _encode(self, request: Request, result: Any) -> None:
+        if not self._contract.answers_whole:
+            result = self._contract.call("output_fn", request.context, result, request.accept)
+        response_type = request.accept
+        if isinstance(result, tuple):
+            result, response_type = result
+        request.body, request.content_type = to_bytes(result), str(response_type)
+
+
+def _retry_in_halves(exc: BaseException) -> bool:
+    """A failed batch is retried in halves when a smaller one may pass: out of memory, or a client error that one of
+    its requests may have caused alone."""
+    return is_out_of_memory(exc) or is_client_error(exc)

@@ -1,0 +1,210 @@
+"""The lifecycle of one model's contract: loaded once, placed on its device once, closed at UNLOAD.
+
+``load`` may run in a CUDA-free process before fork (model on host memory); ``adopt`` takes a model that ``model_fn``
+built in another process (a device host); ``attach`` runs once the process's GPU is bound: it places the model, may
+compile it, answers its warm-up sample, and ``start_batcher`` then lets many threads call ``transform``
+(``pipeline.py``, where each request goes through ``input_fn``, ``predict_fn`` and ``output_fn``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from mme_runtime.base.config import Config
+from mme_runtime.base.errors import ModelLoadError
+from mme_runtime.models.compiling import compile_model
+from mme_runtime.models.serving_properties import ServingSettings, read_settings
+from mme_runtime.models.user_code import USER_MODULE_PREFIX, load_user_code
+from mme_runtime.serving.batcher import Batcher
+from mme_runtime.serving.context import InferenceContext
+from mme_runtime.serving.contract import Contract
+from mme_runtime.serving.pipeline import RequestPipeline
+from mme_runtime.serving.placement import place_model, warmup_sample
+from mme_runtime.serving.responses import Request, StepError, load_failure
+
+logger = logging.getLogger(__name__)
+
+HOST = torch.device("cpu")
+
+
+class Transformer(RequestPipeline):
+    """One model's contract: loaded once, placed on its device once, then answering requests (``RequestPipeline``)."""
+
+    def __init__(self, default_inference_handler: Any, config: Config) -> None:
+        super().__init__(default_inference_handler, config)
+        self._defaults = default_inference_handler
+        self._loaded = False
+        self._code_dir: Path | None = None
+        self._user_modules: dict[str, ModuleType] = {}
+
+    @property
+    def model(self) -> Any:
+        return self._model
+
+    @property
+    def settings(self) -> ServingSettings:
+        return self._settings
+
+    def load(self, mms_context: Any, device: torch.device = HOST) -> None:
+        """Imports the user's code and runs ``model_fn``: what the preload server does once per model."""
+        context = InferenceContext(mms_context, device)
+        started = time.monotonic()
+        self._prepare(context)
+        self._contract.run_load_step("pre_model_fn", context, context.model_dir)
+        self._model = self._contract.run_load_step("model_fn", context, context.model_dir)
+        self._loaded = True
+        logger.info("model=%s loaded seconds=%.2f", context.model_name, time.monotonic() - started)
+
+    def adopt(self, mms_context: Any, make_model: Callable[[], Any]) -> None:
+        """Imports the user's code and takes the model ``model_fn`` returned in another process (``make_model``
+        rebuilds it here, so it runs once the user's classes are importable): what a device host does."""
+        context = InferenceContext(mms_context, HOST)
+        self._prepare(context)
+        try:
+            self._model = make_model()
+        except Exception as exc:  # boundary: the LOAD fails with the cause
+            raise load_failure(context.model_name, "taking the preloaded model", exc) from exc
+        self._loaded = True
+
+    def _prepare(self, context: InferenceContext) -> None:
+        """The model's settings and its user code (imported under the model's unique name), functions bound."""
+        model_dir = Path(context.model_dir)
+        config = self._config
+        try:
+            self._settings = read_settings(model_dir, config)
+        except ModelLoadError as exc:
+            raise load_failure(context.model_name, "reading serving settings", exc) from exc
+        code_dir, user = load_user_code(context.model_name, model_dir, config)
+        self._user_modules = {
+            name: sys.modules[name]
+            for name in {function.function.__module__ for function in user.values()}
+            if name.startswith(USER_MODULE_PREFIX) and name in sys.modules
+        }
+        self._contract = Contract.bind(self._defaults, user)
+        self._code_dir = code_dir
+
+    def attach(self, mms_context: Any, device: torch.device) -> None:
+        """Places the loaded model on this executor's device and warms it up; runs in the executor."""
+        if not self._loaded:
+            self.load(mms_context, device)
+        properties = mms_context.system_properties
+        self._settings = self._settings.with_load_batch_size(int(properties.get("batch_size") or 1))
+        properties["batch_size"] = self._settings.batch_size  # what context.batch_size reports
+        if self._settings.batching and self._contract.answers_whole:
+            logger.warning(
+                "model=%s batch_size=%d ignored: transform_fn answers each request whole (batching needs "
+                "input_fn/predict_fn/output_fn)",
+                mms_context.model_name,
+                self._settings.batch_size,
+            )
+            self._settings = replace(self._settings, batch_size=1, source="transform_fn")
+        self._context = InferenceContext(mms_context, device)
+        try:
+            self._model = place_model(self._model, device)
+        except Exception as exc:  # boundary: a model that cannot be placed fails the executor's LOAD
+            raise load_failure(self._context.model_name, "placing the model", exc) from exc
+        if self._settings.compile:
+            self._compile(self._context, device)
+        self._contract.run_load_step("model_warmup_fn", self._context, self._context.model_dir, self._model)
+        self._dry_run(self._context)
+        self._attached = True
+        logger.info(
+            "model=%s device=%s gpu=%s batch_size=%d max_batch_delay_ms=%d (%s) ready",
+            self._context.model_name,
+            device,
+            self._context.gpu_id,
+            self._settings.batch_size,
+            self._settings.max_batch_delay_ms,
+            self._settings.source,
+        )
+
+    def start_batcher(self) -> ServingSettings:
+        """From now on ``transform`` may be called from many threads at once: their forward passes go through one
+        batcher (one at a time, gathered up to ``batch_size``). Called by the executor once the model is attached."""
+        if self._context is None:
+            raise RuntimeError("attach the model before starting its batcher")
+        self._grad_enabled = torch.is_grad_enabled()
+        if self._batcher is None:
+            settings = self._settings
+            self._batcher = Batcher(
+                self._run_jobs,
+                settings.batch_size,
+                settings.max_batch_delay_ms,
+                self._context.model_name,
+                settings.concurrency,
+            )
+        return self._settings
+
+    @property
+    def batcher_threads(self) -> list[threading.Thread]:
+        return [] if self._batcher is None else list(self._batcher.threads)
+
+    def close(self) -> None:
+        """Lets go of the model (its UNLOAD in a device host): the batcher's threads end, the user module goes."""
+        if self._batcher is not None:
+            self._batcher.close()
+            self._batcher = None
+        self._model = None
+        for name, module in self._user_modules.items():  # its script, under the model's unique name
+            if sys.modules.get(name) is module:  # not a LOAD of the same name that imported it again since
+                del sys.modules[name]
+        self._contract = Contract()
+        self._attached = self._loaded = False
+
+    def _compile(self, context: InferenceContext, device: torch.device) -> None:
+        """``compile=true``: the model compiled for this device (traced on the decoded warm-up sample), or eager."""
+        found = warmup_sample(self._code_dir)
+        if found is None:
+            logger.warning(
+                "model=%s compile=true: serving eager, not compiled: compiling needs a sample request in code/ "
+                "(warmup.json, warmup.csv or warmup.npy) to trace the model with",
+                context.model_name,
+            )
+            return
+        _, payload, content_type = found
+        try:
+            sample = self._contract.call("input_fn", context, payload, content_type)
+        except Exception as exc:  # boundary: the dry run below reports a sample the model cannot take
+            logger.warning(
+                "model=%s compile=true: serving eager: input_fn refused the warm-up sample: %s", context.model_name, exc
+            )
+            return
+        self._model = compile_model(
+            self._model,
+            context.model_name,
+            Path(context.model_dir),
+            device,
+            self._settings,
+            sample,
+            self._config.cache_dir,
+        )
+
+    def _dry_run(self, context: InferenceContext) -> None:
+        """Answers the model's sample request (``code/warmup.json``, ``.csv`` or ``.npy``) once per executor, so
+        TorchScript profiling and lazy initialisation are paid at LOAD, not by the first caller."""
+        found = warmup_sample(self._code_dir)
+        if found is None:
+            return
+        sample, payload, content_type = found
+        started = time.monotonic()
+        request = Request(context, self._config.default_accept)
+        self._answer([request], [payload], [content_type])
+        if request.error is not None:  # a sample the model cannot answer fails the LOAD, with the cause
+            cause = request.error.cause if isinstance(request.error, StepError) else request.error
+            raise load_failure(context.model_name, f"warm-up request code/{sample}", cause) from request.error
+        logger.info("model=%s warm-up request seconds=%.3f", context.model_name, time.monotonic() - started)
+
+    def validate_and_initialize(self, model_dir: str | None = None, context: Any = None) -> None:
+        """The toolkit's entry point: load and attach on the host when nothing did it before."""
+        if not self._attached:
+            self.attach(context, HOST)
