@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8080
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint check-java test-image clean
+.PHONY: install serve test lint check-java test-image bench clean
 
 # What serving needs (requirements.txt and torch), then what developing adds (requirements-dev.txt), in one venv.
 SERVE_INSTALLED := $(VENV)/.installed-serve
@@ -53,6 +53,13 @@ TEST_IMAGE_ARGS ?=
 
 test-image: install
 	$(BIN)/python scripts/test-image $(TEST_IMAGE_ARGS)
+
+# The benchmarks (benchmarks/__main__.py), all six by default (minutes each). BENCH_ARGS='stock --write-docs' runs one
+# and writes its tables into docs/benchmarks.md; BENCH_ARGS='handler -- --requests 300' passes options to one.
+BENCH_ARGS ?=
+
+bench: install
+	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy mme_runtime

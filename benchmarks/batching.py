@@ -1,17 +1,16 @@
-#!/usr/bin/env python3
 """Dynamic batching against the peers, same TorchScript files, one run.
 
-    .venv/bin/python scripts/bench_batching.py [--rounds 2] [--clients 16] [--batch-size 16] [--max-batch-delay 10]
+    .venv/bin/python -m benchmarks batching [-- --rounds 2 --clients 16 --batch-size 16 --max-batch-delay 10]
 
 Stacks, each measured on the same model files:
   ours batched    this server, the model with serving.properties batch_size/max_batch_delay (the default
                   predict_fn on the collated rows; the server scales the model to batch_size workers itself)
   ours unbatched  this server, the same model with no serving.properties (one worker, the default on a CPU host)
-  stock           MMS 1.1.11 + sagemaker-inference + the AWS PyTorch handler 1.5.1, one worker (scripts/stock_stack.py)
+  stock           MMS 1.1.11 + sagemaker-inference + the AWS PyTorch handler 1.5.1, one worker (peers/stock_stack.py)
   TorchServe      TorchServe 0.12 with its own batching, batch_size/max_batch_delay, one worker
-                  (scripts/torchserve_stack.py; its handler collates the rows of a batch as ours does)
+                  (peers/torchserve_stack.py; its handler collates the rows of a batch as ours does)
 
-Models: the memory-bound MLP of scripts/bench.py (--size-mb, one row of 2048 floats as JSON per request) and a
+Models: the memory-bound MLP of the stock benchmark (--size-mb, one row of 2048 floats as JSON per request) and a
 ResNet-18-shaped conv net (random weights, built here; one 1x3x224x224 float32 image as NPY per request).
 Per stack, model and round: LOAD (or register), a few untimed requests, --requests-1 sequential requests from one
 client (latency p50/p99, requests/s) and --requests-n requests from --clients clients (requests/s, p50/p99), then
@@ -29,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -38,12 +37,13 @@ from pathlib import Path
 import numpy as np
 import requests
 import torch
-from bench_preload import FEATURES, big_model
-from benchlib import Server, our_server, percentile, table
-from stock_stack import ensure_venv as ensure_stock_venv
-from stock_stack import serve_isolated, stock_model_dir, stock_server
-from torchserve_stack import TorchServe, archive_model, serve_torchserve
-from torchserve_stack import ensure_venv as ensure_torchserve_venv
+
+from benchmarks.benchlib import Server, our_server, percentile, table
+from benchmarks.peers.stock_stack import ensure_venv as ensure_stock_venv
+from benchmarks.peers.stock_stack import serve_isolated, stock_model_dir, stock_server
+from benchmarks.peers.torchserve_stack import TorchServe, archive_model, serve_torchserve
+from benchmarks.peers.torchserve_stack import ensure_venv as ensure_torchserve_venv
+from benchmarks.preload import FEATURES, big_model
 
 STACKS = ("ours batched", "ours unbatched", "stock", "TorchServe")
 TIMEOUT_SECONDS = 120
@@ -234,8 +234,12 @@ def report(cases: list[Case], samples: dict[tuple[str, str], list[Sample]], clie
     return table(headers, rows)
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks batching --",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--rounds", type=int, default=2, help="rounds per stack and model; medians are reported")
     parser.add_argument("--warmup-rounds", type=int, default=1, help="rounds run first and not reported")
     parser.add_argument("--clients", type=int, default=16)
@@ -244,14 +248,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--size-mb", type=int, default=100, help="size of the MLP's float32 weights")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every request count (0.2: a quick look)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed requests after each LOAD")
-    args = parser.parse_args()
+    args = parser.parse_args(list(argv))
     if min(args.rounds, args.clients, args.batch_size) < 1 or args.scale <= 0 or args.warmup < 1:
         parser.error("--rounds, --clients, --batch-size and --warmup must be >= 1, --scale > 0")
     return args
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: Sequence[str] = ()) -> int:
+    args = parse_args(argv)
     ensure_stock_venv()
     ensure_torchserve_venv()
     began = time.perf_counter()
@@ -292,7 +296,3 @@ def main() -> int:
     print()
     print(f"benchmark took {time.perf_counter() - began:.0f} s")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: start a server on a free port, drive it, measure its process tree.
+"""Shared pieces of the benchmarks: start a server on a free port, drive it, measure its process tree, print a table.
 
 Benchmarks print tables; they never assert timings (machines here are noisy: compare ratios within one run).
 """
@@ -18,12 +18,10 @@ from pathlib import Path
 
 import psutil
 import requests
+from ports import free_port  # tests/, which the benchmarks package puts on the path
+from serving import model_tree
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-
-from ports import free_port  # noqa: E402
-from serving import model_tree  # noqa: E402
 
 
 @dataclass
@@ -143,7 +141,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A Markdown table, so the output can be pasted into the README as it is."""
+    """A Markdown table, so ``python -m benchmarks --write-docs`` copies the output into the docs as it is."""
     cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in cells]

@@ -1,12 +1,11 @@
-#!/usr/bin/env python3
 """Many models on one host: the device hosts (sharing on: two CPU hosts by default, and one), against a process per
 model (sharing off, MME_SHARE_DEVICE=false) and the stock stack, in one run.
 
-    .venv/bin/python scripts/bench_device_host.py [--models 50] [--churn-seconds 30]
-                                                  [--stacks shared one-host isolated stock]
+    .venv/bin/python -m benchmarks device_host [-- --models 50 --churn-seconds 30
+                                                   --stacks shared one-host isolated stock]
 
 Per stack, one server, these scenarios in order (every model is the tests' tiny TorchScript net, one row of 4 floats;
-the stock stack's copies carry the code/inference.py its handler needs, see scripts/stock_stack.py):
+the stock stack's copies carry the code/inference.py its handler needs, see peers/stock_stack.py):
 
 * memory: --models models loaded one after another; PSS of the server's whole process tree (Java frontend, warm
   process, hosts, stubs, servers, workers) with 1 model and with all, and the extra per model; processes per model
@@ -34,15 +33,16 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
-from benchlib import Server, our_server, percentile, serve, table
 from model_factory import state_dict_model, torchscript_model, transform_model, write_code
 from serving import device_hosts, pss_mib
-from stock_stack import STOCK_MODEL_FN, ensure_venv, serve_isolated, stock_server
+
+from benchmarks.benchlib import Server, our_server, percentile, serve, table
+from benchmarks.peers.stock_stack import STOCK_MODEL_FN, ensure_venv, serve_isolated, stock_server
 
 STACKS = ("shared", "one-host", "isolated", "stock")
 # Our server's settings per stack: the default (two CPU hosts), one CPU host for every model, sharing off.
@@ -341,14 +341,18 @@ def report(results: dict[str, dict[str, float | None]]) -> str:
     return table(["", *stacks, *ratios], rows)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str] = ()) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks device_host --",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--models", type=int, default=50)
     parser.add_argument("--churn-seconds", type=float, default=30.0)
     parser.add_argument("--cycles", type=int, default=50)
     parser.add_argument("--burst-seconds", type=float, default=10.0)
     parser.add_argument("--stacks", nargs="+", choices=STACKS, default=list(STACKS))
-    args = parser.parse_args()
+    args = parser.parse_args(list(argv))
     if "stock" in args.stacks:
         ensure_venv()
     results = {}
@@ -356,9 +360,6 @@ def main() -> int:
         for stack in args.stacks:
             results[stack] = run_stack(stack, Path(tmp), args)
     print(f"{args.models} tiny TorchScript models; churn {args.churn_seconds:.0f} s; bursts {args.burst_seconds:.0f} s")
+    print()  # a Markdown table starts after a blank line
     print(report(results))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

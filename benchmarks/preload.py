@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Preload on versus off: LOAD-to-ready time and memory of the model's process tree, by devices and workers.
 
-    .venv/bin/python scripts/bench_preload.py [--size-mb 300] [--setups 1x1 1x8 2x2 4x4] [--repeat 2]
+    .venv/bin/python -m benchmarks preload [-- --size-mb 300 --setups 1x1 1x8 2x2 4x4 --repeat 2]
 
 A setup ``DxW`` serves the model on D devices with W workers. A model has one executor per device, whatever its
 worker count: with preload on, the backend server runs ``model_fn`` once and forks the executors, which share the
@@ -22,17 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
 import requests
 import torch
-from benchlib import Server, our_server, serve, table
-from fake_nvidia_smi import install as fake_gpus  # tests/, which benchlib puts on the path
+from fake_nvidia_smi import install as fake_gpus  # tests/, which the benchmarks package puts on the path
 from serving import pss_mib
+
+from benchmarks.benchlib import Server, our_server, serve, table
 
 FEATURES = 2048
 
@@ -89,13 +89,17 @@ def parse_setup(text: str) -> tuple[int, int]:
     return int(devices), int(workers)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str] = ()) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks preload --",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--size-mb", type=int, default=300)
     parser.add_argument("--setups", type=parse_setup, nargs="+", default=[(1, 1), (1, 8), (2, 2), (4, 4)])
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--style", choices=["state_dict", "torchscript"], default="state_dict")
-    args = parser.parse_args()
+    args = parser.parse_args(list(argv))
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-preload-") as tmp:
@@ -131,10 +135,7 @@ def main() -> int:
             )
     style = "TorchScript" if args.style == "torchscript" else "state dict + load_state_dict script,"
     print(f"model: {style} MLP, {size:.0f} MiB on disk; median of {args.repeat} runs; executors on the CPU")
+    print()  # a Markdown table starts after a blank line
     headers = ["devices", "workers", "LOAD s (on)", "LOAD s (off)", "on/off", "PSS MiB (on)", "PSS MiB (off)", "on/off"]
     print(table(headers, rows))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

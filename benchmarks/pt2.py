@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """PyTorch 2 artifacts against TorchScript, on this server, one run.
 
-    .venv/bin/python scripts/bench_pt2.py [--rounds 2] [--size-mb 100]
+    .venv/bin/python -m benchmarks pt2 [-- --rounds 2 --size-mb 100]
 
-For the MLP of scripts/bench.py and the ResNet-18-shaped conv net of scripts/bench_batching.py, four ways to ship
+For the MLP of the stock benchmark and the ResNet-18-shaped conv net of the batching benchmark, four ways to ship
 the same weights, all served with no code and batch_size=16 in serving.properties:
   TorchScript       model.pt (torch.jit.script)
   ExportedProgram   model.pt2 from torch.export.save, first dimension dynamic
@@ -28,16 +27,18 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 import requests
 import torch
-from bench_batching import Case, drive, resnet18_shaped
-from bench_preload import FEATURES
-from benchlib import Server, our_server, percentile, table
-from stock_stack import serve_isolated
+
+from benchmarks.batching import Case, drive, resnet18_shaped
+from benchmarks.benchlib import Server, our_server, percentile, table
+from benchmarks.peers.stock_stack import serve_isolated
+from benchmarks.preload import FEATURES
 
 VARIANTS = ("TorchScript", "ExportedProgram", "AOTInductor", "compile=true")
 WARMUP = 5
@@ -122,11 +123,13 @@ def measure(server: Server, model_dir: Path, case: Case, tag: str) -> dict[str, 
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str] = ()) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks pt2 --", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--size-mb", type=int, default=100)
-    args = parser.parse_args()
+    args = parser.parse_args(list(argv))
     began = time.perf_counter()
     rng = np.random.default_rng(0)
     nets = {
@@ -191,7 +194,3 @@ def main() -> int:
     print()
     print(f"benchmark took {time.perf_counter() - began:.0f} s")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Our server against the stock stack, same models, same worker count, one run.
 
-    .venv/bin/python scripts/bench.py [--rounds 5] [--requests 300] [--concurrent-requests 640] [--workers 1]
-                                      [--scrape-interval 1]
+    .venv/bin/python -m benchmarks stock [-- --rounds 5 --requests 300 --concurrent-requests 640 --workers 1
+                                              --scrape-interval 1]
 
 Our server runs twice: with its Prometheus metrics on, scraped every --scrape-interval seconds while it serves (a
 scraper's usual interval is 15 to 60 s: this is the worst case), and with them off (MME_METRICS_PORT=0), so the table
@@ -12,7 +11,7 @@ Stock stack: MMS 1.1.11 + sagemaker-inference 1.10.1 + the AWS PyTorch handler (
 HandlerService from sagemaker_pytorch_serving_container.handler_service), installed into .bench-venv/ on first use
 (or with --setup; about a minute and 1.2 GB, torch from the local CPU wheel). It runs the command and properties
 that sagemaker_inference.model_server.start_model_server would, isolated in its own TMPDIR and port so it can run
-beside our server (scripts/stock_stack.py says how, and why not through start_model_server itself).
+beside our server (benchmarks/peers/stock_stack.py says how, and why not through start_model_server itself).
 
 Models: the tiny TorchScript model of the tests (one row of 4 floats per request) and a TorchScript MLP of
 --size-mb MB (one row of 2048 floats). Our server serves them with no code/ (its defaults). The AWS handler 1.5.1's
@@ -39,19 +38,20 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import requests
-from bench_preload import FEATURES, big_model
-from benchlib import Server, our_server, percentile, table
 from model_factory import IN_FEATURES, torchscript_model
 from ports import free_port
 from serving import pss_mib
-from stock_stack import STOCK_VENV, ensure_venv, serve_isolated, stock_model_dir, stock_server
+
+from benchmarks.benchlib import Server, our_server, percentile, table
+from benchmarks.peers.stock_stack import STOCK_VENV, ensure_venv, serve_isolated, stock_model_dir, stock_server
+from benchmarks.preload import FEATURES, big_model
 
 STACKS = ("ours", "ours-metrics-off", "stock")
 HEADERS = {"Content-Type": "application/json", "Accept": "application/json"}
@@ -270,8 +270,10 @@ def _ratio(value: float, reference: float) -> str:
     return f"{value / reference:.2f}" if reference else "-"
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks stock --", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument(
         "--setup",
         action="store_true",
@@ -312,7 +314,7 @@ def parse_args() -> argparse.Namespace:
         help="seconds from LOAD to a first successful invoke before the benchmark gives up",
     )
     parser.add_argument("--keep", action="store_true", help="keep the work directory (models, server logs)")
-    args = parser.parse_args()
+    args = parser.parse_args(list(argv))
     if min(args.rounds, args.requests, args.clients, args.workers, args.size_mb) < 1 or args.concurrent_requests < 1:
         parser.error("--rounds, --requests, --concurrent-requests, --clients, --workers and --size-mb must be >= 1")
     if args.warmup < 0 or args.warmup_rounds < 0:
@@ -352,8 +354,8 @@ def run_rounds(
     return samples
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: Sequence[str] = ()) -> int:
+    args = parse_args(argv)
     ensure_venv(args.stock_venv, force=args.setup)
     if args.setup:
         return 0
@@ -402,7 +404,3 @@ def main() -> int:
     if args.keep:
         print(f"work directory kept: {root}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

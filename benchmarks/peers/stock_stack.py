@@ -15,10 +15,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-import benchlib
 import psutil
-from benchlib import REPO, Server, serve, venv_python
 from ports import free_port
+
+from benchmarks import benchlib
+from benchmarks.benchlib import REPO, Server, serve, venv_python
 
 STOCK_VENV = REPO / ".bench-venv"
 # torch is pinned exactly: 2.13.0 resolves to the local CPU wheel, anything looser downloads gigabytes of CUDA.
@@ -110,7 +111,7 @@ def stock_server(
     )
     probe = json.loads(probe_out.read_text())
     if not probe["torch"].startswith("2.13.0"):
-        raise RuntimeError(f"{venv} has torch {probe['torch']}, not 2.13.0; rerun with --setup")
+        raise RuntimeError(f"{venv} has torch {probe['torch']}, not 2.13.0; run python -m benchmarks stock -- --setup")
     properties = work_dir / "sagemaker-mms.properties"
     properties.write_text(probe["properties"], encoding="utf-8")
     command = [

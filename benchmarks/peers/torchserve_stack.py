@@ -22,12 +22,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import benchlib
 import psutil
 import requests
-from benchlib import REPO, Server, venv_python
 from ports import free_port
-from stock_stack import serve_isolated
+
+from benchmarks import benchlib
+from benchmarks.benchlib import REPO, Server, venv_python
+from benchmarks.peers.stock_stack import serve_isolated
 
 TORCHSERVE_VENV = REPO / ".torchserve-venv"
 # torch is pinned exactly: 2.13.0 resolves to the local CPU wheel, anything looser downloads gigabytes of CUDA.
