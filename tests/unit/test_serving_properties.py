@@ -63,8 +63,9 @@ def test_concurrency_defaults_to_parallel_unbatched_and_one_pass_when_batching(t
 
 
 def test_every_properties_block_in_the_readme_reads_as_a_serving_properties_file(tmp_path: Path) -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    blocks = re.findall(r"```properties\n(.*?)```", readme, flags=re.DOTALL)
+    repo = Path(__file__).resolve().parents[2]
+    pages = [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+    blocks = [block for page in pages for block in re.findall(r"```properties\n(.*?)```", page.read_text(), re.DOTALL)]
     assert blocks
     for block in blocks:
         (tmp_path / "serving.properties").write_text(block)
