@@ -34,6 +34,7 @@ class Config:
     max_request_bytes: int = 6 * MIB
     log_level: int = logging.INFO
     program: str = "inference.py"
+    hf_task: str | None = None
     submit_directory: str | None = None
     default_accept: str = "application/json"
     preload_model_gpu: bool | None = None
@@ -137,6 +138,8 @@ class Config:
         }
         if self.max_concurrency is not None:
             env["MME_MAX_CONCURRENCY"] = str(self.max_concurrency)
+        if self.hf_task is not None:
+            env["HF_TASK"] = self.hf_task
         if self.submit_directory is not None:
             env["SAGEMAKER_SUBMIT_DIRECTORY"] = self.submit_directory
         if self.preload_model_gpu is not None:

@@ -112,6 +112,9 @@ SAGEMAKER: tuple[Setting, ...] = (
 )
 MODELS: tuple[Setting, ...] = (
     Setting(
+        "HF_TASK", "hf_task", text, "unset", "Task of no-code Hugging Face models whose serving.properties has none."
+    ),
+    Setting(
         "MME_MODEL_ROOT",
         "model_root",
         path,

@@ -3,8 +3,9 @@
 The keys are the ones MMS's LOAD and the AWS large-model container use: ``batch_size`` (requests per forward
 pass) and ``max_batch_delay`` (milliseconds); ``max_concurrency`` (forward passes at once); ``isolation``
 (``process``: never share the device host); ``compile`` (``true``) and ``compile_mode`` ask for an AOTInductor
-compile of the model on each device (``compiling.py``). A LOAD body that carries ``batch_size`` wins over both: MMS then
-sends it in every worker's LOAD message. A malformed file fails the LOAD, with the cause in the log.
+compile of the model on each device (``compiling.py``); ``task``, ``trust_remote_code`` and ``pooling`` for a
+Hugging Face model served with no code (``hf_loading.py``). A LOAD body that carries ``batch_size`` wins over both:
+MMS then sends it in every worker's LOAD message. A malformed file fails the LOAD, with the cause in the log.
 """
 
 from __future__ import annotations
@@ -21,9 +22,14 @@ from mme_runtime.base.parsing import MAX_BATCH_DELAY_MS, MAX_BATCH_SIZE, MAX_CON
 logger = logging.getLogger(__name__)
 
 FILE_NAME = "serving.properties"
-KNOWN_KEYS = ("batch_size", "max_batch_delay", "compile", "compile_mode", "max_concurrency", "isolation")
+KNOWN_KEYS = (
+    *("batch_size", "max_batch_delay", "compile", "compile_mode", "max_concurrency", "isolation"),
+    # A Hugging Face model served with no code (``hf_loading.py``): its task, and whether its own code may run.
+    *("task", "trust_remote_code", "pooling"),
+)
 COMPILE_MODES = ("default", "max-autotune")
 ISOLATIONS = ("shared", "process")
+POOLINGS = ("mean", "cls", "none")
 # Forward passes of one model at once when nothing sets it: stock MMS runs one request per worker at once, so an
 # unbatched model keeps that parallelism; a batching model runs one pass at a time, which is what lets a batch form.
 DEFAULT_UNBATCHED_CONCURRENCY = 4
@@ -40,6 +46,9 @@ class ServingSettings:
     compile_mode: str = "default"
     max_concurrency: int | None = None  # None: DEFAULT_UNBATCHED_CONCURRENCY unbatched, 1 batching
     isolation: str | None = None  # "process": processes of its own; "shared": its device's host; None: the rules
+    task: str | None = None  # a Hugging Face model's task; None: HF_TASK, else its architecture's
+    trust_remote_code: bool = False
+    pooling: str | None = None  # feature-extraction: mean, cls or none; None: what the directory says
 
     @property
     def batching(self) -> bool:
@@ -76,9 +85,7 @@ def read_settings(model_dir: Path, config: Config) -> ServingSettings:
         mode = values.get("compile_mode", "default")
         if mode not in COMPILE_MODES:
             raise ConfigError(f"compile_mode={mode!r} must be one of {', '.join(COMPILE_MODES)}")
-        isolation = values.get("isolation")
-        if isolation is not None and isolation not in ISOLATIONS:
-            raise ConfigError(f"isolation={isolation!r} must be one of {', '.join(ISOLATIONS)}")
+        isolation = _choice("isolation", values.get("isolation"), ISOLATIONS)
         concurrency = values.get("max_concurrency")
         return ServingSettings(
             batch_size=defaults.batch_size if size is None else parse_int("batch_size", size, 1, MAX_BATCH_SIZE),
@@ -92,9 +99,18 @@ def read_settings(model_dir: Path, config: Config) -> ServingSettings:
             if concurrency is None
             else parse_int("max_concurrency", concurrency, 1, MAX_CONCURRENCY),
             isolation=isolation,
+            task=values.get("task"),
+            trust_remote_code=parse_bool("trust_remote_code", values.get("trust_remote_code", "false")),
+            pooling=_choice("pooling", values.get("pooling"), POOLINGS),
         )
     except (ConfigError, OSError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{FILE_NAME} is malformed: {exc}") from exc
+
+
+def _choice(key: str, value: str | None, choices: tuple[str, ...]) -> str | None:
+    if value is not None and value not in choices:
+        raise ConfigError(f"{key}={value!r} must be one of {', '.join(choices)}")
+    return value
 
 
 def _parse(path: Path) -> dict[str, str]:

@@ -59,6 +59,7 @@ def model_handler(
 def tensor_bytes(model: Any) -> tuple[int, int]:
     """The bytes of a module's parameters and buffers in host memory and on a GPU, each storage once (tied weights
     share one); (0, 0) for what is not a module."""
+    model = getattr(model, "model", model)  # a Hugging Face model's module
     if not isinstance(model, torch.nn.Module):
         return 0, 0
     seen: set[int] = set()

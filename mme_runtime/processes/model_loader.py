@@ -21,6 +21,7 @@ from mme_runtime.base.child_processes import become_child
 from mme_runtime.base.config import Config
 from mme_runtime.base.logs import configure_logging
 from mme_runtime.models import sharing
+from mme_runtime.models.hf_loading import HuggingFaceModel
 from mme_runtime.models.loading import LoadFailure, ModelSpec, check_location, check_memory, load_model
 from mme_runtime.models.model_cache import model_file
 from mme_runtime.models.model_package import NotPackable, is_torchscript, pack, pack_torchscript_file, unpack
@@ -94,6 +95,8 @@ def _load(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
     if devices.cuda_initialized():
         return {"host_loads": "model_fn initialised CUDA: it runs in the device host, on the host's GPU"}, []
     model = loaded.module.service().transformer.model
+    if isinstance(model, HuggingFaceModel) and model.remote_code:
+        return {"host_loads": "its classes come from its directory (trust_remote_code): the host imports them"}, []
     try:
         package = pack(model, spec.name)
     except NotPackable as exc:

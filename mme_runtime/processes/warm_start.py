@@ -10,12 +10,14 @@ hosts the same way. User code is imported only after a fork.
 from __future__ import annotations
 
 import gc
+import importlib
 import logging
 import os
 import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -24,7 +26,7 @@ from mme_runtime.base.child_processes import exited_children, raise_descriptor_l
 from mme_runtime.base.config import Config
 from mme_runtime.base.parsing import MIB
 from mme_runtime.base.settings import INHERITED_LISTEN_FD
-from mme_runtime.models import model_cache, sharing
+from mme_runtime.models import hf_loading, model_cache, sharing
 from mme_runtime.models.loading import ModelSpec
 from mme_runtime.processes.warm_protocol import receive, send
 
@@ -35,8 +37,6 @@ logger = logging.getLogger(__name__)
 
 STDIO_FDS = 3
 REQUEST_TIMEOUT_SECONDS = 5.0
-# torch.export's archive reader (torch.export.load, AOTInductor packages): it imports torch._inductor and _dynamo.
-PT2_LOADER = "torch.export.pt2_archive._package"
 WARM_MODULES = (
     "numpy",
     "torch",
@@ -103,7 +103,7 @@ class WarmProcess:
         # The warm process must stay CUDA-free for every later fork to be usable.
         if devices.cuda_initialized():
             raise RuntimeError("CUDA was initialised in the warm process; it cannot fork model servers")
-        self._warm_pt2_loader(request["argv"])
+        self._warm_imports(request["argv"])
         spec = _spec(request["argv"])
         reason = sharing.container_reason(spec.handler, self.config) if spec is not None else "no model named"
         if spec is not None and reason is None:
@@ -168,26 +168,24 @@ class WarmProcess:
                 pass  # the stub is gone already
             connection.close()
 
-    def _warm_pt2_loader(self, argv: list[str]) -> None:
-        """Before the first model that uses PyTorch 2 artifacts (``model.pt2``, or ``compile=true``), imports torch's
-        loader for them here, once: it brings torch's compiler with it (about 1.2 s and 70 MiB), which every later
-        such model's server then inherits instead of importing it again. Containers that serve none never pay."""
+    def _warm_imports(self, argv: list[str]) -> None:
+        """Before the first model that needs one of ``LAZY_IMPORTS``, imports it here, once: every later such model's
+        processes inherit it instead of importing it again. Containers that serve none never pay."""
         model_dir = _model_dir(argv)
-        if PT2_LOADER in sys.modules or model_dir is None:
+        if model_dir is None:
             return
-        try:
-            properties = model_dir / "serving.properties"
-            compiles = properties.is_file() and b"compile" in properties.read_bytes()
-            if not ((model_dir / "model.pt2").is_file() or compiles):
-                return
-            from mme_runtime.processes import fork_safety  # imports torch: not before the warm process has it
+        for label, module, needs in LAZY_IMPORTS:
+            try:
+                if module in sys.modules or not needs(model_dir):
+                    continue
+                from mme_runtime.processes import fork_safety  # imports torch: not before the warm process has it
 
-            started = time.monotonic()
-            __import__(PT2_LOADER)
-            fork_safety.single_threaded()  # as after the imports at start: nothing for the forks to inherit
-            logger.info("warm process: PyTorch 2 loader imported seconds=%.2f", time.monotonic() - started)
-        except Exception as exc:  # noqa: BLE001 - the warm process serves every model: the server imports it itself
-            logger.warning("warm process: PyTorch 2 loader not imported for %s: %s", model_dir, exc)
+                started = time.monotonic()
+                importlib.import_module(module)
+                fork_safety.single_threaded()  # as after the imports at start: nothing for the forks to inherit
+                logger.info("warm process: %s imported seconds=%.2f", label, time.monotonic() - started)
+            except Exception as exc:  # noqa: BLE001 - the warm process serves every model: the server imports it
+                logger.warning("warm process: %s not imported for %s: %s", label, model_dir, exc)
 
     def _prepare_cached_model(self, argv: list[str]) -> model_cache.Entry | None:
         """Loads the model into the shared cache before the fork, when the defaults will load it."""
@@ -199,6 +197,21 @@ class WarmProcess:
         except OSError as exc:  # the server will load (and report) it itself
             logger.info("model cache: %s unavailable (%s)", model_dir, exc)
             return None
+
+
+def _uses_pt2(model_dir: Path) -> bool:
+    properties = model_dir / "serving.properties"
+    compiles = properties.is_file() and b"compile" in properties.read_bytes()
+    return (model_dir / "model.pt2").is_file() or compiles
+
+
+# What only some models need, imported once before the first of them (``_warm_imports``).
+LAZY_IMPORTS: tuple[tuple[str, str, Callable[[Path], bool]], ...] = (
+    # torch.export's archive reader (model.pt2, compile=true): it brings torch's compiler (about 1.2 s and 70 MiB).
+    ("PyTorch 2 loader", "torch.export.pt2_archive._package", _uses_pt2),
+    # transformers and its pipelines, for a Hugging Face directory served with no code (``hf_loading.py``).
+    ("transformers", "transformers.pipelines", hf_loading.is_hugging_face_directory),
+)
 
 
 def _spec(argv: list[str]) -> ModelSpec | None:

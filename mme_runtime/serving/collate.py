@@ -2,14 +2,15 @@
 dimension for one ``predict_fn`` call, and the prediction split back by each request's row count.
 
 Tensors, and dicts, lists or tuples of tensors, collate; their trailing shapes, dtypes and structure form a
-``signature``, and only requests with equal signatures share a batch. Anything else (a string, an image object) has
-no signature and runs on its own.
+``signature``, and only requests with equal signatures share a batch. An input that collates itself (a
+``Collatable``: a Hugging Face request, whose texts are padded together) gives its own signature and rows. Anything
+else (a string, an image object) has no signature and runs on its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -23,8 +24,23 @@ class SplitError(ContainerError):
     """A batched prediction that cannot be handed back row by row: 500, naming the cause."""
 
 
+@runtime_checkable
+class Collatable(Protocol):
+    """An input that knows how it batches: ``join`` makes one input of several with equal signatures; the
+    prediction for it must hold one entry per row, in order (``split`` hands each its own)."""
+
+    rows: int
+
+    def batch_signature(self) -> Signature | None: ...
+
+    @staticmethod
+    def join(inputs: Sequence[Any]) -> Any: ...
+
+
 def signature(data: Any) -> Signature | None:
     """What a request's decoded input must share with others to be batched with them, or None when it cannot be."""
+    if isinstance(data, Collatable):
+        return data.batch_signature()
     if isinstance(data, torch.Tensor):
         if data.dim() == 0 or data.shape[0] == 0:
             return None
@@ -47,6 +63,8 @@ def _structure(kind: str, values: list[Any], keys: tuple[str, ...] | None) -> Si
 
 def rows(data: Any) -> int:
     """How many rows an input with a signature holds: its first dimension."""
+    if isinstance(data, Collatable):
+        return data.rows
     if isinstance(data, torch.Tensor):
         return int(data.shape[0])
     first = next(iter(data.values())) if isinstance(data, dict) else data[0]
@@ -58,6 +76,8 @@ def collate(inputs: Sequence[Any]) -> Any:
     first = inputs[0]
     if len(inputs) == 1:
         return first
+    if isinstance(first, Collatable):
+        return first.join(inputs)
     if isinstance(first, torch.Tensor):
         return torch.cat(list(inputs))
     if isinstance(first, dict):

@@ -7,12 +7,13 @@ the LOAD with the step named. Out-of-memory errors pass through unwrapped: the b
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from sagemaker_inference.errors import BaseInferenceToolkitError
 
 from mme_runtime.models.user_code import UserFunction
+from mme_runtime.serving import content
 from mme_runtime.serving.context import InferenceContext
 from mme_runtime.serving.responses import StepError, is_out_of_memory, load_failure
 
@@ -20,20 +21,27 @@ from mme_runtime.serving.responses import StepError, is_out_of_memory, load_fail
 class Contract:
     """The functions one model answers with, decided once at LOAD."""
 
-    def __init__(self, functions: Mapping[str, UserFunction] | None = None, user: Collection[str] = ()) -> None:
+    def __init__(
+        self,
+        functions: Mapping[str, UserFunction] | None = None,
+        user: Collection[str] = (),
+        accepts: Sequence[str] = content.SUPPORTED,
+    ) -> None:
         self._functions = dict(functions or {})
+        self.accepts = tuple(accepts)  # what the default output_fn writes
         self.answers_whole = "transform_fn" in self._functions  # no batching: the request goes in and out whole
         # Decided once per model, not per request: only our default output_fn needs Accept negotiated up front.
         self.negotiates_accept = not self.answers_whole and "output_fn" not in user
 
     @classmethod
     def bind(cls, defaults: Any, user: Mapping[str, UserFunction]) -> Contract:
-        """The user's functions over the defaults' (``model_fn``, ``input_fn``, ``predict_fn``, ``output_fn``)."""
+        """The user's functions over the defaults' (``model_fn``, ``input_fn``, ``predict_fn``, ``output_fn``): the
+        PyTorch ones, or a Hugging Face model's (``hf_defaults.py``), which write their own media types."""
         functions = {
             name: UserFunction.bind(name, getattr(defaults, f"default_{name}"))
             for name in ("model_fn", "input_fn", "predict_fn", "output_fn")
         }
-        return cls({**functions, **user}, user)
+        return cls({**functions, **user}, user, getattr(defaults, "ACCEPTS", content.SUPPORTED))
 
     def call(self, name: str, context: InferenceContext, *args: Any) -> Any:
         """A request step: what it raises becomes that request's status, never its neighbours'."""

@@ -125,7 +125,7 @@ class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
             return Job((payload, content_type, request.accept), request, None, 1)
         if self._contract.negotiates_accept:
             # Decided before any work, so an Accept we cannot produce costs the caller nothing.
-            request.accept = content.negotiate(request.accept, self._config.default_accept)
+            request.accept = content.negotiate(request.accept, self._config.default_accept, self._contract.accepts)
         data = self._contract.call("input_fn", request.context, payload, content_type)
         signature = collate.signature(data) if self._settings.batching else None
         rows = collate.rows(data) if signature is not None else 1

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from mme_runtime.models.hf_loading import HuggingFaceModel
 from mme_runtime.models.pt2 import AOTIPackage
 from mme_runtime.serving import content
 
@@ -22,7 +23,7 @@ WARMUP_SAMPLES = {"warmup.json": content.JSON, "warmup.csv": content.CSV, "warmu
 def place_model(model: Any, device: torch.device) -> Any:
     """Moves a module to ``device`` and switches it to eval mode, once per executor (not per request). An artifact
     that must be loaded on its device (an AOTInductor package) is loaded there."""
-    if isinstance(model, AOTIPackage):
+    if isinstance(model, (AOTIPackage, HuggingFaceModel)):
         return model.place(device)
     if isinstance(model, torch.nn.Module):
         model = model.to(device)

@@ -12,7 +12,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -25,6 +25,7 @@ from mme_runtime.base.errors import ModelLoadError
 from mme_runtime.models.compiling import compile_model
 from mme_runtime.models.serving_properties import ServingSettings, read_settings
 from mme_runtime.models.user_code import USER_MODULE_PREFIX, load_user_code
+from mme_runtime.serving import hf_defaults
 from mme_runtime.serving.batcher import Batcher
 from mme_runtime.serving.context import InferenceContext
 from mme_runtime.serving.contract import Contract
@@ -35,6 +36,7 @@ from mme_runtime.serving.responses import Request, StepError, load_failure
 logger = logging.getLogger(__name__)
 
 HOST = torch.device("cpu")
+CONTRACT = frozenset({"model_fn", "input_fn", "predict_fn", "output_fn"})
 
 
 class Transformer(RequestPipeline):
@@ -90,8 +92,18 @@ class Transformer(RequestPipeline):
             for name in {function.function.__module__ for function in user.values()}
             if name.startswith(USER_MODULE_PREFIX) and name in sys.modules
         }
-        self._contract = Contract.bind(self._defaults, user)
+        self._contract = Contract.bind(self._defaults_for(context, model_dir, user), user)
         self._code_dir = code_dir
+
+    def _defaults_for(self, context: InferenceContext, model_dir: Path, user: Mapping[str, Any]) -> Any:
+        """The PyTorch defaults, or a Hugging Face model's where the directory is one and user code leaves a
+        contract function to the defaults."""
+        if not hf_defaults.serves(model_dir) or "transform_fn" in user or CONTRACT <= set(user):
+            return self._defaults
+        try:
+            return hf_defaults.HuggingFaceDefaults(model_dir, self._settings, self._config)
+        except ModelLoadError as exc:
+            raise load_failure(context.model_name, "choosing the Hugging Face task", exc) from exc
 
     def attach(self, mms_context: Any, device: torch.device) -> None:
         """Places the loaded model on this executor's device and warms it up; runs in the executor."""

@@ -1,0 +1,77 @@
+"""The contract's defaults for a Hugging Face ``save_pretrained`` directory served with no code: ``model_fn`` loads it
+for its task (``hf_loading.py``), ``input_fn`` reads the AWS Hugging Face container's request (``hf_requests.py``),
+``predict_fn`` runs the task over a batch of requests in one padded pass (``hf_tasks.py``) and ``output_fn`` writes
+the pipeline's answer. A user's ``inference.py`` may still replace any of them, as with the PyTorch defaults.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mme_runtime.base.config import Config
+from mme_runtime.base.errors import ModelLoadError
+from mme_runtime.models import hf_loading, model_cache, pt2
+from mme_runtime.models.serving_properties import ServingSettings
+from mme_runtime.serving import hf_requests
+from mme_runtime.serving.hf_requests import TaskBatch, TaskRequest
+from mme_runtime.serving.hf_tasks import TaskRunner, shape
+
+
+def serves(model_dir: Path) -> bool:
+    """Whether a directory is a Hugging Face model for these defaults: no TorchScript or PT2 file beside it."""
+    others = pt2.pt2_file(model_dir) is not None or model_cache.model_file(model_dir) is not None
+    return not others and hf_loading.is_hugging_face_directory(model_dir)
+
+
+class HuggingFaceDefaults:
+    """One model's defaults (its task is its own)."""
+
+    ACCEPTS = hf_requests.ACCEPTS
+
+    def __init__(self, model_dir: Path, settings: ServingSettings, config: Config) -> None:
+        """Raises ``ModelLoadError`` when the model's task is unknown, unsupported or cannot be told."""
+        self.task = hf_loading.resolve_task(model_dir, settings.task, config.hf_task)
+        self._trust_remote_code = settings.trust_remote_code
+        self._pooling = settings.pooling
+        self._runner: TaskRunner | None = None
+        self._lock = threading.Lock()
+
+    def default_model_fn(self, model_dir: str, context: Any = None) -> hf_loading.HuggingFaceModel:
+        return hf_loading.load(Path(model_dir), self.task, self._trust_remote_code, self._pooling)
+
+    def default_input_fn(self, input_data: Any, content_type: str | None, context: Any = None) -> TaskRequest:
+        return hf_requests.decode(input_data, content_type, self.task)
+
+    def default_predict_fn(self, data: TaskRequest | TaskBatch, model: Any, context: Any = None) -> list[Any]:
+        """Every input's answer, in order: the batcher hands each request its own (one per input it sent)."""
+        if not isinstance(model, hf_loading.HuggingFaceModel):
+            raise ModelLoadError("a model_fn of its own must come with a predict_fn of its own for this model")
+        requests = data.requests if isinstance(data, TaskBatch) else [data]
+        answers = self._runner_for(model).run(requests)
+        owners = [request for request in requests for _ in range(request.rows)]
+        return [_Answer(answer, owner) for answer, owner in zip(answers, owners, strict=True)]
+
+    def default_output_fn(self, prediction: list[Any], accept: str, context: Any = None) -> bytes:
+        request = prediction[0].request
+        return hf_requests.encode(shape(self.task, [answer.value for answer in prediction], request), accept)
+
+    def _runner_for(self, model: hf_loading.HuggingFaceModel) -> TaskRunner:
+        with self._lock:
+            if self._runner is None or self._runner.model is not model:
+                device = next(model.model.parameters(), torch.empty(0)).device
+                self._runner = TaskRunner(model, device)
+            return self._runner
+
+
+class _Answer:
+    """One input's answer, with the request it answers (its parameters and whether it sent one input)."""
+
+    __slots__ = ("request", "value")
+
+    def __init__(self, value: Any, request: TaskRequest) -> None:
+        self.value = value
+        self.request = request

@@ -1,0 +1,155 @@
+"""Requests and answers of a Hugging Face model served with no code, as the AWS Hugging Face container
+(``sagemaker-huggingface-inference-toolkit``) takes and gives them, so that its clients work unchanged.
+
+A request is ``{"inputs": ..., "parameters": {...}}`` in JSON (a string or a list of strings; for
+question-answering ``{"question", "context"}`` or a list of them), a CSV with an ``inputs`` (or ``question`` and
+``context``) header, or an image (``image/png``, ``image/jpeg``, ...). The answer is the pipeline's, in compact JSON
+or CSV. A ``TaskRequest`` is what several requests share a forward pass as: one row per input.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import io
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mme_runtime.base.errors import InvalidInput, UnsupportedContentType
+from mme_runtime.serving import content
+
+IMAGE_TYPES = frozenset(
+    {"image/jpeg", "image/png", "image/tiff", "image/bmp", "image/gif", "image/webp", "image/x-image"}
+)
+ACCEPTS = (content.JSON, content.CSV)
+QUESTION_KEYS = ("question", "context")
+
+
+@dataclass(eq=False)
+class TaskRequest:
+    """One request's inputs and parameters. ``single``: it sent one input (a string, an image, one question), which
+    the answer reflects, as the pipeline's does."""
+
+    inputs: list[Any]
+    parameters: dict[str, Any] = field(default_factory=dict)
+    single: bool = True
+
+    # What the batcher asks of an input it collates (``collate.py``): every request of one model can share a pass.
+    def batch_signature(self) -> tuple[Any, ...]:
+        return ("hugging-face",)
+
+    @property
+    def rows(self) -> int:
+        return len(self.inputs)
+
+    @staticmethod
+    def join(requests: Sequence[TaskRequest]) -> TaskBatch:
+        return TaskBatch(list(requests))
+
+
+@dataclass
+class TaskBatch:
+    """Requests that share one forward pass, in order."""
+
+    requests: list[TaskRequest]
+
+
+def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
+    """The request as the toolkit reads it. Raises ``InvalidInput`` (400) naming what is wrong, and
+    ``UnsupportedContentType`` (415) naming what is accepted."""
+    media = content.media_type(content_type) or content.JSON
+    if media in IMAGE_TYPES:
+        return TaskRequest([_image(body)])
+    if isinstance(body, (bytes, bytearray)):
+        body = content.utf8_text(body)
+    if media == content.JSON:
+        try:
+            data = json.loads(body)
+        except ValueError as exc:
+            raise InvalidInput(f"the body is not JSON: {exc}") from exc
+    elif media == content.CSV:
+        data = _csv(body)
+    else:
+        raise UnsupportedContentType(
+            f"content type {content_type!r} is not supported: send {content.JSON}, {content.CSV} or an image type"
+        )
+    if not isinstance(data, dict) or "inputs" not in data:
+        raise InvalidInput('the body must be a JSON object with "inputs" (and optionally "parameters")')
+    parameters = data.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise InvalidInput(f'"parameters" must be an object, not {type(parameters).__name__}')
+    inputs = data["inputs"]
+    single = not isinstance(inputs, list)
+    items = [inputs] if single else inputs
+    if not items:
+        raise InvalidInput('"inputs" is an empty list')
+    for item in items:
+        _check(item, task)
+    if task == "image-classification":
+        items = [_image(_base64(item)) for item in items]
+    return TaskRequest(items, parameters, single)
+
+
+def encode(answer: Any, accept: str) -> bytes:
+    """The answer in compact JSON (as the toolkit writes it), or CSV for a list of records."""
+    if content.media_type(accept) == content.CSV:
+        records = answer if isinstance(answer, list) else [answer]
+        if not records or not all(isinstance(record, dict) for record in records):
+            raise InvalidInput("this answer has no CSV form (it is not a list of records): ask for application/json")
+        stream = io.StringIO()
+        writer = csv.DictWriter(stream, list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
+        return stream.getvalue().encode()
+    return json.dumps(answer, ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=_plain).encode()
+
+
+def _check(item: Any, task: str) -> None:
+    if task == "question-answering":
+        if not isinstance(item, dict) or not all(isinstance(item.get(key), str) for key in QUESTION_KEYS):
+            raise InvalidInput('question-answering takes {"question": "...", "context": "..."} (or a list of them)')
+    elif task == "image-classification":
+        if not isinstance(item, str):
+            raise InvalidInput("image-classification takes an image body (image/png, image/jpeg, ...) or base64")
+    elif not isinstance(item, str):
+        raise InvalidInput(f'{task} takes "inputs" as a string or a list of strings, not {type(item).__name__}')
+
+
+def _csv(text: str) -> dict[str, Any]:
+    rows = list(csv.DictReader(io.StringIO(text)))
+    if not rows or not ({"inputs", *QUESTION_KEYS} & set(rows[0])):
+        raise InvalidInput("a CSV body needs a header row naming its column: inputs (or question and context)")
+    if "inputs" in rows[0]:
+        return {"inputs": [row["inputs"] for row in rows]}
+    return {"inputs": rows}
+
+
+def _image(raw: bytes | bytearray) -> Any:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        return Image.open(io.BytesIO(raw)).convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise InvalidInput(f"the body is not an image this server reads: {exc}") from exc
+
+
+def _base64(text: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError as exc:  # binascii.Error
+        raise InvalidInput(f"an image in JSON must be base64: {exc}") from exc
+
+
+def _plain(value: Any) -> Any:
+    """What ``json`` cannot write by itself: numpy numbers and arrays, tensors."""
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")

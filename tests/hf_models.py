@@ -1,0 +1,147 @@
+"""Tiny Hugging Face models built offline, the way a user's ``save_pretrained`` leaves them: BERT-, DistilBERT- and
+ViT-shaped configs with random weights, and a WordPiece tokenizer trained here on a small corpus. No hub, no network.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WORDS = (
+    "the a model serves many requests on one device while another waits for its turn and every client gets its own "
+    "answer quickly because batching shares a forward pass between texts of different lengths padded to the longest "
+    "one with an attention mask so that nothing leaks between rows of the batch what is the capital of france paris "
+    "is the capital of france and berlin is the capital of germany good bad great terrible fine movie film story"
+).split()
+LABELS = {0: "NEGATIVE", 1: "POSITIVE"}
+ENTITY_LABELS = {0: "O", 1: "B-LOC", 2: "I-LOC", 3: "B-PER", 4: "I-PER"}
+
+
+def _transformers() -> Any:
+    """transformers, without its progress bars (one per save is noise in test and script output)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
+def corpus(lines: int = 400, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 30))) for _ in range(lines)]
+
+
+def text_of_tokens(tokens: int, seed: int) -> str:
+    """A text of about ``tokens`` words, all in the tokenizer's vocabulary."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(tokens))
+
+
+def tokenizer(directory: Path, max_length: int = 512) -> None:
+    """A WordPiece tokenizer trained on ``corpus()``, saved as a fast BERT tokenizer."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertTokenizerFast
+
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.normalizer = normalizers.BertNormalizer(lowercase=True)
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    wordpiece.train_from_iterator(corpus(), trainers.WordPieceTrainer(vocab_size=300, special_tokens=special))
+    cls, sep = wordpiece.token_to_id("[CLS]"), wordpiece.token_to_id("[SEP]")
+    wordpiece.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    BertTokenizerFast(tokenizer_object=wordpiece, model_max_length=max_length).save_pretrained(directory)
+
+
+def bert(
+    directory: Path,
+    task: str = "text-classification",
+    layers: int = 2,
+    hidden: int = 32,
+    seed: int = 0,
+    tokenizer_from: Path | None = None,
+) -> Path:
+    """A BERT-shaped model for ``task`` with random weights (the same for the same seed), and its tokenizer: trained
+    here, or the files in ``tokenizer_from`` (training orders tied words differently from run to run)."""
+    transformers = _transformers()
+
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(
+        vocab_size=300,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 32),
+        intermediate_size=hidden * 2,
+        max_position_embeddings=512,
+        id2label=ENTITY_LABELS if task == "token-classification" else LABELS,
+        label2id={v: k for k, v in (ENTITY_LABELS if task == "token-classification" else LABELS).items()},
+    )
+    classes = {
+        "text-classification": transformers.BertForSequenceClassification,
+        "token-classification": transformers.BertForTokenClassification,
+        "feature-extraction": transformers.BertModel,
+        "fill-mask": transformers.BertForMaskedLM,
+        "question-answering": transformers.BertForQuestionAnswering,
+    }
+    classes[task](config).eval().save_pretrained(directory)
+    if tokenizer_from is None:
+        tokenizer(directory)
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tokenizer_from / name, directory / name)
+    return directory
+
+
+def distilbert(directory: Path, seed: int = 0) -> Path:
+    transformers = _transformers()
+
+    torch.manual_seed(seed)
+    config = transformers.DistilBertConfig(
+        vocab_size=300,
+        dim=32,
+        n_layers=2,
+        n_heads=2,
+        hidden_dim=64,
+        id2label=LABELS,
+        label2id={"NEGATIVE": 0, "POSITIVE": 1},
+    )
+    transformers.DistilBertForSequenceClassification(config).eval().save_pretrained(directory)
+    tokenizer(directory)
+    return directory
+
+
+def vit(directory: Path, seed: int = 0) -> Path:
+    transformers = _transformers()
+
+    torch.manual_seed(seed)
+    config = transformers.ViTConfig(
+        image_size=32,
+        patch_size=8,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        id2label={0: "cat", 1: "dog", 2: "bird"},
+        label2id={"cat": 0, "dog": 1, "bird": 2},
+    )
+    transformers.ViTForImageClassification(config).eval().save_pretrained(directory)
+    transformers.ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(directory)
+    return directory
+
+
+def png(seed: int, size: int = 48) -> bytes:
+    """A small random RGB image, PNG-encoded, as a client would send it."""
+    import io
+
+    from PIL import Image
+
+    rng = random.Random(seed)
+    image = Image.new("RGB", (size, size))
+    image.putdata([(rng.randrange(256), rng.randrange(256), rng.randrange(256)) for _ in range(size * size)])
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
