@@ -1,19 +1,34 @@
-"""Preload on versus off: LOAD-to-ready time and memory of the model's process tree, by devices and workers.
+"""Preload on versus off: LOAD-to-ready time and the memory a model adds to the server's process tree, by devices
+and workers.
 
     .venv/bin/python -m benchmarks preload [-- --size-mb 300 --setups 1x1 1x8 2x2 4x4 --repeat 2]
 
-A setup ``DxW`` serves the model on D devices with W workers. A model has one executor per device, whatever its
-worker count: with preload on, the backend server runs ``model_fn`` once and forks the executors, which share the
-weights on the host until each moves them to its GPU; with preload off, each executor loads the model itself. This
-machine has no GPU, so D > 1 lists D GPUs through the test double of nvidia-smi (tests/fake_nvidia_smi.py): the
-frontend hands out GPU ids and each executor binds one, and torch, finding no CUDA, runs them on the CPU.
+A setup ``DxW`` serves the model on D devices with W workers. This machine has no GPU, so D > 1 lists D GPUs through
+the test double of nvidia-smi (tests/fake_nvidia_smi.py): the frontend hands out GPU ids and each worker binds one,
+and torch, finding no CUDA, runs them on the CPU; D = 1 is the CPU itself.
+
+With preload on (the default) the model shares the device hosts: a CUDA-free loader runs ``model_fn`` once and hands
+the weights over in a shared-memory file, and the host of each device the model's workers are bound to serves it
+(one host per card; on the CPU a pool of two, the model on one), mapping those pages. Preload off
+(MME_PRELOAD_MODEL_GPU=false) cannot share a host, so every model is isolated: a backend server of its own and one
+executor per device, whatever the worker count, each executor loading the model itself. (To compare preload within
+isolated servers, where the backend server preloads and forks its executors, both would have to run with
+MME_SHARE_DEVICE=false; this benchmark compares what the two settings do by default.)
 
 The default ``state_dict`` style saves the weights as a state dict with a ``code/inference.py`` that rebuilds the
 network and calls ``load_state_dict``, as scripts written for the AWS containers do. ``torchscript`` is served by the
-default ``model_fn``, which the warm process's model cache shares in both modes.
+default ``model_fn``, which the package cache (on) or the warm process's model cache (off) loads once.
 
-Both servers of a setup run at once on the same machine; the table reports medians and on/off ratios. Memory is the
-PSS of the model's backend server plus its executors (copy-on-write pages counted once).
+Memory is measured the same way in both modes (benchlib): the memory of the server's whole process tree, that is the
+PSS of its processes from /proc/PID/smaps_rollup, summed, plus the shared-memory files they hold open but do not map
+(the package of a TorchScript model, which the warm process keeps), read before the LOAD and again after the model
+has answered 2 x W invokes, each after a 2 s pause; the table shows the difference, so a model is charged for what
+it adds wherever it lives (the device hosts, or processes of its own; copy-on-write pages counted once). Each server
+first loads two unrelated tiny models with D workers each (kept loaded), so the "before" reading already includes
+every device host the measured model can use. After each measurement the model is unloaded and its processes waited
+for.
+
+Both servers of a setup run at once on the same machine; the table reports medians and on/off ratios.
 """
 
 from __future__ import annotations
@@ -21,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -30,9 +46,18 @@ from pathlib import Path
 import requests
 import torch
 from fake_nvidia_smi import install as fake_gpus  # tests/, which the benchmarks package puts on the path
-from serving import pss_mib
+from model_factory import torchscript_model
 
-from benchmarks.benchlib import Server, our_server, serve, table
+from benchmarks.benchlib import (
+    BASELINE_MODELS,
+    SETTLE_SECONDS,
+    Server,
+    device_host_count,
+    load_baseline,
+    our_server,
+    serve,
+    table,
+)
 
 FEATURES = 2048
 
@@ -66,6 +91,9 @@ def big_model(model_dir: Path, size_mb: int, style: str = "torchscript") -> Path
 
 
 def measure(server: Server, name: str, model_dir: Path, workers: int) -> tuple[float, float]:
+    """Seconds the LOAD call took, and the memory (MiB) the model adds to the server's process tree once it has
+    answered 2 x ``workers`` invokes; then UNLOAD, and a wait until none of its processes is left."""
+    before = server.tree_memory_mib()
     started = time.perf_counter()
     response = server.load(name, model_dir, initial_workers=workers)
     load_seconds = time.perf_counter() - started
@@ -77,9 +105,9 @@ def measure(server: Server, name: str, model_dir: Path, workers: int) -> tuple[f
             f"{server.url}/models/{name}/invoke", data=body, headers={"Content-Type": "application/json"}, timeout=120
         )
         reply.raise_for_status()
-    memory = pss_mib(server.model_tree(name))
-    server.unload(name)
-    return load_seconds, memory
+    added = server.tree_memory_mib() - before
+    server.unload_and_wait(name)
+    return load_seconds, added
 
 
 def parse_setup(text: str) -> tuple[int, int]:
@@ -106,6 +134,10 @@ def main(argv: Sequence[str] = ()) -> int:
         root = Path(tmp)
         model_dir = big_model(root / "models" / "big", args.size_mb, args.style)
         size = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file()) / 2**20
+        baseline_dirs = [
+            torchscript_model(root / "models" / f"baseline{index}", seed=index + 1) for index in range(BASELINE_MODELS)
+        ]
+        baseline_body = json.dumps([[1.0] * 4]).encode()
         for devices, workers in args.setups:
             gpus = fake_gpus(root / f"gpus-{devices}", devices) if devices > 1 else {}
             results: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
@@ -115,6 +147,13 @@ def main(argv: Sequence[str] = ()) -> int:
                     work = root / f"{mode}-{devices}x{workers}"
                     command, env, port = our_server(work, {"MME_PRELOAD_MODEL_GPU": flag, **gpus})
                     servers[mode] = stack.enter_context(serve(command, env, work, port))
+                    baseline = load_baseline(servers[mode], baseline_dirs, baseline_body, workers=devices)
+                    print(
+                        f"{devices}x{workers} preload {mode}: baseline tree memory {baseline:.0f} MiB, "
+                        f"{len(servers[mode].tree())} processes, {device_host_count(servers[mode])} device hosts",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 for round_index in range(args.repeat):
                     for mode, server in servers.items():
                         name = f"big_{mode}_{round_index}"
@@ -130,12 +169,27 @@ def main(argv: Sequence[str] = ()) -> int:
                     f"{on_load / off_load:.2f}",
                     f"{on_mem:.0f}",
                     f"{off_mem:.0f}",
-                    f"{on_mem / off_mem:.2f}",
+                    f"{on_mem / off_mem:.2f}" if off_mem > 0 else "-",  # a difference: never divide by ~0
                 ]
             )
     style = "TorchScript" if args.style == "torchscript" else "state dict + load_state_dict script,"
     print(f"model: {style} MLP, {size:.0f} MiB on disk; median of {args.repeat} runs; executors on the CPU")
+    print(
+        "MiB added: PSS of every process under the server plus the shared-memory files they hold but do not map, "
+        "after the model's 2 x W answers minus before its LOAD "
+        f"(each after a {SETTLE_SECONDS:g} s pause), with {BASELINE_MODELS} unrelated tiny models already loaded "
+        "(D workers each), so the device hosts already run"
+    )
     print()  # a Markdown table starts after a blank line
-    headers = ["devices", "workers", "LOAD s (on)", "LOAD s (off)", "on/off", "PSS MiB (on)", "PSS MiB (off)", "on/off"]
+    headers = [
+        "devices",
+        "workers",
+        "LOAD s (on)",
+        "LOAD s (off)",
+        "on/off",
+        "MiB added (on)",
+        "MiB added (off)",
+        "on/off",
+    ]
     print(table(headers, rows))
     return 0

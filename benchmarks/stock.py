@@ -19,12 +19,29 @@ default model_fn refuses to load outside Elastic Inference, so its copy of each 
 only a model_fn (torch.jit.load to CPU); input_fn, predict_fn and output_fn stay its defaults.
 
 Per stack, model and round: LOAD-to-first-response (POST /models until the first invoke answers 200), --warmup
-untimed invokes, --requests sequential invokes (latency p50/p99, and requests/s with 1 client), --concurrent-requests
-invokes spread over --clients threads (requests/s), failed requests (non-200 or no answer), and the PSS of the
-model's processes; then UNLOAD. Both servers run for the whole benchmark; rounds alternate which one goes first.
---warmup-rounds rounds run first and are not reported: the first requests a JVM serves run interpreted, before its JIT
-compiles the frontend's hot paths, and the first LOADs read cold files. The table shows medians over --rounds
-(failed requests: the total). Timings are never asserted: compare within one run. Default: about 3 minutes on 2 cores.
+untimed invokes, --requests sequential invokes (latency p50/p99, and requests/s with 1 client),
+--concurrent-requests invokes spread over --clients threads (requests/s), failed requests (non-200 or no answer),
+and the memory the model adds; then UNLOAD, and a wait until the model's processes are gone and our device hosts
+have let it go. All servers run for the whole benchmark; rounds alternate which one goes first. --warmup-rounds
+rounds run first and are not reported: the first requests a JVM serves run interpreted, before its JIT compiles the
+frontend's hot paths, and the first LOADs read cold files. The table shows medians over --rounds (failed requests:
+the total). Timings are never asserted: compare within one run. Default: about 3 minutes on 2 cores, plus 4 s per
+model, stack and round for the pauses before the memory readings.
+
+Memory added by the model is measured the same way on every stack (benchlib): the memory of the server's whole
+process tree (every descendant of the process started: frontend JVM, and for ours the warm process, device hosts,
+stubs and any isolated servers; for stock its workers), that is the PSS of its processes from
+/proc/PID/smaps_rollup, summed, plus the shared-memory files they hold open but do not map (our warm process keeps a
+TorchScript model's package so: PSS alone would miss it), read just before the LOAD and again after the first
+response and the --warmup invokes, each after a 2 s pause with no requests; the row is the difference. It is taken
+before the timed phases, so it is the model's footprint once it has answered, not what --clients concurrent requests
+add. Before the first round every server loads two unrelated tiny models (baseline0 and baseline1, its own copies,
+kept loaded), so the "before" reading already includes our two CPU device hosts (a shareable model goes to the one
+with the fewer models; each is forked on first use) and a stock worker process with torch imported: the row is what
+one more model costs a server that already serves some, on either stack. A device host lives on across models, so
+its allocator's state counts: once glibc has freed one large block it raises its mmap threshold (up to 32 MiB), and
+later loads may leave their temporaries as free heap under the weights until the UNLOAD, so a model can add more
+from the second load on than on the first (hence the warm-up round).
 """
 
 from __future__ import annotations
@@ -47,9 +64,17 @@ from pathlib import Path
 import requests
 from model_factory import IN_FEATURES, torchscript_model
 from ports import free_port
-from serving import pss_mib
 
-from benchmarks.benchlib import Server, our_server, percentile, table
+from benchmarks.benchlib import (
+    BASELINE_MODELS,
+    SETTLE_SECONDS,
+    Server,
+    device_host_count,
+    load_baseline,
+    our_server,
+    percentile,
+    table,
+)
 from benchmarks.peers.stock_stack import STOCK_VENV, ensure_venv, serve_isolated, stock_model_dir, stock_server
 from benchmarks.preload import FEATURES, big_model
 
@@ -76,7 +101,7 @@ class Sample:
     rps_1: float
     rps_n: float
     failed: int
-    pss_mib: float
+    memory_added_mib: float  # the server tree's PSS + unmapped shm after the warm-up invokes, minus before the LOAD
     first_body: object
 
 
@@ -190,6 +215,7 @@ class Scraper:
 def measure(
     server: Server, name: str, case: ModelCase, stack: str, args: argparse.Namespace, metrics_url: str | None
 ) -> Sample:
+    before = server.tree_memory_mib()
     load_call, load_to_first, first_body = load_until_first_response(
         server, name, case.dirs[stack], case.body, args.load_timeout
     )
@@ -202,17 +228,15 @@ def measure(
         warm_failed = sum(
             1 for _ in range(args.warmup) if (r := invoke(session, url, case.body)) is None or r.status_code != 200
         )
+    added = server.tree_memory_mib() - before
     with Scraper(metrics_url, args.scrape_interval) as scraper:
         latencies, rps_1, seq_failed = sequential(url, case.body, args.requests)
         rps_n, conc_failed = concurrent(url, case.body, args.clients, args.concurrent_requests)
     if scraper.failed:
         raise RuntimeError(f"{scraper.failed} of {scraper.scrapes} scrapes of {metrics_url} failed; see {server.log}")
-    memory = pss_mib(server.model_tree(name))
-    unloaded = server.unload(name)
-    if unloaded.status_code != 200:
-        raise RuntimeError(f"UNLOAD {name} answered {unloaded.status_code}; see {server.log}")
+    server.unload_and_wait(name)
     return Sample(
-        load_call, load_to_first, latencies, rps_1, rps_n, warm_failed + seq_failed + conc_failed, memory, first_body
+        load_call, load_to_first, latencies, rps_1, rps_n, warm_failed + seq_failed + conc_failed, added, first_body
     )
 
 
@@ -235,6 +259,13 @@ def build_models(root: Path, size_mb: int) -> list[ModelCase]:
     ]
 
 
+def build_baseline(root: Path) -> dict[str, list[Path]]:
+    """The unrelated tiny models every server loads first and keeps (benchlib.load_baseline), per stack."""
+    ours = [torchscript_model(root / "ours" / f"baseline{index}", seed=index + 1) for index in range(BASELINE_MODELS)]
+    stock = [stock_model_dir(path, root / "stock" / path.name) for path in ours]
+    return {"ours": ours, "stock": stock}
+
+
 def same_answer(a: object, b: object) -> bool:
     """Both stacks should compute the same numbers (float32 printed to JSON may differ in the last digits)."""
     if isinstance(a, list) and isinstance(b, list):
@@ -252,7 +283,7 @@ def report(cases: list[ModelCase], samples: dict[Key, list[Sample]], rounds: int
         ("warm latency p99, ms", lambda s: percentile(s.latencies_ms, 99), "{:.1f}"),
         ("throughput, 1 client, req/s", lambda s: s.rps_1, "{:.0f}"),
         (f"throughput, {clients} clients, req/s", lambda s: s.rps_n, "{:.0f}"),
-        ("PSS of the model's processes, MiB", lambda s: s.pss_mib, "{:.0f}"),
+        ("memory added by the model (PSS + unmapped shm), MiB", lambda s: s.memory_added_mib, "{:.0f}"),
     ]
     rows: list[list[object]] = []
     for case in cases:
@@ -382,7 +413,18 @@ def main(argv: Sequence[str] = ()) -> int:
             servers[stack] = resources.enter_context(serve_isolated(stack, command, env, root / stack, port))
             start_seconds[stack] = time.perf_counter() - started
             progress(f"{stack}: serving on port {port} after {start_seconds[stack]:.1f} s ({servers[stack].log})")
+        baseline_dirs = build_baseline(root / "models")
+        baseline_body = json.dumps([[1.0] * IN_FEATURES]).encode()
+        for stack, server in servers.items():
+            baseline = load_baseline(server, baseline_dirs[stack.replace("-metrics-off", "")], baseline_body)
+            progress(
+                f"{stack}: {BASELINE_MODELS} baseline models loaded: tree memory {baseline:.0f} MiB, "
+                f"{len(server.tree())} processes, {device_host_count(server)} device hosts"
+            )
         samples = run_rounds(servers, cases, args, f"http://127.0.0.1:{metrics_port}/metrics")
+        for server in servers.values():  # MMS stopped by SIGTERM leaves its workers behind (serve_isolated kills them)
+            for index in range(BASELINE_MODELS):
+                server.unload_and_wait(f"baseline{index}")
     for case in cases:
         agree = same_answer(samples[(case.label, "ours")][0].first_body, samples[(case.label, "stock")][0].first_body)
         progress(f"{case.label}: the two stacks' answers {'agree' if agree else 'DIFFER'}")
@@ -393,6 +435,12 @@ def main(argv: Sequence[str] = ()) -> int:
         f"ours scraped every {args.scrape_interval:g} s; CPU only"
     )
     print("stock stack: " + ", ".join(f"{package}=={version}" for package, version in versions.items()))
+    print(
+        "memory added by the model: PSS of every process under the server plus the shared-memory files they hold "
+        f"but do not map, after the first response and {args.warmup} warm-up invokes minus before the LOAD (each "
+        f"after a {SETTLE_SECONDS:g} s pause), with {BASELINE_MODELS} unrelated tiny models already loaded on every "
+        "server (so our device hosts, and a stock worker, already run)"
+    )
     print()
     print(report(cases, samples, args.rounds, args.clients))
     print()

@@ -48,6 +48,8 @@ ARCHITECTURE_TASKS = {
     "ForQuestionAnswering": "question-answering",
     "ForImageClassification": "image-classification",
 }
+# Models whose position ids start after the padding index, so max_position_embeddings overstates what they take.
+OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "camembert", "longformer"})
 GENERATIVE_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ForSeq2SeqLM")
 GENERATIVE_HINT = "generative models (text-generation, text2text-generation) need an inference.py of their own here"
 
@@ -66,6 +68,7 @@ class HuggingFaceModel:
     remote_code: bool = False
     pooling: str | None = None  # feature-extraction: "mean" or "cls" gives one vector per input; None, every token's
     normalize: bool = False  # pooled vectors scaled to length 1 (a sentence-transformers Normalize module)
+    truncate_to: int | None = None  # a sentence-transformers model's max_seq_length: longer texts are cut to it
 
     def place(self, device: torch.device) -> HuggingFaceModel:
         self.model = self.model.to(device).eval()
@@ -116,7 +119,7 @@ def load(model_dir: Path, task: str, trust_remote_code: bool, pooling: str | Non
     options: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     try:
         auto = getattr(transformers, TASKS[task])
-        model = auto.from_pretrained(str(model_dir), weights_only=True, **options)
+        model, info = auto.from_pretrained(str(model_dir), weights_only=True, output_loading_info=True, **options)
         tokenizer = image_processor = None
         if task in IMAGE_TASKS:
             image_processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir), **options)
@@ -124,7 +127,10 @@ def load(model_dir: Path, task: str, trust_remote_code: bool, pooling: str | Non
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), **options)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"transformers could not load {model_dir.name} for {task}: {exc}") from exc
+    _check_head(model_dir, task, config, info)
     positions = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(positions, int) and config.get("model_type") in OFFSET_POSITIONS:
+        positions -= int(config.get("pad_token_id") or 0) + 1  # RoBERTa counts positions after the padding index
     tokenizer_limit = getattr(tokenizer, "model_max_length", None)
     limits = [n for n in (positions, tokenizer_limit) if isinstance(n, int) and 0 < n < 1_000_000]
     logger.info("model_dir=%s loaded with transformers as %s (%s)", model_dir, task, type(model).__name__)
@@ -132,7 +138,29 @@ def load(model_dir: Path, task: str, trust_remote_code: bool, pooling: str | Non
     loaded = HuggingFaceModel(task, model.eval(), tokenizer, image_processor, limit, "auto_map" in config)
     if task == "feature-extraction":
         loaded.pooling, loaded.normalize = _pooling(model_dir, pooling)
+        loaded.truncate_to = _max_seq_length(model_dir) if loaded.pooling else None
     return loaded
+
+
+def _check_head(model_dir: Path, task: str, config: dict[str, Any], info: dict[str, Any]) -> None:
+    """A task whose head the weights do not hold would answer from random weights: the LOAD fails instead."""
+    missing = [*info.get("missing_keys", []), *(key for key, *_ in info.get("mismatched_keys", []))]
+    if task == "feature-extraction":  # its answer is the hidden states: a pooler the weights lack is never read
+        missing = [key for key in missing if "pooler" not in key]
+    if missing:
+        raise ModelLoadError(
+            f"{model_dir.name} holds {config.get('architectures')}, whose weights lack what {task} needs "
+            f"({', '.join(sorted(missing)[:4])}{', ...' if len(missing) > 4 else ''}): set the task that matches "
+            "the directory (task= in serving.properties, or HF_TASK)"
+        )
+
+
+def _max_seq_length(model_dir: Path) -> int | None:
+    try:
+        value = json.loads((model_dir / "sentence_bert_config.json").read_text(encoding="utf-8"))["max_seq_length"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def _transformers() -> Any:

@@ -139,6 +139,9 @@ class DeviceHost:
             for fd in fds:
                 os.close(fd)
             self.board.done()
+        # What loading freed back to the system: after its first large free glibc raises its mmap threshold, and the
+        # temporary buffers of every later load would stay as free heap (about 3x the model) until an UNLOAD.
+        release_memory(None)
         self._report({"model": spec.name, "loaded": model.loaded is not None})
         with model.lock:
             waiting, model.waiting = model.waiting, []

@@ -16,6 +16,7 @@ from mms.service import Service
 
 from mme_runtime.base import devices
 from mme_runtime.base.config import Config
+from mme_runtime.models.hf_loading import HuggingFaceModel
 from mme_runtime.models.loading import LoadedModel, LoadFailure, ModelSpec
 from mme_runtime.operations.metric_series import Series
 from mme_runtime.processes.executor import Assignment
@@ -59,7 +60,8 @@ def model_handler(
 def tensor_bytes(model: Any) -> tuple[int, int]:
     """The bytes of a module's parameters and buffers in host memory and on a GPU, each storage once (tied weights
     share one); (0, 0) for what is not a module."""
-    model = getattr(model, "model", model)  # a Hugging Face model's module
+    if isinstance(model, HuggingFaceModel):
+        model = model.model
     if not isinstance(model, torch.nn.Module):
         return 0, 0
     seen: set[int] = set()

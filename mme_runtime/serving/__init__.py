@@ -4,6 +4,7 @@ frontend connection, answered through ``handler_service.py``), ``transformer`` (
 ``collate`` (one forward pass for many requests), ``responses`` (statuses and error bodies), ``content`` (codecs),
 ``context`` (what user functions receive) and ``placement`` (the model on its device). A Hugging Face model served
 with no code swaps the contract's defaults for ``hf_defaults``: ``hf_requests`` (the AWS Hugging Face container's
-request and answer), ``hf_tasks`` (a batch through the task's pipeline, padded) and ``hf_question_answering``.
+request and answer), ``hf_tasks`` (a batch through the task's pipeline), ``hf_padding`` (rows grouped by length,
+padded and cut back) and ``hf_question_answering``.
 It may import: ``base``, ``operations``, ``models``.
 """

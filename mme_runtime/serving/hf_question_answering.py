@@ -20,6 +20,9 @@ from mme_runtime.models.hf_loading import HuggingFaceModel
 from mme_runtime.serving.hf_requests import TaskRequest
 
 DEFAULTS = {"top_k": 1, "max_answer_len": 15, "max_seq_len": 384, "doc_stride": 128, "handle_impossible_answer": False}
+DEFAULTS |= {"align_to_words": True}
+# What the transformers 4 pipeline took and what changes nothing here: accepted, so its clients work unchanged.
+ACCEPTED = frozenset({"max_question_len", "padding"})
 MASKED = -10_000.0
 
 Forward = Callable[[list[dict[str, Any]], Callable[[Any], Any]], list[dict[str, Any]]]
@@ -54,10 +57,10 @@ _MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 
 
 def _options(parameters: dict[str, Any], max_length: int | None) -> dict[str, Any]:
-    unknown = set(parameters) - set(DEFAULTS)
+    unknown = set(parameters) - set(DEFAULTS) - ACCEPTED
     if unknown:
         raise InvalidInput(f"question-answering takes the parameters {sorted(DEFAULTS)}, not {sorted(unknown)}")
-    options = {**DEFAULTS, **parameters}
+    options = {**DEFAULTS, **{key: value for key, value in parameters.items() if key not in ACCEPTED}}
     for key in ("top_k", "max_answer_len", "max_seq_len", "doc_stride"):
         if not isinstance(options[key], int) or isinstance(options[key], bool) or options[key] < 1:
             raise InvalidInput(f"{key} must be a positive integer, not {options[key]!r}")
@@ -112,7 +115,7 @@ def _answer(windows: list[dict[str, Any]], outputs: list[dict[str, Any]], contex
             first, last = (int(i) for i in np.unravel_index(flat, spans.shape))
             if not (inside[first] and inside[last]):
                 continue
-            begin, finish = _characters(window["encoding"], first, last)
+            begin, finish = _characters(window["encoding"], first, last, bool(options["align_to_words"]))
             text = context[begin:finish]
             found = answers.get(text.lower())
             if found is not None:
@@ -131,10 +134,11 @@ def _answer(windows: list[dict[str, Any]], outputs: list[dict[str, Any]], contex
     return ranked[0] if len(ranked) == 1 else ranked
 
 
-def _characters(encoding: Any, first: int, last: int) -> tuple[int, int]:
-    """The characters of the context from the start of the span's first word to the end of its last."""
+def _characters(encoding: Any, first: int, last: int, align_to_words: bool) -> tuple[int, int]:
+    """The characters of the context from the start of the span's first word to the end of its last (or of its
+    first and last tokens, without ``align_to_words``)."""
     first_word, last_word = encoding.token_to_word(first), encoding.token_to_word(last)
-    if first_word is None or last_word is None:
+    if not align_to_words or first_word is None or last_word is None:
         return int(encoding.offsets[first][0]), int(encoding.offsets[last][1])
     return int(encoding.word_to_chars(first_word, 1)[0]), int(encoding.word_to_chars(last_word, 1)[1])
 

@@ -27,6 +27,8 @@ IMAGE_TYPES = frozenset(
 )
 ACCEPTS = (content.JSON, content.CSV)
 QUESTION_KEYS = ("question", "context")
+# An image is decoded into the process every model of its device shares: 25 megapixels is 75 MB as RGB.
+MAX_IMAGE_PIXELS = 25_000_000
 
 
 @dataclass(eq=False)
@@ -115,6 +117,9 @@ def _check(item: Any, task: str) -> None:
     elif task == "image-classification":
         if not isinstance(item, str):
             raise InvalidInput("image-classification takes an image body (image/png, image/jpeg, ...) or base64")
+    elif task == "text-classification" and isinstance(item, dict):
+        if not isinstance(item.get("text"), str) or not isinstance(item.get("text_pair", ""), str):
+            raise InvalidInput('a text pair is {"text": "...", "text_pair": "..."}')
     elif not isinstance(item, str):
         raise InvalidInput(f'{task} takes "inputs" as a string or a list of strings, not {type(item).__name__}')
 
@@ -132,8 +137,11 @@ def _image(raw: bytes | bytearray) -> Any:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        return Image.open(io.BytesIO(raw)).convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        image = Image.open(io.BytesIO(raw))
+        if image.width * image.height > MAX_IMAGE_PIXELS:
+            raise InvalidInput(f"the image has {image.width}x{image.height} pixels; at most {MAX_IMAGE_PIXELS} here")
+        return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise InvalidInput(f"the body is not an image this server reads: {exc}") from exc
 
 

@@ -14,28 +14,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.models.hf_loading import HuggingFaceModel
-from mme_runtime.serving import hf_question_answering
+from mme_runtime.serving import hf_padding, hf_question_answering
 from mme_runtime.serving.hf_requests import TaskRequest
 
-# The keys of a prepared input that hold one entry per token: cut back to each row's own length after the pass.
-TOKEN_KEYS = frozenset(
-    {
-        "input_ids",
-        "attention_mask",
-        "token_type_ids",
-        "special_tokens_mask",
-        "offset_mapping",
-        "start_logits",
-        "end_logits",
-    }
-)
-# How much padding a group of rows may add to their own tokens (0.25: a quarter).
-PADDING_SLACK = 1.25
+# The tasks whose pipelines take "truncation": a text longer than the model takes may be cut to fit.
+TRUNCATING_TASKS = frozenset({"text-classification", "feature-extraction"})
 # What a request may not ask of the pipeline: tensors in the answer (not JSON), or fetching an image from a URL.
 REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout"})
 
@@ -68,7 +55,7 @@ class TaskRunner:
         rows: list[dict[str, Any]] = []
         forward_parameters: dict[str, Any] | None = None
         for request in requests:
-            before, forward, after = _parameters(pipeline, request)
+            before, forward, after = _parameters(pipeline, request, self.model)
             if forward_parameters is not None and forward != forward_parameters:
                 raise InvalidInput("requests with different forward parameters cannot share a pass")  # split, retried
             forward_parameters = forward
@@ -83,7 +70,7 @@ class TaskRunner:
             return [self._pooled(outputs[first]) for first, _, _ in plans]
         chunked = _is_chunked(pipeline)
         return [
-            pipeline.postprocess(outputs[first : first + count] if chunked else outputs[first], **after)
+            _postprocess(pipeline, outputs[first : first + count] if chunked else outputs[first], after)
             for first, count, after in plans
         ]
 
@@ -97,29 +84,24 @@ class TaskRunner:
         return vector.tolist()  # type: ignore[no-any-return]
 
     def _forward(self, rows: list[dict[str, Any]], forward: Callable[[Any], Any]) -> list[dict[str, Any]]:
-        """The model over ``rows``, handed back row by row at each row's own length. Rows are sorted by length and
-        run in groups padded to their longest, each group as long as padding adds at most ``PADDING_SLACK`` of its
-        tokens: a batch of texts from 4 to 200 tokens must not cost sixteen texts of 200."""
+        """The model over ``rows``, handed back row by row as a pass over each alone gives it (``hf_padding.py``):
+        sorted by length, in groups padded to their longest, so that a batch of texts from 4 to 200 tokens costs
+        neither sixteen texts of 200 nor sixteen passes."""
         outputs: list[Any] = [None] * len(rows)
-        for group in _length_groups([_length(row) or 0 for row in rows]):
-            if len(group) == 1:
-                outputs[group[0]] = forward(rows[group[0]])
-                continue
-            base: Any = importlib.import_module("transformers.pipelines.base")
-            collate = base.pad_collate_fn(self.model.tokenizer, self.model.image_processor)
-            batch = forward(collate([rows[index] for index in group]))
+        pad_id = getattr(self.model.tokenizer, "pad_token_id", None)
+        for group in hf_padding.length_groups([hf_padding.length(row) or 0 for row in rows]):
+            members = [rows[index] for index in group]
+            batch = forward(members[0] if len(members) == 1 else hf_padding.pad(members, pad_id))
             for position, index in enumerate(group):
-                outputs[index] = _row(batch, position, _length(rows[index]))
+                outputs[index] = batch if len(members) == 1 else hf_padding.row(batch, position, members[position])
         return outputs
 
     def _check_length(self, row: dict[str, Any]) -> None:
         limit = self.model.max_length
-        length = _length(row)
+        length = hf_padding.length(row)
         if limit is not None and length is not None and length > limit:
-            raise InvalidInput(
-                f"an input has {length} tokens and the model takes at most {limit}: shorten it, or send "
-                '"parameters": {"truncation": true}'
-            )
+            advice = ', or send "parameters": {"truncation": true}' if self.task in TRUNCATING_TASKS else ""
+            raise InvalidInput(f"an input has {length} tokens and the model takes at most {limit}: shorten it{advice}")
 
     def _thread_pipeline(self) -> Any:
         pipeline = getattr(self._local, "pipeline", None)
@@ -137,31 +119,26 @@ class TaskRunner:
         return tokenizer
 
 
-def _length_groups(lengths: list[int]) -> list[list[int]]:
-    """Indices of ``lengths`` in groups of close lengths: sorted, a group grows while padding its members to its
-    longest adds at most ``PADDING_SLACK`` to their tokens."""
-    order = sorted(range(len(lengths)), key=lambda index: lengths[index])
-    groups: list[list[int]] = []
-    tokens = 0
-    for index in order:
-        group = groups[-1] if groups else None
-        if group is not None and (len(group) + 1) * lengths[index] <= PADDING_SLACK * (tokens + lengths[index]):
-            group.append(index)
-            tokens += lengths[index]
-        else:
-            groups.append([index])
-            tokens = lengths[index]
-    return groups
-
-
-def _parameters(pipeline: Any, request: TaskRequest) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """The request's parameters sorted by the pipeline into preprocess, forward and postprocess ones."""
+def _parameters(
+    pipeline: Any, request: TaskRequest, model: HuggingFaceModel
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The request's parameters sorted by the pipeline into preprocess, forward and postprocess ones. Truncation
+    cuts at the model's own limit, and a sentence-transformers model truncates as sentence-transformers does."""
     refused = REFUSED_PARAMETERS & set(request.parameters)
     if refused:
         raise InvalidInput(f"parameters {sorted(refused)} are not accepted here")
+    parameters = dict(request.parameters)
+    if model.truncate_to is not None and "truncation" not in parameters:
+        parameters["truncation"] = True
+    if parameters.get("truncation") and model.task in TRUNCATING_TASKS:
+        limit = model.truncate_to or model.max_length
+        if limit is not None and model.task == "feature-extraction":
+            parameters["tokenize_kwargs"] = {"max_length": limit, **parameters.get("tokenize_kwargs", {})}
+        elif limit is not None:
+            parameters.setdefault("max_length", limit)
     try:
-        before, forward, after = pipeline._sanitize_parameters(**request.parameters)
-    except (TypeError, ValueError, KeyError) as exc:
+        before, forward, after = pipeline._sanitize_parameters(**parameters)
+    except Exception as exc:  # noqa: BLE001 - whatever the pipeline refuses in them is the request's
         raise InvalidInput(f"parameters {request.parameters}: {exc}") from exc
     return (
         {**pipeline._preprocess_params, **before},
@@ -175,40 +152,21 @@ def _prepare(pipeline: Any, item: Any, parameters: dict[str, Any]) -> list[dict[
     try:
         prepared = pipeline.preprocess(item, **parameters)
         return list(prepared) if _is_chunked(pipeline) else [prepared]
-    except (TypeError, ValueError, KeyError, IndexError) as exc:
+    except Exception as exc:  # noqa: BLE001 - a fill-mask text without [MASK], say: this request's own fault
         raise InvalidInput(f"the input could not be prepared for the model: {exc}") from exc
+
+
+def _postprocess(pipeline: Any, outputs: Any, parameters: dict[str, Any]) -> Any:
+    try:
+        return pipeline.postprocess(outputs, **parameters)
+    except (TypeError, ValueError, KeyError, IndexError) as exc:  # a top_k of "abc", say: the batch is split
+        raise InvalidInput(f"the answer could not be made with these parameters: {exc}") from exc
 
 
 def _is_chunked(pipeline: Any) -> bool:
     from transformers.pipelines.base import ChunkPipeline
 
     return isinstance(pipeline, ChunkPipeline)
-
-
-def _length(row: dict[str, Any]) -> int | None:
-    ids = row.get("input_ids")
-    return int(ids.shape[-1]) if isinstance(ids, torch.Tensor) else None
-
-
-def _row(batch: Any, index: int, length: int | None) -> Any:
-    """Row ``index`` of a batch's outputs, as a pass over that row alone would give them (batch dimension 1, and
-    per-token values cut back to the row's ``length``)."""
-    values = {key: _take(key, value, index, length) for key, value in batch.items()}
-    return type(batch)(values) if isinstance(batch, dict) else values
-
-
-def _take(key: str, value: Any, index: int, length: int | None) -> Any:
-    if isinstance(value, torch.Tensor) and value.dim() > 0:
-        row = value[index : index + 1]
-        per_token = length is not None and row.dim() >= 2 and (key in TOKEN_KEYS or row.dim() >= 3)
-        return row[:, :length] if per_token else row
-    if isinstance(value, np.ndarray) and value.ndim > 0:
-        return value[index : index + 1]
-    if isinstance(value, tuple) and value and isinstance(value[0], torch.Tensor):
-        return tuple(_take(key, element, index, length) for element in value)
-    if isinstance(value, list):
-        return value[index]
-    return value
 
 
 def shape(task: str, answers: list[Any], request: TaskRequest) -> Any:

@@ -139,6 +139,45 @@ def test_bad_input_is_the_clients_400(server: RunningServer, body: dict[str, Any
     assert "Traceback" not in response.text
 
 
+@pytest.mark.parametrize(
+    ("model", "body", "fragment"),
+    [
+        ("fill-mask", {"inputs": "no mask here"}, "could not be prepared"),
+        ("fill-mask", {"inputs": "the [MASK]", "parameters": {"top_k": "abc"}}, "parameters"),
+        ("token-classification", {"inputs": "paris", "parameters": {"ignore_labels": 5}}, "parameters"),
+        ("question-answering", {"inputs": QUESTION, "parameters": {"top_k": 0}}, "top_k"),
+    ],
+)
+def test_what_the_task_refuses_is_the_clients_400(
+    server: RunningServer, model: str, body: dict[str, Any], fragment: str
+) -> None:
+    response = invoke(server, model, body)
+    assert response.status_code == 400, response.text
+    assert fragment in response.json()["message"]
+
+
+def test_text_pairs_and_the_question_answering_parameters_of_transformers_4_are_taken(server: RunningServer) -> None:
+    pair = invoke(server, "text-classification", {"inputs": {"text": "good movie", "text_pair": "bad film"}})
+    assert pair.status_code == 200 and set(pair.json()[0] if isinstance(pair.json(), list) else pair.json()) == {
+        "label",
+        "score",
+    }
+    parameters = {"align_to_words": False, "max_question_len": 64, "padding": "longest"}
+    answer = invoke(server, "question-answering", {"inputs": QUESTION, "parameters": parameters})
+    assert answer.status_code == 200, answer.text
+
+
+def test_an_image_over_25_megapixels_is_refused(server: RunningServer) -> None:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("L", (6000, 5000)).save(buffer, format="PNG")
+    response = server.invoke("vit", buffer.getvalue(), content_type="image/png")
+    assert response.status_code == 400 and "pixels" in response.json()["message"]
+
+
 def test_text_over_the_models_length_is_400_unless_truncated(server: RunningServer) -> None:
     long_text = hf_models.text_of_tokens(700, 1)
     refused = invoke(server, "text-classification", {"inputs": long_text})

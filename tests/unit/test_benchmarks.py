@@ -4,6 +4,8 @@ what --write-docs changes in a docs file (only what lies between a benchmark's m
 from __future__ import annotations
 
 import importlib
+import mmap
+import os
 import re
 import subprocess
 import sys
@@ -153,3 +155,21 @@ def test_each_module_imports_without_starting_anything(module: str) -> None:
     assert {process.pid for process in psutil.Process().children(recursive=True)} <= children
     if module in NAMES:
         assert callable(imported.main)
+
+
+def test_shared_memory_held_but_not_mapped_counts_until_it_is_mapped() -> None:
+    """benchlib adds to PSS the shared-memory files a tree holds open but does not map (PSS cannot see them); once
+    mapped, their pages are PSS's to count."""
+    from benchmarks.benchlib import unmapped_shared_memory_mib
+
+    me = [psutil.Process()]
+    before = unmapped_shared_memory_mib(me)
+    fd = os.memfd_create("bench-test")
+    try:
+        os.write(fd, b"\1" * (4 << 20))
+        assert unmapped_shared_memory_mib(me) - before == pytest.approx(4, abs=0.1)
+        with mmap.mmap(fd, 4 << 20, mmap.MAP_SHARED, mmap.PROT_READ):
+            assert unmapped_shared_memory_mib(me) == pytest.approx(before, abs=0.1)
+    finally:
+        os.close(fd)
+    assert unmapped_shared_memory_mib(me) == pytest.approx(before, abs=0.1)

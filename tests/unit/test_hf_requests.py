@@ -33,7 +33,8 @@ def test_csv_reads_an_inputs_column_or_question_and_context() -> None:
     [
         ("not json", "text-classification", "not JSON"),
         ('["good"]', "text-classification", '"inputs"'),
-        ('{"inputs": {"text": "good"}}', "text-classification", "string"),
+        ('{"inputs": {"text": 3}}', "text-classification", "text pair"),
+        ('{"inputs": [[1]]}', "fill-mask", "string"),
         ('{"inputs": "who"}', "question-answering", "question"),
         ('{"inputs": "not base64!"}', "image-classification", "base64"),
         ('{"inputs": "a", "parameters": [1]}', "fill-mask", '"parameters"'),

@@ -99,3 +99,30 @@ def test_a_sentence_transformers_directory_answers_one_normalized_mean_vector_pe
         assert torch.allclose(torch.tensor(vector), expected, atol=1e-5)
     unpooled = hf_loading.load(directory, "feature-extraction", trust_remote_code=False, pooling="none")
     assert unpooled.pooling is None
+
+
+def test_a_task_whose_head_the_weights_lack_fails_the_load(tmp_path: Path) -> None:
+    """HF_TASK=text-classification left over from a single-model setup must not serve a token classifier's
+    directory with a random head."""
+    directory = hf_models.bert(tmp_path / "ner", "token-classification")
+    with pytest.raises(hf_loading.ModelLoadError, match="lack what text-classification needs"):
+        hf_loading.load(directory, "text-classification", trust_remote_code=False)
+    masked = hf_models.bert(tmp_path / "mlm", "fill-mask")
+    assert hf_loading.load(masked, "feature-extraction", trust_remote_code=False).pooling is None  # no pooler: fine
+
+
+def test_left_padding_tokenizers_and_ones_without_a_pad_token_batch_as_they_answer_alone(tmp_path: Path) -> None:
+    directory = hf_models.bert(tmp_path / "left", "text-classification")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "padding_side": "left"}))
+    model = hf_loading.load(directory, "text-classification", trust_remote_code=False)
+    runner = TaskRunner(model.place(torch.device("cpu")), torch.device("cpu"))
+    texts = [hf_models.text_of_tokens(n, n) for n in (3, 20, 21, 60)]
+    parameters = {"function_to_apply": "none", "top_k": None}
+    alone = [runner.run([TaskRequest([text], parameters)])[0] for text in texts]
+    together = runner.run([TaskRequest([text], parameters) for text in texts])
+    model.tokenizer.pad_token = None  # a decoder's tokenizer: nothing to pad with
+    without_pad = runner.run([TaskRequest([text], parameters) for text in texts])
+    for one, batched, unpadded in zip(alone, together, without_pad, strict=True):
+        for a, b, c in zip(one, batched, unpadded, strict=True):
+            assert abs(a["score"] - b["score"]) < 1e-4 and abs(a["score"] - c["score"]) < 1e-4
