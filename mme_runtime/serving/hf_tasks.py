@@ -1,7 +1,7 @@
-"""A Hugging Face model's task, run over a batch of requests with one forward pass: each input is prepared on its
-own by the task's pipeline (tokenized, with the request's own parameters), the batch is padded to its longest member
-with the attention mask, the model runs once, and each row, cut back to its own length, is post-processed as the
-pipeline does for that input alone. So each client gets what the unbatched pipeline answers for its input.
+"""A Hugging Face model's task, run over a batch of requests: each input is prepared on its own by the task's
+pipeline (tokenized, with the request's own parameters), the rows are grouped by length and each group padded into
+one forward pass (``hf_padding.py``), and each row, cut back to its own length, is post-processed as the pipeline
+does for that input alone. So each client gets what the unbatched pipeline answers for its input.
 
 transformers 5 has no question-answering pipeline: ``hf_question_answering.py`` is its stand-in here.
 """
@@ -29,7 +29,8 @@ REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout"})
 
 class TaskRunner:
     """One placed model's task. Tokenizers are not safe to share between threads that change their truncation
-    and padding ("Already borrowed"): each thread that prepares inputs gets a copy of its own."""
+    and padding (tokenizers 0.23 hands one thread another's settings, older ones raised "Already borrowed"): each
+    thread that prepares inputs gets a copy of its own."""
 
     def __init__(self, model: HuggingFaceModel, device: torch.device) -> None:
         transformers: Any = importlib.import_module("transformers")
