@@ -49,6 +49,7 @@ class Config:
     max_batch_delay_ms: int = 10
     max_concurrency: int | None = None
     share_device: bool = True
+    share_weights: bool = True
     cpu_hosts: int = 2
     pip_timeout_seconds: int = 300
     properties_file: Path | None = None
@@ -134,6 +135,7 @@ class Config:
             "OMP_WAIT_POLICY": self.omp_wait_policy,
             "MME_METRICS_PORT": str(self.metrics_port),
             "MME_SHARE_DEVICE": "true" if self.share_device else "false",
+            "MME_SHARE_WEIGHTS": "true" if self.share_weights else "false",
             "MME_CPU_HOSTS": str(self.cpu_hosts),
         }
         if self.max_concurrency is not None:

@@ -205,6 +205,14 @@ PROCESSES: tuple[Setting, ...] = (
         "every model processes of its own, as `isolation=process` does for one model.",
     ),
     Setting(
+        "MME_SHARE_WEIGHTS",
+        "share_weights",
+        parse_bool,
+        "true",
+        "Hold a tensor equal to one another model holds once, in host memory and on each GPU (docs/sharing.md); "
+        "`false` gives every model its own copy and skips hashing its tensors at LOAD.",
+    ),
+    Setting(
         "MME_CPU_HOSTS",
         "cpu_hosts",
         integer(1, 64),
@@ -227,13 +235,7 @@ PROCESSES: tuple[Setting, ...] = (
         "How the backend server starts workers: `fork` or `spawn`.",
     ),
     Setting("MME_WARM_START", "warm_start", parse_bool),
-    Setting(
-        "MME_RUNTIME_DIR",
-        "runtime_dir",
-        path,
-        "/tmp/mme",
-        "Writable directory for the effective MMS properties, the MMS home and logs.",
-    ),
+    Setting("MME_RUNTIME_DIR", "runtime_dir", path, "/tmp/mme", "Writable directory: MMS properties, home and logs."),
     Setting(
         "MME_PROPERTIES_FILE",
         "properties_file",
@@ -241,13 +243,7 @@ PROCESSES: tuple[Setting, ...] = (
         "`<runtime dir>/mme-mms.properties`",
         "MME properties; seeded from the shipped `mme-mms.properties`, `preload_model_gpu=true` added once.",
     ),
-    Setting(
-        "MME_START_ATTEMPTS",
-        "start_attempts",
-        integer(1),
-        "3",
-        "How many times the entrypoint tries to start MMS before it gives up.",
-    ),
+    Setting("MME_START_ATTEMPTS", "start_attempts", integer(1), "3", "Tries the entrypoint gives MMS to start."),
     Setting(
         "MME_STOP_GRACE_SECONDS",
         "stop_grace_seconds",

@@ -65,13 +65,17 @@ class LoadFailure(Exception):
         self.message = message
 
 
-def check_memory(spec: ModelSpec, config: Config, gpu: int | None, host: bool = True) -> None:
+def check_memory(
+    spec: ModelSpec, config: Config, gpu: int | None, host: bool = True, device_bytes: int | None = None
+) -> None:
     """507 before loading what will not fit: host memory where the model is loaded, GPU memory where it goes (in a
-    process whose CUDA context exists, a device host, as that context sees it)."""
+    process whose CUDA context exists, a device host, as that context sees it: ``device_bytes`` there, when known,
+    is what the model adds to the card beyond the tensors it shares with models already on it)."""
     try:
         if host:
             memory.check_host_memory(Path(spec.model_dir), config.memory_headroom_mb)
-        if gpu is not None and not memory.check_context_memory(Path(spec.model_dir), config.memory_headroom_mb):
+        model_dir, headroom = Path(spec.model_dir), config.memory_headroom_mb
+        if gpu is not None and not memory.check_context_memory(model_dir, headroom, device_bytes):
             card = devices.visible_gpu(gpu, config.cuda_visible_devices)
             memory.check_gpu_memory(Path(spec.model_dir), card, config.memory_headroom_mb)
     except InsufficientMemory as exc:

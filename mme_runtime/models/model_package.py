@@ -2,9 +2,11 @@
 ``model_fn`` again: the preload runs once in a CUDA-free loader, the host maps the weights.
 
 ``pack`` pickles what ``model_fn`` returned with every tensor storage written once into a ``memfd`` (tied weights stay
-tied) and every TorchScript module saved whole (TorchScript objects do not pickle). ``unpack`` maps that file
-copy-on-write: on the CPU the host's tensors are the file's pages, with no copy; placing the model on a GPU copies
-them there. The warm process keeps the file, so a replaced host maps the same weights again. Never touches CUDA.
+tied), each a ``Blob`` with the digest of its bytes, and every TorchScript module saved whole (TorchScript objects do
+not pickle). The pickle names blobs by their index in the package's table, so the warm process can point a blob at an
+equal one another package holds (``tensor_store.py``) without touching the pickle. ``unpack`` maps the files
+copy-on-write: on the CPU the host's tensors are the files' pages, with no copy; placing the model on a GPU copies them
+there. The warm process keeps the files, so a replaced host maps the same weights again. Never touches CUDA.
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 ALIGNMENT = 64
+# A storage of at least a page starts on a page and ends its pages alone, so that its pages can be given back on their
+# own (a hole punched in the file) once no model uses them; smaller ones are packed at ALIGNMENT.
+PAGE = mmap.PAGESIZE
 PROTOCOL = 5
 _FILE = object()  # stands for a TorchScript archive packed as it is
 
@@ -30,17 +36,50 @@ class NotPackable(Exception):
 
 
 @dataclass(frozen=True)
+class Blob:
+    """One tensor storage of a package: its bytes at ``offset`` in the package's segment number ``segment`` (0: the
+    package's own file), and the digest of their content ("" when it was not hashed)."""
+
+    segment: int
+    offset: int
+    nbytes: int
+    digest: str = ""
+
+
+@dataclass(frozen=True)
 class Package:
-    """A packed model: one shared-memory file (``fd``, owned by whoever holds the package) with the weights first and
-    the pickle at ``pickle_offset``. ``layout`` is what travels beside the descriptor."""
+    """A packed model: its own shared-memory file (``fd``, owned by whoever holds the package) with the weights first
+    and the pickle at ``pickle_offset``, and the table of its tensor storages (``blobs``). Blobs that equal another
+    package's point into that package's file: ``segments`` holds those files' descriptors (the tensor store's, not
+    the package's) and ``segment_ids`` names every file the blobs use, its own first. ``layout`` is what travels
+    beside the descriptors (``fds``)."""
 
     fd: int
     pickle_offset: int
     pickle_bytes: int
+    blobs: tuple[Blob, ...] = ()
+    segments: tuple[int, ...] = ()
+    segment_ids: tuple[int, ...] = ()
 
     @property
-    def layout(self) -> dict[str, int]:
-        return {"pickle_offset": self.pickle_offset, "pickle_bytes": self.pickle_bytes}
+    def fds(self) -> list[int]:
+        return [self.fd, *self.segments]
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        return {
+            "pickle_offset": self.pickle_offset,
+            "pickle_bytes": self.pickle_bytes,
+            "blobs": [[blob.segment, blob.offset, blob.nbytes, blob.digest] for blob in self.blobs],
+            "segment_ids": list(self.segment_ids),
+        }
+
+    @classmethod
+    def from_layout(cls, fds: list[int], layout: dict[str, Any]) -> Package:
+        """The package a ``layout`` and its descriptors (``fds``, its own file first) describe."""
+        blobs = tuple(Blob(*entry) for entry in layout.get("blobs", ()))
+        ids = tuple(layout.get("segment_ids", ()))
+        return cls(fds[0], layout["pickle_offset"], layout["pickle_bytes"], blobs, tuple(fds[1:]), ids)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -49,18 +88,23 @@ class Package:
 class _Writer:
     """Appends blobs to the memfd at aligned offsets; a storage seen twice is written once."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, hashed: bool = True) -> None:
         self.fd = os.memfd_create(f"mme-model-{name}"[:200], os.MFD_CLOEXEC)
         self.size = 0
-        self._storages: dict[tuple[int, int], int] = {}
+        self.hashed = hashed
+        self.blobs: list[Blob] = []
+        self._storages: dict[tuple[int, int], int] = {}  # (address, bytes) -> index in blobs
 
     def append(self, data: memoryview | bytes) -> int:
-        offset = -(-self.size // ALIGNMENT) * ALIGNMENT
         view = memoryview(data).cast("B")
+        alignment = PAGE if len(view) >= PAGE else ALIGNMENT
+        offset = -(-self.size // alignment) * alignment
         written = 0
         while written < len(view):
             written += os.pwrite(self.fd, view[written:], offset + written)
         self.size = offset + len(view)
+        if alignment == PAGE:
+            self.size = -(-self.size // PAGE) * PAGE  # its last page holds nothing else
         return offset
 
     def append_file(self, path: Path) -> tuple[int, int]:
@@ -76,12 +120,15 @@ class _Writer:
         return offset, copied
 
     def storage(self, storage: torch.UntypedStorage) -> int:
+        """The storage's index in the blob table, written (and hashed) the first time it is seen."""
         key = (storage.data_ptr(), storage.nbytes())
         if key not in self._storages:
             if storage.device.type != "cpu":
                 raise NotPackable(f"a tensor is on {storage.device}: model_fn must leave the model in host memory")
             array: Any = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()  # a view, no copy
-            self._storages[key] = self.append(memoryview(array))
+            digest = xxhash.xxh3_128_hexdigest(array) if self.hashed and array.nbytes else ""
+            self._storages[key] = len(self.blobs)
+            self.blobs.append(Blob(0, self.append(memoryview(array)), array.nbytes, digest))
         return self._storages[key]
 
 
@@ -93,9 +140,9 @@ class _Pickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.storage.TypedStorage):
             untyped = obj._untyped_storage
-            return ("storage", self.writer.storage(untyped), untyped.nbytes(), str(obj.dtype).removeprefix("torch."))
+            return ("blob", self.writer.storage(untyped), str(obj.dtype).removeprefix("torch."))
         if isinstance(obj, torch.UntypedStorage):
-            return ("storage", self.writer.storage(obj), obj.nbytes(), "uint8")
+            return ("blob", self.writer.storage(obj), "uint8")
         if isinstance(obj, torch.jit.ScriptModule):
             buffer = io.BytesIO()
             torch.jit.save(obj, buffer)
@@ -114,7 +161,7 @@ def pack_torchscript_file(path: Path, name: str) -> Package:
     pickler.persistent_id = lambda obj: ("torchscript", offset, size) if obj is _FILE else None  # type: ignore[method-assign]
     pickler.dump(_FILE)
     pickle_offset = writer.append(buffer.getbuffer())
-    return Package(writer.fd, pickle_offset, writer.size - pickle_offset)
+    return Package(writer.fd, pickle_offset, buffer.getbuffer().nbytes)
 
 
 def is_torchscript(path: Path) -> bool:
@@ -128,10 +175,10 @@ def is_torchscript(path: Path) -> bool:
     return any(name.endswith("/constants.pkl") for name in names) and any("/code/" in name for name in names)
 
 
-def pack(model: Any, name: str) -> Package:
+def pack(model: Any, name: str, hashed: bool = True) -> Package:
     """``model`` as a package; ``NotPackable`` with the reason when it cannot be pickled (a lambda, a lock, an open
-    file or a GPU tensor in it)."""
-    writer = _Writer(name)
+    file or a GPU tensor in it). ``hashed``: each storage's digest taken (what sharing weights needs)."""
+    writer = _Writer(name, hashed)
     buffer = io.BytesIO()
     try:
         _Pickler(buffer, writer).dump(model)
@@ -142,46 +189,68 @@ def pack(model: Any, name: str) -> Package:
         os.close(writer.fd)
         raise NotPackable(f"{type(model).__name__} cannot be pickled: {type(exc).__name__}: {exc}") from exc
     offset = writer.append(buffer.getbuffer())
-    return Package(writer.fd, offset, writer.size - offset)
+    return Package(writer.fd, offset, buffer.getbuffer().nbytes, tuple(writer.blobs))
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, data: mmap.mmap, trial: bool = False) -> None:
+    def __init__(self, file: io.BytesIO, package: Package, maps: list[mmap.mmap], trial: bool) -> None:
         super().__init__(file)
-        self.data = data
+        self.package = package
+        self.maps = maps
         self.trial = trial  # TorchScript saved whole loads again: a trial skips it (its one costly part)
-        self._storages: dict[int, torch.UntypedStorage] = {}
+        self.storages: dict[int, torch.UntypedStorage] = {}  # by blob index
 
     def persistent_load(self, pid: Any) -> Any:
         kind = pid[0]
-        if kind == "storage":
-            _, offset, nbytes, dtype = pid
-            untyped = self._untyped(offset, nbytes)
+        if kind == "blob":
+            _, index, dtype = pid
             return torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
-                wrap_storage=untyped, dtype=getattr(torch, dtype), _internal=True
+                wrap_storage=self._untyped(index), dtype=getattr(torch, dtype), _internal=True
             )
         if kind == "torchscript":
             _, offset, nbytes = pid
             if self.trial:
                 return None
-            return torch.jit.load(io.BytesIO(self.data[offset : offset + nbytes]), map_location="cpu")  # type: ignore[no-untyped-call]
+            return torch.jit.load(io.BytesIO(self.maps[0][offset : offset + nbytes]), map_location="cpu")  # type: ignore[no-untyped-call]
         raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
 
-    def _untyped(self, offset: int, nbytes: int) -> torch.UntypedStorage:
-        if nbytes == 0:
-            return torch.UntypedStorage(0)  # type: ignore[no-untyped-call]
-        if offset not in self._storages:
-            # Shares the mapping's pages (frombuffer keeps the mapping alive as long as the storage lives).
-            view = torch.frombuffer(self.data, dtype=torch.uint8, count=nbytes, offset=offset)
-            self._storages[offset] = view.untyped_storage()
-        return self._storages[offset]
+    def _untyped(self, index: int) -> torch.UntypedStorage:
+        if index not in self.storages:
+            blob = self.package.blobs[index]
+            if blob.nbytes == 0:
+                self.storages[index] = torch.UntypedStorage(0)  # type: ignore[no-untyped-call]
+            else:
+                # Shares the mapping's pages (frombuffer keeps the mapping alive as long as the storage lives).
+                data = self.maps[blob.segment]
+                view = torch.frombuffer(data, dtype=torch.uint8, count=blob.nbytes, offset=blob.offset)
+                self.storages[index] = view.untyped_storage()
+        return self.storages[index]
 
 
-def unpack(fd: int, pickle_offset: int, pickle_bytes: int, trial: bool = False) -> Any:
-    """The model, its weights mapped copy-on-write from ``fd`` (the caller keeps or closes the descriptor: the mapping
-    does not need it). The model's classes must be importable here: the host imports the model's script under the
+@dataclass
+class Unpacked:
+    """An unpacked model, and where each of its storages came from: ``locations`` maps a storage's address to its
+    blob's place (segment id, offset), what equal tensors of two models have in common (``device_tensors.py``)."""
+
+    model: Any
+    locations: dict[int, tuple[int, int]]
+
+
+def unpack(package: Package, trial: bool = False) -> Unpacked:
+    """The model, its weights mapped copy-on-write from the package's files (the caller keeps or closes the
+    descriptors: the mappings do not need them). Each call maps the files anew, so a write by one model's tensors
+    stays in that model. The model's classes must be importable here: the host imports the model's script under the
     same unique module name first. ``trial``: only whether it unpacks (what pickles may still not unpickle: an exported
     program's module does not), its TorchScript modules not loaded."""
-    data = mmap.mmap(fd, pickle_offset + pickle_bytes, flags=mmap.MAP_PRIVATE)
-    pickled = bytes(data[pickle_offset : pickle_offset + pickle_bytes])
-    return _Unpickler(io.BytesIO(pickled), data, trial).load()
+    maps = [mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_PRIVATE) for fd in package.fds]
+    own = maps[0]
+    pickled = bytes(own[package.pickle_offset : package.pickle_offset + package.pickle_bytes])
+    unpickler = _Unpickler(io.BytesIO(pickled), package, maps, trial)
+    model = unpickler.load()
+    ids = package.segment_ids
+    locations = {
+        storage.data_ptr(): (ids[package.blobs[index].segment], package.blobs[index].offset)
+        for index, storage in unpickler.storages.items()
+        if ids and storage.nbytes()
+    }
+    return Unpacked(model, locations)

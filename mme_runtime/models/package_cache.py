@@ -9,6 +9,7 @@ servers'); ``MME_MODEL_CACHE_MB=0`` turns both off.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,8 +29,9 @@ class _Entry:
 
 
 class PackageCache:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, release: Callable[[Package], None]) -> None:
         self.config = config
+        self.release_package = release  # the tensor store's: a package's tensors may be other packages' too
         self.entries: dict[Key, _Entry] = {}
 
     def key(self, spec: ModelSpec) -> Key | None:
@@ -63,7 +65,7 @@ class PackageCache:
             self.entries[key] = _Entry(package, {name})
             return package
         entry.users.add(name)
-        package.close()
+        self.release_package(package)
         return entry.package
 
     def release(self, key: Key, name: str) -> None:
@@ -74,5 +76,5 @@ class PackageCache:
         entry.users.discard(name)
         if not entry.users:
             del self.entries[key]
-            entry.package.close()
+            self.release_package(entry.package)
             logger.info("model cache released %s", key[0])

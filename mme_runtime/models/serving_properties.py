@@ -4,7 +4,8 @@ The keys are the ones MMS's LOAD and the AWS large-model container use: ``batch_
 pass) and ``max_batch_delay`` (milliseconds); ``max_concurrency`` (forward passes at once); ``isolation``
 (``process``: never share the device host); ``compile`` (``true``) and ``compile_mode`` ask for an AOTInductor
 compile of the model on each device (``compiling.py``); ``task``, ``trust_remote_code`` and ``pooling`` for a
-Hugging Face model served with no code (``hf_loading.py``). A LOAD body that carries ``batch_size`` wins over both:
+Hugging Face model served with no code (``hf_loading.py``); ``share_weights`` (``false``: its tensors are its own, never
+held once with another model's, ``tensor_store.py``). A LOAD body that carries ``batch_size`` wins over both:
 MMS then sends it in every worker's LOAD message. A malformed file fails the LOAD, with the cause in the log.
 """
 
@@ -26,6 +27,7 @@ KNOWN_KEYS = (
     *("batch_size", "max_batch_delay", "compile", "compile_mode", "max_concurrency", "isolation"),
     # A Hugging Face model served with no code (``hf_loading.py``): its task, and whether its own code may run.
     *("task", "trust_remote_code", "pooling"),
+    "share_weights",
 )
 COMPILE_MODES = ("default", "max-autotune")
 ISOLATIONS = ("shared", "process")
@@ -49,6 +51,7 @@ class ServingSettings:
     task: str | None = None  # a Hugging Face model's task; None: HF_TASK, else its architecture's
     trust_remote_code: bool = False
     pooling: str | None = None  # feature-extraction: mean, cls or none; None: what the directory says
+    share_weights: bool = True  # tensors equal to another model's are held once (MME_SHARE_WEIGHTS can turn it off)
 
     @property
     def batching(self) -> bool:
@@ -102,6 +105,7 @@ def read_settings(model_dir: Path, config: Config) -> ServingSettings:
             task=values.get("task"),
             trust_remote_code=parse_bool("trust_remote_code", values.get("trust_remote_code", "false")),
             pooling=_choice("pooling", values.get("pooling"), POOLINGS),
+            share_weights=parse_bool("share_weights", values.get("share_weights", "true")),
         )
     except (ConfigError, OSError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{FILE_NAME} is malformed: {exc}") from exc

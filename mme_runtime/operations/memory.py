@@ -41,17 +41,18 @@ def check_host_memory(model_dir: Path, headroom_mb: int) -> None:
         )
 
 
-def check_context_memory(model_dir: Path, headroom_mb: int) -> bool:
+def check_context_memory(model_dir: Path, headroom_mb: int, model_bytes: int | None = None) -> bool:
     """In a process whose CUDA context exists (a device host): the artifacts plus headroom against what that context
     can still allocate, the card's free memory plus what torch's caching allocator holds unused. False when this
-    process has no CUDA context (nothing checked: never create one for this)."""
+    process has no CUDA context (nothing checked: never create one for this). ``model_bytes``: what the model adds
+    there when that is known to be less than its artifacts (tensors it shares with models already on the card)."""
     import torch
 
     if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         return False
     free, _ = torch.cuda.mem_get_info()
     free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    needed = artifact_bytes(model_dir) + headroom_mb * MIB
+    needed = (artifact_bytes(model_dir) if model_bytes is None else model_bytes) + headroom_mb * MIB
     if needed > free:
         raise InsufficientMemory(f"{model_dir} needs about {needed // MIB} MiB on the GPU, {free // MIB} MiB free")
     return True

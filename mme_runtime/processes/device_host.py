@@ -9,6 +9,9 @@ served from a thread, as in an executor. ``unload`` lets a model go and gives it
 
 Every thread the host runs for a model is marked as that model's on the crash board (``crash_board.py``), and a fatal
 signal writes the threads' stacks to a file: if user code kills the host, the warm process can tell whose it was.
+
+On a GPU, tensors that several models hold at one place in host memory are one tensor on the card
+(``device_tensors.py``); on the CPU, the models' copy-on-write mappings of that place are one copy already.
 """
 
 from __future__ import annotations
@@ -24,12 +27,16 @@ import time
 import weakref
 from typing import Any
 
+import torch
+
 from mme_runtime.base import devices
 from mme_runtime.base.child_processes import become_child
 from mme_runtime.base.config import Config
 from mme_runtime.base.logs import configure_logging
+from mme_runtime.models.device_tensors import DeviceTensors, module_of
 from mme_runtime.models.loading import LoadFailure, ModelSpec, check_memory, refuse_load
-from mme_runtime.models.model_package import unpack
+from mme_runtime.models.model_package import Package, unpack
+from mme_runtime.models.tensor_store import MAX_SEGMENTS
 from mme_runtime.operations import metrics
 from mme_runtime.processes import fork_safety
 from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, report_crashes
@@ -40,7 +47,7 @@ from mme_runtime.serving.connection import serve_connection
 
 logger = logging.getLogger(__name__)
 
-MAX_FDS = 2
+MAX_FDS = MAX_SEGMENTS + 1  # a model's own file and the files of the tensors it shares
 
 
 class DeviceHost:
@@ -53,9 +60,12 @@ class DeviceHost:
         self.models: dict[str, HostedModel] = {}
         self._control_lock = threading.Lock()
         self._unpacked: weakref.WeakValueDictionary[tuple[int, int, int], Any] = weakref.WeakValueDictionary()
+        self.shared: DeviceTensors | None = None  # on a GPU, with MME_SHARE_WEIGHTS
 
     def serve(self) -> None:
         self.ordinal = devices.bind_gpu(self.gpu, self.config.cuda_visible_devices)
+        if self.ordinal is not None and self.config.share_weights:
+            self.shared = DeviceTensors(torch.device("cuda", self.ordinal))
         logger.info("device host pid=%d gpu=%s serving", os.getpid(), self.gpu)
         while True:
             try:
@@ -77,8 +87,10 @@ class DeviceHost:
             spec = ModelSpec(**message["spec"])
             series = metrics.start_hosted(self.config, name, restart=bool(message.get("restart")))
             model = self.models[name] = HostedModel(spec, int(message["slot"]), series)
-            layout = message.get("package")
-            arguments = (model, layout, fds, int(message["batch_size"]), bool(message.get("restart")))
+            package = None if message.get("package") is None else Package.from_layout(fds, message["package"])
+            if package is not None:  # blobs in other models' files: held for them first, counted there
+                model.borrowed_host_bytes = sum(blob.nbytes for blob in package.blobs if blob.segment)
+            arguments = (model, package, fds, int(message["batch_size"]), bool(message.get("restart")))
             model.loading = threading.Thread(target=self._load, args=arguments, name=f"load-{name}", daemon=True)
             model.loading.start()
         elif op == "connect":
@@ -97,7 +109,7 @@ class DeviceHost:
                 threading.Thread(target=self._unload, args=(leaving,), name=f"unload-{name}", daemon=True).start()
 
     def _load(
-        self, model: HostedModel, layout: dict[str, int] | None, fds: list[int], batch_size: int, restart: bool
+        self, model: HostedModel, package: Package | None, fds: list[int], batch_size: int, restart: bool
     ) -> None:
         """The model's handler here: the packed model adopted (or ``model_fn`` run here when there is no package),
         placed on this host's device and warmed up; then the connections that waited for it are served."""
@@ -107,14 +119,16 @@ class DeviceHost:
         if restart:
             metrics.record_executor_restart()
         try:
-            check_memory(spec, self.config, self.gpu, host=layout is None)
+            check_memory(spec, self.config, self.gpu, host=package is None, device_bytes=self._new_bytes(package))
             loaded = model_handler(spec, self.config, self.gpu, self.ordinal, batch_size)
             handler = loaded.module
             context = loaded.service.context
             with self.board.running(model.slot):
-                if layout is not None:
-                    handler.transformer.adopt(context, lambda: self._unpack(spec.name, fds[0], layout))
+                if package is not None:
+                    handler.transformer.adopt(context, lambda: self._unpack(model, package))
                 handler.attach(context)
+            if model.borrowed_device_bytes and self.shared is not None:
+                handler.transformer.after_forward = lambda: self.shared.check_writes(spec.name)
             start_batching(spec, self.config, loaded)
             for thread in handler.transformer.batcher_threads:
                 self.board.work_for(model.slot, thread.ident)
@@ -148,20 +162,31 @@ class DeviceHost:
         for connection, assignment in waiting:
             self._connect(model, connection, assignment)
 
-    def _unpack(self, name: str, fd: int, layout: dict[str, int]) -> Any:
+    def _unpack(self, hosted: HostedModel, package: Package) -> Any:
         """The model in the package; a package that another model here unpacked already (the same artifacts under
-        two names: the warm process's package cache) gives the same object, so its weights are here once."""
-        offset, size = layout["pickle_offset"], layout["pickle_bytes"]
-        identity = (os.fstat(fd).st_ino, offset, size)
+        two names: the warm process's package cache) gives the same object, so its weights are here once. On a GPU,
+        its tensors held for other models too go to the card once (``device_tensors.py``)."""
+        name = hosted.spec.name
+        identity = (os.fstat(package.fd).st_ino, package.pickle_offset, package.pickle_bytes)
         with self._control_lock:
             model = self._unpacked.get(identity)
         if model is not None:
             logger.info("model=%s takes the model its package already gave this host (one copy)", name)
             return model
-        model = unpack(fd, offset, size)
+        unpacked = unpack(package)
+        model, module = unpacked.model, module_of(unpacked.model)
+        if self.shared is not None and module is not None and unpacked.locations:
+            hosted.borrowed_device_bytes = self.shared.place(module, unpacked.locations, name)
         with self._control_lock, contextlib.suppress(TypeError):  # what cannot be weakly referenced is not shared
             self._unpacked[identity] = model
         return model
+
+    def _new_bytes(self, package: Package | None) -> int | None:
+        """What the package's tensors add to this host's GPU, beyond those its models hold there already."""
+        if package is None or self.shared is None or not package.blobs:
+            return None
+        places = [((package.segment_ids[blob.segment], blob.offset), blob.nbytes) for blob in package.blobs]
+        return self.shared.new_bytes(places)
 
     def _report(self, message: dict[str, Any]) -> None:
         with self._control_lock:  # load threads report at once
@@ -183,10 +208,11 @@ class DeviceHost:
         threading.Thread(target=self._serve_connection, args=(model, connection), daemon=True).start()
 
     def _record_memory(self, model: HostedModel, placed: Any) -> None:
+        """What the model's LOAD added: a tensor held for another model first is that model's (counted once)."""
         host_bytes, device_bytes = tensor_bytes(placed)
-        metrics.record_host_bytes(model.series, host_bytes)
+        metrics.record_host_bytes(model.series, max(0, host_bytes - model.borrowed_host_bytes))
         if self.gpu is not None and devices.cuda_initialized():
-            metrics.record_device_bytes(str(self.gpu), device_bytes)
+            metrics.record_device_bytes(str(self.gpu), max(0, device_bytes - model.borrowed_device_bytes))
 
     def _serve_connection(self, model: HostedModel, connection: socket.socket) -> None:
         assert model.loaded is not None
@@ -217,6 +243,8 @@ class DeviceHost:
                 self.board.done(thread.ident)
             model.loaded.module.transformer.close()
         model.loaded = None
+        if self.shared is not None:
+            self.shared.release(model.spec.name)
         gc.collect()
         release_memory(self.ordinal)
         if model.series is not None:

@@ -35,6 +35,8 @@ class HostedModel:
     connections: set[socket.socket] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     loading: threading.Thread | None = None
+    borrowed_host_bytes: int = 0  # its tensors in host memory that another model brought (held once, theirs)
+    borrowed_device_bytes: int = 0  # the same on its GPU
 
 
 def model_handler(

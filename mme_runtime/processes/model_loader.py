@@ -94,19 +94,31 @@ def _load(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
         return _failure(failure), []
     if devices.cuda_initialized():
         return {"host_loads": "model_fn initialised CUDA: it runs in the device host, on the host's GPU"}, []
-    model = loaded.module.service().transformer.model
+    transformer = loaded.module.service().transformer
+    model = transformer.model
     if isinstance(model, HuggingFaceModel) and model.remote_code:
         return {"host_loads": "its classes come from its directory (trust_remote_code): the host imports them"}, []
+    share = config.share_weights and transformer.settings.share_weights
     try:
-        package = pack(model, spec.name)
+        started = time.monotonic()
+        package = pack(model, spec.name, hashed=share)
+        packed = time.monotonic() - started
     except NotPackable as exc:
         return {"host_loads": str(exc)}, []
     try:
-        unpack(package.fd, **package.layout, trial=True)
+        unpack(package, trial=True)
     except Exception as exc:  # noqa: BLE001 - any reason means the host must load it itself
         package.close()
         return {"host_loads": f"{type(model).__name__} does not unpickle: {type(exc).__name__}: {exc}"}, []
-    return {"package": package.layout}, [package.fd]
+    logger.info(
+        "model=%s packed seconds=%.3f tensors=%d bytes=%d hashed=%s",
+        spec.name,
+        packed,
+        len(package.blobs),
+        sum(blob.nbytes for blob in package.blobs),
+        share,
+    )
+    return {"package": package.layout, "share_weights": share}, [package.fd]
 
 
 def _plain_torchscript(model_dir: Path, config: Config) -> Path | None:

@@ -25,6 +25,7 @@ from mme_runtime.base.config import Config
 from mme_runtime.models.loading import LoadFailure, ModelSpec, check_location, refuse_load
 from mme_runtime.models.model_package import Package
 from mme_runtime.models.package_cache import PackageCache
+from mme_runtime.models.tensor_store import TensorStore
 from mme_runtime.operations import metrics
 from mme_runtime.processes.crash_board import SLOTS
 from mme_runtime.processes.device_hosts import Crash, CrashCount, DeviceHosts, Host
@@ -56,7 +57,8 @@ class SharedModels:
         self.hosts = DeviceHosts(config, close_in_children)
         self.isolated: dict[int, SharedModel] = {}  # by pid: shared models' own servers (from the start, or quarantine)
         self.crash_count = CrashCount()
-        self.cache = PackageCache(config)
+        self.store = TensorStore(config.share_weights)  # every package, its tensors held once by content
+        self.cache = PackageCache(config, self.store.release)
         self._handlers: dict[socket.socket, Callable[[], None]] = {}
 
     def watched(self) -> list[socket.socket]:
@@ -72,9 +74,7 @@ class SharedModels:
         fds = [sock.fileno() for sock in self._handlers]
         for model in self.models.values():
             fds += [model.listener.fileno(), model.stub.fileno(), *model.stdio]
-            if model.package is not None:
-                fds.append(model.package.fd)
-        fds += self.hosts.descriptors()
+        fds += self.hosts.descriptors() + self.store.descriptors()
         return sorted({fd for fd in fds if fd >= 0})
 
     def child_exited(self, pid: int, code: int) -> bool:
@@ -151,7 +151,8 @@ class SharedModels:
             model.tell_stub({"shared": True})
             return
         elif "package" in report:
-            model.package = Package(fds[0], **report["package"])
+            package = Package.from_layout(fds, report["package"])
+            model.package = self.store.add(package, share=bool(report.get("share_weights")))
             if model.cache_key is not None:
                 model.package = self.cache.add(model.cache_key, spec.name, model.package)
         else:
@@ -217,7 +218,7 @@ class SharedModels:
             "batch_size": batch_size,
             "restart": model.served,  # served before, by a host that has died since
         }
-        self.hosts.send(host, payload, [] if package is None else [package.fd])
+        self.hosts.send(host, payload, [] if package is None else package.fds)
         host.models.add(model.spec.name)
 
     def _host_reported(self, host: Host) -> None:
@@ -276,7 +277,7 @@ class SharedModels:
         if model.cache_key is not None and model.package is not None:
             self.cache.release(model.cache_key, name)
         elif model.package is not None:
-            model.package.close()
+            self.store.release(model.package)
         model.close()
         logger.info("model=%s unloaded", name)
 

@@ -7,6 +7,7 @@ to the log, never to clients. ``Transformer`` (``transformer.py``) adds the mode
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -47,6 +48,8 @@ class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
         self._batcher: Batcher | None = None
         # torch's grad mode is per thread: the connections' threads get the one the loading thread had after model_fn.
         self._grad_enabled: bool | None = None
+        # Called after each forward pass; what it raises fails the pass's requests (a write to shared weights).
+        self.after_forward: Callable[[], None] | None = None
 
     def transform(self, data: list[Any], context: Any) -> list[bytes]:
         """Answers one message's requests (MMS's ``context`` is this message's own); safe from many threads."""
@@ -140,6 +143,12 @@ class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
         """One forward pass: ``predict_fn`` on the batch (``transform_fn`` on a lone request)."""
         with self._grad_mode():
             self._run_jobs_here(jobs)
+        if self.after_forward is not None:
+            try:
+                self.after_forward()
+            except Exception as exc:  # request boundary: every request of the pass gets the error
+                for job in jobs:
+                    job.result, job.error = None, exc
 
     def _run_jobs_here(self, jobs: list[Job]) -> None:
         if self._contract.answers_whole:

@@ -31,7 +31,7 @@ class Tied(torch.nn.Module):
 def _round_trip(model: object) -> object:
     package = pack(model, "test")
     try:
-        return unpack(package.fd, **package.layout)
+        return unpack(package).model
     finally:
         package.close()  # the mapping outlives the descriptor
 
@@ -52,7 +52,7 @@ def test_a_module_answers_as_before_with_tied_weights_still_tied() -> None:
 
 def test_weights_are_mapped_from_the_shared_file_not_copied() -> None:
     package = pack(torch.nn.Linear(256, 256), "mapped")
-    restored = unpack(package.fd, **package.layout)
+    restored = unpack(package).model
     mapped = {
         line.split()[0]
         for line in Path(f"/proc/{os.getpid()}/maps").read_text().splitlines()
@@ -66,10 +66,10 @@ def test_weights_are_mapped_from_the_shared_file_not_copied() -> None:
 
 def test_writes_stay_in_the_process_that_made_them() -> None:
     package = pack(torch.nn.Linear(4, 4), "private")
-    first = unpack(package.fd, **package.layout)
+    first = unpack(package).model
     with torch.no_grad():
         first.weight.fill_(7.0)
-    second = unpack(package.fd, **package.layout)  # what a replaced host would map
+    second = unpack(package).model  # what a replaced host would map
     assert not torch.equal(second.weight, first.weight)
     package.close()
 
@@ -116,18 +116,17 @@ def test_a_class_from_a_user_script_unpacks_where_the_script_is_imported_under_t
     )
     program = textwrap.dedent(
         f"""
-        import os, sys, torch
+        import json, os, sys, torch
         from pathlib import Path
-        from mme_runtime.models.model_package import pack, unpack
+        from mme_runtime.models.model_package import Package, pack, unpack
         from mme_runtime.models.user_code import import_script
 
         module = import_script("m", Path({str(script)!r}))
         if sys.argv[1] == "pack":
             package = pack(module.Doubler(), "m")
             os.set_inheritable(package.fd, True)
-            os.execv(sys.executable, [sys.executable, __file__, "unpack", str(package.fd), str(package.pickle_offset),
-                                      str(package.pickle_bytes)])
-        model = unpack(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+            os.execv(sys.executable, [sys.executable, __file__, "unpack", str(package.fd), json.dumps(package.layout)])
+        model = unpack(Package.from_layout([int(sys.argv[2])], json.loads(sys.argv[3]))).model
         print(model(torch.ones(3)).tolist())
         """
     )
@@ -155,7 +154,7 @@ def test_a_torchscript_file_travels_as_it_is_and_a_checkpoint_is_told_apart(tmp_
     assert is_torchscript(archive) and not is_torchscript(checkpoint) and not is_torchscript(tmp_path / "missing")
 
     package = pack_torchscript_file(archive, "file")
-    restored = unpack(package.fd, **package.layout)
+    restored = unpack(package).model
     package.close()
     x = torch.randn(2, 16)
     torch.testing.assert_close(restored(x), scripted(x))

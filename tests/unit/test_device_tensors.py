@@ -1,0 +1,82 @@
+"""Shared tensors on a device host's device, run on the CPU through the same code a GPU host runs (the device copy is
+a real copy there too): one storage for every model, a write in place undone and refused, freed with the last model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mme_runtime.models.device_tensors import DeviceTensors, SharedWeightWritten, module_of
+from mme_runtime.models.model_package import Package, pack, unpack
+from mme_runtime.models.tensor_store import TensorStore
+
+
+def fine_tune(head_seed: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    backbone = torch.nn.Linear(512, 512)
+    torch.manual_seed(head_seed)
+    return torch.nn.Sequential(backbone, torch.nn.ReLU(), torch.nn.Linear(512, 2))
+
+
+@pytest.fixture
+def packages() -> tuple[Package, Package]:
+    store = TensorStore(enabled=True)
+    return store.add(pack(fine_tune(1), "a")), store.add(pack(fine_tune(2), "b"))
+
+
+def placed(tensors: DeviceTensors, package: Package, name: str) -> tuple[torch.nn.Module, int]:
+    unpacked = unpack(package)
+    borrowed = tensors.place(unpacked.model, unpacked.locations, name)
+    return unpacked.model, borrowed
+
+
+def test_two_models_use_one_storage_for_their_shared_tensors(packages: tuple[Package, Package]) -> None:
+    tensors = DeviceTensors(torch.device("cpu"))
+    places = [((packages[1].segment_ids[blob.segment], blob.offset), blob.nbytes) for blob in packages[1].blobs]
+    a, borrowed_a = placed(tensors, packages[0], "a")
+    weight_bytes = 512 * 512 * 4  # a tensor under a page (the bias, 2 KiB) is not shared
+    assert tensors.new_bytes(places) == 512 * 4 + 512 * 2 * 4 + 2 * 4  # b's bias and head
+    b, borrowed_b = placed(tensors, packages[1], "b")
+
+    assert (borrowed_a, borrowed_b) == (0, weight_bytes)
+    assert a[0].weight.data_ptr() == b[0].weight.data_ptr()
+    assert a[2].weight.data_ptr() != b[2].weight.data_ptr()
+    x = torch.randn(3, 512)
+    torch.testing.assert_close(b(x), fine_tune(2)(x))
+    torch.testing.assert_close(a(x), fine_tune(1)(x))
+
+
+def test_a_write_to_a_shared_tensor_is_undone_and_fails_that_model(packages: tuple[Package, Package]) -> None:
+    tensors = DeviceTensors(torch.device("cpu"))
+    a, _ = placed(tensors, packages[0], "a")
+    b, _ = placed(tensors, packages[1], "b")
+    x = torch.randn(3, 512)
+    expected = b(x)
+
+    with torch.no_grad():
+        a[0].weight.mul_(0.0)  # what a careless predict_fn might do
+    with pytest.raises(SharedWeightWritten, match="model a wrote in place to 1 weight tensor") as raised:
+        tensors.check_writes("a")
+    assert raised.value.status == 500
+    torch.testing.assert_close(b(x), expected)
+    tensors.check_writes("a")  # put back: the next pass is fine
+    tensors.check_writes("b")
+
+
+def test_the_last_model_to_go_frees_the_shared_tensors(packages: tuple[Package, Package]) -> None:
+    tensors = DeviceTensors(torch.device("cpu"))
+    placed(tensors, packages[0], "a")
+    placed(tensors, packages[1], "b")
+    tensors.release("a")
+    assert len(tensors._held) == 4  # b's: the backbone's weight (a's too before) and its own three
+    tensors.release("b")
+    assert not tensors._held
+
+
+def test_the_module_of_a_model_is_what_placement_moves() -> None:
+    linear = torch.nn.Linear(2, 2)
+
+    class Wrapped:
+        model = linear
+
+    assert module_of(linear) is linear and module_of(Wrapped()) is linear and module_of({"a": 1}) is None
