@@ -69,6 +69,7 @@ class HuggingFaceModel:
     pooling: str | None = None  # feature-extraction: "mean" or "cls" gives one vector per input; None, every token's
     normalize: bool = False  # pooled vectors scaled to length 1 (a sentence-transformers Normalize module)
     truncate_to: int | None = None  # a sentence-transformers model's max_seq_length: longer texts are cut to it
+    adapters: Any = None  # its LoRA adapters once one is attached in the process that serves it (``lora.py``)
 
     def place(self, device: torch.device) -> HuggingFaceModel:
         self.model = self.model.to(device).eval()

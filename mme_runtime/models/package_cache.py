@@ -1,6 +1,7 @@
-"""Packages of shared models that the defaults load (a TorchScript ``model.pt``/``model.pth``, no inference code),
-kept by their artifacts: another name for the same files takes the same shared-memory file, with no loader run, and a
-CPU host maps the same pages for both (one copy of the weights). A package goes when its last model is unloaded.
+"""Packages of shared models that the defaults load (a TorchScript ``model.pt``/``model.pth``, no inference code, or
+the base of a LoRA adapter), kept by their artifacts: another name for the same files takes the same shared-memory
+file, with no loader run, and a host unpacks it once (one copy of the weights; for adapters, one base their requests
+share passes over). A package goes when its last model is unloaded.
 
 The warm process's side of the model cache for models that share a device host (``model_cache.py`` is the isolated
 servers'); ``MME_MODEL_CACHE_MB=0`` turns both off.
@@ -8,15 +9,19 @@ servers'); ``MME_MODEL_CACHE_MB=0`` turns both off.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mme_runtime.base.config import Config
+from mme_runtime.base.errors import ModelLoadError
+from mme_runtime.models import hf_loading, lora
 from mme_runtime.models.loading import ModelSpec
 from mme_runtime.models.model_cache import Key, key_for, model_file
 from mme_runtime.models.model_package import Package
+from mme_runtime.models.serving_properties import read_settings
 from mme_runtime.operations import metrics
 
 logger = logging.getLogger(__name__)
@@ -41,11 +46,13 @@ class PackageCache:
             return None
         if (model_dir / "code" / self.config.program).is_file():
             return None  # user code may bring its own model_fn: its result is not the files'
-        path = model_file(model_dir)
         try:
+            if lora.is_adapter_directory(model_dir):
+                return _base_key(model_dir, self.config)
+            path = model_file(model_dir)
             return None if path is None else key_for(path)
-        except OSError:
-            return None
+        except (OSError, ValueError, ModelLoadError):
+            return None  # its loader reports what is wrong
 
     def take(self, key: Key, name: str) -> Package | None:
         """The package already made from these artifacts, now used by ``name`` too; None (a miss) if there is none."""
@@ -78,3 +85,15 @@ class PackageCache:
             del self.entries[key]
             self.release_package(entry.package)
             logger.info("model cache released %s", key[0])
+
+
+def _base_key(adapter_dir: Path, config: Config) -> Key | None:
+    """An adapter's base weights, with the adapter's task: adapters of one base for one task take one package."""
+    settings = read_settings(adapter_dir, config)
+    base = lora.base_directory(adapter_dir, settings.base_model, config.model_root)
+    weights = next((base / name for name in hf_loading.WEIGHT_FILES if (base / name).is_file()), None)
+    if weights is None:
+        return None
+    path, size, modified = key_for(weights)
+    task = settings.task or json.loads((adapter_dir / lora.CONFIG_FILE).read_text()).get("task_type")
+    return (f"{path}#{task}", size, modified)

@@ -4,9 +4,10 @@ The keys are the ones MMS's LOAD and the AWS large-model container use: ``batch_
 pass) and ``max_batch_delay`` (milliseconds); ``max_concurrency`` (forward passes at once); ``isolation``
 (``process``: never share the device host); ``compile`` (``true``) and ``compile_mode`` ask for an AOTInductor
 compile of the model on each device (``compiling.py``); ``task``, ``trust_remote_code`` and ``pooling`` for a
-Hugging Face model served with no code (``hf_loading.py``); ``share_weights`` (``false``: its tensors are its own, never
-held once with another model's, ``tensor_store.py``). A LOAD body that carries ``batch_size`` wins over both:
-MMS then sends it in every worker's LOAD message. A malformed file fails the LOAD, with the cause in the log.
+Hugging Face model served with no code (``hf_loading.py``); ``share_weights`` (``false``: its tensors are its own,
+never held once with another model's, ``tensor_store.py``); ``base_model`` (a LoRA adapter's base, ``lora.py``). A
+LOAD body that carries ``batch_size`` wins over both: MMS then sends it in every worker's LOAD message. A malformed
+file fails the LOAD, with the cause in the log.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ KNOWN_KEYS = (
     *("batch_size", "max_batch_delay", "compile", "compile_mode", "max_concurrency", "isolation"),
     # A Hugging Face model served with no code (``hf_loading.py``): its task, and whether its own code may run.
     *("task", "trust_remote_code", "pooling"),
-    "share_weights",
+    *("share_weights", "base_model"),
 )
 COMPILE_MODES = ("default", "max-autotune")
 ISOLATIONS = ("shared", "process")
@@ -52,6 +53,7 @@ class ServingSettings:
     trust_remote_code: bool = False
     pooling: str | None = None  # feature-extraction: mean, cls or none; None: what the directory says
     share_weights: bool = True  # tensors equal to another model's are held once (MME_SHARE_WEIGHTS can turn it off)
+    base_model: str | None = None  # a LoRA adapter's base: a directory under the model root, or relative to its own
 
     @property
     def batching(self) -> bool:
@@ -106,6 +108,7 @@ def read_settings(model_dir: Path, config: Config) -> ServingSettings:
             trust_remote_code=parse_bool("trust_remote_code", values.get("trust_remote_code", "false")),
             pooling=_choice("pooling", values.get("pooling"), POOLINGS),
             share_weights=parse_bool("share_weights", values.get("share_weights", "true")),
+            base_model=values.get("base_model"),
         )
     except (ConfigError, OSError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{FILE_NAME} is malformed: {exc}") from exc

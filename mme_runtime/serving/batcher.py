@@ -41,6 +41,7 @@ class Job:
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
     queued_at: float = 0.0
+    run_by: Callable[[list[Job]], None] | None = None  # its model's runner, for a batcher several models share
 
 
 def group(jobs: Iterable[Job], batch_size: int) -> list[list[Job]]:
@@ -96,6 +97,12 @@ def run_batch(
     half = len(jobs) // 2
     run_batch(jobs[:half], predict, batch_context, retry_in_halves, before_retry)
     run_batch(jobs[half:], predict, batch_context, retry_in_halves, before_retry)
+
+
+def run_by_first(jobs: list[Job]) -> None:
+    """A pass run by the model of its first job: what a batcher several models share runs (``lora.py``)."""
+    assert jobs[0].run_by is not None
+    jobs[0].run_by(jobs)
 
 
 class Batcher:

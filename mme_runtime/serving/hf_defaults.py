@@ -2,6 +2,9 @@
 for its task (``hf_loading.py``), ``input_fn`` reads the AWS Hugging Face container's request (``hf_requests.py``),
 ``predict_fn`` runs the task over a batch of requests in one padded pass (``hf_tasks.py``) and ``output_fn`` writes
 the pipeline's answer. A user's ``inference.py`` may still replace any of them, as with the PyTorch defaults.
+
+A LoRA adapter's directory (``lora.py``) is served the same way: ``model_fn`` loads its base, the adapter is attached
+when the model is placed, and each request names its adapter, so that the base's pass picks it for its rows.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
-from mme_runtime.models import hf_loading, model_cache, pt2
+from mme_runtime.models import hf_loading, lora, model_cache, pt2
 from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.serving import hf_requests
 from mme_runtime.serving.hf_requests import TaskBatch, TaskRequest
@@ -24,7 +27,7 @@ from mme_runtime.serving.hf_tasks import TaskRunner, shape
 def serves(model_dir: Path) -> bool:
     """Whether a directory is a Hugging Face model for these defaults: no TorchScript or PT2 file beside it."""
     others = pt2.pt2_file(model_dir) is not None or model_cache.model_file(model_dir) is not None
-    return not others and hf_loading.is_hugging_face_directory(model_dir)
+    return not others and (hf_loading.is_hugging_face_directory(model_dir) or lora.is_adapter_directory(model_dir))
 
 
 class HuggingFaceDefaults:
@@ -33,18 +36,32 @@ class HuggingFaceDefaults:
     ACCEPTS = hf_requests.ACCEPTS
 
     def __init__(self, model_dir: Path, settings: ServingSettings, config: Config) -> None:
-        """Raises ``ModelLoadError`` when the model's task is unknown, unsupported or cannot be told."""
-        self.task = hf_loading.resolve_task(model_dir, settings.task, config.hf_task)
+        """Raises ``ModelLoadError`` when the model's task is unknown, unsupported or cannot be told, or an adapter's
+        base cannot be found."""
+        self.adapter: lora.Adapter | None = None
+        self.base_dir = model_dir
+        task = settings.task
+        if lora.is_adapter_directory(model_dir):
+            self.adapter = lora.read_adapter(model_dir)
+            self.base_dir = lora.base_directory(model_dir, settings.base_model, config.model_root)
+            task = task or self.adapter.task
+        self.task = hf_loading.resolve_task(self.base_dir, task, config.hf_task)
+        if self.adapter is not None and self.task not in lora.TASK_TYPES.values():
+            served = ", ".join(sorted(lora.TASK_TYPES.values()))
+            raise ModelLoadError(f"a LoRA adapter for {self.task} is not served (adapters are served for {served})")
         self._trust_remote_code = settings.trust_remote_code
         self._pooling = settings.pooling
         self._runner: TaskRunner | None = None
         self._lock = threading.Lock()
 
     def default_model_fn(self, model_dir: str, context: Any = None) -> hf_loading.HuggingFaceModel:
-        return hf_loading.load(Path(model_dir), self.task, self._trust_remote_code, self._pooling)
+        return hf_loading.load(self.base_dir, self.task, self._trust_remote_code, self._pooling)
 
     def default_input_fn(self, input_data: Any, content_type: str | None, context: Any = None) -> TaskRequest:
-        return hf_requests.decode(input_data, content_type, self.task)
+        request = hf_requests.decode(input_data, content_type, self.task)
+        if self.adapter is not None and context is not None:
+            request.adapter = context.model_name  # the rows it adds to a pass use this model's adapter
+        return request
 
     def default_predict_fn(self, data: TaskRequest | TaskBatch, model: Any, context: Any = None) -> list[Any]:
         """Every input's answer, in order: the batcher hands each request its own (one per input it sent)."""

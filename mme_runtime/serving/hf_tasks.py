@@ -12,6 +12,7 @@ import copy
 import importlib
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -54,6 +55,7 @@ class TaskRunner:
         pipeline = self._thread_pipeline()
         plans: list[tuple[int, int, dict[str, Any]]] = []  # (first row, rows, postprocess parameters) per input
         rows: list[dict[str, Any]] = []
+        adapters: list[str | None] = []  # the LoRA adapter of each row (its request's)
         forward_parameters: dict[str, Any] | None = None
         for request in requests:
             before, forward, after = _parameters(pipeline, request, self.model)
@@ -66,7 +68,8 @@ class TaskRunner:
                     self._check_length(row)
                 plans.append((len(rows), len(prepared), after))
                 rows += prepared
-        outputs = self._forward(rows, lambda batch: pipeline.forward(batch, **(forward_parameters or {})))
+                adapters += [request.adapter] * len(prepared)
+        outputs = self._forward(rows, lambda batch: pipeline.forward(batch, **(forward_parameters or {})), adapters)
         if self.model.pooling is not None:
             return [self._pooled(outputs[first]) for first, _, _ in plans]
         chunked = _is_chunked(pipeline)
@@ -84,18 +87,26 @@ class TaskRunner:
             vector = torch.nn.functional.normalize(vector, dim=0)
         return vector.tolist()  # type: ignore[no-any-return]
 
-    def _forward(self, rows: list[dict[str, Any]], forward: Callable[[Any], Any]) -> list[dict[str, Any]]:
+    def _forward(
+        self, rows: list[dict[str, Any]], forward: Callable[[Any], Any], adapters: list[str | None] | None = None
+    ) -> list[dict[str, Any]]:
         """The model over ``rows``, handed back row by row as a pass over each alone gives it (``hf_padding.py``):
         sorted by length, in groups padded to their longest, so that a batch of texts from 4 to 200 tokens costs
-        neither sixteen texts of 200 nor sixteen passes."""
+        neither sixteen texts of 200 nor sixteen passes. ``adapters``: each row's LoRA adapter (``lora.py``)."""
         outputs: list[Any] = [None] * len(rows)
         pad_id = getattr(self.model.tokenizer, "pad_token_id", None)
         for group in hf_padding.length_groups([hf_padding.length(row) or 0 for row in rows]):
             members = [rows[index] for index in group]
-            batch = forward(members[0] if len(members) == 1 else hf_padding.pad(members, pad_id))
+            with self._selecting(None if adapters is None else [adapters[index] for index in group]):
+                batch = forward(members[0] if len(members) == 1 else hf_padding.pad(members, pad_id))
             for position, index in enumerate(group):
                 outputs[index] = batch if len(members) == 1 else hf_padding.row(batch, position, members[position])
         return outputs
+
+    def _selecting(self, adapters: list[str | None] | None) -> AbstractContextManager[Any]:
+        """The pass in this block runs each row through its own adapter, when the model has adapters."""
+        model_adapters = getattr(self.model, "adapters", None)
+        return nullcontext() if model_adapters is None else model_adapters.selecting(adapters or [None])
 
     def _check_length(self, row: dict[str, Any]) -> None:
         limit = self.model.max_length

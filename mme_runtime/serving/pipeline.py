@@ -108,6 +108,8 @@ class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
                 except Exception as exc:  # request boundary
                     request.error = exc
         if self._batcher is not None:
+            for job in jobs:
+                job.run_by = self._run_jobs
             self._batcher.submit(jobs)
         else:
             for batch in group(jobs, self._settings.batch_size):

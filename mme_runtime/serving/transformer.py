@@ -22,11 +22,12 @@ import torch
 
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
+from mme_runtime.models import lora
 from mme_runtime.models.compiling import compile_model
 from mme_runtime.models.serving_properties import ServingSettings, read_settings
 from mme_runtime.models.user_code import USER_MODULE_PREFIX, load_user_code
 from mme_runtime.serving import hf_defaults
-from mme_runtime.serving.batcher import Batcher
+from mme_runtime.serving.batcher import Batcher, run_by_first
 from mme_runtime.serving.context import InferenceContext
 from mme_runtime.serving.contract import Contract
 from mme_runtime.serving.pipeline import RequestPipeline
@@ -48,6 +49,7 @@ class Transformer(RequestPipeline):
         self._loaded = False
         self._code_dir: Path | None = None
         self._user_modules: dict[str, ModuleType] = {}
+        self._adapter: lora.Adapter | None = None  # a LoRA adapter's directory: attached over its base when placed
 
     @property
     def model(self) -> Any:
@@ -92,7 +94,9 @@ class Transformer(RequestPipeline):
             for name in {function.function.__module__ for function in user.values()}
             if name.startswith(USER_MODULE_PREFIX) and name in sys.modules
         }
-        self._contract = Contract.bind(self._defaults_for(context, model_dir, user), user)
+        defaults = self._defaults_for(context, model_dir, user)
+        self._contract = Contract.bind(defaults, user)
+        self._adapter = None if "model_fn" in user else getattr(defaults, "adapter", None)
         self._code_dir = code_dir
 
     def _defaults_for(self, context: InferenceContext, model_dir: Path, user: Mapping[str, Any]) -> Any:
@@ -123,6 +127,8 @@ class Transformer(RequestPipeline):
         self._context = InferenceContext(mms_context, device)
         try:
             self._model = place_model(self._model, device)
+            if self._adapter is not None:
+                lora.attach(self._model, self._model.model, self._context.model_name, self._adapter)
         except Exception as exc:  # boundary: a model that cannot be placed fails the executor's LOAD
             raise load_failure(self._context.model_name, "placing the model", exc) from exc
         if self._settings.compile:
@@ -147,14 +153,15 @@ class Transformer(RequestPipeline):
             raise RuntimeError("attach the model before starting its batcher")
         self._grad_enabled = torch.is_grad_enabled()
         if self._batcher is None:
-            settings = self._settings
-            self._batcher = Batcher(
-                self._run_jobs,
-                settings.batch_size,
-                settings.max_batch_delay_ms,
-                self._context.model_name,
-                settings.concurrency,
-            )
+            settings, name = self._settings, self._context.model_name
+            adapters = getattr(self._model, "adapters", None)
+            if adapters is not None:  # one queue for every adapter of the base: their requests share its passes
+                make = lambda: Batcher(run_by_first, settings.batch_size, settings.max_batch_delay_ms, name)  # noqa: E731
+                self._batcher = adapters.batcher(name, make)
+            else:
+                self._batcher = Batcher(
+                    self._run_jobs, settings.batch_size, settings.max_batch_delay_ms, name, settings.concurrency
+                )
         return self._settings
 
     @property
@@ -163,9 +170,12 @@ class Transformer(RequestPipeline):
 
     def close(self) -> None:
         """Lets go of the model (its UNLOAD in a device host): the batcher's threads end, the user module goes."""
-        if self._batcher is not None:
+        adapters = getattr(self._model, "adapters", None)
+        if adapters is not None and self._context is not None:
+            adapters.leave(self._context.model_name)  # its adapter goes; the shared batcher with the last one
+        elif self._batcher is not None:
             self._batcher.close()
-            self._batcher = None
+        self._batcher = None
         self._model = None
         for name, module in self._user_modules.items():  # its script, under the model's unique name
             if sys.modules.get(name) is module:  # not a LOAD of the same name that imported it again since

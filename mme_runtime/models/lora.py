@@ -1,0 +1,286 @@
+"""PEFT LoRA adapters served with no code: a directory with ``adapter_config.json`` and ``adapter_model.safetensors``
+is a model of its own over a base model, which is loaded once (``model_fn`` loads the base; equal bases are one
+package, ``package_cache.py``, and their tensors one copy, ``tensor_store.py``).
+
+``read_adapter`` reads and checks an adapter; ``attach`` adds it to its base module's ``AdapterSet``: the base's
+target layers are wrapped once (``LoraLinear``, and ``SavedModule`` for a head the adapter replaces) and hold every
+adapter's matrices, and each row of a forward pass picks its own adapter (``AdapterSet.selecting``), as Punica and
+S-LoRA do: requests for different adapters share one pass over the base. The answers equal PEFT's for each adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mme_runtime.base.errors import ModelLoadError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILE = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+# PEFT's task types and the Hugging Face tasks they are served as.
+TASK_TYPES = {
+    "SEQ_CLS": "text-classification",
+    "TOKEN_CLS": "token-classification",
+    "FEATURE_EXTRACTION": "feature-extraction",
+}
+# Options whose effect this server does not reproduce: an adapter that sets one fails its LOAD rather than answer wrong.
+UNSUPPORTED = ("use_dora", "layers_to_transform", "layer_replication", "lora_bias", "target_parameters", "use_qalora")
+
+
+def is_adapter_directory(model_dir: Path) -> bool:
+    return (model_dir / CONFIG_FILE).is_file()
+
+
+@dataclass
+class Adapter:
+    """One adapter's tensors: ``lora`` maps a module path to its (A, B, scaling); ``saved`` maps a module path to the
+    state of the whole module the adapter replaces (PEFT's ``modules_to_save``, a classification head)."""
+
+    task: str | None
+    lora: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
+    saved: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for a, b, _ in self.lora.values() for t in (a, b)]
+        tensors += [t for state in self.saved.values() for t in state.values()]
+        return sum(tensor.nbytes for tensor in tensors)
+
+
+def read_adapter(model_dir: Path) -> Adapter:
+    """The adapter in ``model_dir``; ``ModelLoadError`` naming the problem when it is not one this server serves."""
+    from safetensors.torch import load_file
+
+    try:
+        config = json.loads((model_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+        tensors = load_file(str(model_dir / WEIGHT_FILE))
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"an adapter needs {CONFIG_FILE} and {WEIGHT_FILE}: {exc.filename} is missing") from exc
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"the adapter in {model_dir.name} cannot be read: {exc}") from exc
+    if config.get("peft_type") != "LORA":
+        raise ModelLoadError(f"peft_type {config.get('peft_type')!r} is not served: only LORA adapters are")
+    for option in UNSUPPORTED:
+        if config.get(option):
+            raise ModelLoadError(f"adapter option {option}={config[option]!r} is not served")
+    if config.get("bias", "none") != "none":
+        raise ModelLoadError(f"adapter option bias={config['bias']!r} is not served (only 'none')")
+    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    lora: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+    saved: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        path = key.removeprefix(PREFIX)
+        if ".lora_A." in path:
+            module = path.split(".lora_A.")[0]
+            up = tensors.get(f"{PREFIX}{module}.lora_B.weight")
+            if up is None:
+                raise ModelLoadError(f"the adapter has lora_A for {module} but no lora_B")
+            r, a = _pattern(ranks, module, rank), _pattern(alphas, module, alpha)
+            scaling = a / r**0.5 if config.get("use_rslora") else a / r
+            lora[module] = (tensor, up, scaling)  # (A: rank x in, B: out x rank); fan_in_fan_out is Conv1D's: refused
+        elif ".lora_B." not in path:
+            module, _, parameter = path.rpartition(".")
+            saved.setdefault(module, {})[parameter] = tensor
+    if not lora:
+        raise ModelLoadError(f"{WEIGHT_FILE} holds no LoRA matrices (keys like {PREFIX}<module>.lora_A.weight)")
+    return Adapter(TASK_TYPES.get(config.get("task_type") or ""), lora, saved)
+
+
+def _pattern(pattern: dict[str, Any], module: str, default: float) -> float:
+    """PEFT's ``rank_pattern``/``alpha_pattern``: the first key that the module's path ends with."""
+    for key, value in pattern.items():
+        if re.search(rf"(^|\.){re.escape(key)}$", module):
+            return float(value)
+    return default
+
+
+def base_directory(model_dir: Path, base_model: str | None, model_root: Path) -> Path:
+    """The adapter's base: ``base_model=`` in its ``serving.properties`` (a path under the model root, or relative to
+    the adapter), else the one directory inside the adapter's that holds a ``config.json``."""
+    if base_model is not None:
+        candidate = Path(base_model) if Path(base_model).is_absolute() else (model_dir / base_model)
+        base = candidate.resolve()
+        if not (base.is_relative_to(model_root.resolve()) or base.is_relative_to(model_dir.resolve())):
+            raise ModelLoadError(f"base_model={base_model} is outside the model root {model_root}", status=400)
+        if not (base / "config.json").is_file():
+            message = f"base_model={base_model}: no model there ({base / 'config.json'} is missing)"
+            raise ModelLoadError(message, status=400)
+        return base
+    inside = sorted(path.parent for path in model_dir.glob("*/config.json"))
+    if len(inside) != 1:
+        found = "none" if not inside else ", ".join(path.name for path in inside)
+        raise ModelLoadError(
+            f"the adapter's base is not known: set base_model=<directory> in its serving.properties, or ship the base "
+            f"as one directory inside the adapter's (found: {found})",
+            status=400,
+        )
+    return inside[0]
+
+
+class LoraLinear(torch.nn.Module):
+    """A base linear layer and the low-rank updates of the adapters that target it, picked row by row."""
+
+    def __init__(self, base: torch.nn.Linear, adapters: AdapterSet) -> None:
+        super().__init__()
+        self.base = base
+        self.adapters = adapters
+        self.updates: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result: torch.Tensor = self.base(x)
+        for index, rows in self.adapters.groups.items():
+            update = self.updates.get(index)
+            if update is not None:
+                down, up, scaling = update
+                result.index_add_(0, rows, (x.index_select(0, rows) @ down.T @ up.T) * scaling)
+        return result
+
+
+class SavedModule(torch.nn.Module):
+    """A module some adapters replace whole (a classification head): each row goes through its adapter's copy."""
+
+    def __init__(self, base: torch.nn.Module, adapters: AdapterSet) -> None:
+        super().__init__()
+        self.base = base
+        self.adapters = adapters
+        self.copies: dict[int, torch.nn.Module] = {}
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        result: torch.Tensor = self.base(x, *args, **kwargs)
+        for index, rows in self.adapters.groups.items():
+            copy = self.copies.get(index)
+            if copy is not None:
+                result.index_copy_(0, rows, copy(x.index_select(0, rows), *args, **kwargs))
+        return result
+
+
+class AdapterSet:
+    """The adapters over one base module, and which adapter each row of the pass under way uses. One pass at a
+    time: ``selecting`` holds a lock for the pass (the adapters' shared batcher runs one anyway)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.index: dict[str, int] = {}
+        self.groups: dict[int, torch.Tensor] = {}  # adapter -> the rows of the pass under way that use it
+        self.pass_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._next = 0
+        self._batcher: Any = None  # the one queue of every adapter's model (``serving/batcher.py``)
+        self._users: set[str] = set()
+
+    def add(self, name: str, adapter: Adapter) -> None:
+        """Wraps the layers the adapter targets (once per layer) and gives them its tensors, on the module's device."""
+        with self._lock:
+            modules = dict(self.module.named_modules())
+            missing = [path for path in (*adapter.lora, *adapter.saved) if path not in modules]
+            if missing:
+                names = ", ".join(missing[:5])
+                raise ModelLoadError(f"the adapter targets modules the base does not have: {names}", status=400)
+            index, self._next = self._next, self._next + 1
+            for path, (down, up, scaling) in adapter.lora.items():
+                layer = self._wrapped(path, modules, LoraLinear)
+                device, dtype = layer.base.weight.device, layer.base.weight.dtype
+                layer.updates[index] = (down.to(device, dtype), up.to(device, dtype), scaling)
+            for path, state in adapter.saved.items():
+                holder = self._wrapped(path, modules, SavedModule)
+                holder.copies[index] = _replaced(holder.base, state, path)
+            self.index[name] = index
+
+    def batcher(self, name: str, make: Callable[[], Any]) -> Any:
+        """The batcher every adapter's model submits to, made by the first (``make``)."""
+        with self._lock:
+            if self._batcher is None:
+                self._batcher = make()
+            self._users.add(name)
+            return self._batcher
+
+    def leave(self, name: str) -> None:
+        """``name``'s model is unloaded: its adapter goes, and the shared batcher with the last of them."""
+        self.remove(name)
+        with self._lock:
+            self._users.discard(name)
+            batcher, last = self._batcher, not self._users
+            if last:
+                self._batcher = None
+        if last and batcher is not None:
+            batcher.close()
+
+    def remove(self, name: str) -> int:
+        """Lets an adapter go; returns how many adapters remain."""
+        with self._lock:
+            index = self.index.pop(name, None)
+            for layer in self.module.modules():
+                if isinstance(layer, LoraLinear):
+                    layer.updates.pop(index, None)  # type: ignore[arg-type]
+                elif isinstance(layer, SavedModule):
+                    layer.copies.pop(index, None)  # type: ignore[arg-type]
+            return len(self.index)
+
+    @contextmanager
+    def selecting(self, names: list[str | None]) -> Iterator[None]:
+        """Each row of the pass in this block uses the adapter named for it (None: the base alone)."""
+        device = next(self.module.parameters()).device
+        positions: dict[int, list[int]] = {}
+        for row, name in enumerate(names):
+            if name is not None:
+                positions.setdefault(self.index[name], []).append(row)
+        with self.pass_lock:
+            self.groups = {index: torch.tensor(rows, device=device) for index, rows in positions.items()}
+            try:
+                yield
+            finally:
+                self.groups = {}
+
+    def _wrapped(self, path: str, modules: dict[str, torch.nn.Module], kind: type[Any]) -> Any:
+        layer = modules[path]
+        if isinstance(layer, kind):
+            return layer
+        if kind is LoraLinear and not isinstance(layer, torch.nn.Linear):
+            raise ModelLoadError(f"the adapter targets {path}, a {type(layer).__name__}: only Linear layers are served")
+        parent_path, _, child = path.rpartition(".")
+        wrapper = kind(layer, self)
+        setattr(modules[parent_path] if parent_path else self.module, child, wrapper)
+        modules[path] = wrapper
+        return wrapper
+
+
+def _replaced(base: torch.nn.Module, state: dict[str, torch.Tensor], path: str) -> torch.nn.Module:
+    """A copy of ``base`` holding the adapter's own state for it (same shapes, or the LOAD fails)."""
+    import copy
+
+    replacement = copy.deepcopy(base)
+    own = replacement.state_dict()
+    for key, tensor in state.items():
+        if key not in own or own[key].shape != tensor.shape:
+            expected = tuple(own[key].shape) if key in own else "nothing"
+            raise ModelLoadError(
+                f"the adapter's {path}.{key} has shape {tuple(tensor.shape)}, the base's {expected}: the base's "
+                "config.json must describe the model the adapter was trained on (num_labels, for a head)",
+                status=400,
+            )
+    replacement.load_state_dict(state, strict=False)
+    return replacement
+
+
+_SETS_LOCK = threading.Lock()
+
+
+def attach(model: Any, module: torch.nn.Module, name: str, adapter: Adapter) -> AdapterSet:
+    """Adds ``name``'s adapter to the adapter set of ``module`` (the base ``model`` holds), made on the first."""
+    with _SETS_LOCK:
+        adapters = getattr(model, "adapters", None)
+        if adapters is None:
+            adapters = AdapterSet(module)
+            model.adapters = adapters
+    adapters.add(name, adapter)
+    return adapters

@@ -1,0 +1,89 @@
+"""PEFT LoRA adapters served with no code through the real frontend: each adapter is a model of its own over one base
+loaded once, 16 clients over several adapters get what PEFT's merged model answers for their own adapter (their rows
+sharing passes over the base), a base shipped inside the adapter's directory is found, and an adapter whose base is
+missing fails its LOAD with the cause in the log."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import lora_models
+import pytest
+import torch
+from serving import RunningServer, start_server
+
+ADAPTERS = 4
+TEXTS = ["good movie", "a terrible story that nobody liked", "paris is the capital of france", "berlin"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    with start_server(tmp_path_factory.mktemp("lora")) as running:
+        base = lora_models.base(running.models / "base")
+        for index in range(ADAPTERS):
+            directory = lora_models.adapter(base, running.models / f"adapter-{index}", seed=index)
+            (directory / "serving.properties").write_text("base_model=../base\nbatch_size=8\nmax_batch_delay=20\n")
+        for index in range(ADAPTERS):
+            response = running.load(f"adapter-{index}")
+            assert response.status_code == 200, f"{response.text}\n{running.log_text()[-3000:]}"
+        yield running
+
+
+def expected(server: RunningServer, adapter: str, text: str) -> list[float]:
+    """PEFT's merged model on the text, as scores sorted by label."""
+    import transformers
+
+    model = lora_models.merged(server.models / "base", server.model_dir(adapter))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(server.models / "base"))
+    with torch.inference_mode():
+        logits = model(**tokenizer(text, return_tensors="pt")).logits[0]
+    return sorted(torch.softmax(logits, dim=-1).tolist())
+
+
+def scores(server: RunningServer, adapter: str, text: str) -> list[float]:
+    response = server.invoke(adapter, json.dumps({"inputs": text, "parameters": {"top_k": None}}))
+    assert response.status_code == 200, response.text
+    answers = response.json()
+    if answers and isinstance(answers[0], list):
+        (answers,) = answers
+    return sorted(answer["score"] for answer in answers)
+
+
+def test_sixteen_clients_over_four_adapters_each_get_their_adapters_answer(server: RunningServer) -> None:
+    names = [f"adapter-{index}" for index in range(ADAPTERS)]
+    wanted = {(name, text): expected(server, name, text) for name in names for text in TEXTS}
+    assert len({tuple(wanted[(name, TEXTS[1])]) for name in names}) == ADAPTERS  # the adapters differ
+    calls = [(name, text) for _ in range(4) for name in names for text in TEXTS]
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda call: scores(server, *call), calls))
+    for call, answer in zip(calls, answers, strict=True):
+        assert answer == pytest.approx(wanted[call], abs=1e-4), call
+
+
+def test_the_base_is_loaded_once_and_passes_mix_adapters(server: RunningServer) -> None:
+    log = server.log_text()
+    assert log.count("shares its package") >= ADAPTERS - 1, log[-3000:]  # no model_fn run for the others' base
+    passes = [line for line in log.splitlines() if "batch_size" in line and "adapter-" in line]
+    assert passes, "no adapter model said it was ready"
+
+
+def test_a_base_shipped_inside_the_adapter_is_found(server: RunningServer) -> None:
+    shipped = Path(shutil.copytree(server.model_dir("adapter-0"), server.models / "shipped"))
+    (shipped / "serving.properties").unlink()
+    lora_models.ship_base_inside(server.models / "base", shipped)
+    response = server.load("shipped")
+    assert response.status_code == 200, server.log_text()[-3000:]
+    assert scores(server, "shipped", TEXTS[0]) == pytest.approx(expected(server, "adapter-0", TEXTS[0]), abs=1e-4)
+
+
+def test_an_adapter_whose_base_is_missing_fails_its_load_with_the_cause(server: RunningServer) -> None:
+    orphan = Path(shutil.copytree(server.model_dir("adapter-1"), server.models / "orphan"))
+    (orphan / "serving.properties").write_text("base_model=../no-such-base\n")
+    response = server.load("orphan")
+    assert response.status_code >= 400
+    assert "base_model=../no-such-base: no model there" in server.log_text()
+    assert scores(server, "adapter-1", TEXTS[0]) == pytest.approx(expected(server, "adapter-1", TEXTS[0]), abs=1e-4)

@@ -1,0 +1,56 @@
+"""PEFT LoRA adapters over a tiny BERT, made here (no hub), and what PEFT itself answers with each merged in."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import hf_models
+import torch
+
+TARGETS = ("query", "value", "dense")
+
+
+def base(directory: Path, task: str = "text-classification", hidden: int = 64) -> Path:
+    return hf_models.bert(directory, task, hidden=hidden)
+
+
+def adapter(base_dir: Path, directory: Path, seed: int, rank: int = 8, **options: Any) -> Path:
+    """A LoRA adapter of ``base_dir``'s model: random B matrices (PEFT starts them at zero), and for a classifier its
+    own head (PEFT's modules_to_save), saved as PEFT saves it."""
+    import peft
+    import transformers
+
+    task_type = {"BertForSequenceClassification": "SEQ_CLS", "BertForTokenClassification": "TOKEN_CLS"}
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(str(base_dir))
+    config = peft.LoraConfig(
+        task_type=task_type[type(model).__name__],
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=list(TARGETS),
+        **options,
+    )
+    wrapped = peft.get_peft_model(model, config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in wrapped.named_parameters():
+            if "lora_" in name or "modules_to_save" in name:
+                parameter.normal_(0, 0.5)
+    wrapped.save_pretrained(str(directory))
+    (directory / "README.md").unlink(missing_ok=True)
+    return directory
+
+
+def merged(base_dir: Path, adapter_dir: Path) -> Any:
+    """PEFT's own model with the adapter merged into the base: the reference every answer is compared with."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(str(base_dir))
+    return peft.PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload().eval()
+
+
+def ship_base_inside(base_dir: Path, adapter_dir: Path) -> None:
+    """The base as a directory inside the adapter's: what one archive holding both unpacks to."""
+    shutil.copytree(base_dir, adapter_dir / "base")
