@@ -112,6 +112,19 @@ class RunningServer:
         return model_tree(self.descendants(), model_name)
 
 
+def host_memory_bytes(server: RunningServer) -> dict[str, float]:
+    """``mme_model_host_memory_bytes`` by model, as the metrics endpoint says now."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(server.metrics_url, timeout=10).text
+    return {
+        sample.labels["model"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "mme_model_host_memory_bytes"
+    }
+
+
 def invoke_many(server: RunningServer, name: str, body: str, count: int, clients: int = 8) -> list[dict[str, Any]]:
     """``count`` invocations from ``clients`` threads at once; every answer must be 200. Returns the JSON bodies."""
     with ThreadPoolExecutor(clients) as pool:

@@ -70,17 +70,32 @@ class DeviceTensors:
         self._watch(module, owner)
         return sum(borrowed.values())
 
+    def join(self, owner: str, places: list[Location]) -> None:
+        """``owner`` uses the tensors already here at ``places`` too (the very model another one unpacked)."""
+        with self._lock:
+            for place in places:
+                held = self._held.get(place)
+                if held is not None:
+                    held.owners.add(owner)
+
     def check_writes(self, owner: str) -> None:
         """Raises ``SharedWeightWritten`` (and undoes the write) when ``owner`` wrote in place to a shared tensor."""
         watched = self._watched.get(owner, [])
-        written = [(tensor, place) for tensor, version, place in watched if tensor._version != version]
+        changed = [place for tensor, version, place in watched if tensor._version != version]
+        if not changed:
+            return
+        written = []
+        with torch.no_grad(), self._lock:
+            for place in changed:
+                held = self._held.get(place)
+                if held is not None and len(held.owners) > 1:
+                    held.storage.copy_(held.source)
+                    written.append(place)
+                elif held is not None:  # its own alone: it keeps its change, and a later model gets a fresh copy
+                    del self._held[place]
+        self._watched[owner] = [(tensor, tensor._version, place) for tensor, _, place in watched if place in self._held]
         if not written:
             return
-        with torch.no_grad(), self._lock:
-            for _, place in written:
-                held = self._held[place]
-                held.storage.copy_(held.source)
-        self._watched[owner] = [(tensor, tensor._version, place) for tensor, _, place in watched]
         raise SharedWeightWritten(
             f"model {owner} wrote in place to {len(written)} weight tensor(s) it shares with other models; they were "
             "put back and this request failed. Set share_weights=false in its serving.properties if it must write "

@@ -127,12 +127,12 @@ class DeviceHost:
                 if package is not None:
                     handler.transformer.adopt(context, lambda: self._unpack(model, package))
                 handler.attach(context)
-            if model.borrowed_device_bytes and self.shared is not None:
+            if self.shared is not None:
                 handler.transformer.after_forward = lambda: self.shared.check_writes(spec.name)
             start_batching(spec, self.config, loaded)
             for thread in handler.transformer.batcher_threads:
                 self.board.work_for(model.slot, thread.ident)
-            self._record_memory(model, handler.transformer.model)
+            self._record_memory(model, handler.transformer)
         except LoadFailure as failure:
             model.failure = failure
         except BaseException as exc:  # noqa: BLE001 - boundary: user code's sys.exit too fails this LOAD alone
@@ -172,6 +172,9 @@ class DeviceHost:
             model = self._unpacked.get(identity)
         if model is not None:
             logger.info("model=%s takes the model its package already gave this host (one copy)", name)
+            hosted.borrows_all = True
+            if self.shared is not None:  # its tensors on the card stay while it uses them, whoever brought them
+                self.shared.join(name, [(package.segment_ids[blob.segment], blob.offset) for blob in package.blobs])
             return model
         unpacked = unpack(package)
         model, module = unpacked.model, module_of(unpacked.model)
@@ -207,12 +210,18 @@ class DeviceHost:
         model.connections.add(connection)
         threading.Thread(target=self._serve_connection, args=(model, connection), daemon=True).start()
 
-    def _record_memory(self, model: HostedModel, placed: Any) -> None:
-        """What the model's LOAD added: a tensor held for another model first is that model's (counted once)."""
-        host_bytes, device_bytes = tensor_bytes(placed)
-        metrics.record_host_bytes(model.series, max(0, host_bytes - model.borrowed_host_bytes))
+    def _record_memory(self, model: HostedModel, loaded: Any) -> None:
+        """What the model's LOAD added: a tensor held for another model first is that model's (counted once); a
+        LoRA adapter's own tensors are its own."""
+        host_bytes, device_bytes = (0, 0) if model.borrows_all else tensor_bytes(loaded.model)
+        host_bytes, device_bytes = host_bytes - model.borrowed_host_bytes, device_bytes - model.borrowed_device_bytes
+        if self.ordinal is None:
+            host_bytes += loaded.adapter_bytes
+        else:
+            device_bytes += loaded.adapter_bytes
+        metrics.record_host_bytes(model.series, max(0, host_bytes))
         if self.gpu is not None and devices.cuda_initialized():
-            metrics.record_device_bytes(str(self.gpu), max(0, device_bytes - model.borrowed_device_bytes))
+            metrics.record_device_bytes(str(self.gpu), max(0, device_bytes))
 
     def _serve_connection(self, model: HostedModel, connection: socket.socket) -> None:
         assert model.loaded is not None

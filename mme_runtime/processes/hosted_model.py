@@ -37,6 +37,7 @@ class HostedModel:
     loading: threading.Thread | None = None
     borrowed_host_bytes: int = 0  # its tensors in host memory that another model brought (held once, theirs)
     borrowed_device_bytes: int = 0  # the same on its GPU
+    borrows_all: bool = False  # it took the very model another one here unpacked (one package: all of it theirs)
 
 
 def model_handler(

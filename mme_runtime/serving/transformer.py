@@ -56,6 +56,11 @@ class Transformer(RequestPipeline):
         return self._model
 
     @property
+    def adapter_bytes(self) -> int:
+        """A LoRA adapter's own tensors (its base's are the base package's)."""
+        return 0 if self._adapter is None else self._adapter.nbytes
+
+    @property
     def settings(self) -> ServingSettings:
         return self._settings
 

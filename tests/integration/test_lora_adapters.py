@@ -14,7 +14,7 @@ from pathlib import Path
 import lora_models
 import pytest
 import torch
-from serving import RunningServer, start_server
+from serving import RunningServer, host_memory_bytes, start_server, wait_until
 
 ADAPTERS = 4
 TEXTS = ["good movie", "a terrible story that nobody liked", "paris is the capital of france", "berlin"]
@@ -69,6 +69,19 @@ def test_the_base_is_loaded_once_and_passes_mix_adapters(server: RunningServer) 
     assert log.count("shares its package") >= ADAPTERS - 1, log[-3000:]  # no model_fn run for the others' base
     passes = [line for line in log.splitlines() if "batch_size" in line and "adapter-" in line]
     assert passes, "no adapter model said it was ready"
+
+
+def test_the_base_counts_once_and_each_adapter_its_own_tensors(server: RunningServer) -> None:
+    from safetensors.torch import load_file
+
+    assert wait_until(lambda: len(host_memory_bytes(server)) >= ADAPTERS, timeout=30)
+    memory = host_memory_bytes(server)
+    adapter_bytes = sum(
+        t.nbytes for t in load_file(str(server.model_dir("adapter-1") / "adapter_model.safetensors")).values()
+    )
+    counted = sorted(memory[f"adapter-{index}"] for index in range(ADAPTERS))
+    assert counted[0] == counted[ADAPTERS - 2] == pytest.approx(adapter_bytes, rel=0.01), memory  # all but one
+    assert counted[-1] > 5 * adapter_bytes  # the one that brought the base counts it
 
 
 def test_a_base_shipped_inside_the_adapter_is_found(server: RunningServer) -> None:

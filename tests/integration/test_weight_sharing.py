@@ -13,10 +13,8 @@ from pathlib import Path
 
 import hf_models
 import pytest
-import requests
 import torch
-from prometheus_client.parser import text_string_to_metric_families
-from serving import RunningServer, start_server, wait_until
+from serving import RunningServer, host_memory_bytes, start_server, wait_until
 
 FINE_TUNES = 4
 TEXTS = ["good movie", "a terrible story that nobody liked", "paris is the capital of france", "berlin"]
@@ -69,17 +67,6 @@ def sorted_scores(answers: list) -> list[float]:
     return sorted(answer["score"] for answer in answers)
 
 
-def host_bytes(server: RunningServer) -> dict[str, float]:
-    """``mme_model_host_memory_bytes`` by model."""
-    text = requests.get(server.metrics_url, timeout=10).text
-    return {
-        sample.labels["model"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "mme_model_host_memory_bytes"
-    }
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     with start_server(tmp_path_factory.mktemp("sharing")) as running:
@@ -114,8 +101,8 @@ def test_each_fine_tune_answers_as_itself_under_sixteen_clients(server: RunningS
 def test_a_fine_tune_holds_only_what_differs_from_the_base(server: RunningServer) -> None:
     log = server.log_text()
     assert log.count("are held once for several models") >= FINE_TUNES - 1, log[-3000:]
-    assert wait_until(lambda: len(host_bytes(server)) >= FINE_TUNES + 1, timeout=30)
-    memory = host_bytes(server)
+    assert wait_until(lambda: len(host_memory_bytes(server)) >= FINE_TUNES + 1, timeout=30)
+    memory = host_memory_bytes(server)
     whole = memory["own-copy"]  # opted out: every tensor its own
     assert memory["tune-0"] == pytest.approx(whole, rel=0.01)  # it brought the base: the base counts for it
     for index in range(1, FINE_TUNES):

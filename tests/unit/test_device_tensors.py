@@ -80,3 +80,15 @@ def test_the_module_of_a_model_is_what_placement_moves() -> None:
         model = linear
 
     assert module_of(linear) is linear and module_of(Wrapped()) is linear and module_of({"a": 1}) is None
+
+
+def test_a_write_to_a_tensor_no_one_else_uses_is_kept_and_never_lent(packages: tuple[Package, Package]) -> None:
+    tensors = DeviceTensors(torch.device("cpu"))
+    a, _ = placed(tensors, packages[0], "a")
+    with torch.no_grad():
+        a[0].weight.add_(1.0)  # a's alone so far: a keeps its change
+    tensors.check_writes("a")
+    b, borrowed = placed(tensors, packages[1], "b")
+    assert borrowed == 0  # b gets the weight as it is in host memory, not a's changed copy
+    torch.testing.assert_close(b[0].weight, fine_tune(2)[0].weight)
+    assert a[0].weight.data_ptr() != b[0].weight.data_ptr()
