@@ -54,3 +54,66 @@ def merged(base_dir: Path, adapter_dir: Path) -> Any:
 def ship_base_inside(base_dir: Path, adapter_dir: Path) -> None:
     """The base as a directory inside the adapter's: what one archive holding both unpacks to."""
     shutil.copytree(base_dir, adapter_dir / "base")
+
+
+MLP_SCRIPT = """\
+import torch
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 64)
+        self.fc2 = torch.nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def model_fn(model_dir):
+    model = MLP()
+    model.load_state_dict(torch.load(f"{model_dir}/model.pth"))
+    return model
+"""
+
+
+def mlp_base(directory: Path) -> Path:
+    """A plain PyTorch base: a state dict and the inference.py whose model_fn builds the module."""
+    (directory / "code").mkdir(parents=True)
+    (directory / "code" / "inference.py").write_text(MLP_SCRIPT)
+    torch.manual_seed(0)
+    torch.save(_mlp_module(directory).state_dict(), directory / "model.pth")
+    return directory
+
+
+def _mlp_module(base_dir: Path) -> torch.nn.Module:
+    namespace: dict[str, Any] = {}
+    exec(compile((base_dir / "code" / "inference.py").read_text(), "inference.py", "exec"), namespace)  # noqa: S102
+    model: torch.nn.Module = namespace["MLP"]()
+    weights = base_dir / "model.pth"
+    if weights.is_file():
+        model.load_state_dict(torch.load(weights))
+    return model.eval()
+
+
+def mlp_adapter(base_dir: Path, directory: Path, seed: int) -> Path:
+    """A LoRA adapter of the plain module, as PEFT saves one (no task type)."""
+    import peft
+
+    wrapped = peft.get_peft_model(
+        _mlp_module(base_dir), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["fc1", "fc2"])
+    )
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in wrapped.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(0, 0.5)
+    wrapped.save_pretrained(str(directory))
+    (directory / "README.md").unlink(missing_ok=True)
+    return directory
+
+
+def mlp_merged(base_dir: Path, adapter_dir: Path) -> torch.nn.Module:
+    import peft
+
+    return peft.PeftModel.from_pretrained(_mlp_module(base_dir), str(adapter_dir)).merge_and_unload().eval()

@@ -19,7 +19,7 @@ from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
 from mme_runtime.models import hf_loading, lora
 from mme_runtime.models.loading import ModelSpec
-from mme_runtime.models.model_cache import Key, key_for, model_file
+from mme_runtime.models.model_cache import MODEL_FILES, Key, key_for, model_file
 from mme_runtime.models.model_package import Package
 from mme_runtime.models.serving_properties import read_settings
 from mme_runtime.operations import metrics
@@ -88,12 +88,16 @@ class PackageCache:
 
 
 def _base_key(adapter_dir: Path, config: Config) -> Key | None:
-    """An adapter's base weights, with the adapter's task: adapters of one base for one task take one package."""
+    """An adapter's base weights, with the adapter's task and the base's own script (a plain PyTorch base is what
+    its ``model_fn`` makes of its files): adapters of one base for one task take one package."""
     settings = read_settings(adapter_dir, config)
     base = lora.base_directory(adapter_dir, settings.base_model, config.model_root)
-    weights = next((base / name for name in hf_loading.WEIGHT_FILES if (base / name).is_file()), None)
+    names = (*hf_loading.WEIGHT_FILES, *MODEL_FILES)
+    weights = next((base / name for name in names if (base / name).is_file()), None)
     if weights is None:
         return None
     path, size, modified = key_for(weights)
     task = settings.task or json.loads((adapter_dir / lora.CONFIG_FILE).read_text()).get("task_type")
-    return (f"{path}#{task}", size, modified)
+    script = base / "code" / config.program
+    code = key_for(script) if script.is_file() else None
+    return (f"{path}#{task}#{code}", size, modified)

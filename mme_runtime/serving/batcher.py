@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,19 +67,23 @@ def run_batch(
     batch_context: Any,
     retry_in_halves: Callable[[BaseException], bool],
     before_retry: Callable[[], None] = lambda: None,
+    around: Callable[[list[Job]], AbstractContextManager[Any]] = lambda jobs: nullcontext(),
 ) -> None:
     """One ``predict`` call for ``jobs`` (collated), each job getting its rows of the prediction or the error.
 
     A lone job's ``predict`` gets its own request; a batch's gets ``batch_context`` (the model's, with no request's
     headers).
     ``retry_in_halves`` says whether a batch that failed with an error is run again in two halves; ``before_retry``
-    runs first (freeing cached device memory, say), once the failed pass's frames are gone.
+    runs first (freeing cached device memory, say), once the failed pass's frames are gone. ``around(jobs)`` holds
+    each ``predict`` call (the rows of a pass over LoRA adapters, ``lora_layers.py``).
     """
     try:
         if len(jobs) == 1:
-            jobs[0].result = predict(jobs[0].data, jobs[0].request)
+            with around(jobs):
+                jobs[0].result = predict(jobs[0].data, jobs[0].request)
             return
-        prediction = predict(collate([job.data for job in jobs]), batch_context)
+        with around(jobs):
+            prediction = predict(collate([job.data for job in jobs]), batch_context)
         for job, part in zip(jobs, split(prediction, [job.rows for job in jobs]), strict=True):
             job.result = part
         return
@@ -95,12 +100,12 @@ def run_batch(
     # Retried outside the handler, so the failed pass's frames (and their tensors) are already released.
     before_retry()
     half = len(jobs) // 2
-    run_batch(jobs[:half], predict, batch_context, retry_in_halves, before_retry)
-    run_batch(jobs[half:], predict, batch_context, retry_in_halves, before_retry)
+    run_batch(jobs[:half], predict, batch_context, retry_in_halves, before_retry, around)
+    run_batch(jobs[half:], predict, batch_context, retry_in_halves, before_retry, around)
 
 
 def run_by_first(jobs: list[Job]) -> None:
-    """A pass run by the model of its first job: what a batcher several models share runs (``lora.py``)."""
+    """A pass run by the model of its first job: what a batcher several models share runs (``lora_layers.py``)."""
     assert jobs[0].run_by is not None
     jobs[0].run_by(jobs)
 

@@ -50,6 +50,8 @@ class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
         self._grad_enabled: bool | None = None
         # Called after each forward pass; what it raises fails the pass's requests (a write to shared weights).
         self.after_forward: Callable[[], None] | None = None
+        # LoRA adapters over a plain module (``lora_layers.py``): each job's rows use its own model's adapter.
+        self.row_adapters: Any = None
 
     def transform(self, data: list[Any], context: Any) -> list[bytes]:
         """Answers one message's requests (MMS's ``context`` is this message's own); safe from many threads."""
@@ -152,15 +154,28 @@ class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
                 for job in jobs:
                     job.result, job.error = None, exc
 
+    def _selecting(self, jobs: list[Job]) -> AbstractContextManager[Any]:
+        """The rows of a pass over adapters: a lone job's are all its model's; a batch's, each job's own."""
+        adapters = self.row_adapters
+        if adapters is None:
+            return nullcontext()
+        selected: AbstractContextManager[Any]
+        if len(jobs) == 1:
+            selected = adapters.selecting_all(jobs[0].request.context.model_name)
+        else:
+            selected = adapters.selecting([job.request.context.model_name for job in jobs for _ in range(job.rows)])
+        return selected
+
     def _run_jobs_here(self, jobs: list[Job]) -> None:
         if self._contract.answers_whole:
             for job in jobs:
                 try:
-                    job.result = self._contract.call("transform_fn", job.request.context, self._model, *job.data)
+                    with self._selecting([job]):
+                        job.result = self._contract.call("transform_fn", job.request.context, self._model, *job.data)
                 except Exception as exc:  # request boundary
                     job.error = exc
             return
-        run_batch(jobs, self._predict, self._context, _retry_in_halves, release_cached_device_memory)
+        run_batch(jobs, self._predict, self._context, _retry_in_halves, release_cached_device_memory, self._selecting)
 
     def _predict(self, data: Any, request: Request | InferenceContext) -> Any:
         """``predict_fn`` with a lone request's own context, or the model's for a batch."""

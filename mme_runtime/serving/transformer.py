@@ -22,7 +22,7 @@ import torch
 
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
-from mme_runtime.models import lora
+from mme_runtime.models import lora, lora_layers
 from mme_runtime.models.compiling import compile_model
 from mme_runtime.models.serving_properties import ServingSettings, read_settings
 from mme_runtime.models.user_code import USER_MODULE_PREFIX, load_user_code
@@ -50,6 +50,7 @@ class Transformer(RequestPipeline):
         self._code_dir: Path | None = None
         self._user_modules: dict[str, ModuleType] = {}
         self._adapter: lora.Adapter | None = None  # a LoRA adapter's directory: attached over its base when placed
+        self._source_dir: Path | None = None  # where model_fn and the code come from: the model's, or its base's
 
     @property
     def model(self) -> Any:
@@ -69,8 +70,9 @@ class Transformer(RequestPipeline):
         context = InferenceContext(mms_context, device)
         started = time.monotonic()
         self._prepare(context)
-        self._contract.run_load_step("pre_model_fn", context, context.model_dir)
-        self._model = self._contract.run_load_step("model_fn", context, context.model_dir)
+        source = str(self._source_dir or context.model_dir)
+        self._contract.run_load_step("pre_model_fn", context, source)
+        self._model = self._contract.run_load_step("model_fn", context, source)
         self._loaded = True
         logger.info("model=%s loaded seconds=%.2f", context.model_name, time.monotonic() - started)
 
@@ -93,16 +95,31 @@ class Transformer(RequestPipeline):
             self._settings = read_settings(model_dir, config)
         except ModelLoadError as exc:
             raise load_failure(context.model_name, "reading serving settings", exc) from exc
-        code_dir, user = load_user_code(context.model_name, model_dir, config)
+        self._source_dir, plain_adapter = self._adapter_base(context, model_dir)
+        code_dir, user = load_user_code(context.model_name, self._source_dir, config)
         self._user_modules = {
             name: sys.modules[name]
             for name in {function.function.__module__ for function in user.values()}
             if name.startswith(USER_MODULE_PREFIX) and name in sys.modules
         }
-        defaults = self._defaults_for(context, model_dir, user)
+        defaults = self._defaults_for(context, self._source_dir if plain_adapter else model_dir, user)
         self._contract = Contract.bind(defaults, user)
-        self._adapter = None if "model_fn" in user else getattr(defaults, "adapter", None)
+        self._adapter = plain_adapter or (None if "model_fn" in user else getattr(defaults, "adapter", None))
         self._code_dir = code_dir
+
+    def _adapter_base(self, context: InferenceContext, model_dir: Path) -> tuple[Path, lora.Adapter | None]:
+        """Where the model's code and ``model_fn`` come from: its own directory, or for a LoRA adapter over a plain
+        PyTorch base (a ``code/inference.py`` of its own), that base's, with the adapter (a Hugging Face base is the
+        Hugging Face defaults' to load: ``hf_defaults.py``)."""
+        if not lora.is_adapter_directory(model_dir):
+            return model_dir, None
+        try:
+            base = lora.base_directory(model_dir, self._settings.base_model, self._config.model_root)
+            if hf_defaults.serves(base):
+                return model_dir, None
+            return base, lora.read_adapter(model_dir)
+        except ModelLoadError as exc:
+            raise load_failure(context.model_name, "reading the LoRA adapter", exc) from exc
 
     def _defaults_for(self, context: InferenceContext, model_dir: Path, user: Mapping[str, Any]) -> Any:
         """The PyTorch defaults, or a Hugging Face model's where the directory is one and user code leaves a
@@ -133,7 +150,10 @@ class Transformer(RequestPipeline):
         try:
             self._model = place_model(self._model, device)
             if self._adapter is not None:
-                lora.attach(self._model, self._model.model, self._context.model_name, self._adapter)
+                module = self._model if isinstance(self._model, torch.nn.Module) else self._model.model
+                adapters = lora_layers.attach(self._model, module, self._context.model_name, self._adapter)
+                if self._source_dir != Path(self._context.model_dir):  # a plain module: its rows picked per job
+                    self.row_adapters = adapters
         except Exception as exc:  # boundary: a model that cannot be placed fails the executor's LOAD
             raise load_failure(self._context.model_name, "placing the model", exc) from exc
         if self._settings.compile:

@@ -100,3 +100,33 @@ def test_an_adapter_whose_base_is_missing_fails_its_load_with_the_cause(server: 
     assert response.status_code >= 400
     assert "base_model=../no-such-base: no model there" in server.log_text()
     assert scores(server, "adapter-1", TEXTS[0]) == pytest.approx(expected(server, "adapter-1", TEXTS[0]), abs=1e-4)
+
+
+def test_adapters_of_a_plain_pytorch_module_share_its_passes_and_answer_as_peft_merged(server: RunningServer) -> None:
+    base = lora_models.mlp_base(server.models / "mlp")
+    names = [f"mlp-adapter-{index}" for index in range(ADAPTERS)]
+    for index, name in enumerate(names):
+        directory = lora_models.mlp_adapter(base, server.models / name, seed=index)
+        (directory / "serving.properties").write_text("base_model=../mlp\nbatch_size=8\nmax_batch_delay=20\n")
+        response = server.load(name)
+        assert response.status_code == 200, server.log_text()[-3000:]
+    torch.manual_seed(3)
+    inputs = [torch.randn(2, 16) for _ in range(4)]
+    with torch.inference_mode():
+        wanted = {
+            (name, index): lora_models.mlp_merged(base, server.model_dir(name))(x)
+            for name in names
+            for index, x in enumerate(inputs)
+        }
+    calls = [(name, index) for _ in range(4) for name in names for index in range(len(inputs))]
+
+    def answer(call: tuple[str, int]) -> list[list[float]]:
+        response = server.invoke(call[0], json.dumps(inputs[call[1]].tolist()))
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(answer, calls))
+    for call, got in zip(calls, answers, strict=True):
+        torch.testing.assert_close(torch.tensor(got), wanted[call], atol=1e-4, rtol=0)
+    assert server.log_text().count("model=mlp-adapter-") and "shares its package" in server.log_text()
