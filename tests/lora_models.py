@@ -16,7 +16,9 @@ def base(directory: Path, task: str = "text-classification", hidden: int = 64) -
     return hf_models.bert(directory, task, hidden=hidden)
 
 
-def adapter(base_dir: Path, directory: Path, seed: int, rank: int = 8, **options: Any) -> Path:
+def adapter(
+    base_dir: Path, directory: Path, seed: int, rank: int = 8, targets: tuple[str, ...] = TARGETS, **options: Any
+) -> Path:
     """A LoRA adapter of ``base_dir``'s model: random B matrices (PEFT starts them at zero), and for a classifier its
     own head (PEFT's modules_to_save), saved as PEFT saves it."""
     import peft
@@ -28,7 +30,7 @@ def adapter(base_dir: Path, directory: Path, seed: int, rank: int = 8, **options
         task_type=task_type[type(model).__name__],
         r=rank,
         lora_alpha=2 * rank,
-        target_modules=list(TARGETS),
+        target_modules=list(targets),
         **options,
     )
     wrapped = peft.get_peft_model(model, config)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
 
 CONFIG_FILE = "adapter_config.json"
@@ -101,14 +102,20 @@ def _pattern(pattern: dict[str, Any], module: str, default: float) -> float:
     return default
 
 
-def base_directory(model_dir: Path, base_model: str | None, model_root: Path) -> Path:
+def base_root(config: Config) -> Path | None:
+    """Where a base may be: under the model root, as the model itself must be (None: anywhere, as LOAD allows)."""
+    return None if config.allow_any_model_location or not config.multi_model else config.model_root
+
+
+def base_directory(model_dir: Path, base_model: str | None, model_root: Path | None) -> Path:
     """The adapter's base: ``base_model=`` in its ``serving.properties`` (a path under the model root, or relative to
     the adapter), else the one directory inside the adapter's that holds a model (a Hugging Face ``config.json``,
     or a PyTorch ``model.pt``/``model.pth`` with the ``code/`` that builds it)."""
     if base_model is not None:
         candidate = Path(base_model) if Path(base_model).is_absolute() else (model_dir / base_model)
         base = candidate.resolve()
-        if not (base.is_relative_to(model_root.resolve()) or base.is_relative_to(model_dir.resolve())):
+        inside = model_root is None or base.is_relative_to(model_root.resolve())
+        if not (inside or base.is_relative_to(model_dir.resolve())):
             raise ModelLoadError(f"base_model={base_model} is outside the model root {model_root}", status=400)
         if not _holds_model(base):
             message = f"base_model={base_model}: no model there (no config.json, model.pt or model.pth in {base})"

@@ -91,7 +91,7 @@ def _base_key(adapter_dir: Path, config: Config) -> Key | None:
     """An adapter's base weights, with the adapter's task and the base's own script (a plain PyTorch base is what
     its ``model_fn`` makes of its files): adapters of one base for one task take one package."""
     settings = read_settings(adapter_dir, config)
-    base = lora.base_directory(adapter_dir, settings.base_model, config.model_root)
+    base = lora.base_directory(adapter_dir, settings.base_model, lora.base_root(config))
     names = (*hf_loading.WEIGHT_FILES, *MODEL_FILES)
     weights = next((base / name for name in names if (base / name).is_file()), None)
     if weights is None:
