@@ -114,8 +114,8 @@ def base_directory(model_dir: Path, base_model: str | None, model_root: Path | N
     if base_model is not None:
         candidate = Path(base_model) if Path(base_model).is_absolute() else (model_dir / base_model)
         base = candidate.resolve()
-        inside = model_root is None or base.is_relative_to(model_root.resolve())
-        if not (inside or base.is_relative_to(model_dir.resolve())):
+        allowed = model_root is None or base.is_relative_to(model_root.resolve())
+        if not (allowed or base.is_relative_to(model_dir.resolve())):
             raise ModelLoadError(f"base_model={base_model} is outside the model root {model_root}", status=400)
         if not _holds_model(base):
             message = f"base_model={base_model}: no model there (no config.json, model.pt or model.pth in {base})"
