@@ -131,7 +131,7 @@ class AdapterSet:
         device = next(self.module.parameters()).device
         positions: dict[int, list[int]] = {}
         for row, name in enumerate(names):
-            if name is not None:
+            if name in self.index:  # None (the base alone), or an adapter unloaded under its request
                 positions.setdefault(self.index[name], []).append(row)
         with self.pass_lock:
             self.groups = {index: torch.tensor(rows, device=device) for index, rows in positions.items()}
@@ -144,7 +144,7 @@ class AdapterSet:
     def selecting_all(self, name: str) -> Iterator[None]:
         """Every row of the pass in this block uses ``name``'s adapter."""
         with self.pass_lock:
-            self.groups = {self.index[name]: None}
+            self.groups = {self.index[name]: None} if name in self.index else {}
             try:
                 yield
             finally:

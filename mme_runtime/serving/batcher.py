@@ -143,6 +143,16 @@ class Batcher:
             if thread is not threading.current_thread():
                 thread.join()
 
+    def withdraw(self, run_by: Callable[[list[Job]], None]) -> None:
+        """Answers the queued jobs of one model that leaves a shared batcher (its UNLOAD) with an error, so that no
+        pass of the others runs them through a model that is gone."""
+        with self._ready:
+            leaving = [job for job in self._queue if job.run_by == run_by]
+            self._queue = deque(job for job in self._queue if job.run_by != run_by)
+        for job in leaving:
+            job.error = RuntimeError("the model was unloaded")
+            job.done.set()
+
     def submit(self, jobs: list[Job]) -> None:
         """Queues ``jobs`` (one message's requests) and returns once each has its result or error."""
         if not jobs:

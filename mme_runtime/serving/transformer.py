@@ -197,6 +197,8 @@ class Transformer(RequestPipeline):
         """Lets go of the model (its UNLOAD in a device host): the batcher's threads end, the user module goes."""
         adapters = getattr(self._model, "adapters", None)
         if adapters is not None and self._context is not None:
+            if self._batcher is not None:
+                self._batcher.withdraw(self._run_jobs)
             adapters.leave(self._context.model_name)  # its adapter goes; the shared batcher with the last one
         elif self._batcher is not None:
             self._batcher.close()

@@ -207,3 +207,37 @@ def test_a_request_after_close_is_answered_with_an_error_not_held() -> None:
     request = job(torch.ones(1, 2))
     batcher.submit([request])  # returns at once
     assert isinstance(request.error, RuntimeError) and "unloaded" in str(request.error)
+
+
+def test_a_model_leaving_a_shared_batcher_takes_its_queued_jobs_and_no_others() -> None:
+    """Adapters of one base share a batcher: the UNLOAD of one answers its queued jobs, the others still run."""
+    release = threading.Event()
+    ran: list[str] = []
+
+    def runner(owner: str) -> Any:
+        def run(jobs: list[Job]) -> None:
+            release.wait(5)
+            for each in jobs:
+                ran.append(owner)
+                each.result = each.data
+
+        return run
+
+    staying, leaving = runner("staying"), runner("leaving")
+    batcher = Batcher(lambda jobs: jobs[0].run_by(jobs), 1, 0, "shared")  # type: ignore[misc]
+    jobs = [job(torch.ones(1, 2)) for _ in range(3)]
+    for each, run_by in zip(jobs, (staying, leaving, staying), strict=True):
+        each.run_by = run_by
+    threads = [threading.Thread(target=batcher.submit, args=([each],)) for each in jobs]
+    threads[0].start()
+    time.sleep(0.2)  # the first is running (held); the others queue behind it
+    threads[1].start()
+    threads[2].start()
+    time.sleep(0.2)
+    batcher.withdraw(leaving)
+    release.set()
+    for thread in threads:
+        thread.join(5)
+    batcher.close()
+    assert str(jobs[1].error) == "the model was unloaded" and jobs[1].result is None
+    assert ran == ["staying", "staying"]
