@@ -54,7 +54,7 @@ TEST_IMAGE_ARGS ?=
 test-image: install
 	$(BIN)/python scripts/test-image $(TEST_IMAGE_ARGS)
 
-# The benchmarks (benchmarks/__main__.py), all seven by default (minutes each). BENCH_ARGS='stock --write-docs' runs one
+# The benchmarks (benchmarks/__main__.py), all eight by default (minutes each). BENCH_ARGS='stock --write-docs' runs one
 # and writes its tables into docs/benchmarks.md; BENCH_ARGS='handler -- --requests 300' passes options to one.
 BENCH_ARGS ?=
 

@@ -145,3 +145,18 @@ def png(seed: int, size: int = 48) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def fine_tune(base: Path, directory: Path, seed: int) -> Path:
+    """``base`` (a text classifier) with its classifier head drawn anew: every other tensor is the base's, byte for
+    byte, in files of its own."""
+    transformers = _transformers()
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(str(base))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.classifier.weight.normal_(0, 1)
+        model.classifier.bias.normal_(0, 1)
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(base / name, directory / name)
+    return directory

@@ -5,7 +5,6 @@ base leaves the others whole, a write in place stays in the model that made it, 
 from __future__ import annotations
 
 import json
-import shutil
 import textwrap
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -38,21 +37,6 @@ WRITER = READER.replace("        return model(data)", "        model.weight.mul_
 assert WRITER != READER
 
 
-def fine_tune(base: Path, directory: Path, seed: int) -> Path:
-    """``base`` with its classifier head drawn anew: every other tensor is the base's, byte for byte."""
-    import transformers
-
-    model = transformers.BertForSequenceClassification.from_pretrained(str(base))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.classifier.weight.normal_(0, 1)
-        model.classifier.bias.normal_(0, 1)
-    model.save_pretrained(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(base / name, directory / name)
-    return directory
-
-
 def expected_scores(model_dir: Path, text: str) -> list[float]:
     import transformers
 
@@ -72,8 +56,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     with start_server(tmp_path_factory.mktemp("sharing")) as running:
         base = hf_models.bert(tmp_path_factory.mktemp("base") / "base", hidden=128)
         for index in range(FINE_TUNES):
-            fine_tune(base, running.models / f"tune-{index}", seed=index + 1)
-        opted_out = fine_tune(base, running.models / "own-copy", seed=99)
+            hf_models.fine_tune(base, running.models / f"tune-{index}", seed=index + 1)
+        opted_out = hf_models.fine_tune(base, running.models / "own-copy", seed=99)
         (opted_out / "serving.properties").write_text("share_weights=false\n")
         for name in (*(f"tune-{index}" for index in range(FINE_TUNES)), "own-copy"):
             response = running.load(name)

@@ -1,0 +1,130 @@
+"""Fine-tunes of one base that differ only in their head: their memory with weights shared and not, what hashing
+costs a LOAD, and the memory left after every model is unloaded.
+
+Part of the ``sharing`` benchmark (``benchmarks/sharing.py`` prints its table). The base is a BERT-shaped classifier
+of about 110 MB (4 layers, hidden 768, random weights) saved with ``save_pretrained``; each of ``--fine-tunes``
+copies (real copies: other files, the same bytes) has its classifier head drawn anew. Stacks, in one run:
+  sharing on    this server as it ships
+  sharing off   ``MME_SHARE_WEIGHTS=false``: no tensor is hashed or held once
+Measured per stack: the server tree's PSS (with the shared-memory files it holds unmapped) after the first fine-tune
+and after the others, per extra fine-tune; the memory with none loaded (after two fine-tunes' LOAD and UNLOAD, so
+both CPU device hosts run and transformers is imported) against after the LOAD and UNLOAD of all of them; and LOAD
+to the first answer of a model of about 500 MB (15 layers, hidden 1024), the median of 3 fresh copies, each unloaded
+before the next (nothing held that its tensors could match).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import hf_models
+from safetensors.torch import load_file
+
+from benchmarks.benchlib import BASELINE_MODELS, Server, our_server, serve
+from benchmarks.hugging_face import load_until_first_answer
+
+
+def progress(message: str) -> None:
+    print(f"[sharing] {message}", file=sys.stderr, flush=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fine-tunes", type=int, default=20, help="fine-tunes of the 110 MB base")
+    parser.add_argument("--large-loads", type=int, default=3, help="LOADs of the 500 MB model per stack")
+
+
+def head_bytes(model_dir: Path) -> int:
+    """The bytes of a fine-tune's classifier, its only tensors of its own."""
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    return sum(tensor.nbytes for name, tensor in tensors.items() if name.startswith("classifier."))
+
+
+def linked(source: Path, dest: Path) -> Path:
+    dest.mkdir(parents=True)
+    for path in source.iterdir():
+        os.link(path, dest / path.name)
+    return dest
+
+
+def fine_tunes_memory(server: Server, tunes: list[Path], body: bytes) -> dict[str, float]:
+    names = [f"tune-{index}" for index in range(len(tunes))]
+    for index in range(BASELINE_MODELS):  # each CPU device host started (a host stays once forked), then none left
+        load_until_first_answer(server, f"warm-up-{index}", tunes[index], body)
+    for index in range(BASELINE_MODELS):
+        server.unload_and_wait(f"warm-up-{index}")
+    empty = server.tree_memory_mib()
+    load_until_first_answer(server, names[0], tunes[0], body)
+    first = server.tree_memory_mib()
+    for name, tune in zip(names[1:], tunes[1:], strict=True):
+        load_until_first_answer(server, name, tune, body)
+    everything = server.tree_memory_mib()
+    for name in names:
+        server.unload_and_wait(name)
+    after = server.tree_memory_mib()
+    return {"per_tune": (everything - first) / (len(tunes) - 1), "empty": empty, "after": after}
+
+
+def large_loads(server: Server, copies: list[Path], body: bytes) -> float:
+    seconds = []
+    for index, copy in enumerate(copies):
+        seconds.append(load_until_first_answer(server, f"large-{index}", copy, body))
+        server.unload_and_wait(f"large-{index}")
+    return statistics.median(seconds) * 1000
+
+
+def measure(work: Path, args: argparse.Namespace) -> list[list[object]]:
+    """The fine-tunes' rows of the sharing table: measurement, on, off, on/off, goal."""
+    models = work / "fine-tune-models"
+    progress(f"making a 110 MB base, {args.fine_tunes} fine-tunes and a 500 MB model")
+    base = hf_models.bert(models / "base", hidden=768, layers=4)
+    tunes = [hf_models.fine_tune(base, models / f"tune-{index}", index) for index in range(args.fine_tunes)]
+    large = hf_models.bert(models / "large", hidden=1024, layers=15)
+    large_mb = sum(path.stat().st_size for path in large.glob("*.safetensors")) / 1e6
+    body = json.dumps({"inputs": "a good movie about paris"}).encode()
+    results = {}
+    for label, env in (("on", {}), ("off", {"MME_SHARE_WEIGHTS": "false"})):
+        command, full_env, port = our_server(work / f"tunes-{label}", env)
+        with serve(command, full_env, work / f"tunes-{label}", port) as server:
+            progress(f"sharing {label}: {args.fine_tunes} fine-tunes")
+            row = fine_tunes_memory(server, tunes, body)
+            progress(f"sharing {label}: {args.large_loads} LOADs of the {large_mb:.0f} MB model")
+            copies = [linked(large, models / f"large-{label}-{index}") for index in range(args.large_loads)]
+            row["large"] = large_loads(server, copies, body)
+            results[label] = row
+    on, off = results["on"], results["off"]
+
+    def returned(row: dict[str, float]) -> str:
+        extra = row["after"] - row["empty"]
+        return f"{extra:+.1f} ({'within' if extra <= 0.02 * row['empty'] + 16 else 'beyond'})"
+
+    head_mib = head_bytes(tunes[0]) / 2**20
+    return [
+        ["head of a fine-tune, MiB", f"{head_mib:.3f}", f"{head_mib:.3f}", "", ""],
+        [
+            f"PSS per extra fine-tune ({args.fine_tunes} of a 110 MB BERT), MiB",
+            f"{on['per_tune']:.1f}",
+            f"{off['per_tune']:.1f}",
+            f"{on['per_tune'] / off['per_tune']:.3f}",
+            f"<= {head_mib + 2:.2f} (head + 2 MiB)",
+        ],
+        [
+            f"LOAD to first answer, {large_mb:.0f} MB model, median of {args.large_loads}, ms",
+            f"{on['large']:.0f}",
+            f"{off['large']:.0f}",
+            f"{on['large'] / off['large']:.3f}",
+            "<= 1.05 (hashing)",
+        ],
+        ["memory with no model, MiB", f"{on['empty']:.0f}", f"{off['empty']:.0f}", "", ""],
+        [
+            "after UNLOAD of everything, MiB more than with no model",
+            returned(on),
+            returned(off),
+            "",
+            "within 2% + 16 MiB",
+        ],
+    ]
