@@ -16,6 +16,7 @@ import mmap
 import os
 import pickle
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ ALIGNMENT = 64
 # A storage of at least a page starts on a page and ends its pages alone, so that its pages can be given back on their
 # own (a hole punched in the file) once no model uses them; smaller ones are packed at ALIGNMENT.
 PAGE = mmap.PAGESIZE
+_hashing = ThreadPoolExecutor(1, thread_name_prefix="mme-hash")  # started on first use: a loader's, never the warm one
 PROTOCOL = 5
 _FILE = object()  # stands for a TorchScript archive packed as it is
 
@@ -126,9 +128,11 @@ class _Writer:
             if storage.device.type != "cpu":
                 raise NotPackable(f"a tensor is on {storage.device}: model_fn must leave the model in host memory")
             array: Any = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()  # a view, no copy
-            digest = xxhash.xxh3_128_hexdigest(array) if self.hashed and array.nbytes else ""
+            # Hashed on another core while this one writes (both release the GIL): the digest costs no extra time.
+            digest = _hashing.submit(xxhash.xxh3_128_hexdigest, array) if self.hashed and array.nbytes else None
+            offset = self.append(memoryview(array))
             self._storages[key] = len(self.blobs)
-            self.blobs.append(Blob(0, self.append(memoryview(array)), array.nbytes, digest))
+            self.blobs.append(Blob(0, offset, array.nbytes, "" if digest is None else digest.result()))
         return self._storages[key]
 
 

@@ -92,16 +92,20 @@ class TensorStore:
         if not ids:  # never added (closed where it was made)
             package.close()
             return
+        unused: list[tuple[Location, int]] = []
         for blob in package.blobs:
             place = (ids[blob.segment], blob.offset)
             self.uses[place] -= 1
             if self.uses[place] <= 0:
-                self._forget(place)
-        own = self.segments[ids[0]]
-        own.owned = False
-        _punch(own.fd, package.pickle_offset, package.pickle_bytes)  # a no-op when the file goes too
-        for segment_id in set(ids):
-            self._close_if_unused(segment_id)
+                unused.append((place, self._forget(place)))
+        self.segments[ids[0]].owned = False
+        unused.append(((ids[0], package.pickle_offset), package.pickle_bytes))
+        closing = {segment_id for segment_id in ids if self._unused(segment_id)}
+        for (segment_id, offset), nbytes in unused:  # a file that stays for others' tensors gives these pages back
+            if segment_id not in closing:
+                _punch(self.segments[segment_id].fd, offset, nbytes)
+        for segment_id in closing:  # the rest goes whole (punching it first would only cost time)
+            os.close(self.segments.pop(segment_id).fd)
 
     def bytes_of(self, blobs: list[Blob] | tuple[Blob, ...]) -> int:
         return sum(blob.nbytes for blob in blobs)
@@ -121,24 +125,20 @@ class TensorStore:
             return None
         return place if _same_bytes(self.segments[place[0]].fd, place[1], fd, blob.offset, blob.nbytes) else None
 
-    def _forget(self, place: Location) -> None:
-        """No package uses this place: its pages go (its file may live on for others' blobs)."""
+    def _forget(self, place: Location) -> int:
+        """No package uses this place any more: it leaves the index. Returns its size."""
         del self.uses[place]
         nbytes = self.sizes.pop(place)
         segment = self.segments.get(place[0])
-        if segment is None:
-            return
-        digest = segment.digests.pop(place[1], None)
+        digest = None if segment is None else segment.digests.pop(place[1], None)
         if digest is not None and self.index.get(digest) == place:
             del self.index[digest]
-        _punch(segment.fd, place[1], nbytes)
+        return nbytes
 
-    def _close_if_unused(self, segment_id: int) -> None:
+    def _unused(self, segment_id: int) -> bool:
+        """Whether a file can go: its package is unloaded and no other package uses a tensor in it."""
         segment = self.segments.get(segment_id)
-        if segment is None or segment.owned or any(place[0] == segment_id for place in self.uses):
-            return
-        del self.segments[segment_id]
-        os.close(segment.fd)
+        return segment is not None and not segment.owned and not any(p[0] == segment_id for p in self.uses)
 
 
 def _same_bytes(fd_a: int, offset_a: int, fd_b: int, offset_b: int, nbytes: int) -> bool:
