@@ -9,8 +9,8 @@ copies (real copies: other files, the same bytes) has its classifier head drawn 
 Measured per stack: the server tree's PSS (with the shared-memory files it holds unmapped) after the first fine-tune
 and after the others, per extra fine-tune; the memory with none loaded (after two fine-tunes' LOAD and UNLOAD, so
 both CPU device hosts run and transformers is imported) against after the LOAD and UNLOAD of all of them; and LOAD
-to the first answer of a model of about 500 MB (15 layers, hidden 1024), the median of 3 fresh copies, each unloaded
-before the next (nothing held that its tensors could match).
+to the first answer of a model of about 500 MB (15 layers, hidden 1024), the median of 5 fresh copies, each unloaded
+before the next (nothing held that its tensors could match), the two stacks taking turns.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import json
 import os
 import statistics
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import hf_models
@@ -35,7 +36,7 @@ def progress(message: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fine-tunes", type=int, default=20, help="fine-tunes of the 110 MB base")
-    parser.add_argument("--large-loads", type=int, default=3, help="LOADs of the 500 MB model per stack")
+    parser.add_argument("--large-loads", type=int, default=5, help="LOADs of the 500 MB model per stack")
 
 
 def head_bytes(model_dir: Path) -> int:
@@ -69,12 +70,16 @@ def fine_tunes_memory(server: Server, tunes: list[Path], body: bytes) -> dict[st
     return {"per_tune": (everything - first) / (len(tunes) - 1), "empty": empty, "after": after}
 
 
-def large_loads(server: Server, copies: list[Path], body: bytes) -> float:
-    seconds = []
-    for index, copy in enumerate(copies):
-        seconds.append(load_until_first_answer(server, f"large-{index}", copy, body))
-        server.unload_and_wait(f"large-{index}")
-    return statistics.median(seconds) * 1000
+def large_loads(servers: dict[str, Server], large: Path, models: Path, count: int, body: bytes) -> dict[str, float]:
+    """LOAD to first answer of fresh copies of ``large``, the stacks taking turns (drift on a noisy machine hits both
+    alike), each copy unloaded before the next; the median per stack, ms."""
+    seconds: dict[str, list[float]] = {label: [] for label in servers}
+    for index in range(count):
+        for label, server in servers.items():
+            copy = linked(large, models / f"large-{label}-{index}")
+            seconds[label].append(load_until_first_answer(server, f"large-{index}", copy, body))
+            server.unload_and_wait(f"large-{index}")
+    return {label: statistics.median(values) * 1000 for label, values in seconds.items()}
 
 
 def measure(work: Path, args: argparse.Namespace) -> list[list[object]]:
@@ -86,16 +91,16 @@ def measure(work: Path, args: argparse.Namespace) -> list[list[object]]:
     large = hf_models.bert(models / "large", hidden=1024, layers=15)
     large_mb = sum(path.stat().st_size for path in large.glob("*.safetensors")) / 1e6
     body = json.dumps({"inputs": "a good movie about paris"}).encode()
-    results = {}
-    for label, env in (("on", {}), ("off", {"MME_SHARE_WEIGHTS": "false"})):
-        command, full_env, port = our_server(work / f"tunes-{label}", env)
-        with serve(command, full_env, work / f"tunes-{label}", port) as server:
+    results, servers = {}, {}
+    with ExitStack() as stack:
+        for label, env in (("on", {}), ("off", {"MME_SHARE_WEIGHTS": "false"})):
+            command, full_env, port = our_server(work / f"tunes-{label}", env)
+            servers[label] = stack.enter_context(serve(command, full_env, work / f"tunes-{label}", port))
             progress(f"sharing {label}: {args.fine_tunes} fine-tunes")
-            row = fine_tunes_memory(server, tunes, body)
-            progress(f"sharing {label}: {args.large_loads} LOADs of the {large_mb:.0f} MB model")
-            copies = [linked(large, models / f"large-{label}-{index}") for index in range(args.large_loads)]
-            row["large"] = large_loads(server, copies, body)
-            results[label] = row
+            results[label] = fine_tunes_memory(servers[label], tunes, body)
+        progress(f"{args.large_loads} LOADs of the {large_mb:.0f} MB model on each stack, in turns")
+        for label, median in large_loads(servers, large, models, args.large_loads, body).items():
+            results[label]["large"] = median
     on, off = results["on"], results["off"]
 
     def returned(row: dict[str, float]) -> str:

@@ -25,9 +25,11 @@ import torch
 import xxhash
 
 ALIGNMENT = 64
-# A storage of at least a page starts on a page and ends its pages alone, so that its pages can be given back on their
-# own (a hole punched in the file) once no model uses them; smaller ones are packed at ALIGNMENT.
 PAGE = mmap.PAGESIZE
+# A storage of at least this many bytes starts on a page and ends its pages alone, so that its pages can be given back
+# on their own (a hole punched in the file) once no model uses them: a LayerNorm's 3 KiB too, at the price of a page.
+# Smaller ones (a bias of a few classes) are packed at ALIGNMENT, never shared: padding them would cost more.
+OWN_PAGES_BYTES = 1024
 _hashing = ThreadPoolExecutor(1, thread_name_prefix="mme-hash")  # started on first use: a loader's, never the warm one
 PROTOCOL = 5
 _FILE = object()  # stands for a TorchScript archive packed as it is
@@ -99,7 +101,7 @@ class _Writer:
 
     def append(self, data: memoryview | bytes) -> int:
         view = memoryview(data).cast("B")
-        alignment = PAGE if len(view) >= PAGE else ALIGNMENT
+        alignment = PAGE if len(view) >= OWN_PAGES_BYTES else ALIGNMENT
         offset = -(-self.size // alignment) * alignment
         written = 0
         while written < len(view):

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from mme_runtime.models.model_package import PAGE, Blob, Package
+from mme_runtime.models.model_package import OWN_PAGES_BYTES, PAGE, Blob, Package
 
 logger = logging.getLogger(__name__)
 
-# A blob smaller than a page shares its pages with others: it is kept where it is (a few KiB at most per model).
-MIN_SHARED_BYTES = PAGE
+# A smaller blob shares its page with others (``model_package.py``): it is kept where it is (bytes, per model).
+MIN_SHARED_BYTES = OWN_PAGES_BYTES
 # Descriptors one message may carry to a device host (SCM_RIGHTS takes 253): a package uses at most this many files.
 MAX_SEGMENTS = 200
 _FALLOC_FL_KEEP_SIZE = 1

@@ -90,7 +90,7 @@ def test_a_fine_tune_holds_only_what_differs_from_the_base(server: RunningServer
     whole = memory["own-copy"]  # opted out: every tensor its own
     assert memory["tune-0"] == pytest.approx(whole, rel=0.01)  # it brought the base: the base counts for it
     for index in range(1, FINE_TUNES):
-        assert memory[f"tune-{index}"] < 0.1 * whole, memory  # its head and the tensors under a page
+        assert memory[f"tune-{index}"] < 0.1 * whole, memory  # its head and the tensors under 1 KiB
 
 
 def test_unloading_the_model_that_brought_the_base_leaves_the_others_whole(server: RunningServer) -> None:

@@ -34,11 +34,11 @@ def test_two_models_use_one_storage_for_their_shared_tensors(packages: tuple[Pac
     tensors = DeviceTensors(torch.device("cpu"))
     places = [((packages[1].segment_ids[blob.segment], blob.offset), blob.nbytes) for blob in packages[1].blobs]
     a, borrowed_a = placed(tensors, packages[0], "a")
-    weight_bytes = 512 * 512 * 4  # a tensor under a page (the bias, 2 KiB) is not shared
-    assert tensors.new_bytes(places) == 512 * 4 + 512 * 2 * 4 + 2 * 4  # b's bias and head
+    backbone_bytes = 512 * 512 * 4 + 512 * 4
+    assert tensors.new_bytes(places) == 512 * 2 * 4 + 2 * 4  # b's head only
     b, borrowed_b = placed(tensors, packages[1], "b")
 
-    assert (borrowed_a, borrowed_b) == (0, weight_bytes)
+    assert (borrowed_a, borrowed_b) == (0, backbone_bytes)
     assert a[0].weight.data_ptr() == b[0].weight.data_ptr()
     assert a[2].weight.data_ptr() != b[2].weight.data_ptr()
     x = torch.randn(3, 512)
@@ -68,7 +68,7 @@ def test_the_last_model_to_go_frees_the_shared_tensors(packages: tuple[Package, 
     placed(tensors, packages[0], "a")
     placed(tensors, packages[1], "b")
     tensors.release("a")
-    assert len(tensors._held) == 4  # b's: the backbone's weight (a's too before) and its own three
+    assert len(tensors._held) == 4  # b's: the backbone's weight and bias (a's too before) and its head
     tensors.release("b")
     assert not tensors._held
 
@@ -89,6 +89,6 @@ def test_a_write_to_a_tensor_no_one_else_uses_is_kept_and_never_lent(packages: t
         a[0].weight.add_(1.0)  # a's alone so far: a keeps its change
     tensors.check_writes("a")
     b, borrowed = placed(tensors, packages[1], "b")
-    assert borrowed == 0  # b gets the weight as it is in host memory, not a's changed copy
+    assert borrowed == 512 * 4  # the bias, a's; the weight b gets as it is in host memory, not a's changed copy
     torch.testing.assert_close(b[0].weight, fine_tune(2)[0].weight)
     assert a[0].weight.data_ptr() != b[0].weight.data_ptr()

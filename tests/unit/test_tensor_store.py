@@ -80,7 +80,7 @@ def test_a_digest_that_lies_shares_nothing() -> None:
     package = store.add(forged)
 
     torch.testing.assert_close(unpack(package).model.backbone.weight, other.backbone.weight)
-    really_equal = (other.backbone.bias, other.head.weight)  # (the head's bias, under a page, is never shared)
+    really_equal = (other.backbone.bias, other.head.weight)  # (the head's bias, 12 bytes, is never shared)
     assert store.shared_bytes(package) == sum(tensor.nbytes for tensor in really_equal)
 
 
