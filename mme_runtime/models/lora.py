@@ -18,6 +18,7 @@ import torch
 
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
+from mme_runtime.models.code_fetcher import CodeFetcher
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILE = "adapter_model.safetensors"
@@ -102,15 +103,21 @@ def _pattern(pattern: dict[str, Any], module: str, default: float) -> float:
     return default
 
 
-def base_root(config: Config) -> Path | None:
-    """Where a base may be: under the model root, as the model itself must be (None: anywhere, as LOAD allows)."""
-    return None if config.allow_any_model_location or not config.multi_model else config.model_root
+def find_base(model_dir: Path, base_model: str | None, config: Config) -> Path:
+    """The adapter's base directory (``base_directory``), or for ``base_model=s3://bucket/key.tar.gz`` the archive
+    fetched once per ETag into ``MME_CACHE_DIR/bases`` (``code_fetcher.py``): its top, or its one directory that
+    holds a model."""
+    if base_model is not None and base_model.startswith("s3://"):
+        fetched = CodeFetcher(config.cache_dir / "bases", config.s3_timeout_seconds).fetch(base_model)
+        return fetched if _holds_model(fetched) else _one_inside(fetched, f"the archive {base_model}")
+    allowed = config.allow_any_model_location or not config.multi_model
+    return base_directory(model_dir, base_model, None if allowed else config.model_root)
 
 
 def base_directory(model_dir: Path, base_model: str | None, model_root: Path | None) -> Path:
-    """The adapter's base: ``base_model=`` in its ``serving.properties`` (a path under the model root, or relative to
-    the adapter), else the one directory inside the adapter's that holds a model (a Hugging Face ``config.json``,
-    or a PyTorch ``model.pt``/``model.pth`` with the ``code/`` that builds it)."""
+    """The adapter's local base: ``base_model=`` in its ``serving.properties`` (a path under ``model_root``, None:
+    anywhere, or relative to the adapter), else the one directory inside the adapter's that holds a model (a Hugging
+    Face ``config.json``, or a PyTorch ``model.pt``/``model.pth`` with the ``code/`` that builds it)."""
     if base_model is not None:
         candidate = Path(base_model) if Path(base_model).is_absolute() else (model_dir / base_model)
         base = candidate.resolve()
@@ -121,12 +128,16 @@ def base_directory(model_dir: Path, base_model: str | None, model_root: Path | N
             message = f"base_model={base_model}: no model there (no config.json, model.pt or model.pth in {base})"
             raise ModelLoadError(message, status=400)
         return base
-    inside = sorted(path for path in model_dir.iterdir() if path.is_dir() and _holds_model(path))
+    return _one_inside(model_dir, "the adapter's directory")
+
+
+def _one_inside(directory: Path, where: str) -> Path:
+    inside = sorted(path for path in directory.iterdir() if path.is_dir() and _holds_model(path))
     if len(inside) != 1:
         found = "none" if not inside else ", ".join(path.name for path in inside)
         raise ModelLoadError(
-            f"the adapter's base is not known: set base_model=<directory> in its serving.properties, or ship the base "
-            f"as one directory inside the adapter's (found: {found})",
+            f"the adapter's base is not known: set base_model=<directory or s3://...tar.gz> in its serving.properties, "
+            f"or ship the base as one directory inside {where} (found: {found})",
             status=400,
         )
     return inside[0]

@@ -91,13 +91,17 @@ def _base_key(adapter_dir: Path, config: Config) -> Key | None:
     """An adapter's base weights, with the adapter's task and the base's own script (a plain PyTorch base is what
     its ``model_fn`` makes of its files): adapters of one base for one task take one package."""
     settings = read_settings(adapter_dir, config)
-    base = lora.base_directory(adapter_dir, settings.base_model, lora.base_root(config))
+    task = settings.task or json.loads((adapter_dir / lora.CONFIG_FILE).read_text()).get("task_type")
+    if settings.base_model is not None and settings.base_model.startswith("s3://"):
+        # Known by its URI, never asked of S3 here (the warm process's loop): a base fetched once stays the one its
+        # adapters use while any is loaded; the loader fetches it anew, by ETag, after the last is gone.
+        return (f"{settings.base_model}#{task}", 0, 0)
+    base = lora.find_base(adapter_dir, settings.base_model, config)
     names = (*hf_loading.WEIGHT_FILES, *MODEL_FILES)
     weights = next((base / name for name in names if (base / name).is_file()), None)
     if weights is None:
         return None
     path, size, modified = key_for(weights)
-    task = settings.task or json.loads((adapter_dir / lora.CONFIG_FILE).read_text()).get("task_type")
     script = base / "code" / config.program
     code = key_for(script) if script.is_file() else None
     return (f"{path}#{task}#{code}", size, modified)

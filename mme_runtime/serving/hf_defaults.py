@@ -43,7 +43,7 @@ class HuggingFaceDefaults:
         task = settings.task
         if lora.is_adapter_directory(model_dir):
             self.adapter = lora.read_adapter(model_dir)
-            self.base_dir = lora.base_directory(model_dir, settings.base_model, lora.base_root(config))
+            self.base_dir = lora.find_base(model_dir, settings.base_model, config)
             task = task or self.adapter.task
         self.task = hf_loading.resolve_task(self.base_dir, task, config.hf_task)
         if self.adapter is not None and self.task not in lora.TASK_TYPES.values():

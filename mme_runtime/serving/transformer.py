@@ -114,7 +114,7 @@ class Transformer(RequestPipeline):
         if not lora.is_adapter_directory(model_dir):
             return model_dir, None
         try:
-            base = lora.base_directory(model_dir, self._settings.base_model, lora.base_root(self._config))
+            base = lora.find_base(model_dir, self._settings.base_model, self._config)
             if hf_defaults.serves(base):
                 return model_dir, None
             return base, lora.read_adapter(model_dir)
