@@ -6,6 +6,7 @@ As in gunicorn's signal tests: its own session, output to a file (never a PIPE t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -110,6 +111,17 @@ class RunningServer:
     def backend_processes(self, model_name: str) -> list[psutil.Process]:
         """The processes the model has of its own: its server and all its executors, or its stub alone."""
         return model_tree(self.descendants(), model_name)
+
+
+def label_scores(server: RunningServer, name: str, text: str) -> list[float]:
+    """A text classifier's score for every label of ``text``, sorted: what its answer says, whatever the order (the
+    answer to one text may come nested one list deeper)."""
+    response = server.invoke(name, json.dumps({"inputs": text, "parameters": {"top_k": None}}))
+    assert response.status_code == 200, response.text
+    answers = response.json()
+    if answers and isinstance(answers[0], list):
+        (answers,) = answers
+    return sorted(answer["score"] for answer in answers)
 
 
 def host_memory_bytes(server: RunningServer) -> dict[str, float]:

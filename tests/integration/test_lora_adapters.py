@@ -14,7 +14,7 @@ from pathlib import Path
 import lora_models
 import pytest
 import torch
-from serving import RunningServer, host_memory_bytes, start_server, wait_until
+from serving import RunningServer, host_memory_bytes, label_scores, start_server, wait_until
 
 ADAPTERS = 4
 TEXTS = ["good movie", "a terrible story that nobody liked", "paris is the capital of france", "berlin"]
@@ -44,22 +44,13 @@ def expected(server: RunningServer, adapter: str, text: str) -> list[float]:
     return sorted(torch.softmax(logits, dim=-1).tolist())
 
 
-def scores(server: RunningServer, adapter: str, text: str) -> list[float]:
-    response = server.invoke(adapter, json.dumps({"inputs": text, "parameters": {"top_k": None}}))
-    assert response.status_code == 200, response.text
-    answers = response.json()
-    if answers and isinstance(answers[0], list):
-        (answers,) = answers
-    return sorted(answer["score"] for answer in answers)
-
-
 def test_sixteen_clients_over_four_adapters_each_get_their_adapters_answer(server: RunningServer) -> None:
     names = [f"adapter-{index}" for index in range(ADAPTERS)]
     wanted = {(name, text): expected(server, name, text) for name in names for text in TEXTS}
     assert len({tuple(wanted[(name, TEXTS[1])]) for name in names}) == ADAPTERS  # the adapters differ
     calls = [(name, text) for _ in range(4) for name in names for text in TEXTS]
     with ThreadPoolExecutor(16) as pool:
-        answers = list(pool.map(lambda call: scores(server, *call), calls))
+        answers = list(pool.map(lambda call: label_scores(server, *call), calls))
     for call, answer in zip(calls, answers, strict=True):
         assert answer == pytest.approx(wanted[call], abs=1e-4), call
 
@@ -90,7 +81,7 @@ def test_a_base_shipped_inside_the_adapter_is_found(server: RunningServer) -> No
     lora_models.ship_base_inside(server.models / "base", shipped)
     response = server.load("shipped")
     assert response.status_code == 200, server.log_text()[-3000:]
-    assert scores(server, "shipped", TEXTS[0]) == pytest.approx(expected(server, "adapter-0", TEXTS[0]), abs=1e-4)
+    assert label_scores(server, "shipped", TEXTS[0]) == pytest.approx(expected(server, "adapter-0", TEXTS[0]), abs=1e-4)
 
 
 def test_an_adapter_whose_base_is_missing_fails_its_load_with_the_cause(server: RunningServer) -> None:
@@ -99,7 +90,9 @@ def test_an_adapter_whose_base_is_missing_fails_its_load_with_the_cause(server: 
     response = server.load("orphan")
     assert response.status_code >= 400
     assert "base_model=../no-such-base: no model there" in server.log_text()
-    assert scores(server, "adapter-1", TEXTS[0]) == pytest.approx(expected(server, "adapter-1", TEXTS[0]), abs=1e-4)
+    assert label_scores(server, "adapter-1", TEXTS[0]) == pytest.approx(
+        expected(server, "adapter-1", TEXTS[0]), abs=1e-4
+    )
 
 
 def test_adapters_of_a_plain_pytorch_module_share_its_passes_and_answer_as_peft_merged(server: RunningServer) -> None:

@@ -4,7 +4,6 @@ archive that is not there fails the LOAD with the cause in the log."""
 
 from __future__ import annotations
 
-import json
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +12,7 @@ import lora_models
 import pytest
 import torch
 from s3_server import S3Server, start_s3
-from serving import RunningServer, start_server
+from serving import RunningServer, label_scores, start_server
 
 BUCKET = "bases"
 URI = f"s3://{BUCKET}/bert.tar.gz"
@@ -42,15 +41,6 @@ def server(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[R
         yield running
 
 
-def scores(server: RunningServer, name: str, text: str) -> list[float]:
-    response = server.invoke(name, json.dumps({"inputs": text, "parameters": {"top_k": None}}))
-    assert response.status_code == 200, response.text
-    answers = response.json()
-    if answers and isinstance(answers[0], list):
-        (answers,) = answers
-    return sorted(answer["score"] for answer in answers)
-
-
 def test_adapters_over_a_base_on_s3_answer_as_peft_merged(server: RunningServer, base: Path) -> None:
     import transformers
 
@@ -63,7 +53,7 @@ def test_adapters_over_a_base_on_s3_answer_as_peft_merged(server: RunningServer,
         with torch.inference_mode():
             logits = lora_models.merged(base, adapter)(**tokenizer("good movie", return_tensors="pt")).logits[0]
         expected = sorted(torch.softmax(logits, dim=-1).tolist())
-        assert scores(server, f"s3-adapter-{index}", "good movie") == pytest.approx(expected, abs=1e-4)
+        assert label_scores(server, f"s3-adapter-{index}", "good movie") == pytest.approx(expected, abs=1e-4)
     log = server.log_text()
     assert f"code {URI} etag=" in log and "shares its package" in log  # fetched, and loaded once for both
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import hf_models
 import pytest
 import torch
-from serving import RunningServer, host_memory_bytes, start_server, wait_until
+from serving import RunningServer, host_memory_bytes, label_scores, start_server, wait_until
 
 FINE_TUNES = 4
 TEXTS = ["good movie", "a terrible story that nobody liked", "paris is the capital of france", "berlin"]
@@ -65,19 +65,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         yield running
 
 
-def scores(server: RunningServer, name: str, text: str) -> list[float]:
-    response = server.invoke(name, json.dumps({"inputs": text, "parameters": {"top_k": None}}))
-    assert response.status_code == 200, response.text
-    return sorted_scores(response.json())
-
-
 def test_each_fine_tune_answers_as_itself_under_sixteen_clients(server: RunningServer) -> None:
     names = [f"tune-{index}" for index in range(FINE_TUNES)]
     expected = {(name, text): expected_scores(server.model_dir(name), text) for name in names for text in TEXTS}
     assert len({tuple(expected[(name, TEXTS[0])]) for name in names}) == FINE_TUNES  # the heads differ
     calls = [(name, text) for _ in range(4) for name in names for text in TEXTS]
     with ThreadPoolExecutor(16) as pool:
-        answers = list(pool.map(lambda call: scores(server, *call), calls))
+        answers = list(pool.map(lambda call: label_scores(server, *call), calls))
     for call, answer in zip(calls, answers, strict=True):
         assert answer == pytest.approx(expected[call], abs=1e-4), call
 
@@ -94,13 +88,15 @@ def test_a_fine_tune_holds_only_what_differs_from_the_base(server: RunningServer
 
 
 def test_unloading_the_model_that_brought_the_base_leaves_the_others_whole(server: RunningServer) -> None:
-    before = {text: scores(server, "tune-1", text) for text in TEXTS}
+    before = {text: label_scores(server, "tune-1", text) for text in TEXTS}
     assert server.unload("tune-0").status_code == 200
     for text in TEXTS:
-        assert scores(server, "tune-1", text) == before[text]
+        assert label_scores(server, "tune-1", text) == before[text]
     response = server.load("tune-0")  # back, now borrowing the base from tune-1's file
     assert response.status_code == 200, response.text
-    assert scores(server, "tune-0", TEXTS[0]) == pytest.approx(expected_scores(server.model_dir("tune-0"), TEXTS[0]))
+    assert label_scores(server, "tune-0", TEXTS[0]) == pytest.approx(
+        expected_scores(server.model_dir("tune-0"), TEXTS[0])
+    )
 
 
 def test_a_write_in_place_stays_in_the_model_that_made_it(server: RunningServer) -> None:
