@@ -2,15 +2,18 @@
 costs a LOAD, and the memory left after every model is unloaded.
 
 Part of the ``sharing`` benchmark (``benchmarks/sharing.py`` prints its table). The base is a BERT-shaped classifier
-of about 110 MB (4 layers, hidden 768, random weights) saved with ``save_pretrained``; each of ``--fine-tunes``
+of about 100 MB (5 layers, hidden 768, random weights) saved with ``save_pretrained``; each of ``--fine-tunes``
 copies (real copies: other files, the same bytes) has its classifier head drawn anew. Stacks, in one run:
   sharing on    this server as it ships
   sharing off   ``MME_SHARE_WEIGHTS=false``: no tensor is hashed or held once
-Measured per stack: the server tree's PSS (with the shared-memory files it holds unmapped) after the first fine-tune
-and after the others, per extra fine-tune; the memory with none loaded (after two fine-tunes' LOAD and UNLOAD, so
-both CPU device hosts run and transformers is imported) against after the LOAD and UNLOAD of all of them; and LOAD
-to the first answer of a model of about 500 MB (15 layers, hidden 1024), the median of 5 fresh copies, each unloaded
-before the next (nothing held that its tensors could match), the two stacks taking turns.
+Each fine-tune must answer as itself: all of them differently (their heads differ), and the first two as
+transformers computes in this process for their directories (logits, to 1e-4); otherwise the benchmark fails.
+
+Measured per stack: the server tree's PSS (with the shared-memory files it holds unmapped) after the first
+fine-tune and after the others, per extra fine-tune; the memory with none loaded (after two fine-tunes' LOAD and
+UNLOAD, so both CPU device hosts run and transformers is imported) against after the LOAD and UNLOAD of all of them;
+and LOAD to the first answer of a model of about 500 MB (15 layers, hidden 1024), the median of 5 fresh copies, each
+unloaded before the next (nothing held that its tensors could match), the two stacks taking turns.
 """
 
 from __future__ import annotations
@@ -27,7 +30,11 @@ import hf_models
 from safetensors.torch import load_file
 
 from benchmarks.benchlib import BASELINE_MODELS, Server, our_server, serve
-from benchmarks.hugging_face import load_until_first_answer
+from benchmarks.hugging_face import call, connect, load_until_first_answer
+
+TEXT = "a good movie about paris"
+CHECKED = 2  # fine-tunes whose answers are compared with transformers in this process
+RAW = {"top_k": None, "function_to_apply": "none"}  # every label's logit: softmax saturates at 1.0 on random heads
 
 
 def progress(message: str) -> None:
@@ -35,7 +42,7 @@ def progress(message: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--fine-tunes", type=int, default=20, help="fine-tunes of the 110 MB base")
+    parser.add_argument("--fine-tunes", type=int, default=20, help="fine-tunes of the 100 MB base")
     parser.add_argument("--large-loads", type=int, default=5, help="LOADs of the 500 MB model per stack")
 
 
@@ -45,6 +52,38 @@ def head_bytes(model_dir: Path) -> int:
     return sum(tensor.nbytes for name, tensor in tensors.items() if name.startswith("classifier."))
 
 
+def label_scores(answer: object) -> dict[str, float]:
+    """A text classifier's answer to one text as label -> score (a logit with ``RAW``; the answer may come nested one
+    list deeper)."""
+    if isinstance(answer, list) and answer and isinstance(answer[0], list):
+        (answer,) = answer
+    assert isinstance(answer, list), answer
+    return {item["label"]: item["score"] for item in answer}
+
+
+def in_process(model_dir: Path) -> dict[str, float]:
+    import transformers
+
+    return label_scores(transformers.pipeline("text-classification", model=str(model_dir))(TEXT, **RAW))
+
+
+def check_answers(server: Server, names: list[str], expected: list[dict[str, float]]) -> None:
+    """Raises unless every fine-tune answers differently and the first ones as ``expected`` says, to 1e-4."""
+    body = json.dumps({"inputs": TEXT, "parameters": RAW}).encode()
+    answers, connection = [], connect(server)
+    for name in names:
+        status, answer = call(connection, f"/models/{name}/invoke", body)
+        if status != 200:
+            raise RuntimeError(f"INVOKE {name}: {status} {answer[:300]!r}")
+        answers.append(label_scores(json.loads(answer)))
+    connection.close()
+    if len({tuple(sorted(scores.items())) for scores in answers}) != len(names):
+        raise RuntimeError(f"fine-tunes with different heads answered alike: {answers}; see {server.log}")
+    for name, got, want in zip(names, answers, expected, strict=False):
+        if got.keys() != want.keys() or any(abs(got[label] - want[label]) > 1e-4 for label in want):
+            raise RuntimeError(f"{name} answered {got}, transformers in process {want}; see {server.log}")
+
+
 def linked(source: Path, dest: Path) -> Path:
     dest.mkdir(parents=True)
     for path in source.iterdir():
@@ -52,7 +91,9 @@ def linked(source: Path, dest: Path) -> Path:
     return dest
 
 
-def fine_tunes_memory(server: Server, tunes: list[Path], body: bytes) -> dict[str, float]:
+def fine_tunes_memory(
+    server: Server, tunes: list[Path], body: bytes, expected: list[dict[str, float]]
+) -> dict[str, float]:
     names = [f"tune-{index}" for index in range(len(tunes))]
     for index in range(BASELINE_MODELS):  # each CPU device host started (a host stays once forked), then none left
         load_until_first_answer(server, f"warm-up-{index}", tunes[index], body)
@@ -64,6 +105,7 @@ def fine_tunes_memory(server: Server, tunes: list[Path], body: bytes) -> dict[st
     for name, tune in zip(names[1:], tunes[1:], strict=True):
         load_until_first_answer(server, name, tune, body)
     everything = server.tree_memory_mib()
+    check_answers(server, names, expected)
     for name in names:
         server.unload_and_wait(name)
     after = server.tree_memory_mib()
@@ -85,19 +127,20 @@ def large_loads(servers: dict[str, Server], large: Path, models: Path, count: in
 def measure(work: Path, args: argparse.Namespace) -> list[list[object]]:
     """The fine-tunes' rows of the sharing table: measurement, on, off, on/off, goal."""
     models = work / "fine-tune-models"
-    progress(f"making a 110 MB base, {args.fine_tunes} fine-tunes and a 500 MB model")
-    base = hf_models.bert(models / "base", hidden=768, layers=4)
+    progress(f"making a 100 MB base, {args.fine_tunes} fine-tunes and a 500 MB model")
+    base = hf_models.bert(models / "base", hidden=768, layers=5)
     tunes = [hf_models.fine_tune(base, models / f"tune-{index}", index) for index in range(args.fine_tunes)]
     large = hf_models.bert(models / "large", hidden=1024, layers=15)
     large_mb = sum(path.stat().st_size for path in large.glob("*.safetensors")) / 1e6
-    body = json.dumps({"inputs": "a good movie about paris"}).encode()
+    body = json.dumps({"inputs": TEXT}).encode()
+    expected = [in_process(tune) for tune in tunes[:CHECKED]]
     results, servers = {}, {}
     with ExitStack() as stack:
         for label, env in (("on", {}), ("off", {"MME_SHARE_WEIGHTS": "false"})):
             command, full_env, port = our_server(work / f"tunes-{label}", env)
             servers[label] = stack.enter_context(serve(command, full_env, work / f"tunes-{label}", port))
             progress(f"sharing {label}: {args.fine_tunes} fine-tunes")
-            results[label] = fine_tunes_memory(servers[label], tunes, body)
+            results[label] = fine_tunes_memory(servers[label], tunes, body, expected)
         progress(f"{args.large_loads} LOADs of the {large_mb:.0f} MB model on each stack, in turns")
         for label, median in large_loads(servers, large, models, args.large_loads, body).items():
             results[label]["large"] = median
@@ -111,7 +154,7 @@ def measure(work: Path, args: argparse.Namespace) -> list[list[object]]:
     return [
         ["head of a fine-tune, MiB", f"{head_mib:.3f}", f"{head_mib:.3f}", "", ""],
         [
-            f"PSS per extra fine-tune ({args.fine_tunes} of a 110 MB BERT), MiB",
+            f"PSS per extra fine-tune ({args.fine_tunes} of a 100 MB BERT), MiB",
             f"{on['per_tune']:.1f}",
             f"{off['per_tune']:.1f}",
             f"{on['per_tune'] / off['per_tune']:.3f}",

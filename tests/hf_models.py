@@ -49,7 +49,9 @@ def tokenizer(directory: Path, max_length: int = 512) -> None:
     wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     wordpiece.normalizer = normalizers.BertNormalizer(lowercase=True)
     wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    wordpiece.train_from_iterator(corpus(), trainers.WordPieceTrainer(vocab_size=300, special_tokens=special))
+    wordpiece.train_from_iterator(
+        corpus(), trainers.WordPieceTrainer(vocab_size=300, special_tokens=special, show_progress=False)
+    )
     cls, sep = wordpiece.token_to_id("[CLS]"), wordpiece.token_to_id("[SEP]")
     wordpiece.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
