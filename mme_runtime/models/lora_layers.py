@@ -53,13 +53,13 @@ class SavedModule(torch.nn.Module):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         result: torch.Tensor = self.base(x, *args, **kwargs)
         for index, rows in self.adapters.groups.items():
-            copy = self.copies.get(index)
-            if copy is None:
+            own = self.copies.get(index)
+            if own is None:
                 continue
             if rows is None:
-                result = copy(x, *args, **kwargs)
+                result = own(x, *args, **kwargs)
             else:
-                result.index_copy_(0, rows, copy(x.index_select(0, rows), *args, **kwargs))
+                result.index_copy_(0, rows, own(x.index_select(0, rows), *args, **kwargs))
         return result
 
 
