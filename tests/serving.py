@@ -124,6 +124,32 @@ def label_scores(server: RunningServer, name: str, text: str) -> list[float]:
     return sorted(answer["score"] for answer in answers)
 
 
+def answers_as_expected_under_clients(
+    server: RunningServer, expected: Mapping[tuple[str, str], list[float]], rounds: int = 4, clients: int = 16
+) -> None:
+    """Asks every (model, text) of ``expected`` ``rounds`` times from ``clients`` concurrent clients; each answer's
+    label scores must be that model's for that text (1e-4): every client gets its own answer."""
+    calls = [call for _ in range(rounds) for call in expected]
+    with ThreadPoolExecutor(clients) as pool:
+        answers = list(pool.map(lambda call: label_scores(server, *call), calls))
+    for call, answer in zip(calls, answers, strict=True):
+        assert answer == pytest.approx(expected[call], abs=1e-4), call
+
+
+def batch_passes(server: RunningServer, model: str) -> tuple[float, float]:
+    """(forward passes, requests in them) that the batcher recording into ``model``'s series has run, from
+    ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(server.metrics_url, timeout=30).text
+    found = {"count": 0.0, "sum": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in ("mme_batch_size_count", "mme_batch_size_sum") and sample.labels.get("model") == model:
+                found[sample.name.rsplit("_", 1)[1]] += sample.value
+    return found["count"], found["sum"]
+
+
 def host_memory_bytes(server: RunningServer) -> dict[str, float]:
     """``mme_model_host_memory_bytes`` by model, as the metrics endpoint says now."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -14,7 +14,7 @@ from typing import Any
 import hf_models
 import pytest
 import requests
-from serving import RunningServer, start_server, wait_until
+from serving import RunningServer, batch_passes, start_server, wait_until
 
 QUESTION = {"question": "what is the capital of france", "context": "paris is the capital of france and berlin is not"}
 
@@ -248,19 +248,6 @@ def test_weights_saved_as_pytorch_model_bin_load_through_weights_only(server: Ru
     assert close(ours, invoke(server, "text-classification", {"inputs": "good movie"}).json())
 
 
-def _batch_passes(server: RunningServer, model: str) -> tuple[float, float]:
-    """(forward passes, requests in them) the model's batcher has run, from the Prometheus endpoint."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = requests.get(server.metrics_url, timeout=30).text
-    found = {"count": 0.0, "sum": 0.0}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in ("mme_batch_size_count", "mme_batch_size_sum") and sample.labels.get("model") == model:
-                found[sample.name.rsplit("_", 1)[1]] += sample.value
-    return found["count"], found["sum"]
-
-
 def test_sixteen_clients_of_mixed_lengths_share_passes_and_each_gets_its_own_answer(
     server: RunningServer, hf_root: Path
 ) -> None:
@@ -288,7 +275,7 @@ def test_sixteen_clients_of_mixed_lengths_share_passes_and_each_gets_its_own_ans
     pipe = transformers.pipeline("text-classification", model=str(hf_root / "text-classification"))
     for text, answer in zip(texts, answers, strict=True):
         assert close(answer, pipe(text, **parameters)), text
-    passes, batched_requests = _batch_passes(server, "batched")
+    passes, batched_requests = batch_passes(server, "batched")
     # Requests shared passes. How many passes varies widely on the 2-core VM (7 to 46 for these 64 requests, 11 to
     # 32 before weights were shared): a bound at half the requests failed there now and then, so the bound is the
     # behaviour itself; benchmarks/batching.py and hugging_face.py measure how much batching gains.

@@ -7,13 +7,19 @@ from __future__ import annotations
 import json
 import textwrap
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import hf_models
 import pytest
 import torch
-from serving import RunningServer, host_memory_bytes, label_scores, start_server, wait_until
+from serving import (
+    RunningServer,
+    answers_as_expected_under_clients,
+    host_memory_bytes,
+    label_scores,
+    start_server,
+    wait_until,
+)
 
 FINE_TUNES = 4
 TEXTS = ["good movie", "a terrible story that nobody liked", "paris is the capital of france", "berlin"]
@@ -69,11 +75,7 @@ def test_each_fine_tune_answers_as_itself_under_sixteen_clients(server: RunningS
     names = [f"tune-{index}" for index in range(FINE_TUNES)]
     expected = {(name, text): expected_scores(server.model_dir(name), text) for name in names for text in TEXTS}
     assert len({tuple(expected[(name, TEXTS[0])]) for name in names}) == FINE_TUNES  # the heads differ
-    calls = [(name, text) for _ in range(4) for name in names for text in TEXTS]
-    with ThreadPoolExecutor(16) as pool:
-        answers = list(pool.map(lambda call: label_scores(server, *call), calls))
-    for call, answer in zip(calls, answers, strict=True):
-        assert answer == pytest.approx(expected[call], abs=1e-4), call
+    answers_as_expected_under_clients(server, expected)
 
 
 def test_a_fine_tune_holds_only_what_differs_from_the_base(server: RunningServer) -> None:
