@@ -6,6 +6,7 @@
 ``pt2``          PyTorch 2 artifacts (ExportedProgram, AOTInductor, compile=true) against TorchScript
 ``preload``      preload on against off: LOAD time and memory of a model's processes, by devices and workers
 ``sharing``      weights shared across models: fine-tunes of one base and LoRA adapters, sharing on and off
+``reload``       a re-LOAD after UNLOAD: the model's package kept in host memory against none kept
 ``handler``      one invoke through MMS's ``Service.predict`` around ours and the AWS handler, no Java frontend
 ``benchlib``     what they share: start a server on a free port, drive it, measure its process tree, print a table
 ``peers``        the stacks we compare against, each installed into a virtual environment of its own

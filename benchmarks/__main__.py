@@ -2,13 +2,13 @@
 
     .venv/bin/python -m benchmarks [NAME ...] [--write-docs [PATH]] [-- ARG ...]
 
-    .venv/bin/python -m benchmarks                             # all eight, in the order below (minutes each)
+    .venv/bin/python -m benchmarks                             # all nine, in the order below (minutes each)
     .venv/bin/python -m benchmarks stock batching              # these two
     .venv/bin/python -m benchmarks handler -- --requests 300   # one, with its own options after --
     .venv/bin/python -m benchmarks stock -- --help             # those options
     .venv/bin/python -m benchmarks pt2 --write-docs            # and its section of docs/benchmarks.md
 
-NAME is one of device_host, stock, batching, pt2, preload, hugging_face, sharing, handler (none: all of them, in
+NAME is one of device_host, stock, batching, pt2, preload, hugging_face, sharing, reload, handler (none: all of them, in
 that order). Options after ``--`` go to the one benchmark named. The benchmarks run in this process, one after another;
 each one's stdout (its results: tables and the lines that say what they measured) is echoed and kept, its progress
 goes to stderr.
@@ -47,6 +47,7 @@ BENCHMARKS: dict[str, str] = {
     "preload": "benchmarks.preload",
     "hugging_face": "benchmarks.hugging_face",
     "sharing": "benchmarks.sharing",
+    "reload": "benchmarks.reload",
     "handler": "benchmarks.handler",
 }
 DEFAULT_DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"

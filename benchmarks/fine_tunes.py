@@ -6,6 +6,7 @@ of about 100 MB (5 layers, hidden 768, random weights) saved with ``save_pretrai
 copies (real copies: other files, the same bytes) has its classifier head drawn anew. Stacks, in one run:
   sharing on    this server as it ships
   sharing off   ``MME_SHARE_WEIGHTS=false``: no tensor is hashed or held once
+Both keep no package after an UNLOAD (``MME_KEEP_UNLOADED_MB=0``), so what stays after one is what leaks.
 Each fine-tune must answer as itself: all of them differently (their heads differ), and the first two as
 transformers computes in this process for their directories (logits, to 1e-4); otherwise the benchmark fails.
 
@@ -136,7 +137,11 @@ def measure(work: Path, args: argparse.Namespace) -> list[list[object]]:
     expected = [in_process(tune) for tune in tunes[:CHECKED]]
     results, servers = {}, {}
     with ExitStack() as stack:
-        for label, env in (("on", {}), ("off", {"MME_SHARE_WEIGHTS": "false"})):
+        # Nothing kept after an UNLOAD (operations.md): "after UNLOAD of everything" is then what leaks, and a fresh
+        # 500 MB copy finds no kept package whose tensors it could share.
+        stacks = (("on", {}), ("off", {"MME_SHARE_WEIGHTS": "false"}))
+        for label, env in stacks:
+            env = {**env, "MME_KEEP_UNLOADED_MB": "0"}
             command, full_env, port = our_server(work / f"tunes-{label}", env)
             servers[label] = stack.enter_context(serve(command, full_env, work / f"tunes-{label}", port))
             progress(f"sharing {label}: {args.fine_tunes} fine-tunes")

@@ -44,6 +44,7 @@ class Config:
     cache_dir: Path = Path("/tmp/mme/cache")
     s3_timeout_seconds: int = 30
     model_cache_mb: int = 2048
+    keep_unloaded_mb: int = 2048
     memory_headroom_mb: int = 256
     batch_size: int = 1
     max_batch_delay_ms: int = 10

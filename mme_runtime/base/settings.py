@@ -151,6 +151,14 @@ MODELS: tuple[Setting, ...] = (
         "Host memory the warm process may hold for loaded TorchScript models shared by servers (0: no cache).",
     ),
     Setting(
+        "MME_KEEP_UNLOADED_MB",
+        "keep_unloaded_mb",
+        integer(0),
+        "2048",
+        "Host memory the packages of unloaded models may keep, least recently used out first and never while a LOAD "
+        "needs it: a re-LOAD of the same files then skips `model_fn` (0: none kept).",
+    ),
+    Setting(
         "MME_MEMORY_HEADROOM_MB",
         "memory_headroom_mb",
         integer(0),
@@ -228,11 +236,7 @@ PROCESSES: tuple[Setting, ...] = (
         "Load each model once in a CUDA-free server and fork its workers; `false` loads in every worker.",
     ),
     Setting(
-        "MME_START_METHOD",
-        "start_method",
-        parse_start_method,
-        "fork",
-        "How the backend server starts workers: `fork` or `spawn`.",
+        "MME_START_METHOD", "start_method", parse_start_method, "fork", "How servers start workers: `fork`, `spawn`."
     ),
     Setting("MME_WARM_START", "warm_start", parse_bool),
     Setting("MME_RUNTIME_DIR", "runtime_dir", path, "/tmp/mme", "Writable directory: MMS properties, home and logs."),

@@ -1,28 +1,44 @@
-"""Packages of shared models that the defaults load (a TorchScript ``model.pt``/``model.pth``, no inference code, or
-the base of a LoRA adapter), kept by their artifacts: another name for the same files takes the same shared-memory
-file, with no loader run, and a host unpacks it once (one copy of the weights; for adapters, one base their requests
-share passes over). A package goes when its last model is unloaded.
+"""Packages of shared models, kept by their artifacts, so that no ``model_fn`` runs twice for the same files.
+
+Two uses of one mechanism:
+
+* **Another name for the same artifacts** (a TorchScript ``model.pt``/``model.pth`` the defaults load, or the base of
+  a LoRA adapter) takes the same shared-memory file, with no loader run, and a host unpacks it once: one copy of the
+  weights; for adapters, one base their requests share passes over. Such a key is the artifacts' alone.
+* **A re-LOAD after an UNLOAD** (SageMaker unloads under memory pressure and loads again on the next request): the
+  package of the last model that used it is kept, least recently used first out, within ``MME_KEEP_UNLOADED_MB``,
+  and never while a LOAD needs the host memory it holds (``make_room``). A model with inference code (or any model
+  no other key fits) is kept under its name and its directory's files (path, size, modification time of each): the
+  same name over the same files skips its loader, ``model_fn``, the S3 code fetch and the packing. A file rewritten,
+  added or removed is another key.
 
 The warm process's side of the model cache for models that share a device host (``model_cache.py`` is the isolated
-servers'); ``MME_MODEL_CACHE_MB=0`` turns both off.
+servers'); ``MME_MODEL_CACHE_MB=0`` turns sharing across names off, ``MME_KEEP_UNLOADED_MB=0`` keeping.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+import xxhash
+
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
+from mme_runtime.base.parsing import MIB
 from mme_runtime.models import hf_loading, lora
 from mme_runtime.models.loading import ModelSpec
 from mme_runtime.models.model_cache import MODEL_FILES, Key, key_for, model_file
 from mme_runtime.models.model_package import Package
 from mme_runtime.models.serving_properties import read_settings
 from mme_runtime.operations import metrics
+from mme_runtime.operations.memory import artifact_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -32,25 +48,32 @@ class _Entry:
     package: Package
     users: set[str] = field(default_factory=set)
 
+    @property
+    def held_bytes(self) -> int:
+        """The memory its own shared-memory file holds (pages other packages' tensors stood for were punched)."""
+        return os.fstat(self.package.fd).st_blocks * 512
+
 
 class PackageCache:
     def __init__(self, config: Config, release: Callable[[Package], None]) -> None:
         self.config = config
         self.release_package = release  # the tensor store's: a package's tensors may be other packages' too
-        self.entries: dict[Key, _Entry] = {}
+        self.entries: OrderedDict[Key, _Entry] = OrderedDict()  # least recently used first
+
+    @property
+    def kept_bytes(self) -> int:
+        """What the packages of no loaded model hold."""
+        return sum(entry.held_bytes for entry in self.entries.values() if not entry.users)
 
     def key(self, spec: ModelSpec) -> Key | None:
-        """The model's artifacts, when the defaults will load them and the cache is on; else None."""
+        """The model's artifacts when the defaults load them (any name may share them), else its name and files (for
+        its own re-LOAD); None when neither use is on."""
         model_dir = Path(spec.model_dir)
-        if self.config.model_cache_mb == 0 or self.config.submit_directory:
-            return None
-        if (model_dir / "code" / self.config.program).is_file():
-            return None  # user code may bring its own model_fn: its result is not the files'
         try:
-            if lora.is_adapter_directory(model_dir):
-                return _base_key(model_dir, self.config)
-            path = model_file(model_dir)
-            return None if path is None else key_for(path)
+            shared = self._shared_key(model_dir)
+            if shared is not None:
+                return shared
+            return None if self.config.keep_unloaded_mb == 0 else _own_key(spec.name, model_dir, self.config)
         except (OSError, ValueError, ModelLoadError):
             return None  # its loader reports what is wrong
 
@@ -60,8 +83,10 @@ class PackageCache:
         metrics.record_cache_lookup("model", hit=entry is not None)
         if entry is None:
             return None
+        how = "shares its package" if entry.users else "takes its package, kept since its UNLOAD"
         entry.users.add(name)
-        logger.info("model cache hit %s: model=%s shares its package", key[0], name)
+        self.entries.move_to_end(key)
+        logger.info("model cache hit %s: model=%s %s", key[0], name, how)
         return entry.package
 
     def add(self, key: Key, name: str, package: Package) -> Package:
@@ -72,19 +97,68 @@ class PackageCache:
             self.entries[key] = _Entry(package, {name})
             return package
         entry.users.add(name)
+        self.entries.move_to_end(key)
         self.release_package(package)
         return entry.package
 
     def release(self, key: Key, name: str) -> None:
-        """``name`` is unloaded; the package is closed once no model uses it."""
+        """``name`` is unloaded; once no model uses the package it is kept, if it fits, for a LOAD to come."""
         entry = self.entries.get(key)
         if entry is None:
             return
         entry.users.discard(name)
         if not entry.users:
-            del self.entries[key]
-            self.release_package(entry.package)
-            logger.info("model cache released %s", key[0])
+            self.entries.move_to_end(key)
+            self._evict_beyond(self.config.keep_unloaded_mb * MIB)
+            if key in self.entries:
+                logger.info("model cache keeps %s (%d MiB kept in all)", key[0], self.kept_bytes // MIB)
+
+    def make_room(self, spec: ModelSpec) -> None:
+        """Before ``spec``'s loader runs: kept packages go, least recently used first, until the host has the memory
+        its LOAD will check for (its artifacts and the headroom), or none is left."""
+        needed = artifact_bytes(Path(spec.model_dir)) + self.config.memory_headroom_mb * MIB
+        while psutil.virtual_memory().available < needed and self._evict_oldest("a LOAD needs the memory"):
+            pass
+
+    def _shared_key(self, model_dir: Path) -> Key | None:
+        if self.config.model_cache_mb == 0 or self.config.submit_directory:
+            return None
+        if (model_dir / "code" / self.config.program).is_file():
+            return None  # user code may bring its own model_fn: its result is not the files'
+        if lora.is_adapter_directory(model_dir):
+            return _base_key(model_dir, self.config)
+        path = model_file(model_dir)
+        return None if path is None else key_for(path)
+
+    def _evict_beyond(self, limit_bytes: int) -> None:
+        while self.kept_bytes > limit_bytes and self._evict_oldest(f"more than {limit_bytes // MIB} MiB kept"):
+            pass
+
+    def _evict_oldest(self, why: str) -> bool:
+        """Closes the least recently used package no model uses; False when there is none."""
+        key = next((key for key, entry in self.entries.items() if not entry.users), None)
+        if key is None:
+            return False
+        entry = self.entries.pop(key)
+        self.release_package(entry.package)
+        logger.info("model cache released %s: %s", key[0], why)
+        return True
+
+
+def _own_key(name: str, model_dir: Path, config: Config) -> Key:
+    """The model's name and every file it loads from: its directory, and a local ``SAGEMAKER_SUBMIT_DIRECTORY``
+    (an S3 one by its URI, as the code fetcher's cache is keyed)."""
+    roots = [model_dir.resolve()]
+    if config.submit_directory and not config.submit_directory.startswith("s3://"):
+        roots.append(Path(config.submit_directory).resolve())
+    files = []
+    for root in roots:
+        for path in sorted(root.rglob("*")):
+            if path.is_file():
+                stat = path.stat()
+                files.append(f"{path.relative_to(root)}:{stat.st_size}:{stat.st_mtime_ns}")
+    digest = xxhash.xxh3_128_hexdigest("\n".join([*map(str, roots), config.submit_directory or "", *files]).encode())
+    return (f"{name}@{model_dir}#{digest}", len(files), 0)
 
 
 def _base_key(adapter_dir: Path, config: Config) -> Key | None:

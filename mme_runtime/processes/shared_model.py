@@ -35,7 +35,7 @@ class SharedModel:
     ready: bool = False  # connections are routed from now on
     failure: LoadFailure | None = None
     hosts: set[DeviceKey] = field(default_factory=set)
-    cache_key: Key | None = None  # its artifacts, when another name may share its package
+    cache_key: Key | None = None  # its package's in the package cache (package_cache.py)
     cpu_host: str | None = None  # which of the CPU's hosts serves it
     served: bool = False  # a host has had it
     load_recorded: bool = False

@@ -6,13 +6,14 @@ processes of its own, or why the LOAD fails). Meanwhile the frontend's connectio
 Once the model is ready, each connection's LOAD message is read here and the connection goes to the host of its
 device, forked on first use; the model is sent to that host once, before its first connection.
 
-When the stub goes (UNLOAD), every host lets the model go. When a host dies, the model whose code killed it is named
-(``crash_board.py``); a model named in two crashes moves to processes of its own (quarantine); the others are loaded
-again from their packages into a new host as the frontend reconnects, without running ``model_fn``.
+When the stub goes (UNLOAD), every host lets the model go (its package may be kept for a re-LOAD). When a host dies,
+the model whose code killed it is named (``crash_board.py``); one named in two crashes moves to processes of its own;
+the others are loaded again from their packages into a new host as the frontend reconnects.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -114,12 +115,13 @@ class SharedModels:
         model = SharedModel(spec, request, stub, stdio, listener, self._free_slot(), time.time())
         self.models[spec.name] = model
         self._handlers[stub] = lambda: self._stub_readable(model)
-        model.cache_key = self.cache.key(spec)
-        if model.cache_key is not None and check_location(spec, self.config) is None:
-            model.package = self.cache.take(model.cache_key, spec.name)
+        if check_location(spec, self.config) is None:  # else its loader refuses it: nothing of its files is read
+            model.cache_key = self.cache.key(spec)
+            model.package = None if model.cache_key is None else self.cache.take(model.cache_key, spec.name)
             if model.package is not None:
                 self._ready(model)
                 return
+            self.cache.make_room(spec)  # packages kept since their UNLOAD give way to what its loader will need
         model.loader, model.result = start_loader(spec, request, stdio, self.close_in_children())
         model.result.settimeout(RESULT_SECONDS)  # a loader's child could hold the socket open after the loader died
         self._handlers[model.result] = lambda: self._loader_reported(model)
@@ -249,12 +251,10 @@ class SharedModels:
             self._move_to_own_process(culprit, f"it crashed its device host {crashes} times")
 
     def _stub_readable(self, model: SharedModel) -> None:
-        try:
-            data = model.stub.recv(4096)
-        except OSError:
-            data = b""
-        if not data:
-            self._unload(model)
+        with contextlib.suppress(OSError):
+            if model.stub.recv(4096):
+                return
+        self._unload(model)  # its end of the stub closed (or broke)
 
     def _unload(self, model: SharedModel) -> None:
         """The model's process in MMS is gone (UNLOAD, or MMS stopping): every host lets it go, its memory is freed."""
@@ -274,8 +274,8 @@ class SharedModels:
                 del self.isolated[pid]  # its exit (reaped later) concerns no model of that name any more
                 kill(pid)
         self._leave_hosts(model)
-        if model.cache_key is not None and model.package is not None:
-            self.cache.release(model.cache_key, name)
+        if model.package is not None and model.cache_key is not None:
+            self.cache.release(model.cache_key, name)  # kept for a re-LOAD while it fits
         elif model.package is not None:
             self.store.release(model.package)
         model.close()

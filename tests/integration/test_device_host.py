@@ -405,4 +405,4 @@ def test_the_same_artifacts_under_two_names_share_one_package(server: RunningSer
     assert server.unload("one").status_code == 200
     assert server.invoke("two", json.dumps(ROWS)).status_code == 200  # still its, until it goes too
     assert server.unload("two").status_code == 200
-    assert wait_until(lambda: "model cache released" in server.log_text(), 10)
+    assert wait_until(lambda: f"model cache keeps {model_dir / 'model.pt'}" in server.log_text(), 10)  # for a re-LOAD

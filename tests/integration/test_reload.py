@@ -1,0 +1,102 @@
+"""A re-LOAD after UNLOAD (what SageMaker does when a model it evicted is asked for again) through the real frontend:
+the package kept since the UNLOAD serves it with no loader and no ``model_fn``, answering as before; a changed file,
+or ``MME_KEEP_UNLOADED_MB=0``, runs ``model_fn`` again. The keeping itself is tests/unit/test_package_cache.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import model_factory
+import torch
+from serving import RunningServer, start_server
+
+ROWS = json.dumps([[1.0, 2.0, 3.0, 4.0], [0.5, 0.0, -1.0, 2.0]])
+
+# A state dict and its own model_fn, as models packed for the AWS container are; each call of model_fn is counted in a
+# file outside the model's directory (a file written inside it would change the directory, and so its key).
+COUNTED_SCRIPT = """
+import json
+import os
+
+import torch
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return torch.softmax(self.fc(x), dim=-1)
+
+
+def model_fn(model_dir):
+    with open(os.environ["MME_TEST_MODEL_FN_CALLS"], "a") as calls:
+        calls.write(f"{os.getpid()}\\n")
+    net = Net()
+    net.load_state_dict(torch.load(os.path.join(model_dir, "model.pth")))
+    return net.eval()
+
+
+def input_fn(body, content_type):
+    return torch.tensor(json.loads(body), dtype=torch.float32)
+"""
+
+
+def counted_model(model_dir: Path, seed: int) -> Path:
+    model_dir.mkdir(parents=True)
+    torch.save(model_factory.tiny_net(seed).state_dict(), model_dir / "model.pth")
+    model_factory.write_code(model_dir, COUNTED_SCRIPT)
+    return model_dir
+
+
+def model_fn_calls(home: Path) -> int:
+    calls = home / "model_fn_calls"
+    return len(calls.read_text().split()) if calls.exists() else 0
+
+
+def load_and_answer(server: RunningServer, name: str, model_dir: Path) -> list[list[float]]:
+    assert server.load(name, model_dir).status_code == 200, server.log_text()[-2000:]
+    response = server.invoke(name, ROWS)
+    assert response.status_code == 200, response.text
+    return list(response.json())
+
+
+def test_a_model_loaded_again_after_its_unload_skips_model_fn_and_answers_as_before(tmp_path: Path) -> None:
+    with start_server(tmp_path, {"MME_TEST_MODEL_FN_CALLS": str(tmp_path / "model_fn_calls")}) as server:
+        model_dir = counted_model(server.model_dir("counted"), seed=3)
+        other_dir = counted_model(server.model_dir("other"), seed=4)
+        first = load_and_answer(server, "counted", model_dir)
+        other = load_and_answer(server, "other", other_dir)
+        assert first != other and model_fn_calls(tmp_path) == 2
+        for name in ("counted", "other"):
+            assert server.unload(name).status_code == 200
+
+        assert load_and_answer(server, "counted", model_dir) == first
+        assert load_and_answer(server, "other", other_dir) == other  # each name its own package, in any order
+        assert model_fn_calls(tmp_path) == 2
+        log = server.log_text()
+        assert "model=counted takes its package, kept since its UNLOAD" in log
+        assert log.count("model=counted packed seconds=") == 1  # the loader ran once
+
+        # Another name for the same files runs its own model_fn: user code may read its name.
+        load_and_answer(server, "renamed", model_dir)
+        assert model_fn_calls(tmp_path) == 3
+
+        # New weights in the same directory: the kept package is not theirs.
+        assert server.unload("counted").status_code == 200
+        torch.save(model_factory.tiny_net(5).state_dict(), model_dir / "model.pth")
+        assert load_and_answer(server, "counted", model_dir) != first
+        assert model_fn_calls(tmp_path) == 4
+
+
+def test_with_keeping_off_a_re_load_runs_model_fn_again(tmp_path: Path) -> None:
+    env = {"MME_TEST_MODEL_FN_CALLS": str(tmp_path / "model_fn_calls"), "MME_KEEP_UNLOADED_MB": "0"}
+    with start_server(tmp_path, env) as server:
+        model_dir = counted_model(server.model_dir("counted"), seed=3)
+        first = load_and_answer(server, "counted", model_dir)
+        assert server.unload("counted").status_code == 200
+        assert load_and_answer(server, "counted", model_dir) == first
+        assert model_fn_calls(tmp_path) == 2
+        assert "kept since its UNLOAD" not in server.log_text()

@@ -1,0 +1,126 @@
+"""The package cache's keeping of unloaded models' packages: kept under their name and files, least recently used
+out first beyond ``MME_KEEP_UNLOADED_MB``, given up for a LOAD that needs the memory, and keyed anew when a file
+changes. Real packages (shared-memory files) throughout; the end-to-end re-LOAD is tests/integration/test_reload.py."""
+
+from __future__ import annotations
+
+import os
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+
+from mme_runtime.base.config import Config
+from mme_runtime.models import package_cache
+from mme_runtime.models.loading import ModelSpec
+from mme_runtime.models.model_package import Package, pack
+from mme_runtime.models.package_cache import PackageCache
+
+MIB = 1 << 20
+Memory = namedtuple("Memory", "available")
+
+
+def spec(name: str, model_dir: Path) -> ModelSpec:
+    return ModelSpec(name=name, model_dir=str(model_dir), handler="handler_service", tmp_dir="/tmp")
+
+
+def user_code_model(model_dir: Path) -> Path:
+    """A directory with inference code: no other name may share its package, only its own re-LOAD."""
+    (model_dir / "code").mkdir(parents=True)
+    (model_dir / "code" / "inference.py").write_text("def model_fn(model_dir):\n    return None\n")
+    (model_dir / "model.pth").write_bytes(b"\0" * 1024)
+    return model_dir
+
+
+def package_of(megabytes: int) -> Package:
+    return pack(torch.nn.Linear(megabytes * MIB // 4 // 256, 256, bias=False), "m", hashed=False)
+
+
+class Released(list[Package]):
+    def __call__(self, package: Package) -> None:
+        package.close()
+        self.append(package)
+
+
+@pytest.fixture
+def released() -> Released:
+    return Released()
+
+
+def loaded(cache: PackageCache, name: str, model_dir: Path, megabytes: int = 1) -> tuple[tuple[str, int, int], Package]:
+    key = cache.key(spec(name, model_dir))
+    assert key is not None
+    assert cache.take(key, name) is None
+    return key, cache.add(key, name, package_of(megabytes))
+
+
+def test_an_unloaded_package_is_kept_and_taken_again_by_the_same_name_and_files(
+    tmp_path: Path, released: Released
+) -> None:
+    cache = PackageCache(Config(), released)
+    model_dir = user_code_model(tmp_path / "a")
+    key, package = loaded(cache, "a", model_dir)
+    cache.release(key, "a")
+    assert released == [] and cache.kept_bytes >= MIB
+    assert cache.key(spec("a", model_dir)) == key
+    assert cache.take(key, "a") is package
+    assert cache.kept_bytes == 0  # in use again
+    assert cache.key(spec("b", model_dir)) != key  # another name runs its own model_fn: user code may differ by name
+
+
+def test_a_changed_file_is_another_key(tmp_path: Path, released: Released) -> None:
+    cache = PackageCache(Config(), released)
+    model_dir = user_code_model(tmp_path / "a")
+    key = cache.key(spec("a", model_dir))
+    script = model_dir / "code" / "inference.py"
+    os.utime(script, ns=(0, script.stat().st_mtime_ns + 1))  # same size, newer
+    assert cache.key(spec("a", model_dir)) != key
+    newer = cache.key(spec("a", model_dir))
+    (model_dir / "extra.json").write_text("{}")
+    assert cache.key(spec("a", model_dir)) != newer
+
+
+def test_kept_packages_beyond_the_limit_go_least_recently_used_first(tmp_path: Path, released: Released) -> None:
+    cache = PackageCache(Config(keep_unloaded_mb=5), released)
+    keys = {name: loaded(cache, name, user_code_model(tmp_path / name), megabytes=2) for name in "abc"}
+    for name in "abc":
+        cache.release(keys[name][0], name)
+    # 3 x 2 MiB > 5 MiB: a, unloaded first, goes; b and c stay.
+    assert released == [keys["a"][1]]
+    assert cache.take(keys["b"][0], "b") is keys["b"][1]
+    cache.release(keys["b"][0], "b")  # b is now the most recently used
+    key_d, _ = loaded(cache, "d", user_code_model(tmp_path / "d"), megabytes=2)
+    cache.release(key_d, "d")
+    assert released == [keys["a"][1], keys["c"][1]]
+
+
+def test_a_load_that_needs_the_memory_takes_it_from_kept_packages(
+    tmp_path: Path, released: Released, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = PackageCache(Config(memory_headroom_mb=0), released)
+    keys = {name: loaded(cache, name, user_code_model(tmp_path / name), megabytes=2) for name in "ab"}
+    for name in "ab":
+        cache.release(keys[name][0], name)
+    in_use_key, in_use = loaded(cache, "in-use", user_code_model(tmp_path / "in-use"), megabytes=2)
+    # Each release frees what its package held; the host's available memory follows.
+    monkeypatch.setattr(package_cache.psutil, "virtual_memory", lambda: Memory(4 * MIB - cache.kept_bytes))
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "model.pt").write_bytes(b"\0" * 3 * MIB)  # 3 MiB needed, none available: a, then b go
+    cache.make_room(spec("big", big))
+    assert released == [keys["a"][1], keys["b"][1]]
+    cache.make_room(spec("big", big))  # nothing left to give: the model in use keeps its package
+    assert len(released) == 2 and cache.take(in_use_key, "in-use") is in_use
+
+
+def test_keeping_off_keeps_nothing_but_the_same_artifacts_are_still_shared(tmp_path: Path, released: Released) -> None:
+    cache = PackageCache(Config(keep_unloaded_mb=0), released)
+    assert cache.key(spec("a", user_code_model(tmp_path / "a"))) is None
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "model.pt").write_bytes(b"\0" * 1024)
+    key, package = loaded(cache, "one", plain)
+    assert cache.key(spec("two", plain)) == key
+    cache.release(key, "one")
+    assert released == [package]
