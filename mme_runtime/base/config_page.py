@@ -6,7 +6,8 @@ code: a test compares the page with ``configuration_page()``. Regenerate it with
 
 from __future__ import annotations
 
-from mme_runtime.base.settings import SECTIONS, Setting
+from mme_runtime.base.parsing import Setting
+from mme_runtime.base.settings import SECTIONS
 
 INTRODUCTION = """\
 # Configuration

@@ -1,10 +1,12 @@
 """How the text of one setting becomes its value: each parser takes the variable's name and its text, and raises
-``ConfigError`` naming both when the text does not parse. Never imports torch."""
+``ConfigError`` naming both when the text does not parse; ``Setting`` ties a variable to its parser (``settings.py``
+lists them). Never imports torch."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -20,6 +22,17 @@ MAX_MMS_PORT = 32766
 MAX_BATCH_SIZE = 1024
 MAX_BATCH_DELAY_MS = 60_000
 MAX_CONCURRENCY = 256
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One variable. Undocumented ones (no description) are read but left out of the docs."""
+
+    name: str
+    field: str
+    parse: Parser
+    default: str = ""
+    description: str = ""
 
 
 def parse_bool(name: str, value: str) -> bool:

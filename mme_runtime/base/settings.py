@@ -7,13 +7,11 @@ Reading the environment is ``config.py``'s job; this module only describes it. N
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from mme_runtime.base.parsing import (
     MAX_BATCH_DELAY_MS,
     MAX_BATCH_SIZE,
     MAX_CONCURRENCY,
-    Parser,
+    Setting,
     integer,
     megabytes,
     parse_bool,
@@ -31,17 +29,6 @@ INHERITED_LISTEN_FD = "MME_BACKEND_LISTEN_FD"
 INHERITED_LIFELINE_FD = "MME_BACKEND_LIFELINE_FD"
 INHERITED_PENDING_FD = "MME_BACKEND_PENDING_FD"
 INHERITED_LOAD_STARTED = "MME_BACKEND_LOAD_STARTED"
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One variable. Undocumented ones (no description) are read but left out of the docs."""
-
-    name: str
-    field: str
-    parse: Parser
-    default: str = ""
-    description: str = ""
 
 
 # When two variables set the same field, the later one in this order wins.
