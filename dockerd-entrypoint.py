@@ -15,6 +15,7 @@ from mme_runtime.base.config import Config
 from mme_runtime.base.errors import EXIT_CONFIG, ConfigError
 from mme_runtime.base.logs import ENTRYPOINT_FORMAT, configure_logging
 from mme_runtime.base.nvidia import gpu_count
+from mme_runtime.operations.cloudwatch_metrics import start as start_cloudwatch
 from mme_runtime.operations.metrics_exporter import start as start_metrics
 from mme_runtime.processes.frontend import (
     ensure_mme_properties,
@@ -52,6 +53,7 @@ def serve() -> int:
     env = config.child_environment({"MODEL_SERVER_HOME": str(home), "PYTHONUNBUFFERED": "1"})
     warm_command = [sys.executable, "-m", "mme_runtime.processes.warm_start"] if config.warm_start else None
     model_metrics = start_metrics(config)
+    cloudwatch = start_cloudwatch(config, model_metrics)
     supervisor = Supervisor(
         config=config,
         command=command,
@@ -61,7 +63,10 @@ def serve() -> int:
         model_metrics=model_metrics,
     )
     supervisor.install_signal_handlers()
-    return supervisor.run()
+    status = supervisor.run()
+    if cloudwatch is not None:
+        cloudwatch.stop()  # the last lines: what happened since the previous ones
+    return status
 
 
 def main(argv: list[str]) -> int:

@@ -16,6 +16,8 @@ from pathlib import Path
 from mme_runtime.base.parsing import MIB, StartMethod, parse_bool
 from mme_runtime.base.settings import SETTINGS
 
+SAGEMAKER_CLOUDWATCH_SECONDS = 60
+
 
 def process_environment() -> dict[str, str]:
     """A copy of this process's environment, for handing on to a process that stands in for this one."""
@@ -74,6 +76,9 @@ class Config:
     # that import it (the warm process, and backends started without it).
     omp_wait_policy: str = "PASSIVE"
     metrics_port: int = 9090
+    # 0 (off) unless set; ``from_env`` makes it 60 where SAGEMAKER_MULTI_MODEL is set: on SageMaker, nothing scrapes.
+    cloudwatch_metrics_seconds: int = 0
+    cloudwatch_namespace: str = "mme-gpu"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Config:
@@ -83,6 +88,8 @@ class Config:
             raw = env.get(setting.name)
             if raw is not None and raw.strip() != "":
                 values[setting.field] = setting.parse(setting.name, raw)
+        if env.get("SAGEMAKER_MULTI_MODEL", "").strip():
+            values.setdefault("cloudwatch_metrics_seconds", SAGEMAKER_CLOUDWATCH_SECONDS)
         return cls(**values)  # type: ignore[arg-type]
 
     @classmethod

@@ -5,6 +5,7 @@ lists them). Never imports torch."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ MAX_MMS_PORT = 32766
 MAX_BATCH_SIZE = 1024
 MAX_BATCH_DELAY_MS = 60_000
 MAX_CONCURRENCY = 256
+# CloudWatch's rule for a namespace; "AWS/" starts only AWS's own.
+NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9._/#:-]{1,255}")
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,14 @@ def text(name: str, value: str) -> str:
 
 def path(name: str, value: str) -> Path:
     return Path(value).absolute()
+
+
+def namespace(name: str, value: str) -> str:
+    """A CloudWatch namespace."""
+    stripped = value.strip()
+    if not NAMESPACE_PATTERN.fullmatch(stripped) or stripped.startswith("AWS/"):
+        raise ConfigError(f"{name}={value!r} is not a CloudWatch namespace (up to 255 of A-Z a-z 0-9 . _ / # : -)")
+    return stripped
 
 
 def parse_port(name: str, value: str) -> int:

@@ -14,6 +14,7 @@ from mme_runtime.base.parsing import (
     Setting,
     integer,
     megabytes,
+    namespace,
     parse_bool,
     parse_load_models,
     parse_log_level,
@@ -29,7 +30,6 @@ INHERITED_LISTEN_FD = "MME_BACKEND_LISTEN_FD"
 INHERITED_LIFELINE_FD = "MME_BACKEND_LIFELINE_FD"
 INHERITED_PENDING_FD = "MME_BACKEND_PENDING_FD"
 INHERITED_LOAD_STARTED = "MME_BACKEND_LOAD_STARTED"
-
 
 # When two variables set the same field, the later one in this order wins.
 SAGEMAKER: tuple[Setting, ...] = (
@@ -264,8 +264,17 @@ METRICS: tuple[Setting, ...] = (
         "metrics_port",
         integer(0, 65535),
         "9090",
-        "Port of the Prometheus `/metrics` endpoint the entrypoint serves; `0` turns metrics off.",
+        "Port of the Prometheus `/metrics` endpoint the entrypoint serves; `0` turns metrics off (CloudWatch's too).",
     ),
+    Setting(
+        "MME_CLOUDWATCH_METRICS_SECONDS",
+        "cloudwatch_metrics_seconds",
+        integer(0, 3600),
+        "60 where `SAGEMAKER_MULTI_MODEL` is set, else 0",
+        "Seconds between the per-model CloudWatch metrics the entrypoint prints to stdout "
+        "([on SageMaker](metrics.md#cloudwatch-on-sagemaker)); `0` turns them off.",
+    ),
+    Setting("MME_CLOUDWATCH_NAMESPACE", "cloudwatch_namespace", namespace, "mme-gpu", "Namespace of those metrics."),
 )
 INHERITED: tuple[Setting, ...] = (
     Setting("JAVA_HOME", "java_home", text),

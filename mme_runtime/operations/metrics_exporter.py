@@ -3,7 +3,8 @@
 Each scrape merges the files the model processes wrote (``metrics.py``) with prometheus_client's own multiprocess
 reader, and adds what is read live: the model servers running and the host memory of each model's processes. The
 HTTP thread runs beside MMS, so it answers while a model loads. Only ``mme_`` series are shown: a library in a model
-process that makes prometheus_client metrics of its own writes them to the same files.
+process that makes prometheus_client metrics of its own writes them to the same files. ``snapshot`` gives the same
+to the CloudWatch lines (``cloudwatch_metrics.py``).
 
 Files of processes that ended are folded: their counters and histograms are added to a file this process owns, and
 their gauges dropped. A stopped model server's directory (``metrics/unloaded/``) folds into ``metrics/retired/``,
@@ -62,14 +63,25 @@ class ModelMetrics:
         self.models_url = f"http://127.0.0.1:{port}/models/"
         self._lock = threading.Lock()
         self._host_memory: dict[tuple[int, float], tuple[float, int]] = {}  # (pid, start) -> (read at, bytes)
+        self._folded: list[Metric] | None = None  # what folded servers recorded, once a snapshot asks for it
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:  # scrapes may come concurrently; the sweep folds too
-            self._fold_unloaded()
-            merged = self._merge()
-            live = list(self._live_gauges())
-        yield from (family for family in merged if family.name.startswith(PREFIX))
-        yield from live
+            families = self._families()
+        yield from families
+
+    def snapshot(self) -> tuple[list[Metric], list[Metric]]:
+        """What a scrape shows, and what the servers folded since the last snapshot had recorded (their model series,
+        gone from a scrape; kept from the first call on): ``cloudwatch_metrics`` reports what stopped models counted."""
+        with self._lock:
+            families = self._families()
+            folded, self._folded = self._folded or [], []
+        return families, folded
+
+    def _families(self) -> list[Metric]:
+        self._fold_unloaded()
+        merged = [family for family in self._merge(self._live_files()) if family.name.startswith(PREFIX)]
+        return merged + list(self._live_gauges())
 
     def sweep(self) -> None:
         """Folds what ended: servers that died without stopping (once MMS no longer has their model), and executors
@@ -89,9 +101,8 @@ class ModelMetrics:
     def _server_dirs(self) -> list[Path]:
         return [path for path in models_dir(self.metrics_dir).glob("*/*") if path.name.isdigit()]
 
-    def _merge(self) -> list[Metric]:
-        """Every live file and the folded ones, merged; a file another process moved or cut short is left out."""
-        files = self._live_files()
+    def _merge(self, files: list[str]) -> list[Metric]:
+        """The files merged; one another process moved or cut short is left out."""
         skipped: set[str] = set()
         while True:
             try:
@@ -117,13 +128,17 @@ class ModelMetrics:
             if directory.name.endswith(FOLDING_SUFFIX):
                 shutil.rmtree(directory, ignore_errors=True)  # added already, by a fold that then failed to delete
                 continue
-            values = _read_values(list(directory.glob("*.db")), keep=lambda labels: "model" not in labels)
+            files = list(directory.glob("*.db"))
+            values = _read_values(files, keep=lambda labels: "model" not in labels)
+            stopped = [] if self._folded is None else self._merge(sorted(map(str, files)))
             folding = directory.with_name(directory.name + FOLDING_SUFFIX)
             try:
                 directory.rename(folding)
             except OSError as exc:
                 logger.warning("metrics of %s not folded yet: %s", directory, exc)
                 continue
+            if self._folded is not None:
+                self._folded.extend(stopped)
             _add_values(values, lambda kind: self.metrics_dir / "retired" / f"{kind}_retired.db")
             shutil.rmtree(folding, ignore_errors=True)
 
