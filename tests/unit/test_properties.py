@@ -35,9 +35,15 @@ def test_mms_properties_derive_addresses_workers_and_limits() -> None:
     properties = mms_properties(config, {"preload_model_gpu": "true", "async_logging": "true"}, workers_per_model=2)
     assert properties["inference_address"] == properties["management_address"] == "http://0.0.0.0:9000"
     assert properties["default_workers_per_model"] == "2"
-    assert properties["default_response_timeout_seconds"] == "120"
     assert properties["model_store"] == "/"
     assert "preload_model_gpu" not in properties and properties["async_logging"] == "true"
+
+
+def test_mms_timer_never_cuts_a_load_shorter_than_sagemaker_allows() -> None:
+    # MMS times a LOAD with the request timer: SAGEMAKER_MODEL_SERVER_TIMEOUT below 360 s must not shorten LOADs.
+    for timeout, timer in (("60", "360"), ("120", "360"), ("600", "600")):
+        config = Config.from_env({"SAGEMAKER_MODEL_SERVER_TIMEOUT": timeout})
+        assert mms_properties(config, {}, workers_per_model=1)["default_response_timeout_seconds"] == timer
 
 
 def test_properties_are_written_atomically_and_read_back(tmp_path: Path) -> None:
