@@ -1,0 +1,133 @@
+"""Long LOADs (issue #29): a `model_fn` that takes 90 s loads through the real frontend with the default settings, while
+the models already loaded answer at once. Marked slow (about 95 s), still part of `make test`.
+
+SageMaker lets a LOAD run up to 360 s; MMS times the LOAD with the timer it uses for every request, which our
+frontend settings never set below that (``mme_runtime/processes/frontend.py``, ``LOAD_SECONDS``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+
+import model_factory
+import pytest
+import requests
+from serving import RunningServer, start_server, wait_until
+
+pytestmark = pytest.mark.slow
+
+LOAD_SLEEP_SECONDS = 90  # past SAGEMAKER_MODEL_SERVER_TIMEOUT's default (60 s) and SageMaker's 60 s retry
+ROWS = json.dumps([[1.0, 2.0, 3.0, 4.0]])
+
+SLOW_SCRIPT = f"""
+import json
+import os
+import time
+
+
+def model_fn(model_dir):
+    time.sleep({LOAD_SLEEP_SECONDS})
+    return {{"name": os.path.basename(model_dir)}}
+
+
+def transform_fn(model, body, content_type, accept):
+    return json.dumps({{"model": model["name"]}}), "application/json"
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    # Default settings: SAGEMAKER_MODEL_SERVER_TIMEOUT stays 60.
+    with start_server(tmp_path_factory.mktemp("long-load")) as running:
+        yield running
+
+
+def post_load(server: RunningServer, name: str) -> tuple[int, float]:
+    """LOAD as SageMaker sends it, with a client that waits as long as SageMaker does (360 s)."""
+    started = time.monotonic()
+    body = {"model_name": name, "url": str(server.model_dir(name))}
+    response = requests.post(f"{server.url}/models", json=body, timeout=360)
+    return response.status_code, time.monotonic() - started
+
+
+def test_a_90_s_load_succeeds_while_loaded_models_answer_at_once(server: RunningServer) -> None:
+    model_factory.torchscript_model(server.model_dir("fast"))
+    model_factory.torchscript_model(server.model_dir("fast-own"), seed=1)
+    (server.model_dir("fast-own") / "serving.properties").write_text("isolation=process\n")
+    for name in ("fast", "fast-own"):
+        assert server.load(name).status_code == 200
+    model_factory.torchscript_model(server.model_dir("late"), seed=2)
+    for name in ("slow", "slow-own"):
+        model_factory.write_code(server.model_dir(name), SLOW_SCRIPT)
+    (server.model_dir("slow-own") / "serving.properties").write_text("isolation=process\n")
+
+    loads: dict[str, tuple[int, float]] = {}
+    early_invoke: dict[str, tuple[int, float]] = {}
+
+    def load(name: str) -> None:
+        loads[name] = post_load(server, name)
+
+    def registered() -> bool:
+        return all(server.describe(name).status_code == 200 for name in ("slow", "slow-own"))
+
+    def invoke_while_loading() -> None:
+        # MMS holds it until the LOAD ends (for good, if the LOAD fails): the client gives up soon after.
+        started = time.monotonic()
+        try:
+            response = requests.post(
+                f"{server.url}/models/slow/invoke",
+                data="x",
+                headers={"Content-Type": "text/plain"},
+                timeout=LOAD_SLEEP_SECONDS + 30,
+            )
+        except requests.RequestException:
+            return
+        early_invoke["slow"] = response.status_code, time.monotonic() - started
+
+    threads = [threading.Thread(target=load, args=(name,)) for name in ("slow", "slow-own")]
+    for thread in threads:
+        thread.start()
+    assert wait_until(registered, 30)  # their model_fn sleeping from now on
+    # What a retried LOAD gets meanwhile, and an INVOKE sent before the LOAD answered: MMS queues it.
+    assert post_load(server, "slow")[0] == 409
+    waiting = threading.Thread(target=invoke_while_loading, daemon=True)
+    waiting.start()
+    late = post_load(server, "late")  # another model's LOAD is not held up behind theirs
+    assert late[0] == 200 and late[1] < 30
+    assert requests.get(f"{server.url}/ping", timeout=2).status_code == 200
+
+    latencies: dict[str, list[float]] = {"fast": [], "fast-own": []}
+    while any(thread.is_alive() for thread in threads):
+        for name, seconds in latencies.items():
+            started = time.monotonic()
+            response = server.invoke(name, ROWS)
+            seconds.append(time.monotonic() - started)
+            assert response.status_code == 200, f"{name}: {response.status_code} {response.text}"
+        time.sleep(0.25)
+    for thread in threads:
+        thread.join()
+    for name in ("slow", "slow-own"):
+        status, seconds = loads[name]
+        assert status == 200, f"{name}: LOAD answered {status} after {seconds:.1f} s"
+        assert seconds >= LOAD_SLEEP_SECONDS
+        response = server.invoke(name, "x", content_type="text/plain")
+        assert response.status_code == 200 and response.json() == {"model": name}
+    waiting.join(30)
+    assert early_invoke.get("slow", (None,))[0] == 200
+
+    all_latencies = sorted(seconds for series in latencies.values() for seconds in series)
+    print(
+        f"\nLOADs of a {LOAD_SLEEP_SECONDS} s model_fn: shared {loads['slow'][1]:.1f} s, isolated "
+        f"{loads['slow-own'][1]:.1f} s; another model's LOAD meanwhile {late[1]:.1f} s; {len(all_latencies)} "
+        f"INVOKEs of loaded models meanwhile, median {statistics.median(all_latencies) * 1000:.1f} ms, max "
+        f"{all_latencies[-1] * 1000:.1f} ms; an INVOKE sent during the LOAD answered after "
+        f"{early_invoke['slow'][1]:.1f} s"
+    )
+    assert len(all_latencies) >= 2 * LOAD_SLEEP_SECONDS  # two a second or so, all along the LOADs
+    assert statistics.median(all_latencies) < 0.25 and all_latencies[-1] < 1.0
+    assert server.shares_device_host("slow") and not server.shares_device_host("slow-own")
+    assert "did not respond in given time" not in server.log_text()
