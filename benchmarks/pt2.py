@@ -148,7 +148,7 @@ def main(argv: Sequence[str] = ()) -> int:
         for round_index in range(args.rounds):
             # A fresh server and compile cache each round: "cold" is a first compile, "cached" a second LOAD.
             work = root / f"server-{round_index}"
-            # A first compile counts against the LOAD's time limit (SAGEMAKER_MODEL_SERVER_TIMEOUT, 60 s by default).
+            # A first compile counts against the LOAD's time limit (360 s by default: docs/api.md, Long LOADs).
             env_extra = {"MME_CACHE_DIR": str(work / "cache"), "SAGEMAKER_MODEL_SERVER_TIMEOUT": "600"}
             command, env, port = our_server(work, env_extra)
             with serve_isolated("ours", command, env, work, port) as server:

@@ -55,8 +55,10 @@ SAGEMAKER: tuple[Setting, ...] = (
         "response_timeout_seconds",
         integer(1),
         "60",
-        "Seconds a worker may take for one request, and for loading a model.",
+        "Seconds MMS waits for a worker's answer to a request or a LOAD, never less than 360 for a LOAD (SageMaker's "
+        "limit, see docs/api.md, Long LOADs); `SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS` (sagemaker-inference's) wins.",
     ),
+    Setting("SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS", "response_timeout_seconds", integer(1)),
     Setting(
         "SAGEMAKER_STARTUP_TIMEOUT",
         "startup_timeout_seconds",

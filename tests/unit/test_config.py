@@ -40,6 +40,12 @@ def test_values_are_parsed_from_the_environment() -> None:
     assert config.load_models == (("a", "/m/a"), ("b", "/m/b"))
 
 
+def test_sagemaker_inference_s_timeout_in_seconds_wins() -> None:
+    both = {"SAGEMAKER_MODEL_SERVER_TIMEOUT": "60", "SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS": "420"}
+    assert Config.from_env(both).response_timeout_seconds == 420
+    assert Config.from_env({"SAGEMAKER_MODEL_SERVER_TIMEOUT": "90"}).response_timeout_seconds == 90
+
+
 def test_request_size_in_bytes_wins_over_megabytes() -> None:
     config = Config.from_env({"SAGEMAKER_MAX_PAYLOAD_IN_MB": "10", "SAGEMAKER_MAX_REQUEST_SIZE": "1000"})
     assert config.max_request_bytes == 1000
