@@ -162,3 +162,58 @@ def fine_tune(base: Path, directory: Path, seed: int) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(base / name, directory / name)
     return directory
+
+
+def _byte_bpe(specials: list[str], size: int = 400) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A byte-level BPE (GPT-2's and BART's kind) trained on ``corpus()``: its vocabulary and merges."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=size, special_tokens=specials, initial_alphabet=alphabet, show_progress=False
+    )
+    bpe.train_from_iterator(corpus(), trainer)
+    data = json.loads(bpe.to_str())["model"]
+    return data["vocab"], [tuple(merge) for merge in data["merges"]]
+
+
+def _lively(model: Any, *rare: int, scale: float = 0.5, seed: int = 0, std: float = 0.3) -> Any:
+    """Random weights drawn wider than transformers draws them (``std``), so that what a small model generates
+    depends on its input instead of repeating one token; ``rare`` tokens (the end token; a T5's padding, which it
+    would pick every time) have their output rows scaled down by ``scale``, so generations run longer."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+        for token in rare:
+            model.get_output_embeddings().weight[token] *= scale
+    return model.eval()
+
+
+def gpt2(directory: Path, layers: int = 2, hidden: int = 64, seed: int = 0, positions: int = 512) -> Path:
+    """A GPT-2-shaped causal LM with random weights and a byte-level BPE tokenizer trained here."""
+    transformers = _transformers()
+
+    vocab, merges = _byte_bpe(["<|endoftext|>"])
+    tokenizer = transformers.GPT2Tokenizer(vocab=vocab, merges=merges, model_max_length=positions)
+    torch.manual_seed(seed)
+    end = tokenizer.eos_token_id
+    config = transformers.GPT2Config(
+        vocab_size=len(vocab),
+        n_positions=positions,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=max(1, hidden // 32),
+        bos_token_id=end,
+        eos_token_id=end,
+    )
+    model = _lively(transformers.GPT2LMHeadModel(config), end, seed=seed)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

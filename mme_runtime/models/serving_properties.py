@@ -5,9 +5,10 @@ pass) and ``max_batch_delay`` (milliseconds); ``max_concurrency`` (forward passe
 (``process``: never share the device host); ``compile`` (``true``) and ``compile_mode`` ask for an AOTInductor
 compile of the model on each device (``compiling.py``); ``task``, ``trust_remote_code`` and ``pooling`` for a
 Hugging Face model served with no code (``hf_loading.py``); ``share_weights`` (``false``: its tensors are its own,
-never held once with another model's, ``tensor_store.py``); ``base_model`` (a LoRA adapter's base, ``lora.py``). A
-LOAD body that carries ``batch_size`` wins over both: MMS then sends it in every worker's LOAD message. A malformed
-file fails the LOAD, with the cause in the log.
+never held once with another model's, ``tensor_store.py``); ``base_model`` (a LoRA adapter's base, ``lora.py``);
+``max_new_tokens`` and ``max_generation_seconds`` (a generative model's cap on new tokens and on the time of one
+generation, ``serving/hf_generation.py``). A LOAD body that carries ``batch_size`` wins over both: MMS then sends
+it in every worker's LOAD message. A malformed file fails the LOAD, with the cause in the log.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from pathlib import Path
 
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ConfigError, ModelLoadError
-from mme_runtime.base.parsing import MAX_BATCH_DELAY_MS, MAX_BATCH_SIZE, MAX_CONCURRENCY, parse_bool, parse_int
+from mme_runtime.base.parsing import (
+    MAX_BATCH_DELAY_MS,
+    MAX_BATCH_SIZE,
+    MAX_CONCURRENCY,
+    parse_bool,
+    parse_int,
+    parse_seconds,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +37,9 @@ KNOWN_KEYS = (
     # A Hugging Face model served with no code (``hf_loading.py``): its task, and whether its own code may run.
     *("task", "trust_remote_code", "pooling"),
     *("share_weights", "base_model"),
+    *("max_new_tokens", "max_generation_seconds"),
 )
+MAX_NEW_TOKENS = 1_000_000
 COMPILE_MODES = ("default", "max-autotune")
 ISOLATIONS = ("shared", "process")
 POOLINGS = ("mean", "cls", "none")
@@ -54,6 +64,8 @@ class ServingSettings:
     pooling: str | None = None  # feature-extraction: mean, cls or none; None: what the directory says
     share_weights: bool = True  # tensors equal to another model's are held once (MME_SHARE_WEIGHTS can turn it off)
     base_model: str | None = None  # a LoRA adapter's base: a directory under the model root, or relative to its own
+    max_new_tokens: int | None = None  # a generative model's cap; None: the container's
+    max_generation_seconds: float | None = None  # when a generation is cut; None: before the request's timeout
 
     @property
     def batching(self) -> bool:
@@ -109,9 +121,24 @@ def read_settings(model_dir: Path, config: Config) -> ServingSettings:
             pooling=_choice("pooling", values.get("pooling"), POOLINGS),
             share_weights=parse_bool("share_weights", values.get("share_weights", "true")),
             base_model=values.get("base_model"),
+            max_new_tokens=_optional_int("max_new_tokens", values.get("max_new_tokens"), 1, MAX_NEW_TOKENS),
+            max_generation_seconds=_seconds("max_generation_seconds", values.get("max_generation_seconds")),
         )
     except (ConfigError, OSError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{FILE_NAME} is malformed: {exc}") from exc
+
+
+def _optional_int(key: str, value: str | None, minimum: int, maximum: int) -> int | None:
+    return None if value is None else parse_int(key, value, minimum, maximum)
+
+
+def _seconds(key: str, value: str | None) -> float | None:
+    if value is None:
+        return None
+    seconds = parse_seconds(key, value)
+    if not seconds > 0:
+        raise ConfigError(f"{key}={value!r} must be a positive number of seconds")
+    return seconds
 
 
 def _choice(key: str, value: str | None, choices: tuple[str, ...]) -> str | None:

@@ -3,6 +3,9 @@ for its task (``hf_loading.py``), ``input_fn`` reads the AWS Hugging Face contai
 ``predict_fn`` runs the task over a batch of requests in one padded pass (``hf_tasks.py``) and ``output_fn`` writes
 the pipeline's answer. A user's ``inference.py`` may still replace any of them, as with the PyTorch defaults.
 
+A generative task (``hf_generation.py``) is not batched by the batcher: its model's scheduler decodes the rows of
+every request together, step by step, so ``predict_fn`` returns when that request's own rows are done.
+
 A LoRA adapter's directory (``lora.py``) is served the same way: ``model_fn`` loads its base, the adapter is attached
 when the model is placed, and each request names its adapter, so that the base's pass picks it for its rows.
 """
@@ -10,6 +13,7 @@ when the model is placed, and each request names its adapter, so that the base's
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +23,8 @@ from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
 from mme_runtime.models import hf_loading, lora, model_cache, pt2
 from mme_runtime.models.serving_properties import ServingSettings
-from mme_runtime.serving import hf_requests
+from mme_runtime.serving import hf_generation, hf_requests
+from mme_runtime.serving.hf_generation import GenerationLimits, GenerationRunner
 from mme_runtime.serving.hf_requests import TaskBatch, TaskRequest
 from mme_runtime.serving.hf_tasks import TaskRunner, shape
 
@@ -53,6 +58,31 @@ class HuggingFaceDefaults:
         self._pooling = settings.pooling
         self._runner: TaskRunner | None = None
         self._lock = threading.Lock()
+        self._config = config
+        self._generator: GenerationRunner | None = None
+        self._limits = generation_limits(settings, config)
+
+    @property
+    def schedules_itself(self) -> bool:
+        """A generative task: its scheduler, not the batcher, puts the rows of many requests into one step."""
+        return self.task in hf_loading.GENERATIVE_TASKS
+
+    def start(self, model: hf_loading.HuggingFaceModel, max_rows: int, name: str) -> None:
+        """Starts the model's scheduler, for up to ``max_rows`` rows per step (its batch size), once it is placed."""
+        with self._lock:
+            self.close()
+            device = next(model.model.parameters(), torch.empty(0)).device
+            self._generator = GenerationRunner(model, device, replace(self._limits, max_rows=max_rows), name)
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return [] if self._generator is None else self._generator.threads
+
+    def close(self) -> None:
+        """Ends the scheduler (the model's UNLOAD): its rows fail, its thread lets the model go."""
+        if self._generator is not None:
+            self._generator.close()
+            self._generator = None
 
     def default_model_fn(self, model_dir: str, context: Any = None) -> hf_loading.HuggingFaceModel:
         return hf_loading.load(self.base_dir, self.task, self._trust_remote_code, self._pooling)
@@ -68,13 +98,23 @@ class HuggingFaceDefaults:
         if not isinstance(model, hf_loading.HuggingFaceModel):
             raise ModelLoadError("a model_fn of its own must come with a predict_fn of its own for this model")
         requests = data.requests if isinstance(data, TaskBatch) else [data]
+        if self.schedules_itself:
+            if self._generator is None:  # the warm-up request, before the scheduler starts
+                self.start(model, self._limits.max_rows, "warm-up")
+            assert self._generator is not None
+            generated = self._generator.run(requests)
+            owners = [request for request in requests for _ in request.inputs]
+            return [_Answer(answer, owner) for answer, owner in zip(generated, owners, strict=True)]
         answers = self._runner_for(model).run(requests)
         owners = [request for request in requests for _ in range(request.rows)]
         return [_Answer(answer, owner) for answer, owner in zip(answers, owners, strict=True)]
 
     def default_output_fn(self, prediction: list[Any], accept: str, context: Any = None) -> bytes:
         request = prediction[0].request
-        return hf_requests.encode(shape(self.task, [answer.value for answer in prediction], request), accept)
+        answers = [answer.value for answer in prediction]
+        if self.schedules_itself:
+            return hf_requests.encode(hf_generation.shape(self.task, answers, request), accept)
+        return hf_requests.encode(shape(self.task, answers, request), accept)
 
     def _runner_for(self, model: hf_loading.HuggingFaceModel) -> TaskRunner:
         with self._lock:
@@ -82,6 +122,15 @@ class HuggingFaceDefaults:
                 device = next(model.model.parameters(), torch.empty(0)).device
                 self._runner = TaskRunner(model, device)
             return self._runner
+
+
+def generation_limits(settings: ServingSettings, config: Config) -> GenerationLimits:
+    """The cap on new tokens and the time limit of a generation: ``serving.properties``, else the container's. A
+    generation is cut ``TIME_MARGIN_SECONDS`` before ``SAGEMAKER_MODEL_SERVER_TIMEOUT``, so it answers in time."""
+    cap = settings.max_new_tokens or int(getattr(config, "max_new_tokens", hf_generation.DEFAULT_MAX_NEW_TOKENS))
+    latest = max(1.0, config.response_timeout_seconds - hf_generation.TIME_MARGIN_SECONDS)
+    seconds = min(settings.max_generation_seconds or latest, latest)
+    return GenerationLimits(cap, seconds, settings.batch_size)
 
 
 class _Answer:

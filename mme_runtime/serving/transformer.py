@@ -51,6 +51,7 @@ class Transformer(RequestPipeline):
         self._user_modules: dict[str, ModuleType] = {}
         self._adapter: lora.Adapter | None = None  # a LoRA adapter's directory: attached over its base when placed
         self._source_dir: Path | None = None  # where model_fn and the code come from: the model's, or its base's
+        self._scheduling: Any = None  # a generative model's defaults: its scheduler batches, not the batcher
 
     @property
     def model(self) -> Any:
@@ -104,6 +105,8 @@ class Transformer(RequestPipeline):
         }
         defaults = self._defaults_for(context, self._source_dir if plain_adapter else model_dir, user)
         self._contract = Contract.bind(defaults, user)
+        schedules = getattr(defaults, "schedules_itself", False) and "predict_fn" not in user
+        self._scheduling = defaults if schedules else None
         self._adapter = plain_adapter or (None if "model_fn" in user else getattr(defaults, "adapter", None))
         self._code_dir = code_dir
 
@@ -177,6 +180,9 @@ class Transformer(RequestPipeline):
         if self._context is None:
             raise RuntimeError("attach the model before starting its batcher")
         self._grad_enabled = torch.is_grad_enabled()
+        if self._scheduling is not None:  # its rows share steps in its scheduler (hf_scheduler.py): no batcher
+            self._scheduling.start(self._model, self._settings.batch_size, self._context.model_name)
+            return self._settings
         if self._batcher is None:
             settings, name = self._settings, self._context.model_name
             adapters = getattr(self._model, "adapters", None)
@@ -191,7 +197,8 @@ class Transformer(RequestPipeline):
 
     @property
     def batcher_threads(self) -> list[threading.Thread]:
-        return [] if self._batcher is None else list(self._batcher.threads)
+        scheduling = [] if self._scheduling is None else list(self._scheduling.threads)
+        return scheduling + ([] if self._batcher is None else list(self._batcher.threads))
 
     def close(self) -> None:
         """Lets go of the model (its UNLOAD in a device host): the batcher's threads end, the user module goes."""
@@ -203,6 +210,9 @@ class Transformer(RequestPipeline):
         elif self._batcher is not None:
             self._batcher.close()
         self._batcher = None
+        if self._scheduling is not None:
+            self._scheduling.close()
+            self._scheduling = None
         self._model = None
         for name, module in self._user_modules.items():  # its script, under the model's unique name
             if sys.modules.get(name) is module:  # not a LOAD of the same name that imported it again since

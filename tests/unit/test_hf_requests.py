@@ -95,6 +95,8 @@ def _config(directory: Path, architectures: list[str], **extra: Any) -> Path:
         (["BertForQuestionAnswering"], "question-answering"),
         (["ViTForImageClassification"], "image-classification"),
         (["BertModel"], "feature-extraction"),
+        (["GPT2LMHeadModel"], "text-generation"),
+        (["LlamaForCausalLM"], "text-generation"),
     ],
 )
 def test_the_architecture_tells_the_task_when_it_names_one(tmp_path: Path, architectures: list[str], task: str) -> None:
@@ -109,13 +111,12 @@ def test_serving_properties_win_over_hf_task_which_wins_over_the_architecture(tm
     assert hf_loading.resolve_task(directory, "ner", "fill-mask") == "token-classification"
 
 
-def test_generative_unknown_and_ambiguous_tasks_fail_naming_what_is_supported(tmp_path: Path) -> None:
+def test_unknown_and_ambiguous_tasks_fail_naming_what_is_supported(tmp_path: Path) -> None:
     directory = _config(tmp_path / "model", ["GPT2LMHeadModel"])
-    for task in ("text-generation", "summarize-please"):
+    for task in ("summarize-please", "summarization"):
         with pytest.raises(ModelLoadError, match="supported: text-classification"):
             hf_loading.resolve_task(directory, task, None)
-    with pytest.raises(ModelLoadError, match="generate text: generative models"):
-        hf_loading.resolve_task(directory, None, None)
+    assert hf_loading.resolve_task(directory, "text-generation", None) == "text-generation"
     mixed = _config(tmp_path / "mixed", ["BertForMaskedLM", "BertForSequenceClassification"])
     with pytest.raises(ModelLoadError, match="set task= in serving.properties or HF_TASK"):
         hf_loading.resolve_task(mixed, None, None)

@@ -1,0 +1,261 @@
+"""Generative tasks served with no code: each input becomes rows (``hf_decoding.Row``) that the model's scheduler
+decodes together with every other client's (``hf_scheduler.py``), each picking its tokens as ``generate`` would for
+that input alone; what the loop does not do (beam search, and the other decoding modes) runs ``generate`` alone.
+
+Parameters go to ``generate`` as the pipeline passes them, plus ``stop`` (a string or a list: the answer ends with the
+token that completes one) and ``seed`` (a sampled answer then depends on it alone, never on the rows beside it).
+``max_new_tokens`` (or a ``max_length`` that implies more) over the model's cap answers 400; a default over it is
+lowered to it, and to what fits the model's positions. A generation still running at the time limit is cut: its answer
+is what it has, with a ``warning``.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import dataclass
+from numbers import Real
+from typing import Any
+
+import torch
+
+from mme_runtime.base.errors import InvalidInput
+from mme_runtime.models.hf_loading import HuggingFaceModel
+from mme_runtime.serving.hf_decoding import DecodingBatch
+from mme_runtime.serving.hf_generation_tasks import Prompt, TextGeneration
+from mme_runtime.serving.hf_requests import TaskRequest
+from mme_runtime.serving.hf_rows import TIME, Row
+from mme_runtime.serving.hf_scheduler import Scheduler
+
+# The cap on max_new_tokens when nothing sets it (serving.properties max_new_tokens; proposed: MME_MAX_NEW_TOKENS).
+DEFAULT_MAX_NEW_TOKENS = 1024
+# A generation is cut this long before SAGEMAKER_MODEL_SERVER_TIMEOUT, so that its answer leaves in time.
+TIME_MARGIN_SECONDS = 10.0
+STOP_KEYS = ("stop", "stop_sequence", "stop_strings")
+MAX_STOPS = 16
+REFUSED = frozenset(
+    {"return_tensors", "timeout", "generation_config", "streamer", "assistant_model", "assistant_tokenizer"}
+    | {"custom_generate", "trust_remote_code", "tokenizer", "return_dict_in_generate", "output_scores"}
+    | {"output_logits", "output_attentions", "output_hidden_states", "synced_gpus", "compile_config"}
+)
+# Type and lower bound of the parameters clients send most: a wrong one answers 400 naming it.
+INTEGERS = {"max_new_tokens": 1, "min_new_tokens": 0, "max_length": 1, "min_length": 0, "top_k": 0, "seed": 0}
+INTEGERS |= {"num_return_sequences": 1, "num_beams": 1, "no_repeat_ngram_size": 0}
+NUMBERS = {"temperature", "top_p", "repetition_penalty", "length_penalty"}
+BOOLEANS = {"do_sample", "return_full_text", "early_stopping"}
+LOOP_MODES = frozenset({"greedy_search", "sample"})
+
+
+@dataclass(frozen=True)
+class GenerationLimits:
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    seconds: float = 60.0 - TIME_MARGIN_SECONDS
+    max_rows: int = 1  # rows decoded together at most: the model's batch_size
+
+
+class GenerationRunner:
+    """One placed model's generative task, its scheduler, and what runs ``generate`` alone."""
+
+    def __init__(self, model: HuggingFaceModel, device: torch.device, limits: GenerationLimits, name: str) -> None:
+        self.model = model
+        self.limits = limits
+        self._device = device
+        self._task = TextGeneration(model, device)
+        self._scheduler = Scheduler(DecodingBatch(model.model), limits.max_rows, name)
+        self._stop_tokenizer = copy.deepcopy(model.tokenizer)  # the scheduler thread's, for stop sequences
+        self._alone = threading.Lock()  # generate alone: one at a time
+        self._alone_tokenizer = copy.deepcopy(model.tokenizer)
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return [self._scheduler.thread]
+
+    def close(self) -> None:
+        self._scheduler.close()
+
+    def run(self, requests: list[TaskRequest]) -> list[list[dict[str, Any]]]:
+        """Each input's answers (one per returned sequence), in order."""
+        deadline = time.monotonic() + self.limits.seconds
+        planned: list[tuple[Prompt, list[Row] | None, Any, tuple[str, ...]]] = []
+        for request in requests:
+            parameters, stops, seed = _parameters(request.parameters)
+            for item in request.inputs:
+                prompt = self._task.prepare(item, parameters)
+                rows, config = self._plan(prompt, set(request.parameters), stops, seed, deadline)
+                planned.append((prompt, rows, config, stops))
+        alone = {
+            index: self._generate_alone(prompt, config, stops, deadline)
+            for index, (prompt, rows, config, stops) in enumerate(planned)
+            if rows is None
+        }
+        self._scheduler.submit([row for _, rows, _, _ in planned if rows is not None for row in rows])
+        answers = []
+        for index, (prompt, rows, _, _) in enumerate(planned):
+            if rows is None:
+                sequences, cut = alone[index]
+            else:
+                for row in rows:
+                    if row.error is not None:
+                        raise row.error
+                sequences, cut = [row.tokens for row in rows], any(row.finish == TIME for row in rows)
+            records = [prompt.answer(sequence) for sequence in sequences]
+            if cut:
+                warning = (
+                    f"cut after {self.limits.seconds:.0f} s, the time limit of one request: answered what was generated"
+                )
+                records = [{**record, "warning": warning} for record in records]
+            answers.append(records)
+        return answers
+
+    def _plan(
+        self, prompt: Prompt, sent: set[str], stops: tuple[str, ...], seed: int | None, deadline: float
+    ) -> tuple[list[Row] | None, Any]:
+        """The rows of one input (None: it runs ``generate`` alone), and its generation config."""
+        model: Any = self.model.model
+        ids = prompt.ids or _first_token(model)
+        start = 1 if model.config.is_encoder_decoder else len(ids)  # the decoder's tokens before the first new one
+        arguments = dict(prompt.generate)
+        base = arguments.pop("generation_config", None)
+        # As generate tells them: a length nobody set, or one the request, the task or the model set.
+        unset = [
+            key not in arguments and getattr(base, key, None) is None and getattr(model.generation_config, key) is None
+            for key in ("max_length", "min_length")
+        ]
+        try:
+            config, unused = model._prepare_generation_config(base, **arguments)
+            if unused:
+                raise InvalidInput(f"parameters {sorted(unused)} are not generation parameters of this model")
+            config.validate()
+            inputs = torch.tensor([ids], device=self._device)
+            model._prepare_special_tokens(config, True, device=self._device)
+            config = model._prepare_generated_length(config, unset[0], unset[1], "input_ids", start, inputs)
+            config.max_new_tokens = self._new_tokens(config.max_length - start, len(ids), sent)
+            if config.get_generation_mode().value not in LOOP_MODES:
+                return None, config
+            processors = model._get_logits_processor(
+                generation_config=config, input_ids_seq_length=start, encoder_input_ids=inputs, device=self._device
+            )
+        except ValueError as exc:
+            raise InvalidInput(f"parameters {arguments}: {exc}") from exc
+        eos = config._eos_token_tensor
+        ends = frozenset() if eos is None else frozenset(eos.view(-1).tolist())
+        rows = []
+        for index in range(config.num_return_sequences or 1):
+            row = Row(ids, config.max_new_tokens, ends, processors if len(processors) else None, bool(config.do_sample))
+            if seed is not None and config.do_sample:  # its own draws: the rows beside it change nothing
+                row.generator = torch.Generator(device=self._device).manual_seed(seed + index)
+            row.stopped = self._stop_check(stops) if stops else None
+            row.deadline = deadline
+            if model.config.is_encoder_decoder:
+                row.tokens = [int(config._decoder_start_token_tensor.view(-1)[0])]
+            rows.append(row)
+        return rows, config
+
+    def _new_tokens(self, wanted: int, prompt_length: int, sent: set[str]) -> int:
+        """How many tokens an input may get: what it asks for, within the cap and the model's positions. One that
+        asks for more than either answers 400; a default over them is lowered."""
+        asked = bool({"max_new_tokens", "max_length"} & sent)
+        cap = self.limits.max_new_tokens
+        if wanted > cap and asked:
+            raise InvalidInput(
+                f"max_new_tokens={wanted} is over this model's limit of {cap} (max_new_tokens in serving.properties)"
+            )
+        model, settings = self.model, getattr(self.model.model, "config", None)
+        if getattr(settings, "is_encoder_decoder", False):
+            if model.max_length is not None and prompt_length > model.max_length:
+                raise InvalidInput(
+                    f"an input has {prompt_length} tokens and the model takes at most {model.max_length}: shorten it, "
+                    'or send "parameters": {"truncation": true}'
+                )
+            room = getattr(settings, "max_position_embeddings", None)
+            room = None if room is None else room - 1
+        else:
+            room = None if model.max_length is None else model.max_length - prompt_length
+            if room is not None and room < 1:
+                raise InvalidInput(f"the prompt has {prompt_length} tokens: the model takes at most {model.max_length}")
+        if room is not None and wanted > room and asked:
+            raise InvalidInput(f"max_new_tokens={wanted} does not fit: the model has room for {room} more tokens")
+        return max(1, min(wanted, cap, room if room is not None else wanted))
+
+    def _stop_check(self, stops: tuple[str, ...]) -> Any:
+        tokenizer: Any = self._stop_tokenizer
+
+        def stopped(row: Row) -> bool:
+            text = tokenizer.decode(row.tokens[len(row.tokens) - row.generated :], skip_special_tokens=True)
+            return any(stop in text for stop in stops)
+
+        return stopped
+
+    def _generate_alone(
+        self, prompt: Prompt, config: Any, stops: tuple[str, ...], deadline: float
+    ) -> tuple[list[list[int]], bool]:
+        """``generate`` for one input alone (beam search, say), stopped at the deadline."""
+        model: Any = self.model.model
+        arguments = {key: value for key, value in prompt.generate.items() if key != "generation_config"}
+        arguments["max_new_tokens"] = config.max_new_tokens
+        with self._alone, torch.inference_mode():
+            remaining = deadline - time.monotonic()
+            if stops:
+                arguments.update(stop_strings=list(stops), tokenizer=self._alone_tokenizer)
+            ids = torch.tensor([prompt.ids or _first_token(model)], device=self._device)
+            output = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                generation_config=prompt.generate.get("generation_config"),
+                max_time=max(0.001, remaining),
+                **arguments,
+            )
+        sequences = getattr(output, "sequences", output)
+        return [sequence.tolist() for sequence in sequences], time.monotonic() >= deadline
+
+
+def _first_token(model: Any) -> list[int]:
+    bos = model.generation_config.bos_token_id
+    if bos is None:
+        raise InvalidInput("the prompt is empty and the model has no token to start from")
+    return [int(bos)]
+
+
+def _parameters(parameters: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...], int | None]:
+    """The request's parameters for the task, its stop sequences and its seed. Raises ``InvalidInput`` (400)."""
+    refused = REFUSED & set(parameters)
+    if refused:
+        raise InvalidInput(f"parameters {sorted(refused)} are not accepted here")
+    for key, least in INTEGERS.items():
+        value = parameters.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+            raise InvalidInput(f"{key} must be an integer of at least {least}, not {value!r}")
+    for key in NUMBERS:
+        value = parameters.get(key)
+        if value is not None and (not isinstance(value, Real) or isinstance(value, bool)):
+            raise InvalidInput(f"{key} must be a number, not {value!r}")
+    for key in BOOLEANS:
+        if key in parameters and not isinstance(parameters[key], bool):
+            raise InvalidInput(f"{key} must be true or false, not {parameters[key]!r}")
+    temperature, top_p = parameters.get("temperature"), parameters.get("top_p")
+    if temperature is not None and temperature <= 0:
+        raise InvalidInput(f"temperature must be above 0, not {temperature}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise InvalidInput(f"top_p must be above 0 and at most 1, not {top_p}")
+    stops: list[str] = []
+    for key in STOP_KEYS:
+        value = parameters.get(key)
+        value = [value] if isinstance(value, str) else value
+        if value is not None and (not isinstance(value, list) or not all(isinstance(s, str) and s for s in value)):
+            raise InvalidInput(f"{key} must be a string or a list of strings, not {parameters[key]!r}")
+        stops += value or []
+    if len(stops) > MAX_STOPS:
+        raise InvalidInput(f"at most {MAX_STOPS} stop sequences, not {len(stops)}")
+    rest = {key: value for key, value in parameters.items() if key not in (*STOP_KEYS, "seed")}
+    return rest, tuple(dict.fromkeys(stops)), parameters.get("seed")
+
+
+def shape(task: str, answers: list[list[dict[str, Any]]], request: TaskRequest) -> Any:
+    """One request's answer as the pipeline gives it: for one input its records (``[{"generated_text": ...}]``); for a
+    list, text-generation's a list of those, the text-to-text tasks' one record per input where each has one."""
+    if request.single:
+        return answers[0]
+    if task != "text-generation" and all(len(records) == 1 for records in answers):
+        return [records[0] for records in answers]
+    return answers

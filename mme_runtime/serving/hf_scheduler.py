@@ -1,0 +1,147 @@
+"""Continuous (iteration-level) batching of one model's generations: one thread decodes a token for every row of
+the batch per step; between steps, waiting rows join (up to ``max_rows`` in all) and finished rows leave, so a long
+generation never holds a short one back and a lone client pays no wait.
+
+Callers' threads ``submit`` their rows and wait. A row leaves when it ends (its end token, ``max_new_tokens``, a stop
+sequence) or at its deadline, with what it has. A step that fails fails the rows in it, never the next ones; one
+that runs out of memory fails with the error that answers 507. Each step is recorded as a forward pass of its rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+import torch
+
+from mme_runtime.operations import metrics
+from mme_runtime.serving.hf_decoding import DecodingBatch
+from mme_runtime.serving.hf_rows import STOP, TIME, Row
+
+logger = logging.getLogger(__name__)
+
+
+class ModelUnloaded(RuntimeError):
+    """The model left (its UNLOAD) while the row waited or ran."""
+
+
+class Scheduler:
+    """The queue in front of one model's generations and the thread that decodes them."""
+
+    def __init__(self, batch: DecodingBatch, max_rows: int, name: str) -> None:
+        self.batch = batch
+        self.max_rows = max(1, max_rows)
+        self._waiting: deque[Row] = deque()
+        self._events: dict[int, threading.Event] = {}
+        self._ready = threading.Condition()
+        self._closed = False
+        self._series = metrics.current()  # a device host's threads each record for their own model
+        self.thread = threading.Thread(target=self._run_forever, name=f"generation-{name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, rows: list[Row]) -> None:
+        """Queues ``rows`` and returns once each has finished or failed (``row.finish``, ``row.error``)."""
+        done = [threading.Event() for _ in rows]
+        with self._ready:
+            if self._closed:
+                raise ModelUnloaded("the model was unloaded")
+            now = time.monotonic()
+            for row, event in zip(rows, done, strict=True):
+                row.joined_at = now
+                self._events[id(row)] = event
+            self._waiting.extend(rows)
+            self._ready.notify()
+        for event in done:
+            event.wait()
+
+    def close(self) -> None:
+        """Ends the thread; rows waiting or running fail with ``ModelUnloaded``."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+        if self.thread is not threading.current_thread():
+            self.thread.join()
+
+    def _run_forever(self) -> None:
+        metrics.bind(self._series)
+        with torch.inference_mode():
+            while (joining := self._next_rows()) is not None:
+                started = time.monotonic()
+                waits = [started - row.joined_at for row in joining]
+                if joining:
+                    self._admit(joining)
+                if self.batch.rows:
+                    decoding = list(self.batch.rows)
+                    try:
+                        self.batch.step()
+                    except Exception as exc:  # noqa: BLE001 - the rows of this step answer with it
+                        self._fail(self.batch.fail_all(), exc)
+                    self._finish(decoding)
+                    waits += [0.0] * (len(decoding) - len(waits))
+                if waits:
+                    metrics.record_pass(waits, time.monotonic() - started, self.max_rows)
+        for row in self.batch.fail_all():
+            self._done(row, ModelUnloaded("the model was unloaded"))
+        with self._ready:
+            waiting, self._waiting = list(self._waiting), deque()
+        for row in waiting:
+            self._done(row, ModelUnloaded("the model was unloaded"))
+        self.batch.close()
+
+    def _next_rows(self) -> list[Row] | None:
+        """The rows that join before the next step (maybe none), or None once closed."""
+        with self._ready:
+            while not self._closed and not self._waiting and not self.batch.rows:
+                self._ready.wait()
+            if self._closed:
+                return None
+            if self.batch.rows and not self.batch.joinable:
+                return []  # this model's rows cannot join a running batch: they wait for it to empty
+            room = self.max_rows - len(self.batch.rows)
+            return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+
+    def _admit(self, rows: list[Row]) -> None:
+        """Prefills the joining rows; if that fails they fail, and the running rows only if the batch was touched."""
+        try:
+            self.batch.admit(rows)
+        except Exception as exc:  # noqa: BLE001 - the joining rows answer with it
+            if self.batch.consistent():
+                self.batch.drop(rows)  # those it had taken in already
+                self._fail(rows, exc)
+            else:
+                self._fail([*rows, *(row for row in self.batch.fail_all() if row not in rows)], exc)
+            return
+        self._finish(rows)
+
+    def _fail(self, rows: list[Row], exc: BaseException) -> None:
+        logger.warning("a generation step of %d rows failed: %s", len(rows), exc)
+        for row in rows:
+            self._done(row, exc)
+
+    def _finish(self, rows: list[Row]) -> None:
+        """Rows that ended leave the batch and wake their callers."""
+        now = time.monotonic()
+        leaving = []
+        for row in rows:
+            if row.error is not None:
+                continue
+            if row.finish is None and row.stopped is not None and row.stopped(row):
+                row.finish = STOP
+            if row.finish is None and now >= row.deadline:
+                row.finish = TIME
+            if row.finish is not None:
+                leaving.append(row)
+        if leaving:
+            self.batch.drop(leaving)
+            for row in leaving:
+                self._done(row, None)
+
+    def _done(self, row: Row, error: BaseException | None) -> None:
+        if error is not None:
+            row.error = error
+        with self._ready:
+            event = self._events.pop(id(row), None)
+        if event is not None:
+            event.set()

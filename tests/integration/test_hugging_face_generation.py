@@ -1,0 +1,133 @@
+"""Generative Hugging Face models served with no code, through the real frontend: 16 concurrent clients with mixed
+prompts and max_new_tokens each get what transformers' generate gives their input alone (greedy: the exact text),
+their rows share decoding steps, a long generation does not hold short ones back, bad parameters answer 400 for the
+request at fault only, and a generation past its time limit answers what it has with a warning."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import hf_models
+import pytest
+import requests
+from serving import RunningServer, batch_passes, start_server, wait_until
+
+# name -> (builder, serving.properties, prefix the task puts before the text, key of the answer)
+MODELS = {
+    "writer": ("gpt2", "task=text-generation\nbatch_size=16\n", None, "generated_text"),
+    "hasty": ("gpt2", "task=text-generation\nbatch_size=4\nmax_generation_seconds=0.3\nmax_new_tokens=400\n", None, ""),
+}
+GREEDY = {"do_sample": False, "num_beams": 1}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("generative-models")
+    return {kind: getattr(hf_models, kind)(root / kind) for kind in ("gpt2",)}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, sources: dict[str, Path]) -> Iterator[RunningServer]:
+    with start_server(tmp_path_factory.mktemp("hf-generation")) as running:
+        for name, (kind, properties, _, _) in MODELS.items():
+            shutil.copytree(sources[kind], running.models / name)
+            (running.models / name / "serving.properties").write_text(properties)
+            response = running.load(name)
+            assert response.status_code == 200, f"{name}: {response.text}\n{running.log_text()[-3000:]}"
+        for name, (_, properties, _, _) in MODELS.items():
+            size = int(properties.split("batch_size=")[1].split("\n")[0])
+            assert wait_until(lambda name=name, size=size: _workers_ready(running, name, size), 60), name
+        yield running
+
+
+def _workers_ready(server: RunningServer, name: str, count: int) -> bool:
+    workers = server.describe(name).json()["workers"]
+    return len(workers) == count and all(worker["status"] == "READY" for worker in workers)
+
+
+def generate(server: RunningServer, name: str, inputs: Any, **parameters: Any) -> requests.Response:
+    return server.invoke(name, json.dumps({"inputs": inputs, "parameters": parameters}))
+
+
+def alone(source: Path, kind: str, prefix: str | None, key: str, text: str, **parameters: Any) -> Any:
+    """transformers' own answer for ``text`` alone: its pipeline."""
+    import transformers
+
+    return transformers.pipeline("text-generation", model=str(source))(text, **parameters)
+
+
+def test_sixteen_clients_each_get_what_generate_gives_their_input_alone(
+    server: RunningServer, sources: dict[str, Path]
+) -> None:
+    """64 requests from 16 clients, prompts of 1 to 40 words and 1 to 40 new tokens: every answer is transformers'
+    for that input alone, exactly, and the rows shared decoding steps."""
+    rng = random.Random(3)
+    names = ["writer"]
+    calls = [
+        (names[index % len(names)], hf_models.text_of_tokens(rng.randint(1, 40), index), rng.randint(1, 40))
+        for index in range(64)
+    ]
+    before = {name: batch_passes(server, name) for name in names}
+
+    def call(case: tuple[str, str, int]) -> Any:
+        response = generate(server, case[0], case[1], max_new_tokens=case[2], **GREEDY)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    with ThreadPoolExecutor(16) as clients:
+        answers = list(clients.map(call, calls))
+    for (name, text, new_tokens), answer in zip(calls, answers, strict=True):
+        kind, _, prefix, key = MODELS[name]
+        assert answer == alone(sources[kind], kind, prefix, key, text, max_new_tokens=new_tokens, **GREEDY), name
+    for name in names:
+        passes, rows = (now - then for now, then in zip(batch_passes(server, name), before[name], strict=True))
+        assert rows > passes, (name, passes, rows)  # steps decoded several rows at once
+
+
+def test_a_long_generation_does_not_hold_short_ones_back(server: RunningServer) -> None:
+    with ThreadPoolExecutor(9) as clients:
+        started = time.monotonic()
+        long = clients.submit(generate, server, "writer", "the model", max_new_tokens=400, min_new_tokens=400, **GREEDY)
+        time.sleep(0.2)
+        shorts = [clients.submit(generate, server, "writer", f"a client {i}", max_new_tokens=3) for i in range(8)]
+        short_seconds = []
+        for short in shorts:
+            assert short.result().status_code == 200
+            short_seconds.append(time.monotonic() - started)
+        assert long.result().status_code == 200
+        long_seconds = time.monotonic() - started
+    assert max(short_seconds) < long_seconds, (short_seconds, long_seconds)
+
+
+def test_bad_parameters_answer_400_for_the_request_at_fault_only(server: RunningServer) -> None:
+    bad = [{"temperature": 0}, {"top_p": 2}, {"max_new_tokens": 5000}, {"stop": 3}, {"not_a_parameter": True}]
+    with ThreadPoolExecutor(10) as clients:
+        faulty = [clients.submit(generate, server, "writer", "the model", **parameters) for parameters in bad]
+        good = [clients.submit(generate, server, "writer", "the model", max_new_tokens=8) for _ in range(5)]
+        for response in faulty:
+            assert response.result().status_code == 400, response.result().text
+            assert "Traceback" not in response.result().text and response.result().json()["message"]
+        assert all(response.result().status_code == 200 for response in good)
+    assert "over this model's limit of 1024" in generate(server, "writer", "a", max_new_tokens=5000).json()["message"]
+
+
+def test_a_generation_past_its_time_limit_answers_what_it_has_with_a_warning(server: RunningServer) -> None:
+    response = generate(server, "hasty", "the model", max_new_tokens=400, min_new_tokens=400, return_full_text=False)
+    assert response.status_code == 200, response.text
+    [answer] = response.json()
+    assert "time limit" in answer["warning"] and answer["generated_text"]
+    assert generate(server, "hasty", "the model", max_new_tokens=401).status_code == 400  # its own cap: 400
+
+
+def test_answers_have_the_aws_containers_shapes(server: RunningServer) -> None:
+    one = generate(server, "writer", "the model", max_new_tokens=4).json()
+    several = generate(server, "writer", ["the model", "a client"], max_new_tokens=4).json()
+    assert list(one[0]) == ["generated_text"] and len(several) == 2 and list(several[1][0]) == ["generated_text"]
+    assert all(server.shares_device_host(name) for name in MODELS)

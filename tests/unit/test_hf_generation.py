@@ -1,0 +1,170 @@
+"""Generative tasks with no code, in process (no server): under 16 concurrent clients each answer is what
+transformers' own generate gives that input alone (greedy: the exact tokens), sampled answers with a seed are the
+pipeline's after ``torch.manual_seed``, stop sequences, the cap on new tokens, the time limit and bad parameters."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import hf_models
+import pytest
+import torch
+
+from mme_runtime.base.errors import InvalidInput
+from mme_runtime.models import hf_loading
+from mme_runtime.serving.hf_generation import GenerationLimits, GenerationRunner, shape
+from mme_runtime.serving.hf_requests import TaskRequest
+
+# (model, task, prefix the task puts before the text, key of the answer)
+CASES = [
+    ("gpt2", "text-generation", None, "generated_text"),
+]
+GREEDY = {"do_sample": False, "num_beams": 1}
+
+
+@pytest.fixture(scope="module")
+def directories(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("generative")
+    return {name: getattr(hf_models, name)(root / name) for name in ("gpt2",)}
+
+
+def runner(directory: Path, task: str, **limits: Any) -> GenerationRunner:
+    model = hf_loading.load(directory, task, trust_remote_code=False).place(torch.device("cpu"))
+    return GenerationRunner(model, torch.device("cpu"), GenerationLimits(**{"max_rows": 16, **limits}), "test")
+
+
+def ask(generator: GenerationRunner, text: str | list[str], **parameters: Any) -> Any:
+    request = TaskRequest([text] if isinstance(text, str) else text, parameters, single=isinstance(text, str))
+    return shape(generator.model.task, generator.run([request]), request)
+
+
+def generated_alone(directory: Path, task: str, prefix: str | None, key: str, text: str, **parameters: Any) -> Any:
+    """What transformers answers for ``text`` alone: its text-generation pipeline, or for the text-to-text tasks
+    (which transformers 5 dropped) generate on the prefixed text, decoded as transformers 4.57's pipeline did."""
+    import transformers
+
+    if prefix is None:
+        return transformers.pipeline(task, model=str(directory))(text, **parameters)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(directory)
+    output = model.generate(**tokenizer(prefix + text, return_tensors="pt"), **parameters)
+    return [{key: tokenizer.decode(output[0], skip_special_tokens=True)}]
+
+
+@pytest.mark.parametrize(("name", "task", "prefix", "key"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_sixteen_clients_each_get_what_generate_gives_their_input_alone(
+    directories: Path, name: str, task: str, prefix: str | None, key: str
+) -> None:
+    """Prompts of 1 to 40 words and 1 to 40 new tokens, two requests per client: rows join and leave the batch between
+    steps, and every answer has generate's exact tokens for that input alone."""
+    rng = random.Random(7)
+    cases = [(hf_models.text_of_tokens(rng.randint(1, 40), seed), rng.randint(1, 40)) for seed in range(32)]
+    generator = runner(directories[name], task)
+    got: list[Any] = [None] * len(cases)
+
+    def client(first: int) -> None:
+        for index in (first, first + 16):
+            text, new_tokens = cases[index]
+            got[index] = ask(generator, text, max_new_tokens=new_tokens, **GREEDY)
+
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    generator.close()
+    for (text, new_tokens), answer in zip(cases, got, strict=True):
+        expected = generated_alone(directories[name], task, prefix, key, text, max_new_tokens=new_tokens, **GREEDY)
+        assert answer == expected, (text, new_tokens)
+
+
+def test_a_seeded_sample_is_the_pipelines_after_manual_seed_whatever_runs_beside_it(directories: Path) -> None:
+    import transformers
+
+    pipe = transformers.pipeline("text-generation", model=str(directories["gpt2"]))
+    sampling = {"do_sample": True, "temperature": 0.9, "top_k": 40, "top_p": 0.95, "max_new_tokens": 24}
+    texts = [hf_models.text_of_tokens(3 + seed, seed) for seed in range(8)]
+    expected = []
+    for seed, text in enumerate(texts):
+        torch.manual_seed(seed)
+        expected.append(pipe(text, **sampling))
+    generator = runner(directories["gpt2"], "text-generation")
+    got: list[Any] = [None] * len(texts)
+    threads = [
+        threading.Thread(target=lambda i: got.__setitem__(i, ask(generator, texts[i], seed=i, **sampling)), args=(i,))
+        for i in range(len(texts))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    several = ask(generator, texts[0], seed=3, num_return_sequences=3, **sampling)
+    generator.close()
+    assert got == expected
+    assert len(several) == 3 and len({answer["generated_text"] for answer in several}) == 3
+
+
+def test_a_stop_sequence_ends_the_answer_with_the_token_that_completes_it(directories: Path) -> None:
+    generator = runner(directories["gpt2"], "text-generation")
+    text = hf_models.text_of_tokens(6, 1)
+    full = ask(generator, text, max_new_tokens=30, return_full_text=False, **GREEDY)[0]["generated_text"]
+    stop = full[12:15]
+    cut = ask(generator, text, max_new_tokens=30, return_full_text=False, stop=[stop, "never there"], **GREEDY)
+    generator.close()
+    answer = cut[0]["generated_text"]
+    assert stop in answer and full.startswith(answer) and len(answer) < len(full)
+
+
+def test_max_new_tokens_over_the_cap_is_refused_and_a_default_over_it_lowered(directories: Path) -> None:
+    generator = runner(directories["gpt2"], "text-generation", max_new_tokens=8)
+    text = hf_models.text_of_tokens(5, 2)
+    with pytest.raises(InvalidInput, match="over this model's limit of 8"):
+        ask(generator, text, max_new_tokens=9)
+    lowered = ask(generator, text, do_sample=False)  # the pipeline's default is 256 new tokens
+    generator.close()
+    expected = generated_alone(directories["gpt2"], "text-generation", None, "", text, max_new_tokens=8, **GREEDY)
+    assert lowered == expected
+
+
+def test_a_prompt_longer_than_the_models_positions_is_refused(directories: Path) -> None:
+    generator = runner(directories["gpt2"], "text-generation")
+    with pytest.raises(InvalidInput, match="takes at most 512"):
+        ask(generator, hf_models.text_of_tokens(600, 3), max_new_tokens=4)
+    with pytest.raises(InvalidInput, match="does not fit"):
+        ask(generator, hf_models.text_of_tokens(20, 3), max_new_tokens=1000)
+    generator.close()
+
+
+def test_a_generation_past_the_time_limit_answers_what_it_has_with_a_warning(directories: Path) -> None:
+    generator = runner(directories["gpt2"], "text-generation", seconds=0.05)
+    answer = ask(generator, "the model", max_new_tokens=480, min_new_tokens=480, return_full_text=False, **GREEDY)
+    generator.close()
+    assert "time limit" in answer[0]["warning"] and answer[0]["generated_text"]
+
+
+@pytest.mark.parametrize(
+    ("parameters", "fragment"),
+    [
+        ({"temperature": 0}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"max_new_tokens": "ten"}, "max_new_tokens"),
+        ({"do_sample": "yes"}, "do_sample"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["a"] * 17}, "stop sequences"),
+        ({"seed": -1}, "seed"),
+        ({"num_return_sequences": 2, "do_sample": False}, "num_return_sequences"),
+        ({"not_a_parameter": 1}, "not_a_parameter"),
+        ({"return_tensors": True}, "return_tensors"),
+    ],
+)
+def test_bad_parameters_are_the_clients_400(directories: Path, parameters: dict[str, Any], fragment: str) -> None:
+    generator = runner(directories["gpt2"], "text-generation")
+    try:
+        with pytest.raises(InvalidInput, match=fragment):
+            ask(generator, "the model", **parameters)
+    finally:
+        generator.close()
