@@ -21,14 +21,16 @@ def first_line(exc: BaseException) -> str:
 
 
 class ContainerError(BaseInferenceToolkitError):  # type: ignore[misc]
-    """An error with an HTTP status; its message is safe to show to the client."""
+    """An error with an HTTP status; its message is safe to show to the client. ``trace``: what user code raised, whose
+    traceback the log shows (never the client)."""
 
     status = 500
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, trace: BaseException | None = None) -> None:
         code = status if status is not None else self.status
         super().__init__(code, message, message)
         self.status = code
+        self.trace = trace
 
     def __str__(self) -> str:
         return str(self.message)
@@ -62,6 +64,12 @@ class InsufficientMemory(ContainerError):
     """Not enough host or device memory; SageMaker evicts models and retries on 507."""
 
     status = 507
+
+
+class RequestTimeout(ContainerError):
+    """A request not answered within ``SAGEMAKER_MODEL_SERVER_TIMEOUT``: the caller is answered, the call runs on."""
+
+    status = 504
 
 
 class ConfigError(Exception):
