@@ -10,13 +10,21 @@ import hashlib
 import logging
 import re
 import tarfile
+import time
 from pathlib import Path
 from typing import Any
 
 import boto3
 from botocore.config import Config as BotoConfig
-from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    ReadTimeoutError,
+)
 
+from mme_runtime.base import failures
 from mme_runtime.base.errors import ModelLoadError
 from mme_runtime.base.locks import build_once
 from mme_runtime.operations import metrics
@@ -25,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 S3_URI = re.compile(r"^s3://(?P<bucket>[^/]+)/(?P<key>.+)$")
 READ_CHUNK = 1024 * 1024
+ATTEMPTS = 2  # each S3 call's, timed out after MME_S3_TIMEOUT_SECONDS
 
 
 class CodeFetchError(ModelLoadError):
@@ -71,13 +80,24 @@ class CodeFetcher:
             config = BotoConfig(
                 connect_timeout=min(5, self._timeout),
                 read_timeout=self._timeout,
-                retries={"max_attempts": 2, "mode": "standard"},
+                retries={"max_attempts": ATTEMPTS, "mode": "standard"},
             )
             self._client = boto3.session.Session().client("s3", config=config)
         return self._client
 
     def fetch(self, uri: str) -> Path:
         """The directory holding the archive's contents, fetching it only if this ETag is not cached yet."""
+        started = time.monotonic()
+        try:
+            return self._fetch(uri)
+        except CodeFetchError as exc:
+            if not isinstance(exc.__cause__, (ReadTimeoutError, ConnectTimeoutError)):
+                raise
+            setting = f"MME_S3_TIMEOUT_SECONDS={self._timeout} per call, {ATTEMPTS} attempts"
+            message = failures.timed_out(time.monotonic() - started, setting, f"fetching {uri}")
+            raise CodeFetchError(message) from exc.__cause__
+
+    def _fetch(self, uri: str) -> Path:
         bucket, key = parse_s3_uri(uri)
         etag = self._etag(uri, bucket, key)
         entry = self.cache_dir / _entry_name(uri, etag)

@@ -14,6 +14,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from mme_runtime.base import failures
 from mme_runtime.base.errors import ModelLoadError
 from mme_runtime.base.locks import build_once
 from mme_runtime.operations import metrics
@@ -71,9 +72,11 @@ def _pip_install(requirements: Path, staging: Path, timeout_seconds: int) -> Pat
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_seconds)
     except subprocess.TimeoutExpired as exc:
-        raise RequirementsError(f"{requirements}: pip did not finish within {timeout_seconds} s") from exc
+        what = f"pip install -r {requirements}"
+        raise RequirementsError(failures.timed_out(timeout_seconds, "MME_PIP_TIMEOUT_SECONDS", what)) from exc
     if result.returncode != 0:
-        raise RequirementsError(f"{requirements}: pip failed: {_summary(result.stderr or result.stdout)}")
+        summary = _summary(result.stderr or result.stdout)
+        raise RequirementsError(f"pip install -r {requirements} failed: {summary}")
     return staging / "site"
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from mms.protocol.otf_message_handler import create_load_model_response
 from mms.service import Service
 
-from mme_runtime.base import devices
+from mme_runtime.base import devices, failures
 from mme_runtime.base.child_processes import PR_SET_PDEATHSIG, prctl
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import InsufficientMemory
@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 WORKER_BOOT_ERROR = 3
 LOG_DRAIN_SECONDS = 0.3
+# MMS 1.1.11 interrupts a worker thread when its connection closes (WorkerThread.connect's closeFuture listener): one
+# interrupted before it took our LOAD reply from its queue answers 500 "Worker died." instead of our status.
+REPLY_LINGER_SECONDS = 0.05
 # LOAD failures answered with their own status: 403 (outside the model root) and 507 (SageMaker evicts and
 # retries). A bad name is not among them: the janitor could not address a name holding "/" to clean it up.
 REPLIED_STATUSES = frozenset({403, 507})
@@ -79,8 +82,7 @@ def check_memory(
             card = devices.visible_gpu(gpu, config.cuda_visible_devices)
             memory.check_gpu_memory(Path(spec.model_dir), card, config.memory_headroom_mb)
     except InsufficientMemory as exc:
-        logger.error("model=%s gpu=%s load refused status=507: %s", spec.name, gpu, exc)
-        raise LoadFailure(507, f"model {spec.name}: {exc}") from exc
+        raise fail_load(spec, gpu, exc) from exc
 
 
 def check_location(spec: ModelSpec, config: Config) -> LoadFailure | None:
@@ -88,7 +90,7 @@ def check_location(spec: ModelSpec, config: Config) -> LoadFailure | None:
     root (after resolving links and ``..``); URLs MMS downloaded land in its temp directory and are refused."""
     if not MODEL_NAME.fullmatch(spec.name):
         message = f"model name {spec.name!r} must be letters, digits, '.', '_' or '-' (at most 255), not a path"
-        logger.error("load refused: %s", message)
+        logger.error("load failed status=500: %s", message)
         return LoadFailure(500, message)
     if not config.multi_model or config.allow_any_model_location:
         return None
@@ -96,9 +98,9 @@ def check_location(spec: ModelSpec, config: Config) -> LoadFailure | None:
     root = config.model_root.resolve()
     if model_dir.is_relative_to(root):
         return None
-    message = f"model {spec.name}: {spec.model_dir} is outside the model root {root} (MME_MODEL_ROOT)"
-    logger.error("model=%s load refused status=403: %s", spec.name, message)
-    return LoadFailure(403, message)
+    message = f"{spec.model_dir} is outside the model root {root} (MME_MODEL_ROOT)"
+    logger.error("model=%s load failed status=403: %s", spec.name, message)
+    return LoadFailure(403, f"model {spec.name}: {message}")
 
 
 def load_model(
@@ -121,20 +123,28 @@ def load_model(
         else:
             entry_point(None, service.context)
     except Exception as exc:  # boundary: the LOAD reply carries the status and cause; the traceback is logged
-        status = int(getattr(exc, "status_code", 507 if isinstance(exc, MemoryError) else 500))
-        message = str(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
-        # Status-carrying errors were logged with their traceback where they arose.
-        expected = hasattr(exc, "status_code")
-        logger.error(
-            "model=%s gpu=%s load failed status=%d: %s",
-            spec.name,
-            gpu,
-            status,
-            message,
-            exc_info=None if expected else exc,
-        )
-        raise LoadFailure(status, f"model {spec.name}: {message}") from exc
+        raise fail_load(spec, gpu, exc) from exc
     return LoadedModel(module, service)
+
+
+def fail_load(spec: ModelSpec, gpu: int | None, exc: BaseException) -> LoadFailure:
+    """The LOAD's failure for ``exc``, logged once: ``model=NAME gpu=G load failed status=S: CAUSE``, in the words of
+    ``base/failures.py``, then the traceback of what user code raised (never sent to the client)."""
+    if isinstance(exc, LoadFailure):
+        return exc  # logged where it was decided
+    status, cause, trace = describe(exc)
+    logger.error("model=%s gpu=%s load failed status=%d: %s", spec.name, gpu, status, cause, exc_info=trace)
+    return LoadFailure(status, f"model {spec.name}: {cause}")
+
+
+def describe(exc: BaseException) -> tuple[int, str, BaseException | None]:
+    """A LOAD's failure as (status, cause, what to show the traceback of): our errors carry their status, their
+    words and what user code raised (``ContainerError.trace``); anything else is its type and message."""
+    if hasattr(exc, "status_code"):
+        return int(exc.status_code), str(getattr(exc, "message", None) or exc), getattr(exc, "trace", None)
+    if failures.is_out_of_memory(exc):
+        return 507, failures.out_of_memory(exc, "loading"), exc
+    return 500, failures.raised("loading", exc), exc
 
 
 def refuse_load(
@@ -153,6 +163,7 @@ def refuse_load(
             # entrypoint's janitor unregisters (mme_runtime/base/janitor.py).
             mark_failed_load(config.runtime_dir, spec.name, failure.status)
             connection.sendall(create_load_model_response(failure.status, failure.message))
+            time.sleep(REPLY_LINGER_SECONDS)
         # Otherwise close without a reply: MMS fails the LOAD with 500 and unregisters the model cleanly.
     except OSError as exc:
         logger.info("model=%s frontend gone before its LOAD was refused: %s", spec.name, exc)

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from mme_runtime.base import failures
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
 from mme_runtime.models.code_fetcher import CodeFetcher, locate_code
@@ -114,7 +115,10 @@ def import_script(model_name: str, script: Path) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as exc:  # boundary: any failure in user code at import fails the LOAD with its cause
         del sys.modules[name]
-        raise UserCodeError(f"importing {script.name} failed: {type(exc).__name__}: {exc}") from exc
+        where = f"{script.parent.name}/{script.name}"  # code/inference.py, in the model or fetched from S3
+        if isinstance(exc, ImportError):
+            raise UserCodeError(failures.import_error(exc, where)) from exc
+        raise UserCodeError(failures.raised(f"importing {where}", exc)) from exc
     return module
 
 
@@ -148,8 +152,8 @@ def load_user_code(model_name: str, model_dir: Path, config: Config) -> tuple[Pa
         script = find_script(code_dir, config.program)
         module = import_script(model_name, script) if script is not None else None
         user = bind_functions(module)
-    except UserCodeError as exc:
-        raise ModelLoadError(f"model {model_name}: {exc}") from exc
+    except UserCodeError as exc:  # what the script raised, if anything, is the traceback worth logging
+        raise ModelLoadError(str(exc), trace=exc.__cause__) from exc
     logger.info(
         "model=%s code=%s script=%s functions=%s",
         model_name,

@@ -31,13 +31,19 @@ def artifact_bytes(model_dir: Path) -> int:
     return total
 
 
+def needs(model_bytes: int, headroom_mb: int) -> str:
+    """``needs about X MiB (the model's M MiB + MME_MEMORY_HEADROOM_MB=H)``: what a refused LOAD asked for."""
+    needed = (model_bytes + headroom_mb * MIB) // MIB
+    return f"needs about {needed} MiB (the model's {model_bytes // MIB} MiB + MME_MEMORY_HEADROOM_MB={headroom_mb})"
+
+
 def check_host_memory(model_dir: Path, headroom_mb: int) -> None:
     """Raises InsufficientMemory when the artifacts plus headroom exceed the host's available memory."""
-    needed = artifact_bytes(model_dir) + headroom_mb * MIB
+    model_bytes = artifact_bytes(model_dir)
     available = psutil.virtual_memory().available
-    if needed > available:
+    if model_bytes + headroom_mb * MIB > available:
         raise InsufficientMemory(
-            f"{model_dir} needs about {needed // MIB} MiB of host memory, {available // MIB} MiB available"
+            f"out of host memory: {needs(model_bytes, headroom_mb)}, {available // MIB} MiB available"
         )
 
 
@@ -52,9 +58,12 @@ def check_context_memory(model_dir: Path, headroom_mb: int, model_bytes: int | N
         return False
     free, _ = torch.cuda.mem_get_info()
     free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    needed = (artifact_bytes(model_dir) if model_bytes is None else model_bytes) + headroom_mb * MIB
-    if needed > free:
-        raise InsufficientMemory(f"{model_dir} needs about {needed // MIB} MiB on the GPU, {free // MIB} MiB free")
+    model_bytes = artifact_bytes(model_dir) if model_bytes is None else model_bytes
+    if model_bytes + headroom_mb * MIB > free:
+        raise InsufficientMemory(
+            f"out of GPU memory: {needs(model_bytes, headroom_mb)}, {free // MIB} MiB free to this process's CUDA "
+            "context (the card's free memory and torch's unused cache)"
+        )
     return True
 
 
@@ -64,6 +73,8 @@ def check_gpu_memory(model_dir: Path, gpu: str, headroom_mb: int) -> None:
     free = gpu_free_bytes(gpu)
     if free is None:
         return
-    needed = artifact_bytes(model_dir) + headroom_mb * MIB
-    if needed > free:
-        raise InsufficientMemory(f"{model_dir} needs about {needed // MIB} MiB on GPU {gpu}, {free // MIB} MiB free")
+    model_bytes = artifact_bytes(model_dir)
+    if model_bytes + headroom_mb * MIB > free:
+        raise InsufficientMemory(
+            f"out of GPU memory: {needs(model_bytes, headroom_mb)}, {free // MIB} MiB free on GPU {gpu} (nvidia-smi)"
+        )

@@ -34,7 +34,7 @@ from mme_runtime.base.child_processes import become_child
 from mme_runtime.base.config import Config
 from mme_runtime.base.logs import configure_logging
 from mme_runtime.models.device_tensors import DeviceTensors, module_of
-from mme_runtime.models.loading import LoadFailure, ModelSpec, check_memory, refuse_load
+from mme_runtime.models.loading import ModelSpec, check_memory, fail_load, refuse_load
 from mme_runtime.models.model_package import Package, unpack
 from mme_runtime.models.tensor_store import MAX_SEGMENTS
 from mme_runtime.operations import metrics
@@ -133,20 +133,8 @@ class DeviceHost:
             for thread in handler.transformer.batcher_threads:
                 self.board.work_for(model.slot, thread.ident)
             self._record_memory(model, handler.transformer)
-        except LoadFailure as failure:
-            model.failure = failure
         except BaseException as exc:  # noqa: BLE001 - boundary: user code's sys.exit too fails this LOAD alone
-            status = int(getattr(exc, "status_code", 500))
-            message = str(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
-            logger.error(
-                "model=%s gpu=%s load failed in the device host status=%d: %s",
-                spec.name,
-                self.gpu,
-                status,
-                message,
-                exc_info=None if hasattr(exc, "status_code") else exc,
-            )
-            model.failure = LoadFailure(status, f"model {spec.name}: {message}")
+            model.failure = fail_load(spec, self.gpu, exc)
         else:
             model.loaded = loaded
         finally:

@@ -34,6 +34,7 @@ from mme_runtime.models.loading import (
     ModelSpec,
     check_memory,
     die_with_parent,
+    fail_load,
     load_model,
     refuse_load,
 )
@@ -179,8 +180,7 @@ def _load_in_executor(
         if hasattr(preloaded.module, "attach"):
             preloaded.module.attach(preloaded.service.context)
     except Exception as exc:  # boundary: this device's LOAD fails with the cause
-        status = int(getattr(exc, "status_code", 500))
-        raise LoadFailure(status, f"model {spec.name}: {getattr(exc, 'message', exc)}") from exc
+        raise fail_load(spec, gpu, exc) from exc
     return preloaded
 
 

@@ -1,8 +1,8 @@
 """A model's contract functions: the user's ``model_fn``, ``input_fn``, ``predict_fn``, ``output_fn`` or
 ``transform_fn`` over the PyTorch defaults, each bound once, and how a load step or a request step calls them.
 
-A failing request step raises ``StepError`` (its status decided in ``responses.py``); a failing load step fails
-the LOAD with the step named. Out-of-memory errors pass through unwrapped: the batcher retries them in halves.
+A failing request step raises ``StepError`` (its status decided in ``responses.py``; out of memory, with the numbers
+as they were when it was caught); a failing load step fails the LOAD with the step named.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 from sagemaker_inference.errors import BaseInferenceToolkitError
 
+from mme_runtime.base import failures
 from mme_runtime.models.user_code import UserFunction
 from mme_runtime.serving import content
 from mme_runtime.serving.context import InferenceContext
@@ -50,8 +51,8 @@ class Contract:
         except BaseInferenceToolkitError:
             raise
         except Exception as exc:
-            if is_out_of_memory(exc):
-                raise
+            if is_out_of_memory(exc):  # measured now, while what ran out still holds its memory
+                raise StepError(name, exc, failures.out_of_memory(exc, name)) from exc
             raise StepError(name, exc) from exc
 
     def run_load_step(self, name: str, context: InferenceContext, *args: Any) -> Any:
@@ -62,4 +63,4 @@ class Contract:
         try:
             return function(*args, context=context)
         except Exception as exc:  # boundary: the LOAD fails with the cause named; the traceback is logged
-            raise load_failure(context.model_name, name, exc) from exc
+            raise load_failure(name, exc) from exc

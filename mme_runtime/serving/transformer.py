@@ -85,7 +85,7 @@ class Transformer(RequestPipeline):
         try:
             self._model = make_model()
         except Exception as exc:  # boundary: the LOAD fails with the cause
-            raise load_failure(context.model_name, "taking the preloaded model", exc) from exc
+            raise load_failure("taking the preloaded model", exc) from exc
         self._loaded = True
 
     def _prepare(self, context: InferenceContext) -> None:
@@ -95,7 +95,7 @@ class Transformer(RequestPipeline):
         try:
             self._settings = read_settings(model_dir, config)
         except ModelLoadError as exc:
-            raise load_failure(context.model_name, "reading serving settings", exc) from exc
+            raise load_failure("reading serving settings", exc) from exc
         self._source_dir, plain_adapter = self._adapter_base(context, model_dir)
         code_dir, user = load_user_code(context.model_name, self._source_dir, config)
         self._user_modules = {
@@ -122,7 +122,7 @@ class Transformer(RequestPipeline):
                 return model_dir, None
             return base, lora.read_adapter(model_dir)
         except ModelLoadError as exc:
-            raise load_failure(context.model_name, "reading the LoRA adapter", exc) from exc
+            raise load_failure("reading the LoRA adapter", exc) from exc
 
     def _defaults_for(self, context: InferenceContext, model_dir: Path, user: Mapping[str, Any]) -> Any:
         """The PyTorch defaults, or a Hugging Face model's where the directory is one and user code leaves a
@@ -132,7 +132,7 @@ class Transformer(RequestPipeline):
         try:
             return hf_defaults.HuggingFaceDefaults(model_dir, self._settings, self._config)
         except ModelLoadError as exc:
-            raise load_failure(context.model_name, "choosing the Hugging Face task", exc) from exc
+            raise load_failure("choosing the Hugging Face task", exc) from exc
 
     def attach(self, mms_context: Any, device: torch.device) -> None:
         """Places the loaded model on this executor's device and warms it up; runs in the executor."""
@@ -158,7 +158,7 @@ class Transformer(RequestPipeline):
                 if self._source_dir != Path(self._context.model_dir):  # a plain module: its rows picked per job
                     self.row_adapters = adapters
         except Exception as exc:  # boundary: a model that cannot be placed fails the executor's LOAD
-            raise load_failure(self._context.model_name, "placing the model", exc) from exc
+            raise load_failure("placing the model", exc) from exc
         if self._settings.compile:
             self._compile(self._context, device)
         self._contract.run_load_step("model_warmup_fn", self._context, self._context.model_dir, self._model)
@@ -260,7 +260,7 @@ class Transformer(RequestPipeline):
         self._answer([request], [payload], [content_type])
         if request.error is not None:  # a sample the model cannot answer fails the LOAD, with the cause
             cause = request.error.cause if isinstance(request.error, StepError) else request.error
-            raise load_failure(context.model_name, f"warm-up request code/{sample}", cause) from request.error
+            raise load_failure(f"warm-up request code/{sample}", cause) from request.error
         logger.info("model=%s warm-up request seconds=%.3f", context.model_name, time.monotonic() - started)
 
     def validate_and_initialize(self, model_dir: str | None = None, context: Any = None) -> None:

@@ -182,6 +182,6 @@ def test_requirements_are_installed_and_imported(tmp_path: Path) -> None:
         broken = model_factory.torchscript_model(server.model_dir("broken"))
         model_factory.write_code(broken, "mme-gpu-no-such-package-xyz==1.0\n", name="requirements.txt")
         assert server.load("broken").status_code == 500
-        assert wait_until(lambda: "pip failed" in server.log_text(), 5)
+        assert wait_until(lambda: "load failed status=500: pip install -r " in server.log_text(), 5)
         assert "mme-gpu-no-such-package-xyz" in server.log_text()
         assert server.invoke("needs", b"{}").status_code == 200  # other models keep serving

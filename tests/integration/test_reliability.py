@@ -241,7 +241,9 @@ def test_model_larger_than_memory_answers_507_and_the_name_stays_usable(server: 
     response = server.load("huge")
     assert response.status_code == 507
     assert time.monotonic() - started < 10
-    assert wait_until(lambda: "needs about" in server.log_text() and "MiB of host memory" in server.log_text(), 5)
+    assert wait_until(
+        lambda: "model=huge gpu=None load failed status=507: out of host memory: needs about" in server.log_text(), 5
+    )
     (model_dir / "weights.bin").unlink()
     assert reload_until_200(server, "huge")
     assert server.invoke("huge", ROWS).status_code == 200

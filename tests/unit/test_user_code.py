@@ -59,7 +59,14 @@ def test_missing_script_means_defaults(tmp_path: Path) -> None:
 
 def test_import_failure_names_the_script_and_cause(tmp_path: Path) -> None:
     model = write(tmp_path / "m", "import not_a_real_package\n")
-    with pytest.raises(UserCodeError, match="inference.py failed: ModuleNotFoundError"):
+    expected = r"^import error in code/inference.py: No module named 'not_a_real_package' \(add the package that"
+    with pytest.raises(UserCodeError, match=expected):
+        import_script("m", find_script(model / "code", "inference.py"))  # type: ignore[arg-type]
+
+
+def test_an_exception_at_import_names_the_script_and_its_type(tmp_path: Path) -> None:
+    model = write(tmp_path / "m", "raise ValueError('no config')\n")
+    with pytest.raises(UserCodeError, match=r"^importing code/inference.py raised ValueError: no config$"):
         import_script("m", find_script(model / "code", "inference.py"))  # type: ignore[arg-type]
 
 
