@@ -43,6 +43,7 @@ class Job:
     done: threading.Event = field(default_factory=threading.Event)
     queued_at: float = 0.0
     run_by: Callable[[list[Job]], None] | None = None  # its model's runner, for a batcher several models share
+    late: str | None = None  # past its caller's deadline: "queued" (taken out, never run) or "running"
 
 
 def group(jobs: Iterable[Job], batch_size: int) -> list[list[Job]]:
@@ -153,8 +154,9 @@ class Batcher:
             job.error = RuntimeError("the model was unloaded")
             job.done.set()
 
-    def submit(self, jobs: list[Job]) -> None:
-        """Queues ``jobs`` (one message's requests) and returns once each has its result or error."""
+    def submit(self, jobs: list[Job], deadline: float | None = None) -> None:
+        """Queues ``jobs`` (one message's requests) and returns once each has its result or error, or is ``late``
+        at ``deadline`` (``time.monotonic``): then a queued job leaves the queue, a running one runs on unread."""
         if not jobs:
             return
         now = time.monotonic()
@@ -169,7 +171,15 @@ class Batcher:
             self._awaited = max(0, self._awaited - len(jobs))
             self._ready.notify()
         for job in jobs:
-            job.done.wait()
+            if job.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                continue
+            with self._ready:
+                if job.done.is_set():
+                    continue
+                queued = job in self._queue
+                if queued:
+                    self._queue.remove(job)
+            job.late = "queued" if queued else "running"
 
     def _dispatch_forever(self) -> None:
         metrics.bind(self._series)

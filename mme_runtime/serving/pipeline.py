@@ -2,11 +2,14 @@
 batch (through the batcher, so requests from many connections share a forward pass), ``output_fn`` for each.
 
 Each request carries its own status (``responses.py``): one bad request never fails its neighbours, and tracebacks go
-to the log, never to clients. ``Transformer`` (``transformer.py``) adds the model's lifecycle: load, place, close.
+to the log, never to clients. A request whose forward pass is not done within ``SAGEMAKER_MODEL_SERVER_TIMEOUT``
+is answered 504 (the pass runs on: a thread cannot be stopped). ``Transformer`` (``transformer.py``) adds the model's
+lifecycle: load, place, close.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -14,8 +17,9 @@ from typing import Any
 import torch
 from sagemaker_inference.transformer import Transformer as ToolkitTransformer
 
+from mme_runtime.base import failures
 from mme_runtime.base.config import Config
-from mme_runtime.base.errors import PayloadTooLarge
+from mme_runtime.base.errors import PayloadTooLarge, RequestTimeout
 from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.serving import collate, content
 from mme_runtime.serving.batcher import Batcher, Job, group, run_batch
@@ -29,9 +33,14 @@ from mme_runtime.serving.responses import (
     is_out_of_memory,
     phrase,
     release_cached_device_memory,
+    release_memory_of,
     request_body,
     to_bytes,
 )
+
+# MMS times each request too, and past its timer answers 500 "Worker died." and drops the connection: ours answers
+# a moment before, in words (its timer is SAGEMAKER_MODEL_SERVER_TIMEOUT or longer, started a moment before ours).
+TIMEOUT_MARGIN_SECONDS = 1.0
 
 
 class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
@@ -58,6 +67,8 @@ class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
         if not self._attached:
             self.validate_and_initialize(context=context)
         assert self._context is not None
+        timeout = self._config.response_timeout_seconds
+        deadline = time.monotonic() + max(timeout - TIMEOUT_MARGIN_SECONDS, timeout / 2)
         base = InferenceContext(context, self._context.device)
         requests, payloads, content_types = [], [], []
         for index, item in enumerate(data):
@@ -70,15 +81,15 @@ class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
             payloads.append(payload)
             content_types.append(content_type)
         with self._grad_mode():
-            self._answer(requests, payloads, content_types)
+            self._answer(requests, payloads, content_types, deadline)
         results = []
         for index, request in enumerate(requests):
             if request.error is not None:
-                if is_out_of_memory(request.error):
-                    release_cached_device_memory()  # so the next request finds the memory this one could not
                 request.body, request.content_type = error_response(request.error, request.context)
                 status = http_status(request.error)
                 context.set_response_status(status, phrase(status), index)
+                if is_out_of_memory(request.error):
+                    release_memory_of(request.error)  # so the next request finds the memory this one could not
             context.set_response_content_type(index, request.content_type)
             results.append(request.body)
         return results
@@ -99,9 +110,16 @@ class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
             payload = content.utf8_text(payload)
         return payload, content_type
 
-    def _answer(self, requests: list[Request], payloads: list[Any], content_types: list[str | None]) -> None:
+    def _answer(
+        self,
+        requests: list[Request],
+        payloads: list[Any],
+        content_types: list[str | None],
+        deadline: float | None = None,
+    ) -> None:
         """The contract on requests that have no error yet: ``input_fn`` for each, one ``predict_fn`` per batch,
-        ``output_fn`` for each (or ``transform_fn`` for each, alone). Sets each request's body or error."""
+        ``output_fn`` for each (or ``transform_fn`` for each, alone). Sets each request's body or error; a request
+        whose pass is not done by ``deadline`` (``time.monotonic``) gets a ``RequestTimeout``."""
         jobs = []
         for request, payload, content_type in zip(requests, payloads, content_types, strict=True):
             if request.error is None:
@@ -112,12 +130,15 @@ class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
         if self._batcher is not None:
             for job in jobs:
                 job.run_by = self._run_jobs
-            self._batcher.submit(jobs)
+            self._batcher.submit(jobs, deadline)
         else:
             for batch in group(jobs, self._settings.batch_size):
                 self._run_jobs(batch)
         for job in jobs:
             request = job.request
+            if job.late is not None:
+                request.error = self._timed_out(job.late)
+                continue
             if job.error is not None:
                 request.error = job.error
                 continue
@@ -125,6 +146,12 @@ class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
                 self._encode(request, job.result)
             except Exception as exc:  # request boundary
                 request.error = exc
+
+    def _timed_out(self, late: str) -> RequestTimeout:
+        step = "transform_fn" if self._contract.answers_whole else "predict_fn"
+        where = f"{step} still running" if late == "running" else f"waiting behind a call of {step} still running"
+        seconds = self._config.response_timeout_seconds
+        return RequestTimeout(failures.timed_out(seconds, "SAGEMAKER_MODEL_SERVER_TIMEOUT", where))
 
     def _decode(self, request: Request, payload: Any, content_type: str | None) -> Job:
         """``input_fn``, or for ``transform_fn`` the raw request: a job for the batcher."""

@@ -241,3 +241,24 @@ def test_a_model_leaving_a_shared_batcher_takes_its_queued_jobs_and_no_others() 
     batcher.close()
     assert str(jobs[1].error) == "the model was unloaded" and jobs[1].result is None
     assert ran == ["staying", "staying"]
+
+
+def test_past_its_deadline_a_running_job_is_late_and_a_queued_one_leaves_the_queue() -> None:
+    recorder = Recorder()
+    batcher = Batcher(recorder, batch_size=1, max_delay_ms=0, name="late")
+    recorder.hold()
+    running, waiting = job(torch.ones(1, 2)), job(torch.ones(1, 2))
+    first = threading.Thread(target=batcher.submit, args=([running], time.monotonic() + 0.3))
+    first.start()
+    assert recorder.running.wait(5)
+    started = time.monotonic()
+    batcher.submit([waiting], time.monotonic() + 0.2)
+    assert 0.15 < time.monotonic() - started < 2
+    assert waiting.late == "queued" and not batcher._queue  # it will never run for nobody
+    first.join(5)
+    assert running.late == "running"
+    recorder.release.set()
+    assert running.done.wait(5) and recorder.passes == [1]  # the pass ran on; its answer went unread
+    on_time = job(torch.ones(1, 2))
+    batcher.submit([on_time], time.monotonic() + 5)
+    assert on_time.late is None and torch.equal(on_time.result, torch.full((1, 2), 2.0))
