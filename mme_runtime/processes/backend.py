@@ -16,6 +16,7 @@ instead of dying or hanging after fork. A crashed executor is forked again when 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import platform
@@ -66,6 +67,7 @@ def main(lifeline: socket.socket | None = None) -> int:
     args = ArgParser.model_service_worker_args().parse_args()
     config = Config.from_process_env()
     configure_logging(config.log_level)
+    faulthandler.enable(all_threads=False)  # a crash in model_fn (here) or in an executor prints its stack to the log
     die_with_parent(signal.SIGTERM)
     if lifeline is None and config.inherited_lifeline_fd is not None:
         lifeline = socket.socket(fileno=config.inherited_lifeline_fd)

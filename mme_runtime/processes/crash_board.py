@@ -24,8 +24,9 @@ THREADS = 4096
 COUNT = struct.Struct("i")
 OWNER = struct.Struct("Qi")  # a thread's ident (threading.get_ident), the slot of the model it works for (-1: none)
 NO_MODEL = -1
-# faulthandler's line for the thread that received the fatal signal.
+# faulthandler's line for the thread that received the fatal signal, and its stack's lines after it.
 CRASHED_THREAD = re.compile(r"^Current thread (0x[0-9a-f]+)", re.MULTILINE)
+CRASHED_STACK = re.compile(r"^Current thread 0x[0-9a-f]+.*\n((?:  .*\n?)+)", re.MULTILINE)
 
 
 class CrashBoard:
@@ -106,6 +107,12 @@ def report_crashes(path: Path) -> IO[str]:
     report = path.open("w")
     faulthandler.enable(file=report, all_threads=True)
     return report
+
+
+def crashed_stack(crash_report: str) -> str:
+    """The stack of the thread that took the fatal signal, as faulthandler wrote it ("" if it wrote none)."""
+    found = CRASHED_STACK.search(crash_report)
+    return "" if found is None else found.group(1).rstrip()
 
 
 def crash_report_path(runtime_dir: Path, host_pid: int) -> Path:

@@ -16,8 +16,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mme_runtime.base import failures
 from mme_runtime.base.config import Config
-from mme_runtime.processes.crash_board import CrashBoard, crash_report_path
+from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, crashed_stack
 from mme_runtime.processes.device_host import run_host
 from mme_runtime.processes.warm_protocol import receive, send
 
@@ -35,17 +36,19 @@ class Host:
     control: socket.socket
     board: CrashBoard
     models: set[str] = field(default_factory=set)  # names sent to it
+    oom_kills: dict[str, int] = field(default_factory=failures.oom_kills)  # the kernel's count when it started
 
 
 @dataclass(frozen=True)
 class Crash:
     """What a dead host left: how it ended, the slot of the model whose thread took the fatal signal (if one did),
-    and the slots with a call running."""
+    the slots with a call running, and the crashed thread's stack (faulthandler's, for a fatal signal)."""
 
     host: Host
     cause: str
     culprit: int | None
     running: frozenset[int]
+    stack: str = ""
 
 
 class CrashCount:
@@ -70,6 +73,10 @@ class CrashCount:
             culprit or "unknown",
             ", ".join(running) or "none",
         )
+        if crash.stack:
+            logger.error(
+                "device host pid=%d: the thread that crashed, most recent call first:\n%s", crash.host.pid, crash.stack
+            )
         if culprit is None:
             return None
         self.crashes[culprit] = self.crashes.get(culprit, 0) + 1
@@ -128,12 +135,8 @@ class DeviceHosts:
             path.unlink()
         except OSError:
             report = ""
-        crash = Crash(
-            host,
-            f"killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}",
-            host.board.culprit(report),
-            frozenset(host.board.busy()),
-        )
+        cause = failures.exit_cause(code, host.oom_kills)
+        crash = Crash(host, cause, host.board.culprit(report), frozenset(host.board.busy()), crashed_stack(report))
         host.board.close()
         return crash
 
@@ -146,10 +149,3 @@ class DeviceHosts:
                 os.kill(host.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:  # a real-time signal has no name
-        return f"signal {number}"

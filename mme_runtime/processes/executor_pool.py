@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import signal
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from mme_runtime.base import failures
 from mme_runtime.base.config import Config
 from mme_runtime.models.loading import LoadedModel, ModelSpec
 from mme_runtime.operations import metrics
@@ -34,6 +34,7 @@ class Executor:
     process: multiprocessing.process.BaseProcess
     control: socket.socket  # the server's end: connections for this device are handed over on it
     ready: bool = False  # it loaded the model and served (it says so on the control socket)
+    oom_kills: dict[str, int] = field(default_factory=failures.oom_kills)  # the kernel's count when it started
 
     def served(self) -> bool:
         """Whether the executor has loaded its model: it writes ``READY`` once, even if it has ended since."""
@@ -118,16 +119,11 @@ class ExecutorPool:
             del self.executors[device]
             executor.control.close()
             code = process.exitcode
+            cause = failures.exit_cause(code, executor.oom_kills)
             if code < 0:
-                hint = " (perhaps out of memory)" if -code == signal.SIGKILL else ""
-                name = signal.Signals(-code).name
-                logger.warning(
-                    "model=%s gpu=%s executor pid=%d killed by %s%s", self.spec.name, device, process.pid, name, hint
-                )
+                logger.error("model=%s gpu=%s executor pid=%d %s", self.spec.name, device, process.pid, cause)
             else:
-                logger.info(
-                    "model=%s gpu=%s executor pid=%d exited status=%d", self.spec.name, device, process.pid, code
-                )
+                logger.info("model=%s gpu=%s executor pid=%d %s", self.spec.name, device, process.pid, cause)
 
     def stop(self) -> bool:
         """True if every executor ended when asked to; False if one had to be killed."""

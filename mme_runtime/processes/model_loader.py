@@ -8,6 +8,7 @@ processes of its own) or ``failure`` (the LOAD fails with this status and messag
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import socket
@@ -56,6 +57,7 @@ def run_loader(
     status = 1
     try:
         become_child(f"mme-loader {spec.name}", close_fds, environment)
+        faulthandler.enable(all_threads=False)  # a crash in model_fn prints its stack to the model's log
         os.chdir(cwd)
         config = Config.from_process_env()
         configure_logging(config.log_level)

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from mme_runtime.base import failures
 from mme_runtime.base.child_processes import exited_children, raise_descriptor_limit, readable
 from mme_runtime.base.config import Config
 from mme_runtime.base.parsing import MIB
@@ -61,6 +62,7 @@ class WarmProcess:
         self.config = config
         self.children: dict[int, socket.socket] = {}
         self.shared = SharedModels(config, self._isolate, self._descriptors)
+        self.deaths = failures.Deaths()  # loaders and servers: a signal that kills one is logged with its model
         self._stopping = False
 
     def serve_forever(self) -> None:
@@ -109,6 +111,9 @@ class WarmProcess:
         if spec is not None and reason is None:
             try:
                 self.shared.add(spec, request, connection, fds)
+                loader = getattr(self.shared.models.get(spec.name), "loader", None)
+                if loader is not None:
+                    self.deaths.watch(loader, f"model={spec.name} load failed: its loader pid={loader}")
             except Exception:  # noqa: BLE001 - one model's arrival must never end the process every model needs
                 logger.exception("model=%s could not be taken in: its LOAD fails", spec.name)
                 self.shared.forget(spec.name)
@@ -136,6 +141,7 @@ class WarmProcess:
             for fd in close:
                 os.close(fd)
             _become_server(lifeline, request, stdio)  # never returns
+        self.deaths.watch(pid, f"model={getattr(_spec(request['argv']), 'name', '?')} backend server pid={pid}")
         return pid
 
     def _isolate(self, model: SharedModel, reason: str) -> int:
@@ -157,6 +163,9 @@ class WarmProcess:
     def _reap(self) -> None:
         for pid, code in exited_children():
             model_cache.cache.remove_user(pid)
+            death = self.deaths.exited(pid, code)
+            if death is not None:
+                logger.error("%s", death)
             if self.shared.child_exited(pid, code):
                 continue
             connection = self.children.pop(pid, None)
