@@ -182,6 +182,21 @@ def _byte_bpe(specials: list[str], size: int = 400) -> tuple[dict[str, int], lis
     return data["vocab"], [tuple(merge) for merge in data["merges"]]
 
 
+def _unigram(specials: list[str], size: int = 300) -> list[tuple[str, float]]:
+    """A SentencePiece-style unigram vocabulary (T5's and Marian's kind) trained on ``corpus()``."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    unigram = Tokenizer(models.Unigram())
+    unigram.normalizer = normalizers.NFKC()
+    unigram.pre_tokenizer = pre_tokenizers.Metaspace()
+    unigram.decoder = decoders.Metaspace()
+    trainer = trainers.UnigramTrainer(vocab_size=size, special_tokens=specials, unk_token="<unk>", show_progress=False)
+    unigram.train_from_iterator(corpus(), trainer)
+    return [(piece, score) for piece, score in json.loads(unigram.to_str())["model"]["vocab"]]
+
+
 def _lively(model: Any, *rare: int, scale: float = 0.5, seed: int = 0, std: float = 0.3) -> Any:
     """Random weights drawn wider than transformers draws them (``std``), so that what a small model generates
     depends on its input instead of repeating one token; ``rare`` tokens (the end token; a T5's padding, which it
@@ -214,6 +229,102 @@ def gpt2(directory: Path, layers: int = 2, hidden: int = 64, seed: int = 0, posi
         eos_token_id=end,
     )
     model = _lively(transformers.GPT2LMHeadModel(config), end, seed=seed)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def t5(directory: Path, layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
+    """A T5-shaped encoder-decoder with random weights, a unigram tokenizer trained here, and T5's
+    ``task_specific_params`` (its ``summarize:`` and ``translate English to German:`` prefixes)."""
+    transformers = _transformers()
+
+    tokenizer = transformers.T5Tokenizer(vocab=_unigram(["<pad>", "</s>", "<unk>"]), extra_ids=0, model_max_length=512)
+    torch.manual_seed(seed)
+    config = transformers.T5Config(
+        vocab_size=len(tokenizer),
+        d_model=hidden,
+        d_kv=32,
+        d_ff=hidden * 2,
+        num_layers=layers,
+        num_heads=max(1, hidden // 32),
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+        task_specific_params={
+            "summarization": {"prefix": "summarize: ", "max_length": 60},
+            "translation_en_to_de": {"prefix": "translate English to German: ", "max_length": 60},
+        },
+    )
+    model = _lively(transformers.T5ForConditionalGeneration(config), 1, seed=seed, std=1.0)
+    with torch.no_grad():
+        model.lm_head.weight[0] = 0.0  # padding: never generated
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def bart(directory: Path, seed: int = 0) -> Path:
+    """A BART-shaped encoder-decoder (learned absolute positions) with a byte-level BPE tokenizer trained here."""
+    transformers = _transformers()
+
+    vocab, merges = _byte_bpe(["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    tokenizer = transformers.BartTokenizer(vocab=vocab, merges=merges, model_max_length=256)
+    torch.manual_seed(seed)
+    config = transformers.BartConfig(
+        vocab_size=len(vocab),
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_position_embeddings=256,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        forced_eos_token_id=2,
+    )
+    model = _lively(transformers.BartForConditionalGeneration(config), 2, seed=seed, std=1.0)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def marian(directory: Path, seed: int = 0) -> Path:
+    """A Marian-shaped translation model (sinusoidal positions) with a unigram tokenizer trained here: Marian's own
+    tokenizer needs sentencepiece model files, so this one is a fast tokenizer with Marian's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    transformers = _transformers()
+    pieces = _unigram(["</s>", "<unk>", "<pad>"])
+    unigram = Tokenizer(models.Unigram(pieces, unk_id=1))
+    unigram.normalizer = normalizers.NFKC()
+    unigram.pre_tokenizer = pre_tokenizers.Metaspace()
+    unigram.decoder = decoders.Metaspace()
+    unigram.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 0)])
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=unigram, eos_token="</s>", unk_token="<unk>", pad_token="<pad>", model_max_length=256
+    )
+    torch.manual_seed(seed)
+    config = transformers.MarianConfig(
+        vocab_size=len(pieces),
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_position_embeddings=256,
+        pad_token_id=2,
+        eos_token_id=0,
+        decoder_start_token_id=2,
+        forced_eos_token_id=0,
+    )
+    model = _lively(transformers.MarianMTModel(config), 0, seed=seed, std=1.0)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory

@@ -65,7 +65,7 @@ class HuggingFaceDefaults:
     @property
     def schedules_itself(self) -> bool:
         """A generative task: its scheduler, not the batcher, puts the rows of many requests into one step."""
-        return self.task in hf_loading.GENERATIVE_TASKS
+        return hf_loading.base_task(self.task) in hf_loading.GENERATIVE_TASKS
 
     def start(self, model: hf_loading.HuggingFaceModel, max_rows: int, name: str) -> None:
         """Starts the model's scheduler, for up to ``max_rows`` rows per step (its batch size), once it is placed."""

@@ -23,7 +23,7 @@ import torch
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.models.hf_loading import HuggingFaceModel
 from mme_runtime.serving.hf_decoding import DecodingBatch
-from mme_runtime.serving.hf_generation_tasks import Prompt, TextGeneration
+from mme_runtime.serving.hf_generation_tasks import Prompt, TextGeneration, TextToText
 from mme_runtime.serving.hf_requests import TaskRequest
 from mme_runtime.serving.hf_rows import TIME, Row
 from mme_runtime.serving.hf_scheduler import Scheduler
@@ -61,7 +61,9 @@ class GenerationRunner:
         self.model = model
         self.limits = limits
         self._device = device
-        self._task = TextGeneration(model, device)
+        self._task: TextGeneration | TextToText = (
+            TextGeneration(model, device) if model.task == "text-generation" else TextToText(model, model.task)
+        )
         self._scheduler = Scheduler(DecodingBatch(model.model), limits.max_rows, name)
         self._stop_tokenizer = copy.deepcopy(model.tokenizer)  # the scheduler thread's, for stop sequences
         self._alone = threading.Lock()  # generate alone: one at a time

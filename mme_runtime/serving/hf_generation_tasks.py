@@ -1,8 +1,12 @@
-"""How a generative task turns an input into token ids and generate's arguments, and generated ids into its answer,
+"""How each generative task turns an input into token ids and generate's arguments, and generated ids into its answer,
 as the pipeline the AWS Hugging Face container runs does it.
 
 text-generation is transformers' own pipeline (its preprocessing, its defaults: sampling at temperature 0.7 and 256
 new tokens unless the model's generation config says otherwise, its postprocessing with ``return_full_text``).
+transformers 5 dropped the text-to-text pipelines, so text2text-generation, summarization and translation are
+written here as transformers 4.57's were: the model's ``prefix`` or its ``task_specific_params`` (T5's
+``"summarize: "``), 256 new tokens and 4 beams unless the model's generation config says otherwise, the answer
+decoded without special tokens as ``generated_text``, ``summary_text`` or ``translation_text``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,12 @@ from mme_runtime.models.hf_loading import HuggingFaceModel
 
 logger = logging.getLogger(__name__)
 
+TEXT_TO_TEXT_NAMES = {"text2text-generation": "generated", "summarization": "summary", "translation": "translation"}
+# What transformers 4.57's text-to-text pipelines asked of generate unless the model's generation config says otherwise.
+TEXT_TO_TEXT_DEFAULTS = {"max_new_tokens": 256, "num_beams": 4}
+# Pipeline parameters that only shape the answer or the tokens, never generate's arguments.
+TEXT_TO_TEXT_PARAMETERS = frozenset({"truncation", "clean_up_tokenization_spaces", "src_lang", "tgt_lang"})
+
 
 @dataclass
 class Prompt:
@@ -32,6 +42,10 @@ class Prompt:
     ids: list[int]
     generate: dict[str, Any]
     answer: Callable[[list[int]], dict[str, Any]]
+
+
+def base_task(task: str) -> str:
+    return "translation" if task.startswith("translation") else task
 
 
 class TextGeneration:
@@ -80,3 +94,79 @@ class TextGeneration:
             pipeline.tokenizer = copy.deepcopy(pipeline.tokenizer)
             self._local.pipeline = pipeline
         return pipeline
+
+
+class TextToText:
+    """text2text-generation, summarization and translation_xx_to_yy, as transformers 4.57's pipelines ran them."""
+
+    def __init__(self, model: HuggingFaceModel, task: str) -> None:
+        self._model = model
+        self._name = TEXT_TO_TEXT_NAMES[base_task(task)]
+        config = model.model.config
+        specific = dict(getattr(config, "task_specific_params", None) or {})
+        if task == "translation":  # as transformers 4.57: the model's first translation task, if it names one
+            task = next((key for key in specific if key.startswith("translation")), task)
+        self.task = task
+        parts = task.split("_")
+        self._languages = (parts[1], parts[3]) if len(parts) == 4 and parts[0] == "translation" else (None, None)
+        self.generation_config, prefix = _pipeline_generation_config(model, specific.get(task) or {})
+        self._prefix = prefix if prefix is not None else getattr(config, "prefix", None) or ""
+        self._local = threading.local()
+
+    def prepare(self, text: str, parameters: dict[str, Any]) -> Prompt:
+        unknown = {"return_tensors", "return_text", "return_type", "return_full_text"} & set(parameters)
+        if unknown:
+            raise InvalidInput(f"{sorted(unknown)} are not parameters of {self.task}")
+        tokenizer = self._tokenizer()
+        truncation = parameters.get("truncation", False)
+        source, target = parameters.get("src_lang", self._languages[0]), parameters.get("tgt_lang", self._languages[1])
+        try:
+            if callable(getattr(tokenizer, "_build_translation_inputs", None)) and self._name == "translation":
+                inputs = tokenizer._build_translation_inputs(
+                    text, return_tensors="pt", truncation=truncation, src_lang=source, tgt_lang=target
+                )
+            else:
+                inputs = tokenizer(self._prefix + text, padding=False, truncation=truncation, return_tensors="pt")
+        except (ValueError, TypeError, KeyError) as exc:
+            raise InvalidInput(f"the input could not be tokenized: {exc}") from exc
+        arguments = {key: value for key, value in parameters.items() if key not in TEXT_TO_TEXT_PARAMETERS}
+        extra = {
+            key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask", "token_type_ids")
+        }
+        arguments.update(extra)  # forced_bos_token_id of a multilingual tokenizer's translation inputs, say
+        clean = bool(parameters.get("clean_up_tokenization_spaces", False))
+        key = f"{self._name}_text"
+
+        def answer(sequence: list[int]) -> dict[str, Any]:
+            text = tokenizer.decode(sequence, skip_special_tokens=True, clean_up_tokenization_spaces=clean)
+            return {key: text}
+
+        return Prompt(
+            inputs["input_ids"][0].tolist(), {"generation_config": self.generation_config, **arguments}, answer
+        )
+
+    def _tokenizer(self) -> Any:
+        tokenizer = getattr(self._local, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._local.tokenizer = copy.deepcopy(self._model.tokenizer)
+        return tokenizer
+
+
+def _pipeline_generation_config(loaded: HuggingFaceModel, specific: dict[str, Any]) -> tuple[Any, str | None]:
+    """The generation config transformers 4.57's text-to-text pipeline built once: its defaults where the model's
+    generation config sets nothing, a ``max_length`` the model sets honoured, then the task's ``task_specific_params``,
+    and the tokenizer's pad token where the model has none; and the task's ``prefix``, if it names one."""
+    model: Any = loaded.model
+    own = model.generation_config.to_diff_dict()
+    defaults = {key: value for key, value in TEXT_TO_TEXT_DEFAULTS.items() if key not in own}
+    config = copy.deepcopy(model.generation_config)
+    config.update(**defaults)
+    if "max_new_tokens" in defaults and own.get("max_length") not in (None, 20):
+        config.max_new_tokens = None  # a max_length the model chose wins over the pipeline's default
+    specific = dict(specific)
+    prefix = specific.pop("prefix", None)
+    config.update(**specific)
+    pad = getattr(loaded.tokenizer, "pad_token_id", None)
+    if config.pad_token_id is None and pad is not None:
+        config.pad_token_id = pad
+    return config, prefix

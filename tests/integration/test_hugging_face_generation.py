@@ -22,6 +22,9 @@ from serving import RunningServer, batch_passes, start_server, wait_until
 # name -> (builder, serving.properties, prefix the task puts before the text, key of the answer)
 MODELS = {
     "writer": ("gpt2", "task=text-generation\nbatch_size=16\n", None, "generated_text"),
+    "summarizer": ("t5", "task=summarization\nbatch_size=16\n", "summarize: ", "summary_text"),
+    "rewriter": ("bart", "task=text2text-generation\nbatch_size=16\n", "", "generated_text"),
+    "translator": ("marian", "task=translation\nbatch_size=16\n", "", "translation_text"),
     "hasty": ("gpt2", "task=text-generation\nbatch_size=4\nmax_generation_seconds=0.3\nmax_new_tokens=400\n", None, ""),
 }
 GREEDY = {"do_sample": False, "num_beams": 1}
@@ -30,7 +33,7 @@ GREEDY = {"do_sample": False, "num_beams": 1}
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("generative-models")
-    return {kind: getattr(hf_models, kind)(root / kind) for kind in ("gpt2",)}
+    return {kind: getattr(hf_models, kind)(root / kind) for kind in ("gpt2", "t5", "bart", "marian")}
 
 
 @pytest.fixture(scope="module")
@@ -57,21 +60,27 @@ def generate(server: RunningServer, name: str, inputs: Any, **parameters: Any) -
 
 
 def alone(source: Path, kind: str, prefix: str | None, key: str, text: str, **parameters: Any) -> Any:
-    """transformers' own answer for ``text`` alone: its pipeline."""
+    """transformers' own answer for ``text`` alone: its pipeline, or generate on the prefixed text (transformers 5 has
+    no text-to-text pipeline), decoded as transformers 4.57's pipelines did."""
     import transformers
 
-    return transformers.pipeline("text-generation", model=str(source))(text, **parameters)
+    if prefix is None:
+        return transformers.pipeline("text-generation", model=str(source))(text, **parameters)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(source)
+    output = model.generate(**tokenizer(prefix + text, return_tensors="pt"), **parameters)
+    return [{key: tokenizer.decode(output[0], skip_special_tokens=True)}]
 
 
 def test_sixteen_clients_each_get_what_generate_gives_their_input_alone(
     server: RunningServer, sources: dict[str, Path]
 ) -> None:
-    """64 requests from 16 clients, prompts of 1 to 40 words and 1 to 40 new tokens: every answer is transformers'
-    for that input alone, exactly, and the rows shared decoding steps."""
+    """64 requests from 16 clients over the four models, prompts of 1 to 40 words and 1 to 40 new tokens: every answer
+    is transformers' for that input alone, exactly, and the rows of each model shared decoding steps."""
     rng = random.Random(3)
-    names = ["writer"]
+    names = ["writer", "summarizer", "rewriter", "translator"]
     calls = [
-        (names[index % len(names)], hf_models.text_of_tokens(rng.randint(1, 40), index), rng.randint(1, 40))
+        (names[index % 4], hf_models.text_of_tokens(rng.randint(1, 40), index), rng.randint(1, 40))
         for index in range(64)
     ]
     before = {name: batch_passes(server, name) for name in names}
@@ -130,4 +139,7 @@ def test_answers_have_the_aws_containers_shapes(server: RunningServer) -> None:
     one = generate(server, "writer", "the model", max_new_tokens=4).json()
     several = generate(server, "writer", ["the model", "a client"], max_new_tokens=4).json()
     assert list(one[0]) == ["generated_text"] and len(several) == 2 and list(several[1][0]) == ["generated_text"]
+    summaries = generate(server, "summarizer", ["the model", "a client"], max_new_tokens=4, **GREEDY).json()
+    assert [list(summary) for summary in summaries] == [["summary_text"], ["summary_text"]]
+    assert list(generate(server, "translator", "the model", max_new_tokens=4).json()[0]) == ["translation_text"]
     assert all(server.shares_device_host(name) for name in MODELS)

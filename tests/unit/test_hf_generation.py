@@ -21,6 +21,10 @@ from mme_runtime.serving.hf_requests import TaskRequest
 # (model, task, prefix the task puts before the text, key of the answer)
 CASES = [
     ("gpt2", "text-generation", None, "generated_text"),
+    ("t5", "summarization", "summarize: ", "summary_text"),
+    ("t5", "translation_en_to_de", "translate English to German: ", "translation_text"),
+    ("bart", "text2text-generation", "", "generated_text"),
+    ("marian", "translation", "", "translation_text"),
 ]
 GREEDY = {"do_sample": False, "num_beams": 1}
 
@@ -28,7 +32,7 @@ GREEDY = {"do_sample": False, "num_beams": 1}
 @pytest.fixture(scope="module")
 def directories(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("generative")
-    return {name: getattr(hf_models, name)(root / name) for name in ("gpt2",)}
+    return {name: getattr(hf_models, name)(root / name) for name in ("gpt2", "t5", "bart", "marian")}
 
 
 def runner(directory: Path, task: str, **limits: Any) -> GenerationRunner:
@@ -145,6 +149,18 @@ def test_a_generation_past_the_time_limit_answers_what_it_has_with_a_warning(dir
     assert "time limit" in answer[0]["warning"] and answer[0]["generated_text"]
 
 
+def test_beam_search_runs_generate_alone(directories: Path) -> None:
+    """The text-to-text tasks default to 4 beams, as transformers 4.57's pipelines did: no batching, same answer."""
+    generator = runner(directories["t5"], "summarization")
+    text = hf_models.text_of_tokens(12, 4)
+    answer = ask(generator, [text, text], max_new_tokens=6)
+    generator.close()
+    expected = generated_alone(
+        directories["t5"], "summarization", "summarize: ", "summary_text", text, max_new_tokens=6, num_beams=4
+    )
+    assert answer == expected * 2
+
+
 @pytest.mark.parametrize(
     ("parameters", "fragment"),
     [
@@ -166,5 +182,14 @@ def test_bad_parameters_are_the_clients_400(directories: Path, parameters: dict[
     try:
         with pytest.raises(InvalidInput, match=fragment):
             ask(generator, "the model", **parameters)
+    finally:
+        generator.close()
+
+
+def test_text_to_text_refuses_text_generations_parameters(directories: Path) -> None:
+    generator = runner(directories["bart"], "text2text-generation")
+    try:
+        with pytest.raises(InvalidInput, match="return_full_text"):
+            ask(generator, "the model", return_full_text=False)
     finally:
         generator.close()

@@ -97,10 +97,13 @@ def _config(directory: Path, architectures: list[str], **extra: Any) -> Path:
         (["BertModel"], "feature-extraction"),
         (["GPT2LMHeadModel"], "text-generation"),
         (["LlamaForCausalLM"], "text-generation"),
+        (["T5ForConditionalGeneration"], "text2text-generation"),
+        (["MarianMTModel"], "text2text-generation"),
     ],
 )
 def test_the_architecture_tells_the_task_when_it_names_one(tmp_path: Path, architectures: list[str], task: str) -> None:
-    directory = _config(tmp_path / "model", architectures)
+    seq_to_seq = architectures[0].endswith(("ForConditionalGeneration", "MTModel"))
+    directory = _config(tmp_path / "model", architectures, **({"is_encoder_decoder": True} if seq_to_seq else {}))
     assert hf_loading.is_hugging_face_directory(directory)
     assert hf_loading.resolve_task(directory, None, None) == task
 
@@ -113,10 +116,12 @@ def test_serving_properties_win_over_hf_task_which_wins_over_the_architecture(tm
 
 def test_unknown_and_ambiguous_tasks_fail_naming_what_is_supported(tmp_path: Path) -> None:
     directory = _config(tmp_path / "model", ["GPT2LMHeadModel"])
-    for task in ("summarize-please", "summarization"):
-        with pytest.raises(ModelLoadError, match="supported: text-classification"):
+    for task in ("summarize-please", "translation_en_de"):
+        with pytest.raises(ModelLoadError, match="supported: text-classification.*translation_xx_to_yy"):
             hf_loading.resolve_task(directory, task, None)
-    assert hf_loading.resolve_task(directory, "text-generation", None) == "text-generation"
+    for task in ("text-generation", "summarization", "translation", "translation_en_to_de"):
+        assert hf_loading.resolve_task(directory, task, None) == task
+    assert hf_loading.base_task("translation_en_to_de") == "translation"
     mixed = _config(tmp_path / "mixed", ["BertForMaskedLM", "BertForSequenceClassification"])
     with pytest.raises(ModelLoadError, match="set task= in serving.properties or HF_TASK"):
         hf_loading.resolve_task(mixed, None, None)
