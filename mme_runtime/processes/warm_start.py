@@ -116,10 +116,10 @@ class WarmProcess:
                     self.deaths.watch(loader, f"model={spec.name} load failed: its loader pid={loader}")
             except Exception:  # noqa: BLE001 - one model's arrival must never end the process every model needs
                 logger.exception("model=%s could not be taken in: its LOAD fails", spec.name)
-                self.shared.forget(spec.name)
-                for fd in fds:
-                    os.close(fd)
-                connection.close()
+                if not self.shared.forget(spec.name):  # else the stub and its stdio went with the model: closed once
+                    for fd in fds:
+                        os.close(fd)
+                    connection.close()
             return
         cached = self._prepare_cached_model(request["argv"])
         pid = self._fork_server(connection, request, fds)
