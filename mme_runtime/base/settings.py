@@ -55,8 +55,8 @@ SAGEMAKER: tuple[Setting, ...] = (
         "response_timeout_seconds",
         integer(1),
         "60",
-        "Seconds MMS waits for a worker's answer to a request or a LOAD, never less than 360 for a LOAD (SageMaker's "
-        "limit, see docs/api.md, Long LOADs); `SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS` (sagemaker-inference's) wins.",
+        "Seconds a request may take: a forward pass still running then answers 504. MMS waits at least 360 s for a "
+        "LOAD (SageMaker's limit: docs/api.md, Long LOADs). `SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS` wins over it.",
     ),
     Setting("SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS", "response_timeout_seconds", integer(1)),
     Setting(
