@@ -164,9 +164,19 @@ def exit_cause(code: int, oom_kills_before: Mapping[str, int] | None = None) -> 
     return f"killed by {name} ({_sigkill_cause(oom_kills_before)})"
 
 
+def oom_killed(code: int, oom_kills_before: Mapping[str, int]) -> bool:
+    """Whether a child that ended with ``code`` was killed by the kernel's out-of-memory killer: a SIGKILL while
+    its count rose (``oom_kills_before``: ``oom_kills()`` when the child started)."""
+    return -code == signal.SIGKILL and bool(_oom_kills_risen(oom_kills_before))
+
+
+def _oom_kills_risen(before: Mapping[str, int]) -> list[str]:
+    return [f"oom_kill {before[path]} -> {n} in {path}" for path, n in oom_kills().items() if n > before.get(path, n)]
+
+
 def _sigkill_cause(before: Mapping[str, int] | None) -> str:
     now, before = oom_kills(), before or {}
-    risen = [f"oom_kill {before[path]} -> {n} in {path}" for path, n in now.items() if n > before.get(path, n)]
+    risen = _oom_kills_risen(before)
     if risen:
         return f"out of memory: the kernel's out-of-memory killer ran ({risen[0]}); {host_memory()}"
     if any(path in before for path in now):

@@ -6,7 +6,8 @@ The values are the ones ``/metrics`` shows (``ModelMetrics.snapshot``). Counts a
 lines: what a model counted before its UNLOAD is reported once, by the next lines, from its stopped server's series, so
 an UNLOAD and a re-LOAD never give a negative or a repeated count. Latency is the interval's average and its 99th
 percentile interpolated in the histogram's buckets (as Prometheus's ``histogram_quantile``: only as fine as they are).
-Memory is the current value. LOADs and UNLOADs are the container's, as on ``/metrics``.
+Memory is the current value. A model's LOAD time is reported once, by the first lines after its LOAD; the LOAD and
+UNLOAD counts are the container's, as on ``/metrics``.
 
 The JSON is written here, not with AWS's ``aws-embedded-metrics``: importing that package imports aiohttp and asyncio
 for sinks we do not use (230 ms and 23 MiB more in the entrypoint, 9 more packages in the image), and it reads
@@ -97,6 +98,7 @@ class EmfLines:
         self.namespace = namespace
         self._seen: dict[str, Samples] = {}  # model -> the counts as of the previous lines
         self._refused: set[str] = set()  # names CloudWatch takes no dimension of, told once
+        self._load_seconds: dict[str, float] = {}  # model -> its LOAD's seconds, reported once per LOAD
 
     def lines(self, families: list[Metric], stopped: list[Metric], timestamp_ms: int) -> list[str]:
         """``families`` and ``stopped`` as ``ModelMetrics.snapshot`` gives them."""
@@ -105,6 +107,7 @@ class EmfLines:
         gone.pop(CONTAINER, None)  # the container's part of a stopped server counts on, in ``families``
         deltas = {model: self._deltas(model, counts.get(model, {}), gone.get(model, {})) for model in counts | gone}
         self._seen = {model: seen for model, seen in self._seen.items() if model in counts}
+        self._load_seconds = {model: seconds for model, seconds in self._load_seconds.items() if model in gauges}
         lines = [self._container_line(deltas.get(CONTAINER, {}), gauges.get(CONTAINER, {}), timestamp_ms)]
         for model in sorted((deltas.keys() | gauges.keys()) - {CONTAINER}):
             if model.isascii() and len(model) <= MAX_DIMENSION_VALUE:
@@ -136,6 +139,10 @@ class EmfLines:
             buckets = sorted((float(dict(labels)["le"]), n) for labels, n in named(deltas, f"{LATENCY}_bucket").items())
             if (tail := quantile(LATENCY_QUANTILE, buckets)) is not None:
                 data.append(("ModelLatencyP99", 1000 * tail, "Milliseconds"))
+        loaded = gauges.get(("mme_model_load_seconds", ()))
+        if loaded is not None and self._load_seconds.get(model) != loaded:  # a new LOAD (a gauge repeats its value)
+            self._load_seconds[model] = loaded
+            data.append(("LoadTime", loaded, "Seconds"))
         if (host := gauges.get(("mme_model_host_memory_bytes", ()))) is not None:
             data.append(("HostMemory", host, "Bytes"))
         if gpus := named(gauges, "mme_model_gpu_memory_bytes"):

@@ -87,6 +87,14 @@ class Series:
             multiprocess_mode="livesum",
             registry=None,
         )
+        # livemax: on GPUs each card's host loads the model; the slowest is when it was ready everywhere.
+        self.load_seconds = Gauge(
+            "mme_model_load_seconds",
+            "Seconds the model's LOAD took, from its start in the warm process to the model ready on its device.",
+            ["model"],
+            multiprocess_mode="livemax",
+            registry=None,
+        )
         self.loads = Histogram(
             "mme_model_load_duration_seconds",
             "LOADs that reached a model server, from its start to its first answer, by outcome.",

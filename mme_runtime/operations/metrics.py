@@ -205,6 +205,13 @@ def record_load(succeeded: bool, seconds: float) -> None:
 
 
 @_recorder
+def record_model_load(seconds: float) -> None:
+    """The bound model's LOAD, ready here after ``seconds`` (``mme_model_load_seconds``, per model)."""
+    metrics = _live()
+    metrics.child(metrics.load_seconds, metrics.model).set(seconds)
+
+
+@_recorder
 def record_unload(clean: bool, seconds: float) -> None:
     metrics = _live()
     metrics.child(metrics.unloads, "success" if clean else "killed").observe(seconds)

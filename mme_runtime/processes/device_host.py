@@ -86,7 +86,7 @@ class DeviceHost:
         if op == "load":
             spec = ModelSpec(**message["spec"])
             series = metrics.start_hosted(self.config, name, restart=bool(message.get("restart")))
-            model = self.models[name] = HostedModel(spec, int(message["slot"]), series)
+            model = self.models[name] = HostedModel(spec, int(message["slot"]), series, started=message["started"])
             package = None if message.get("package") is None else Package.from_layout(fds, message["package"])
             if package is not None:  # blobs in other models' files: held for them first, counted there
                 model.borrowed_host_bytes = sum(blob.nbytes for blob in package.blobs if blob.segment)
@@ -137,6 +137,7 @@ class DeviceHost:
             model.failure = fail_load(spec, self.gpu, exc)
         else:
             model.loaded = loaded
+            metrics.record_model_load(time.time() - model.started)
         finally:
             for fd in fds:
                 os.close(fd)

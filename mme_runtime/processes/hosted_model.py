@@ -38,6 +38,7 @@ class HostedModel:
     borrowed_host_bytes: int = 0  # its tensors in host memory that another model brought (held once, theirs)
     borrowed_device_bytes: int = 0  # the same on its GPU
     borrows_all: bool = False  # it took the very model another one here unpacked (one package: all of it theirs)
+    started: float = 0.0  # when its LOAD began (wall clock, the warm process's): its load time is counted from it
 
 
 def model_handler(

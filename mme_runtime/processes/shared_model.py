@@ -4,13 +4,16 @@ the stub MMS started for it, the model's own socket where the frontend connects,
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mme_runtime.base import failures
 from mme_runtime.models.loading import LoadFailure, ModelSpec
 from mme_runtime.models.model_cache import Key
 from mme_runtime.models.model_package import Package
@@ -39,6 +42,30 @@ class SharedModel:
     cpu_host: str | None = None  # which of the CPU's hosts serves it
     served: bool = False  # a host has had it
     load_recorded: bool = False
+    oom_kills: dict[str, int] = field(default_factory=dict)  # the kernel's OOM kill counts as its loader started
+    loader_silent: bool = False  # its loader died before it reported
+
+    def load_message(self, batch_size: int) -> dict[str, Any]:
+        """The model as a host takes it (its package's descriptors go beside), before its first connection there."""
+        return {
+            "op": "load",
+            "model": self.spec.name,
+            "spec": dataclasses.asdict(self.spec),
+            "slot": self.slot,
+            "package": None if self.package is None else self.package.layout,
+            "batch_size": batch_size,
+            "restart": self.served,  # served before, by a host that has died since
+            "started": time.time() if self.served else self.started,  # its load time counts from this
+        }
+
+    def loader_failure(self, exit_code: int | None) -> LoadFailure:
+        """The LOAD's failure when the loader ended with no report: how it ended (``exit_code``: None if unknown).
+        507 when the kernel's out-of-memory killer ended it, so that SageMaker makes room and tries again."""
+        if exit_code is None:
+            return LoadFailure(500, f"model {self.spec.name}: its loader died before it reported (see the log)")
+        cause = failures.exit_cause(exit_code, self.oom_kills)
+        status = 507 if failures.oom_killed(exit_code, self.oom_kills) else 500
+        return LoadFailure(status, f"model {self.spec.name}: its loader {cause} before it reported")
 
     def tell_stub(self, payload: dict[str, Any]) -> None:
         try:

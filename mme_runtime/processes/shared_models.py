@@ -14,7 +14,6 @@ the others are loaded again from their packages into a new host as the frontend 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import socket
@@ -22,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from mme_runtime.base import failures
 from mme_runtime.base.config import Config
 from mme_runtime.models.loading import LoadFailure, ModelSpec, check_location, refuse_load
 from mme_runtime.models.model_package import Package
@@ -87,8 +87,8 @@ class SharedModels:
         for model in self.models.values():
             if model.loader == pid:
                 model.loader = None
-                if model.result is not None and not model.ready and model.failure is None:
-                    self._loader_reported(model)  # drain its report, if it sent one before it exited
+                if (model.result is not None or model.loader_silent) and not model.ready and model.failure is None:
+                    self._loader_reported(model, exit_code=code)  # its report, if it sent one before it exited
                 return True
         if pid in self.isolated:
             ended = self.isolated.pop(pid)
@@ -122,6 +122,7 @@ class SharedModels:
                 self._ready(model)
                 return
             self.cache.make_room(spec)  # packages kept since their UNLOAD give way to what its loader will need
+        model.oom_kills = failures.oom_kills()  # should it die: whether the kernel's out-of-memory killer did it
         model.loader, model.result = start_loader(spec, request, stdio, self.close_in_children())
         model.result.settimeout(RESULT_SECONDS)  # a loader's child could hold the socket open after the loader died
         self._handlers[model.result] = lambda: self._loader_reported(model)
@@ -134,18 +135,22 @@ class SharedModels:
         self._unload(model)
         return True
 
-    def _loader_reported(self, model: SharedModel) -> None:
-        assert model.result is not None
-        try:
-            report, fds = receive(model.result, with_fds=1)
-        except (OSError, ValueError):
-            report, fds = None, []
-        self._handlers.pop(model.result, None)
-        model.result.close()
-        model.result = None
+    def _loader_reported(self, model: SharedModel, exit_code: int | None = None) -> None:
+        """The loader's report (or its end: ``exit_code`` once it is reaped), read and acted on."""
+        report: dict[str, Any] | None = None
+        fds: list[int] = []
+        if model.result is not None:
+            with contextlib.suppress(OSError, ValueError):
+                report, fds = receive(model.result, with_fds=1)
+            self._handlers.pop(model.result, None)
+            model.result.close()
+            model.result = None
         spec = model.spec
+        if report is None and exit_code is None and model.loader is not None:
+            model.loader_silent = True  # it died before it reported: how it ended, once reaped, says why
+            return
         if report is None:
-            model.failure = LoadFailure(500, f"model {spec.name}: its loader died before it reported (see the log)")
+            model.failure = model.loader_failure(exit_code)
         elif "failure" in report:
             model.failure = LoadFailure(report["failure"]["status"], report["failure"]["message"])
         elif "isolate" in report:
@@ -210,17 +215,7 @@ class SharedModels:
 
     def _send_model(self, host: Host, model: SharedModel, batch_size: int) -> None:
         """The model to a host, before its first connection there (whose LOAD message carries MMS's batch size)."""
-        package = model.package
-        payload = {
-            "op": "load",
-            "model": model.spec.name,
-            "spec": dataclasses.asdict(model.spec),
-            "slot": model.slot,
-            "package": None if package is None else package.layout,
-            "batch_size": batch_size,
-            "restart": model.served,  # served before, by a host that has died since
-        }
-        self.hosts.send(host, payload, [] if package is None else package.fds)
+        self.hosts.send(host, model.load_message(batch_size), [] if model.package is None else model.package.fds)
         host.models.add(model.spec.name)
 
     def _host_reported(self, host: Host) -> None:

@@ -8,8 +8,10 @@ import json
 from pathlib import Path
 
 import model_factory
+import requests
 import torch
-from serving import RunningServer, start_server
+from prometheus_client.parser import text_string_to_metric_families
+from serving import RunningServer, start_server, wait_until
 
 ROWS = json.dumps([[1.0, 2.0, 3.0, 4.0], [0.5, 0.0, -1.0, 2.0]])
 
@@ -63,6 +65,13 @@ def load_and_answer(server: RunningServer, name: str, model_dir: Path) -> list[l
     return list(response.json())
 
 
+def load_seconds(server: RunningServer) -> dict[str, float]:
+    """``mme_model_load_seconds`` of each loaded model, from ``/metrics``."""
+    text = requests.get(server.metrics_url, timeout=10).text
+    families = text_string_to_metric_families(text)
+    return {s.labels["model"]: s.value for f in families for s in f.samples if s.name == "mme_model_load_seconds"}
+
+
 def test_a_model_loaded_again_after_its_unload_skips_model_fn_and_answers_as_before(tmp_path: Path) -> None:
     with start_server(tmp_path, {"MME_TEST_MODEL_FN_CALLS": str(tmp_path / "model_fn_calls")}) as server:
         model_dir = counted_model(server.model_dir("counted"), seed=3)
@@ -75,6 +84,9 @@ def test_a_model_loaded_again_after_its_unload_skips_model_fn_and_answers_as_bef
 
         assert load_and_answer(server, "counted", model_dir) == first
         assert load_and_answer(server, "other", other_dir) == other  # each name its own package, in any order
+        # Each model's own LOAD time, from the warm process's start of its LOAD to ready in its host.
+        assert wait_until(lambda: load_seconds(server).keys() == {"counted", "other"}, 10), load_seconds(server)
+        assert all(0 < seconds < 60 for seconds in load_seconds(server).values())
         assert model_fn_calls(tmp_path) == 2
         log = server.log_text()
         assert "model=counted takes its package, kept since its UNLOAD" in log

@@ -159,6 +159,15 @@ def test_latency_is_the_intervals_own() -> None:
     assert "ModelLatency" not in documents(emf, [latency("a", (2, 0, 2, 0), total_seconds=1.01)])["a"]
 
 
+def test_a_models_load_time_is_reported_once_per_load() -> None:
+    emf = EmfLines("ns")
+    loaded = [gauge("mme_model_load_seconds", {"model": "a"}, 2.5)]
+    assert documents(emf, loaded)["a"]["LoadTime"] == 2.5
+    assert "LoadTime" not in documents(emf, loaded)["a"]  # the gauge stays; the LOAD was reported
+    assert "a" not in documents(emf, [])  # UNLOADed: its series are gone
+    assert documents(emf, loaded)["a"]["LoadTime"] == 2.5  # LOADed again, as long: a LOAD of its own
+
+
 def test_quantile_interpolates_within_a_bucket_as_prometheus_does() -> None:
     assert quantile(0.5, [(1.0, 0.0), (2.0, 10.0), (float("inf"), 10.0)]) == 1.5
     assert quantile(0.99, [(1.0, 0.0), (2.0, 1.0), (float("inf"), 100.0)]) == 2.0  # past the last finite bound

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,23 @@ def test_a_watched_child_killed_by_a_signal_gets_its_line(counters: Path) -> Non
     assert deaths.exited(103, 0) is None
     assert deaths.exited(104, -signal.SIGKILL) is None  # not watched
     assert deaths.exited(101, -signal.SIGSEGV) is None  # once
+
+
+def test_a_loader_the_oom_killer_ended_fails_its_load_with_507_and_any_other_death_with_500(counters: Path) -> None:
+    from mme_runtime.models.loading import ModelSpec
+    from mme_runtime.processes.shared_model import SharedModel
+
+    spec = ModelSpec(name="m", model_dir="/opt/ml/models/m", handler="handler_service", tmp_dir="/tmp")
+    stub, listener = socket.socketpair()
+    model = SharedModel(spec, {}, stub, [], listener, slot=0, started=0.0, oom_kills=failures.oom_kills())
+    assert failures.oom_killed(-signal.SIGKILL, model.oom_kills) is False
+    segfault = model.loader_failure(-signal.SIGSEGV)
+    assert (segfault.status, segfault.message) == (500, "model m: its loader killed by SIGSEGV before it reported")
+    counters.write_text("oom 2\noom_kill 1\n")
+    assert failures.oom_killed(-signal.SIGKILL, model.oom_kills) is True
+    assert failures.oom_killed(-signal.SIGSEGV, model.oom_kills) is False
+    oom = model.loader_failure(-signal.SIGKILL)
+    assert oom.status == 507 and oom.message.startswith("model m: its loader killed by SIGKILL (out of memory: "), oom
+    assert model.loader_failure(None).status == 500  # its end unknown
+    stub.close()
+    listener.close()
