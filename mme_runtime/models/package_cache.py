@@ -26,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import xxhash
 
 from mme_runtime.base.config import Config
@@ -38,7 +37,7 @@ from mme_runtime.models.model_cache import MODEL_FILES, Key, key_for, model_file
 from mme_runtime.models.model_package import Package
 from mme_runtime.models.serving_properties import read_settings
 from mme_runtime.operations import metrics
-from mme_runtime.operations.memory import artifact_bytes
+from mme_runtime.operations.memory import artifact_bytes, available_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +116,7 @@ class PackageCache:
         """Before ``spec``'s loader runs: kept packages go, least recently used first, until the host has the memory
         its LOAD will check for (its artifacts and the headroom), or none is left."""
         needed = artifact_bytes(Path(spec.model_dir)) + self.config.memory_headroom_mb * MIB
-        while psutil.virtual_memory().available < needed and self._evict_oldest("a LOAD needs the memory"):
+        while available_bytes()[0] < needed and self._evict_oldest("a LOAD needs the memory"):
             pass
 
     def _shared_key(self, model_dir: Path) -> Key | None:

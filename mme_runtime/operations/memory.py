@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 
+from mme_runtime.base import failures
 from mme_runtime.base.errors import InsufficientMemory
 from mme_runtime.base.nvidia import gpu_free_bytes
 from mme_runtime.base.parsing import MIB
@@ -20,6 +21,11 @@ from mme_runtime.base.parsing import MIB
 logger = logging.getLogger(__name__)
 
 SKIPPED_DIRECTORIES = frozenset({"code"})
+# The container's page cache that the kernel reclaims first (cgroup v2, then v1).
+CGROUP_MEMORY_STAT = (
+    (Path("/sys/fs/cgroup/memory.stat"), "inactive_file"),
+    (Path("/sys/fs/cgroup/memory/memory.stat"), "total_inactive_file"),
+)
 
 
 def artifact_bytes(model_dir: Path) -> int:
@@ -37,14 +43,40 @@ def needs(model_bytes: int, headroom_mb: int) -> str:
     return f"needs about {needed} MiB (the model's {model_bytes // MIB} MiB + MME_MEMORY_HEADROOM_MB={headroom_mb})"
 
 
+def available_bytes() -> tuple[int, str]:
+    """The host memory a LOAD may still take, and whose bound that is: the system's available memory, or in a
+    container whose cgroup sets a lower limit, what that limit leaves (its inactive page cache counted as free: the
+    kernel reclaims it first). /proc/meminfo, which psutil reads, knows nothing of the container's limit."""
+    available = psutil.virtual_memory().available
+    limit = failures.cgroup_memory()
+    if limit is not None:
+        used, most = limit
+        in_container = most - used + _inactive_file_bytes()
+        if in_container < available:
+            return max(0, in_container), f"of the container's {most // MIB} MiB limit"
+    return available, "on the host"
+
+
 def check_host_memory(model_dir: Path, headroom_mb: int) -> None:
     """Raises InsufficientMemory when the artifacts plus headroom exceed the host's available memory."""
     model_bytes = artifact_bytes(model_dir)
-    available = psutil.virtual_memory().available
+    available, bound = available_bytes()
     if model_bytes + headroom_mb * MIB > available:
         raise InsufficientMemory(
-            f"out of host memory: {needs(model_bytes, headroom_mb)}, {available // MIB} MiB available"
+            f"out of host memory: {needs(model_bytes, headroom_mb)}, {available // MIB} MiB available {bound}"
         )
+
+
+def _inactive_file_bytes() -> int:
+    for path, key in CGROUP_MEMORY_STAT:
+        try:
+            for line in path.read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+        except (OSError, ValueError):
+            continue
+    return 0
 
 
 def check_context_memory(model_dir: Path, headroom_mb: int, model_bytes: int | None = None) -> bool:

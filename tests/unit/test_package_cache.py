@@ -5,7 +5,6 @@ changes. Real packages (shared-memory files) throughout; the end-to-end re-LOAD 
 from __future__ import annotations
 
 import os
-from collections import namedtuple
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ from mme_runtime.models.model_package import Package, pack
 from mme_runtime.models.package_cache import PackageCache
 
 MIB = 1 << 20
-Memory = namedtuple("Memory", "available")
 
 
 def spec(name: str, model_dir: Path) -> ModelSpec:
@@ -104,7 +102,7 @@ def test_a_load_that_needs_the_memory_takes_it_from_kept_packages(
         cache.release(keys[name][0], name)
     in_use_key, in_use = loaded(cache, "in-use", user_code_model(tmp_path / "in-use"), megabytes=2)
     # Each release frees what its package held; the host's available memory follows.
-    monkeypatch.setattr(package_cache.psutil, "virtual_memory", lambda: Memory(4 * MIB - cache.kept_bytes))
+    monkeypatch.setattr(package_cache, "available_bytes", lambda: (4 * MIB - cache.kept_bytes, "on the host"))
     big = tmp_path / "big"
     big.mkdir()
     (big / "model.pt").write_bytes(b"\0" * 3 * MIB)  # 3 MiB needed, none available: a, then b go
@@ -124,3 +122,21 @@ def test_keeping_off_keeps_nothing_but_the_same_artifacts_are_still_shared(tmp_p
     assert cache.key(spec("two", plain)) == key
     cache.release(key, "one")
     assert released == [package]
+
+
+def test_a_container_limit_below_the_host_s_memory_is_what_a_load_may_take(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mme_runtime.base import failures
+    from mme_runtime.operations import memory
+
+    limit, current, stat = tmp_path / "memory.max", tmp_path / "memory.current", tmp_path / "memory.stat"
+    limit.write_text(f"{512 * MIB}\n")
+    current.write_text(f"{500 * MIB}\n")
+    stat.write_text(f"anon {400 * MIB}\ninactive_file {40 * MIB}\nactive_file {60 * MIB}\n")
+    monkeypatch.setattr(failures, "CGROUP_MEMORY", ((limit, current),))
+    monkeypatch.setattr(memory, "CGROUP_MEMORY_STAT", ((stat, "inactive_file"),))
+    # 12 MiB left under the limit, and 40 MiB of page cache the kernel gives back first.
+    assert memory.available_bytes() == (52 * MIB, "of the container's 512 MiB limit")
+    limit.write_text("max\n")  # no limit: the host's own available memory
+    assert memory.available_bytes()[1] == "on the host"
