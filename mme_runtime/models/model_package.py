@@ -64,6 +64,7 @@ class Package:
     blobs: tuple[Blob, ...] = ()
     segments: tuple[int, ...] = ()
     segment_ids: tuple[int, ...] = ()
+    code: str | None = None  # the inference code directory model_fn ran with (a fetched one is named by its ETag)
 
     @property
     def fds(self) -> list[int]:
@@ -76,6 +77,7 @@ class Package:
             "pickle_bytes": self.pickle_bytes,
             "blobs": [[blob.segment, blob.offset, blob.nbytes, blob.digest] for blob in self.blobs],
             "segment_ids": list(self.segment_ids),
+            "code": self.code,
         }
 
     @classmethod
@@ -83,7 +85,8 @@ class Package:
         """The package a ``layout`` and its descriptors (``fds``, its own file first) describe."""
         blobs = tuple(Blob(*entry) for entry in layout.get("blobs", ()))
         ids = tuple(layout.get("segment_ids", ()))
-        return cls(fds[0], layout["pickle_offset"], layout["pickle_bytes"], blobs, tuple(fds[1:]), ids)
+        offset, size, code = layout["pickle_offset"], layout["pickle_bytes"], layout.get("code")
+        return cls(fds[0], offset, size, blobs, tuple(fds[1:]), ids, code)
 
     def close(self) -> None:
         os.close(self.fd)

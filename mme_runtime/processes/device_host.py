@@ -124,8 +124,11 @@ class DeviceHost:
             handler = loaded.module
             context = loaded.service.context
             with self.board.running(model.slot):
-                if package is not None:
-                    handler.transformer.adopt(context, lambda: self._unpack(model, package))
+                adopted = package is not None and handler.transformer.adopt(
+                    context, lambda: self._unpack(model, package), made_with_code=package.code
+                )
+                if package is not None and not adopted:  # its code changed: model_fn ran here instead
+                    model.borrowed_host_bytes = 0
                 handler.attach(context)
             if self.shared is not None:
                 handler.transformer.after_forward = lambda: self.shared.check_writes(spec.name)

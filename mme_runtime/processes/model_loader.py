@@ -120,7 +120,8 @@ def _load(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
         sum(blob.nbytes for blob in package.blobs),
         share,
     )
-    return {"package": package.layout, "share_weights": share}, [package.fd]
+    code = None if transformer.code_dir is None else str(transformer.code_dir)
+    return {"package": {**package.layout, "code": code}, "share_weights": share}, [package.fd]
 
 
 def _plain_torchscript(model_dir: Path, config: Config) -> Path | None:

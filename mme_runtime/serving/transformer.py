@@ -63,6 +63,11 @@ class Transformer(RequestPipeline):
         return 0 if self._adapter is None else self._adapter.nbytes
 
     @property
+    def code_dir(self) -> Path | None:
+        """The directory its inference code came from (None: the defaults)."""
+        return self._code_dir
+
+    @property
     def settings(self) -> ServingSettings:
         return self._settings
 
@@ -71,21 +76,34 @@ class Transformer(RequestPipeline):
         context = InferenceContext(mms_context, device)
         started = time.monotonic()
         self._prepare(context)
-        source = str(self._source_dir or context.model_dir)
-        self._contract.run_load_step("pre_model_fn", context, source)
-        self._model = self._contract.run_load_step("model_fn", context, source)
-        self._loaded = True
+        self._run_model_fn(context)
         logger.info("model=%s loaded seconds=%.2f", context.model_name, time.monotonic() - started)
 
-    def adopt(self, mms_context: Any, make_model: Callable[[], Any]) -> None:
+    def adopt(self, mms_context: Any, make_model: Callable[[], Any], made_with_code: str | None = None) -> bool:
         """Imports the user's code and takes the model ``model_fn`` returned in another process (``make_model``
-        rebuilds it here, so it runs once the user's classes are importable): what a device host does."""
+        rebuilds it here, so it runs once the user's classes are importable): what a device host does. Unless the
+        code is not what ``model_fn`` ran with (``made_with_code``: a new object at SAGEMAKER_SUBMIT_DIRECTORY's S3
+        URI since the package was made, and kept): then ``model_fn`` runs here, and False says the package went
+        unused."""
         context = InferenceContext(mms_context, HOST)
         self._prepare(context)
+        code = None if self._code_dir is None else str(self._code_dir)
+        if code != made_with_code:
+            name = context.model_name
+            logger.info("model=%s code is %s, its package's was %s: model_fn runs here", name, code, made_with_code)
+            self._run_model_fn(context)
+            return False
         try:
             self._model = make_model()
         except Exception as exc:  # boundary: the LOAD fails with the cause
             raise load_failure("taking the preloaded model", exc) from exc
+        self._loaded = True
+        return True
+
+    def _run_model_fn(self, context: InferenceContext) -> None:
+        source = str(self._source_dir or context.model_dir)
+        self._contract.run_load_step("pre_model_fn", context, source)
+        self._model = self._contract.run_load_step("model_fn", context, source)
         self._loaded = True
 
     def _prepare(self, context: InferenceContext) -> None:

@@ -5,12 +5,14 @@ or ``MME_KEEP_UNLOADED_MB=0``, runs ``model_fn`` again. The keeping itself is te
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import model_factory
 import requests
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from s3_server import start_s3
 from serving import RunningServer, start_server, wait_until
 
 ROWS = json.dumps([[1.0, 2.0, 3.0, 4.0], [0.5, 0.0, -1.0, 2.0]])
@@ -112,3 +114,39 @@ def test_with_keeping_off_a_re_load_runs_model_fn_again(tmp_path: Path) -> None:
         assert load_and_answer(server, "counted", model_dir) == first
         assert model_fn_calls(tmp_path) == 2
         assert "kept since its UNLOAD" not in server.log_text()
+
+
+def test_a_kept_package_made_with_older_code_from_s3_is_not_used(tmp_path: Path) -> None:
+    """Code from SAGEMAKER_SUBMIT_DIRECTORY's S3 URI: a re-LOAD takes the kept package, with no loader and no GET;
+    after a new object at that URI, the device host finds the code changed and runs the new model_fn itself."""
+    uri = "s3://code/mme/code.tar.gz"
+    (tmp_path / "moto").mkdir()
+    with start_s3(tmp_path / "moto") as s3:
+        s3.client().create_bucket(Bucket="code")
+        s3.client().upload_file(
+            str(model_factory.code_archive(tmp_path / "v1.tar.gz", "v1")), "code", "mme/code.tar.gz"
+        )
+        env = {**s3.env, "SAGEMAKER_SUBMIT_DIRECTORY": uri, "MME_CACHE_DIR": str(tmp_path / "cache")}
+        with start_server(tmp_path / "home", env) as server:
+            model_dir = model_factory.torchscript_model(server.model_dir("m"))
+
+            def reload_version() -> str:
+                assert server.load("m", model_dir).status_code == 200, server.log_text()[-2000:]
+                response = server.invoke("m", ROWS)
+                assert response.status_code == 200, response.text
+                assert server.unload("m").status_code == 200
+                return str(response.json()["version"])
+
+            assert [reload_version(), reload_version()] == ["v1", "v1"]
+            log = server.log_text()
+            assert log.count("model=m packed seconds=") == 1  # its loader ran once, at the first LOAD
+            assert len(re.findall(f"code {uri} etag=\\S+ fetched to", log)) == 1
+            assert "model=m takes its package, kept since its UNLOAD" in log
+
+            s3.client().upload_file(
+                str(model_factory.code_archive(tmp_path / "v2.tar.gz", "v2")), "code", "mme/code.tar.gz"
+            )
+            assert reload_version() == "v2"
+            assert wait_until(
+                lambda: "its package's was" in server.log_text() and "model_fn runs here" in server.log_text(), 5
+            )
