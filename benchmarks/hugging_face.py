@@ -1,6 +1,7 @@
 """Hugging Face models with no code: ours batched and unbatched against the AWS Hugging Face stack, one run.
 
     .venv/bin/python -m benchmarks hugging_face [-- --models 20 --clients 16 --requests 320 --lone 100]
+    .venv/bin/python -m benchmarks hugging_face -- --part generation   # the generative models alone
 
 Stacks, each on the same files (hard links) of one BERT-shaped classifier (4 layers, hidden 256, random weights, a
 WordPiece tokenizer trained here) and the same texts, 4 to 200 tokens long:
@@ -16,7 +17,8 @@ connection (http.client: the requests library would add about 2 ms a call here);
 and after loading ``--models`` more copies, per extra model, for our no-code models, the same models through an
 ``inference.py`` with a ``requirements.txt`` naming transformers (which the image ships: they share the host too),
 the same with ``isolation=process`` (what such a model cost before the image shipped transformers: processes of its
-own), and the AWS stack. Timings are never asserted; compare ratios within one run.
+own), and the AWS stack. Timings are never asserted; compare ratios within one run. Then the generative models,
+GPT-2- and T5-shaped, ours against the AWS stack (``hugging_face_generation.py``).
 """
 
 from __future__ import annotations
@@ -193,6 +195,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=320, help="requests of the many-clients round, in all")
     parser.add_argument("--lone", type=int, default=100, help="requests of the one-client round")
     parser.add_argument("--no-aws", action="store_true", help="leave the AWS stack out (nothing to install)")
+    parser.add_argument("--part", choices=("all", "classifier", "generation"), default="all")
+    parser.add_argument("--gen-requests", type=int, default=160, help="generations of the many-clients round, in all")
+    parser.add_argument("--gen-lone", type=int, default=40, help="generations of the one-client round")
     return parser.parse_args(argv)
 
 
@@ -203,6 +208,13 @@ def main(argv: Sequence[str] = ()) -> int:
     texts = bodies(64)
     with tempfile.TemporaryDirectory(prefix="bench-hf-") as scratch:
         root = Path(scratch)
+        if args.part != "classifier":
+            from benchmarks import hugging_face_generation  # it imports this module's helpers
+
+            generation = hugging_face_generation.run(args, root, with_aws=not args.no_aws)
+            if args.part == "generation":
+                print(generation)
+                return 0
         source = hf_models.bert(root / "source", "text-classification", layers=4, hidden=256)
         rows: dict[str, dict[str, float]] = {}
         memory: dict[str, float] = {}
@@ -231,6 +243,8 @@ def main(argv: Sequence[str] = ()) -> int:
                 make = lambda i: link_model(source, root / f"aws-{i}")  # noqa: E731
                 memory["AWS HF stack"] = memory_per_model(aws, make, args.models, "aws-mem-", texts[0])
     print(report(rows, memory, args))
+    if args.part == "all":
+        print(f"\nGenerative models ({args.clients} clients, greedy):\n\n{generation}")
     return 0
 
 

@@ -211,6 +211,21 @@ def _lively(model: Any, *rare: int, scale: float = 0.5, seed: int = 0, std: floa
     return model.eval()
 
 
+def _save(model: Any, tokenizer: Any, directory: Path) -> Path:
+    """Saved as ``save_pretrained`` leaves them, readable by transformers 4 too (the AWS container's): its
+    tokenizer_config.json without transformers 5's empty ``extra_special_tokens`` list, which 4.57 reads as a dict."""
+    import json
+
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    path = directory / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    if config.get("extra_special_tokens") == []:
+        del config["extra_special_tokens"]
+        path.write_text(json.dumps(config, indent=2))
+    return directory
+
+
 def gpt2(directory: Path, layers: int = 2, hidden: int = 64, seed: int = 0, positions: int = 512) -> Path:
     """A GPT-2-shaped causal LM with random weights and a byte-level BPE tokenizer trained here."""
     transformers = _transformers()
@@ -229,9 +244,7 @@ def gpt2(directory: Path, layers: int = 2, hidden: int = 64, seed: int = 0, posi
         eos_token_id=end,
     )
     model = _lively(transformers.GPT2LMHeadModel(config), end, seed=seed)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return _save(model, tokenizer, directory)
 
 
 def t5(directory: Path, layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
@@ -259,9 +272,7 @@ def t5(directory: Path, layers: int = 2, hidden: int = 64, seed: int = 0) -> Pat
     model = _lively(transformers.T5ForConditionalGeneration(config), 1, seed=seed, std=1.0)
     with torch.no_grad():
         model.lm_head.weight[0] = 0.0  # padding: never generated
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return _save(model, tokenizer, directory)
 
 
 def bart(directory: Path, seed: int = 0) -> Path:
@@ -288,9 +299,7 @@ def bart(directory: Path, seed: int = 0) -> Path:
         forced_eos_token_id=2,
     )
     model = _lively(transformers.BartForConditionalGeneration(config), 2, seed=seed, std=1.0)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return _save(model, tokenizer, directory)
 
 
 def marian(directory: Path, seed: int = 0) -> Path:
@@ -325,6 +334,4 @@ def marian(directory: Path, seed: int = 0) -> Path:
         forced_eos_token_id=0,
     )
     model = _lively(transformers.MarianMTModel(config), 0, seed=seed, std=1.0)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return _save(model, tokenizer, directory)
