@@ -201,20 +201,27 @@ class Batcher:
             metrics.record_pass(waits, self._pass_ended - started, self.batch_size)
 
     def _next_batch(self) -> list[Job] | None:
+        """The next batch, once one is due; None once closed and empty. Every wait lets go of the lock, and meanwhile
+        another dispatcher, a timed-out client or a model leaving may empty the queue: it is looked at anew after
+        each one."""
         with self._ready:
-            while not self._queue:
-                if self._closed:
-                    return None
-                self._ready.wait()
-            while self._awaited and not self._full():
-                remaining = self._pass_ended + self.max_delay - time.monotonic()
-                if remaining <= 0:
+            while True:
+                if not self._queue:
+                    if self._closed:
+                        return None
+                    self._ready.wait()
+                    continue
+                if self._awaited and not self._full():
+                    remaining = self._pass_ended + self.max_delay - time.monotonic()
+                    if remaining > 0:
+                        self._ready.wait(remaining)
+                        continue
                     self._awaited = 0  # those clients are not coming back soon: stop holding anyone for them
-                    break
-                self._ready.wait(remaining)
-            return self._take()
+                return self._take()
 
     def _full(self) -> bool:
+        if not self._queue:
+            return False
         head = self._queue[0].signature
         if head is None or self.batch_size == 1:
             return True

@@ -262,3 +262,55 @@ def test_past_its_deadline_a_running_job_is_late_and_a_queued_one_leaves_the_que
     on_time = job(torch.ones(1, 2))
     batcher.submit([on_time], time.monotonic() + 5)
     assert on_time.late is None and torch.equal(on_time.result, torch.full((1, 2), 2.0))
+
+
+def test_a_queue_emptied_while_a_dispatcher_waited_never_ends_that_dispatcher() -> None:
+    """After a pass the dispatcher waits for more requests; a timed-out client that leaves the queue meanwhile (or
+    another dispatcher that takes its jobs) must leave it waiting for the next request, not dead of an empty queue."""
+
+    def slow(jobs: list[Job]) -> None:
+        time.sleep(0.3)
+        for job in jobs:
+            job.result = "ok"
+
+    batcher = Batcher(slow, batch_size=4, max_delay_ms=1000, name="emptied")
+    first = Job(1, None, ("s",), 1)
+    running = threading.Thread(target=batcher.submit, args=([first],))
+    running.start()
+    time.sleep(0.1)
+    leaving = Job(2, None, ("s",), 1)
+    batcher.submit([leaving], deadline=time.monotonic() + 0.4)  # leaves the queue inside the wait after first's pass
+    running.join()
+    assert leaving.late == "queued" and first.result == "ok"
+    time.sleep(1.2)  # the wait for first's client ends
+    assert all(thread.is_alive() for thread in batcher.threads)
+    after = Job(3, None, ("s",), 1)
+    batcher.submit([after], deadline=time.monotonic() + 5)
+    assert after.result == "ok" and after.late is None
+    batcher.close()
+
+
+def test_two_dispatchers_batching_never_take_from_an_empty_queue() -> None:
+    def quick(jobs: list[Job]) -> None:
+        time.sleep(0.005)
+        for job in jobs:
+            job.result = job.data
+
+    batcher = Batcher(quick, batch_size=4, max_delay_ms=20, name="two", concurrency=2)
+    answers: list[object] = []
+
+    def client(offset: int) -> None:
+        for index in range(offset, 150, 3):
+            job = Job(index, None, ("s",), 1)
+            batcher.submit([job], deadline=time.monotonic() + 10)
+            answers.append(job.result)
+            time.sleep(0.002 * (index % 4))
+
+    clients = [threading.Thread(target=client, args=(offset,)) for offset in range(3)]
+    for thread in clients:
+        thread.start()
+    for thread in clients:
+        thread.join()
+    assert sorted(answers) == list(range(150))  # type: ignore[type-var]
+    assert all(thread.is_alive() for thread in batcher.threads)
+    batcher.close()
