@@ -100,24 +100,30 @@ class PackageCache:
         self.release_package(package)
         return entry.package
 
-    def release(self, key: Key, name: str) -> None:
-        """``name`` is unloaded; once no model uses the package it is kept, if it fits, for a LOAD to come."""
+    def release(self, key: Key, name: str, keep: bool = True) -> None:
+        """``name`` is unloaded; once no model uses the package it is kept, if it fits (and ``keep``), for a LOAD to
+        come."""
         entry = self.entries.get(key)
         if entry is None:
             return
         entry.users.discard(name)
-        if not entry.users:
+        if not entry.users and not keep:
+            self._evict(key, "not to be kept")
+        elif not entry.users:
             self.entries.move_to_end(key)
             self._evict_beyond(self.config.keep_unloaded_mb * MIB)
             if key in self.entries:
                 logger.info("model cache keeps %s (%d MiB kept in all)", key[0], self.kept_bytes // MIB)
 
-    def make_room(self, spec: ModelSpec) -> None:
+    def make_room(self, spec: ModelSpec, loading_bytes: int = 0) -> int:
         """Before ``spec``'s loader runs: kept packages go, least recently used first, until the host has the memory
-        its LOAD will check for (its artifacts and the headroom), or none is left."""
-        needed = artifact_bytes(Path(spec.model_dir)) + self.config.memory_headroom_mb * MIB
+        its LOAD will check for (its artifacts and the headroom, beside ``loading_bytes`` for the LOADs still
+        running), or none is left. Returns its artifacts' size."""
+        model_bytes = artifact_bytes(Path(spec.model_dir))
+        needed = model_bytes + loading_bytes + self.config.memory_headroom_mb * MIB
         while available_bytes()[0] < needed and self._evict_oldest("a LOAD needs the memory"):
             pass
+        return model_bytes
 
     def _shared_key(self, model_dir: Path) -> Key | None:
         if self.config.model_cache_mb == 0 or self.config.submit_directory:
@@ -138,10 +144,12 @@ class PackageCache:
         key = next((key for key, entry in self.entries.items() if not entry.users), None)
         if key is None:
             return False
-        entry = self.entries.pop(key)
-        self.release_package(entry.package)
-        logger.info("model cache released %s: %s", key[0], why)
+        self._evict(key, why)
         return True
+
+    def _evict(self, key: Key, why: str) -> None:
+        self.release_package(self.entries.pop(key).package)
+        logger.info("model cache released %s: %s", key[0], why)
 
 
 def _own_key(name: str, model_dir: Path, config: Config) -> Key:

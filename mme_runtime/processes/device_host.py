@@ -58,6 +58,7 @@ class DeviceHost:
         self.board = board
         self.ordinal: int | None = None
         self.models: dict[str, HostedModel] = {}
+        self.unloading: dict[str, threading.Thread] = {}  # UNLOADs still letting go of their models, by name
         self._control_lock = threading.Lock()
         self._unpacked: weakref.WeakValueDictionary[tuple[int, int, int], Any] = weakref.WeakValueDictionary()
         self.shared: DeviceTensors | None = None  # on a GPU, with MME_SHARE_WEIGHTS
@@ -87,6 +88,7 @@ class DeviceHost:
             spec = ModelSpec(**message["spec"])
             series = metrics.start_hosted(self.config, name, restart=bool(message.get("restart")))
             model = self.models[name] = HostedModel(spec, int(message["slot"]), series, started=message["started"])
+            model.after = self.unloading.pop(name, None)  # the same name's UNLOAD, maybe still letting go
             package = None if message.get("package") is None else Package.from_layout(fds, message["package"])
             if package is not None:  # blobs in other models' files: held for them first, counted there
                 model.borrowed_host_bytes = sum(blob.nbytes for blob in package.blobs if blob.segment)
@@ -106,7 +108,10 @@ class DeviceHost:
             if leaving is not None:
                 # Its series go now, before a LOAD of the same name (the next message, maybe) makes their directory.
                 metrics.stop_hosted(self.config, leaving.series)
-                threading.Thread(target=self._unload, args=(leaving,), name=f"unload-{name}", daemon=True).start()
+                unloading = threading.Thread(target=self._unload, args=(leaving,), name=f"unload-{name}", daemon=True)
+                self.unloading = {key: thread for key, thread in self.unloading.items() if thread.is_alive()}
+                self.unloading[name] = unloading
+                unloading.start()
 
     def _load(
         self, model: HostedModel, package: Package | None, fds: list[int], batch_size: int, restart: bool
@@ -114,6 +119,8 @@ class DeviceHost:
         """The model's handler here: the packed model adopted (or ``model_fn`` run here when there is no package),
         placed on this host's device and warmed up; then the connections that waited for it are served."""
         spec = model.spec
+        if model.after is not None:  # what the old model holds under this name goes before the new one takes it
+            model.after.join(self.config.response_timeout_seconds)
         metrics.bind(model.series)
         self.board.work_for(model.slot)
         if restart:
@@ -128,7 +135,7 @@ class DeviceHost:
                     context, lambda: self._unpack(model, package), made_with_code=package.code
                 )
                 if package is not None and not adopted:  # its code changed: model_fn ran here instead
-                    model.borrowed_host_bytes = 0
+                    model.borrowed_host_bytes, model.package_unused = 0, True
                 handler.attach(context)
             if self.shared is not None:
                 handler.transformer.after_forward = lambda: self.shared.check_writes(spec.name)
@@ -148,7 +155,7 @@ class DeviceHost:
         # What loading freed back to the system: after its first large free glibc raises its mmap threshold, and the
         # temporary buffers of every later load would stay as free heap (about 3x the model) until an UNLOAD.
         release_memory(None)
-        self._report({"model": spec.name, "loaded": model.loaded is not None})
+        self._report({"model": spec.name, "loaded": model.loaded is not None, "package_unused": model.package_unused})
         with model.lock:
             waiting, model.waiting = model.waiting, []
         for connection, assignment in waiting:

@@ -39,6 +39,8 @@ class HostedModel:
     borrowed_device_bytes: int = 0  # the same on its GPU
     borrows_all: bool = False  # it took the very model another one here unpacked (one package: all of it theirs)
     started: float = 0.0  # when its LOAD began (wall clock, the warm process's): its load time is counted from it
+    after: threading.Thread | None = None  # the UNLOAD of a model of the same name, to end before this one loads
+    package_unused: bool = False  # its package was made with other code: model_fn ran here
 
 
 def model_handler(

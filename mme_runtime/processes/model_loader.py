@@ -90,9 +90,15 @@ def _load(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
             logger.info(
                 "model=%s loaded seconds=%.2f (TorchScript, packed as it is)", spec.name, time.monotonic() - started
             )
-            return {"package": package.layout}, [package.fd]
+            own_code = Path(spec.model_dir) / "code"  # what the host finds (a requirements.txt, say): the same
+            return {"package": {**package.layout, "code": str(own_code) if own_code.is_dir() else None}}, [package.fd]
         loaded = load_model(spec, batch_size=1, phase="preload")
     except LoadFailure as failure:
+        if devices.cuda_initialized():  # on whichever card it took here (all are visible): the host has its own
+            return {
+                "host_loads": f"model_fn initialised CUDA and failed here ({failure.message}): it runs in the "
+                "device host, on the host's GPU"
+            }, []
         return _failure(failure), []
     if devices.cuda_initialized():
         return {"host_loads": "model_fn initialised CUDA: it runs in the device host, on the host's GPU"}, []

@@ -44,6 +44,7 @@ class SharedModel:
     load_recorded: bool = False
     oom_kills: dict[str, int] = field(default_factory=dict)  # the kernel's OOM kill counts as its loader started
     loader_silent: bool = False  # its loader died before it reported
+    artifact_bytes: int = 0  # its files' size: what its loader's memory check counts
 
     def load_message(self, batch_size: int) -> dict[str, Any]:
         """The model as a host takes it (its package's descriptors go beside), before its first connection there."""

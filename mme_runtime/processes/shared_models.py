@@ -105,8 +105,7 @@ class SharedModels:
     def add(self, spec: ModelSpec, request: dict[str, Any], stub: socket.socket, stdio: list[int]) -> None:
         """Binds the model's socket, tells the frontend it may connect, and starts the model's loader (unless the
         same artifacts are loaded under another name already: then the model takes their package)."""
-        existing = self.models.get(spec.name)
-        if existing is not None:  # unloaded, and loaded again before this loop saw its stub go
+        if (existing := self.models.get(spec.name)) is not None:  # unloaded, and loaded again before its stub went
             self._unload(existing)
         if len(self.models) >= SLOTS:
             raise RuntimeError(f"{SLOTS} shared models are loaded already")
@@ -121,7 +120,8 @@ class SharedModels:
             if model.package is not None:
                 self._ready(model)
                 return
-            self.cache.make_room(spec)  # packages kept since their UNLOAD give way to what its loader will need
+            loading = sum(other.artifact_bytes for other in self.models.values() if other.loader is not None)
+            model.artifact_bytes = self.cache.make_room(spec, loading)  # kept packages give way to what loaders need
         model.oom_kills = failures.oom_kills()  # should it die: whether the kernel's out-of-memory killer did it
         model.loader, model.result = start_loader(spec, request, stdio, self.close_in_children())
         model.result.settimeout(RESULT_SECONDS)  # a loader's child could hold the socket open after the loader died
@@ -228,6 +228,8 @@ class SharedModels:
         if model is not None and not model.load_recorded:
             metrics.record_load(bool(message.get("loaded")), time.time() - model.started)
             model.load_recorded = True
+        if model is not None and message.get("package_unused"):  # made with code the model no longer has
+            self._release_package(model, keep=False)  # other hosts run its model_fn too
 
     def _host_died(self, crash: Crash) -> None:
         """Names the model whose code killed the host and counts the crash against it (a second one moves it to
@@ -269,12 +271,17 @@ class SharedModels:
                 del self.isolated[pid]  # its exit (reaped later) concerns no model of that name any more
                 kill(pid)
         self._leave_hosts(model)
-        if model.package is not None and model.cache_key is not None:
-            self.cache.release(model.cache_key, name)  # kept for a re-LOAD while it fits
-        elif model.package is not None:
-            self.store.release(model.package)
+        self._release_package(model, keep=True)
         model.close()
         logger.info("model=%s unloaded", name)
+
+    def _release_package(self, model: SharedModel, keep: bool) -> None:
+        """The model lets go of its package: kept for a re-LOAD if it has a key, ``keep`` and it fits; else freed."""
+        if model.package is not None and model.cache_key is not None:
+            self.cache.release(model.cache_key, model.spec.name, keep)
+        elif model.package is not None:
+            self.store.release(model.package)
+        model.package, model.cache_key = None, None
 
     def _leave_hosts(self, model: SharedModel) -> None:
         """Every host that has the model lets it go."""

@@ -381,6 +381,35 @@ def test_model_fn_that_initialises_cuda_runs_in_the_host(server: RunningServer) 
     assert server.unload("cuda_in_loader").status_code == 200
 
 
+CUDA_OOM_IN_LOADER = """
+import os
+
+import torch
+import mme_runtime.base.devices
+
+
+def model_fn(model_dir):
+    mme_runtime.base.devices.cuda_initialized = lambda: True  # test double of a .to("cuda") that ran
+    tried = os.path.join(model_dir, os.pardir, "cuda_oom_tried")
+    if not os.path.exists(tried):  # the first call, the loader's: its card (any of them) is full
+        open(tried, "w").close()
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    return torch.jit.load(os.path.join(model_dir, "model.pt"), map_location="cpu")
+"""
+
+
+def test_a_model_fn_that_fails_on_a_gpu_in_the_loader_runs_again_in_the_device_host(server: RunningServer) -> None:
+    """The loader sees every card and took one that was full; the host, on its own card, runs model_fn again."""
+    model_dir = model_factory.torchscript_model(server.model_dir("cuda_oom_in_loader"))
+    model_factory.write_code(model_dir, CUDA_OOM_IN_LOADER)
+    assert server.load("cuda_oom_in_loader").status_code == 200
+    assert server.invoke("cuda_oom_in_loader", json.dumps(ROWS)).status_code == 200
+    assert "model=cuda_oom_in_loader model_fn runs in the device host: model_fn initialised CUDA and failed here (" in (
+        server.log_text()
+    )
+    assert server.unload("cuda_oom_in_loader").status_code == 200
+
+
 def test_a_model_fn_with_threads_of_its_own_is_loaded_once(server: RunningServer) -> None:
     """What makes an isolated server fall back (model_fn left an OpenMP pool before fork) costs a host nothing:
     hosts are forked from the warm process, never from the process that ran model_fn."""

@@ -147,6 +147,22 @@ def test_a_kept_package_made_with_older_code_from_s3_is_not_used(tmp_path: Path)
                 str(model_factory.code_archive(tmp_path / "v2.tar.gz", "v2")), "code", "mme/code.tar.gz"
             )
             assert reload_version() == "v2"
-            assert wait_until(
-                lambda: "its package's was" in server.log_text() and "model_fn runs here" in server.log_text(), 5
-            )
+            assert "its package's was" in server.log_text() and "model_fn runs here" in server.log_text()
+            # The stale package was dropped, not kept: the next re-LOAD runs the loader with v2, then keeps that.
+            assert [reload_version(), reload_version()] == ["v2", "v2"]
+            log = server.log_text()
+            assert log.count("model_fn runs here") == 1 and log.count("model=m packed seconds=") == 2
+
+
+def test_a_torchscript_model_with_a_code_directory_but_no_script_is_loaded_once(tmp_path: Path) -> None:
+    """A code/ with only a requirements.txt: the host finds it as the loader did, and takes the package."""
+    with start_server(tmp_path) as server:
+        model_dir = model_factory.torchscript_model(server.model_dir("ts"))
+        (model_dir / "code").mkdir()
+        (model_dir / "code" / "requirements.txt").write_text("torch\n")
+        for _ in range(2):
+            assert server.load("ts", model_dir).status_code == 200
+            assert server.invoke("ts", ROWS).status_code == 200
+            assert server.unload("ts").status_code == 200
+        log = server.log_text()
+        assert "model_fn runs here" not in log and "model=ts takes its package, kept since its UNLOAD" in log
