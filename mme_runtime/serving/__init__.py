@@ -7,6 +7,7 @@ with no code swaps the contract's defaults for ``hf_defaults``: ``hf_requests`` 
 request and answer), ``hf_tasks`` (a batch through the task's pipeline), ``hf_padding`` (rows grouped by length,
 padded and cut back) and ``hf_question_answering``; its generative tasks go through ``hf_generation`` (requests into
 rows and answers, with ``hf_generation_tasks``), ``hf_scheduler`` (rows join and leave between steps),
-``hf_decoding`` (one step of every row, their caches padded together) and ``hf_rows`` (how a row picks its token).
+``hf_decoding`` (one step of every row, their caches padded together, kept by ``hf_kv_cache``) and ``hf_rows`` (how a
+row picks its token).
 It may import: ``base``, ``operations``, ``models``.
 """

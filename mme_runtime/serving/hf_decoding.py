@@ -1,12 +1,14 @@
 """The rows of a batched generation, decoded one token per step with one KV cache: rows join between steps (their
-prompts prefilled together, their caches padded into the batch's) and leave when done (their cache rows dropped).
+prompts prefilled together, each then taking the place a finished row left, or added to the batch) and leave when
+done (their place kept for the next row to join, the batch compacted once half of it is empty).
 
 Each row's decoder tokens sit at the right of the batch's self-attention cache (padded on the left, the attention
-mask hiding the padding) and its encoder's outputs at the left of the cross-attention cache (padded on the right).
-Each row keeps its own positions: decoder-only models take ``position_ids``; an encoder-decoder whose decoder adds
-absolute position embeddings (BART, Marian) gets each row's own through a hook on that module; T5's relative
-positions need nothing. A row alone is prefilled and decoded with the arguments ``generate`` passes, so a lone
-client's tokens are ``generate``'s; each row picks its tokens as ``generate`` would for it alone (``hf_rows.py``).
+mask hiding the padding) and its encoder's outputs at the left of the cross-attention cache (padded on the right);
+``hf_kv_cache.py`` keeps them so that a step copies nothing. Each row keeps its own positions: decoder-only models
+take ``position_ids``; an encoder-decoder whose decoder adds absolute position embeddings (BART, Marian) gets each
+row's own through a hook on that module; T5's relative positions need nothing. A row alone is prefilled and decoded
+with the arguments ``generate`` passes, so a lone client's tokens are ``generate``'s; each row picks its tokens as
+``generate`` would for it alone (``hf_rows.py``).
 """
 
 from __future__ import annotations
@@ -16,11 +18,16 @@ from typing import Any
 
 import torch
 
+from mme_runtime.serving import hf_kv_cache
 from mme_runtime.serving.hf_rows import Row, pick_tokens, record
+
+# Leading columns no row attends to any more are cut off once there are this many (a copy of the cache).
+TRIM_COLUMNS = 32
 
 
 class DecodingBatch:
-    """The rows being decoded together on one model, and their caches. Not thread-safe: one scheduler thread owns it."""
+    """The rows being decoded together on one model, and their caches. Not thread-safe: one scheduler thread owns it.
+    ``rows`` has one entry per row of the caches: a ``Row``, or None for a place a finished row left."""
 
     def __init__(self, model: Any) -> None:
         from transformers import DynamicCache, EncoderDecoderCache
@@ -31,7 +38,6 @@ class DecodingBatch:
         self.device = next(model.parameters()).device
         parameters = set(inspect.signature(model.forward).parameters)
         self._keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
-        self.rows: list[Row] = []
         self._positions_module = _absolute_positions(model) if self.encoder_decoder else None
         self._override: torch.Tensor | None = None
         if self._positions_module is not None:
@@ -41,10 +47,14 @@ class DecodingBatch:
         self._reset()
 
     def _reset(self) -> None:
-        self.rows = []
+        self.rows: list[Row | None] = []
         self.cache: Any = None
-        self.mask = self.positions = self.next = torch.empty(0)
+        self.mask = self.positions = self.next = self.alive = torch.empty(0)
         self.encoded = self.encoder_mask = torch.empty(0)
+
+    @property
+    def live(self) -> list[Row]:
+        return [row for row in self.rows if row is not None]
 
     def close(self) -> None:
         if self._positions_module is not None:
@@ -53,13 +63,13 @@ class DecodingBatch:
 
     def fail_all(self) -> list[Row]:
         """Drops every row (a step failed): their caches go; the caller answers them."""
-        rows = self.rows
+        rows = self.live
         self._reset()
         return rows
 
     def consistent(self) -> bool:
         """Whether every row has its cache row (a failed merge may leave them apart)."""
-        return not self.rows or self.mask.shape[0] == self.next.shape[0] == len(self.rows)
+        return not self.rows or self.mask.shape[0] == self.next.shape[0] == self.alive.shape[0] == len(self.rows)
 
     def admit(self, rows: list[Row]) -> None:
         """Prefills ``rows`` together and adds them to the batch, each with its first token picked."""
@@ -68,11 +78,64 @@ class DecodingBatch:
         else:
             outputs, mask, positions = self._prefill_decoder(rows)
             encoded = encoder_mask = torch.empty(0)
-        tokens = pick_tokens(rows, outputs.logits[:, -1].to(copy=True, dtype=torch.float32), self.device)
-        if not all(type(layer).__name__ == "DynamicLayer" for layer in _layers(outputs.past_key_values)):
+        tokens = pick_tokens(list(rows), outputs.logits[:, -1].to(copy=True, dtype=torch.float32), self.device)
+        cache = outputs.past_key_values
+        if not hf_kv_cache.all_plain(cache):
             self.joinable = False  # sliding windows or linear attention: padding caches together is not safe
-        self._merge(rows, outputs.past_key_values, mask, positions, tokens, encoded, encoder_mask)
-        record(rows, tokens)
+        if not self.rows:
+            hf_kv_cache.regrow(cache)
+            self.rows, self.cache, self.mask, self.positions, self.next = list(rows), cache, mask, positions, tokens
+            self.alive = torch.ones(len(rows), dtype=torch.bool, device=self.device)
+            self.encoded, self.encoder_mask = encoded, encoder_mask
+        else:
+            self._place(rows, cache, mask, positions, tokens, encoded, encoder_mask)
+        record(list(rows), tokens)
+
+    def _place(
+        self,
+        rows: list[Row],
+        cache: Any,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        tokens: torch.Tensor,
+        encoded: torch.Tensor,
+        encoder_mask: torch.Tensor,
+    ) -> None:
+        """Each joining row takes the place of a finished one where its tokens fit (written in place); the others
+        are added to the batch (the caches padded to a common length and copied once)."""
+        holes = [index for index, row in enumerate(self.rows) if row is None]
+        length, added = self.mask.shape[1], []
+        for index, row in enumerate(rows):
+            tokens_in = int(mask[index].sum())
+            source = int(encoder_mask[index].sum()) if self.encoder_decoder else 0
+            if not holes or tokens_in > length or (self.encoder_decoder and source > self.encoded.shape[1]):
+                added.append(index)
+                continue
+            slot = holes.pop(0)
+            hf_kv_cache.write_row(self.cache, slot, cache, index, tokens_in, length, source)
+            self.mask[slot] = 0
+            self.mask[slot, length - tokens_in :] = 1
+            self.positions[slot], self.next[slot], self.alive[slot] = positions[index], tokens[index], True
+            if self.encoder_decoder:
+                self.encoded[slot, :source] = encoded[index, :source]
+                self.encoder_mask[slot] = 0
+                self.encoder_mask[slot, :source] = 1
+            self.rows[slot] = row
+        if not added:
+            return
+        picked = torch.tensor(added, device=self.device)
+        length = max(length, mask.shape[1])
+        source = max(self.encoded.shape[1], encoded.shape[1]) if self.encoder_decoder else 0
+        hf_kv_cache.join(self.cache, cache, picked, length, source)
+        pad = hf_kv_cache.pad
+        self.mask = torch.cat([pad(self.mask, length, 1, left=True), pad(mask[picked], length, 1, left=True)])
+        if self.encoder_decoder:
+            self.encoded = torch.cat([pad(self.encoded, source, 1), pad(encoded[picked], source, 1)])
+            self.encoder_mask = torch.cat([pad(self.encoder_mask, source, 1), pad(encoder_mask[picked], source, 1)])
+        self.positions = torch.cat([self.positions, positions[picked]])
+        self.next = torch.cat([self.next, tokens[picked]])
+        self.alive = torch.cat([self.alive, torch.ones(len(added), dtype=torch.bool, device=self.device)])
+        self.rows += [rows[i] for i in added]
 
     def _prefill_decoder(self, rows: list[Row]) -> tuple[Any, torch.Tensor, torch.Tensor]:
         lengths = [len(row.prompt) for row in rows]
@@ -119,39 +182,8 @@ class DecodingBatch:
         ones = torch.ones(len(rows), 1, dtype=torch.long, device=self.device)
         return outputs, ones, ones[:, 0].clone(), encoded.last_hidden_state, encoder_mask
 
-    def _merge(
-        self,
-        rows: list[Row],
-        cache: Any,
-        mask: torch.Tensor,
-        positions: torch.Tensor,
-        tokens: torch.Tensor,
-        encoded: torch.Tensor,
-        encoder_mask: torch.Tensor,
-    ) -> None:
-        if not self.rows:
-            self.rows, self.cache, self.mask, self.positions, self.next = list(rows), cache, mask, positions, tokens
-            self.encoded, self.encoder_mask = encoded, encoder_mask
-            return
-        length = max(self.mask.shape[1], mask.shape[1])
-        for old, new in zip(_layers(self._self_cache(self.cache)), _layers(self._self_cache(cache)), strict=True):
-            old.keys = torch.cat([_pad(old.keys, length, 2, left=True), _pad(new.keys, length, 2, left=True)])
-            old.values = torch.cat([_pad(old.values, length, 2, left=True), _pad(new.values, length, 2, left=True)])
-        self.mask = torch.cat([_pad(self.mask, length, 1, left=True), _pad(mask, length, 1, left=True)])
-        if self.encoder_decoder:
-            source = max(self.encoded.shape[1], encoded.shape[1])
-            crossed = zip(_layers(self.cache.cross_attention_cache), _layers(cache.cross_attention_cache), strict=True)
-            for old, new in crossed:
-                old.keys = torch.cat([_pad(old.keys, source, 2), _pad(new.keys, source, 2)])
-                old.values = torch.cat([_pad(old.values, source, 2), _pad(new.values, source, 2)])
-            self.encoded = torch.cat([_pad(self.encoded, source, 1), _pad(encoded, source, 1)])
-            self.encoder_mask = torch.cat([_pad(self.encoder_mask, source, 1), _pad(encoder_mask, source, 1)])
-        self.positions = torch.cat([self.positions, positions])
-        self.next = torch.cat([self.next, tokens])
-        self.rows += rows
-
     def step(self) -> None:
-        """One token for every row."""
+        """One token for every row (a place left empty decodes too, its token unread)."""
         count = len(self.rows)
         mask = torch.cat([self.mask, torch.ones(count, 1, dtype=self.mask.dtype, device=self.device)], dim=1)
         padded = bool((mask == 0).any())
@@ -184,38 +216,42 @@ class DecodingBatch:
                 **self._keep,
             )
         self.cache = outputs.past_key_values
-        self.mask, self.positions = mask, self.positions + 1
+        self.mask = mask
+        # An empty place stays at position 0, so that it never runs past the model's positions.
+        self.positions = torch.where(self.alive, self.positions + 1, 0)
         self.next = pick_tokens(self.rows, outputs.logits[:, -1].to(copy=True, dtype=torch.float32), self.device)
         record(self.rows, self.next)
 
     def drop(self, leaving: list[Row]) -> None:
-        """Takes ``leaving`` out of the batch, and the padding no row needs any more."""
+        """Takes ``leaving`` out of the batch: their places stay for rows that join, until half the batch is empty
+        (then it is compacted); columns no row attends to any more are cut off once there are ``TRIM_COLUMNS``."""
         gone = {id(row) for row in leaving}
-        keep = [index for index, row in enumerate(self.rows) if id(row) not in gone]
-        if len(keep) == len(self.rows):
-            return
-        if not keep:
+        for index, row in enumerate(self.rows):
+            if row is not None and id(row) in gone:
+                self.rows[index] = None
+                self.mask[index] = 0  # from now on it attends only to what it decodes itself
+                self.alive[index] = False
+                if self.encoder_decoder:
+                    self.encoder_mask[index] = 0
+                    self.encoder_mask[index, 0] = 1
+        live = [index for index, row in enumerate(self.rows) if row is not None]
+        if not live:
             self._reset()
             return
-        index = torch.tensor(keep, device=self.device)
-        self.cache.batch_select_indices(index)
-        self.rows = [self.rows[i] for i in keep]
-        self.mask, self.positions, self.next = self.mask[index], self.positions[index], self.next[index]
-        first = int(torch.nonzero(self.mask.sum(0))[0])
-        if first:
-            self.mask = self.mask[:, first:]
-            for layer in _layers(self._self_cache(self.cache)):
-                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+        attended = torch.nonzero(self.mask[self.alive].sum(0))
+        first = int(attended[0]) if len(attended) else 0
+        compact = 2 * len(live) <= len(self.rows)
+        if not compact and first < TRIM_COLUMNS:
+            return
+        kept = torch.tensor(live if compact else range(len(self.rows)), device=self.device)
+        end = None
         if self.encoder_decoder:
-            self.encoded, self.encoder_mask = self.encoded[index], self.encoder_mask[index]
-            end = int(torch.nonzero(self.encoder_mask.sum(0))[-1]) + 1
-            if end < self.encoder_mask.shape[1]:
-                self.encoded, self.encoder_mask = self.encoded[:, :end], self.encoder_mask[:, :end]
-                for layer in _layers(self.cache.cross_attention_cache):
-                    layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
-
-    def _self_cache(self, cache: Any) -> Any:
-        return cache.self_attention_cache if self.encoder_decoder else cache
+            end = int(torch.nonzero(self.encoder_mask[kept].sum(0))[-1]) + 1
+            self.encoded, self.encoder_mask = self.encoded[kept, :end], self.encoder_mask[kept, :end]
+        hf_kv_cache.select(self.cache, kept, first, end)
+        self.rows = [self.rows[i] for i in kept.tolist()]
+        self.mask, self.positions = self.mask[kept, first:], self.positions[kept]
+        self.next, self.alive = self.next[kept], self.alive[kept]
 
     def _own_positions(self, module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         """Each row's own decoder position embedding, where the module would give all rows the cache's length."""
@@ -223,22 +259,6 @@ class DecodingBatch:
             return output
         assert isinstance(module, torch.nn.Embedding)
         return torch.nn.Embedding.forward(module, self._override + int(getattr(module, "offset", 0)))
-
-
-def _layers(cache: Any) -> list[Any]:
-    if hasattr(cache, "self_attention_cache"):
-        return [*cache.self_attention_cache.layers, *cache.cross_attention_cache.layers]
-    return list(cache.layers)
-
-
-def _pad(tensor: torch.Tensor, length: int, dim: int, left: bool = False) -> torch.Tensor:
-    missing = length - tensor.shape[dim]
-    if missing == 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    zeros = tensor.new_zeros(shape)
-    return torch.cat([zeros, tensor] if left else [tensor, zeros], dim=dim)
 
 
 def _absolute_positions(model: Any) -> torch.nn.Embedding | None:

@@ -5,7 +5,7 @@ that row alone, its own logits processors over its own tokens, then argmax, or a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +34,10 @@ class Row:
     error: BaseException | None = None
 
 
-def pick_tokens(rows: list[Row], logits: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Each row's next token from its logits, as ``generate`` picks it for that row alone."""
+def pick_tokens(rows: Sequence[Row | None], logits: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Each row's next token from its logits, as ``generate`` picks it for that row alone (an empty place: argmax)."""
     tokens: list[torch.Tensor | None] = [None] * len(rows)
-    plain = [i for i, row in enumerate(rows) if row.processors is None and not row.do_sample]
+    plain = [i for i, row in enumerate(rows) if row is None or (row.processors is None and not row.do_sample)]
     if len(plain) == len(rows):
         return torch.argmax(logits, dim=-1)
     if plain:
@@ -45,7 +45,7 @@ def pick_tokens(rows: list[Row], logits: torch.Tensor, device: torch.device) -> 
         for position, index in enumerate(plain):
             tokens[index] = chosen[position : position + 1]
     for index, row in enumerate(rows):
-        if tokens[index] is not None:
+        if row is None or tokens[index] is not None:
             continue
         scores = logits[index : index + 1]
         if row.processors is not None:
@@ -58,8 +58,11 @@ def pick_tokens(rows: list[Row], logits: torch.Tensor, device: torch.device) -> 
     return torch.cat([token for token in tokens if token is not None])
 
 
-def record(rows: list[Row], tokens: torch.Tensor) -> None:
+def record(rows: Sequence[Row | None], tokens: torch.Tensor) -> None:
+    """Each row's new token, and whether it ended the row (its end token, or ``max_new_tokens``)."""
     for row, token in zip(rows, tokens.tolist(), strict=True):
+        if row is None:
+            continue
         row.tokens.append(token)
         row.generated += 1
         if token in row.eos:

@@ -4,7 +4,8 @@ generation never holds a short one back and a lone client pays no wait.
 
 Callers' threads ``submit`` their rows and wait. A row leaves when it ends (its end token, ``max_new_tokens``, a stop
 sequence) or at its deadline, with what it has. A step that fails fails the rows in it, never the next ones; one
-that runs out of memory fails with the error that answers 507. Each step is recorded as a forward pass of its rows.
+that runs out of memory fails with the error that answers 507. A fault of the loop itself fails every row, and the
+rows submitted after it, with its cause: no caller waits forever. Each step is recorded as a forward pass of its rows.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Scheduler:
         self._events: dict[int, threading.Event] = {}
         self._ready = threading.Condition()
         self._closed = False
+        self._failure: BaseException = ModelUnloaded("the model was unloaded")  # what a row submitted too late gets
         self._series = metrics.current()  # a device host's threads each record for their own model
         self.thread = threading.Thread(target=self._run_forever, name=f"generation-{name}", daemon=True)
         self.thread.start()
@@ -46,7 +48,7 @@ class Scheduler:
         done = [threading.Event() for _ in rows]
         with self._ready:
             if self._closed:
-                raise ModelUnloaded("the model was unloaded")
+                raise self._failure
             now = time.monotonic()
             for row, event in zip(rows, done, strict=True):
                 row.joined_at = now
@@ -66,29 +68,40 @@ class Scheduler:
 
     def _run_forever(self) -> None:
         metrics.bind(self._series)
-        with torch.inference_mode():
-            while (joining := self._next_rows()) is not None:
-                started = time.monotonic()
-                waits = [started - row.joined_at for row in joining]
-                if joining:
-                    self._admit(joining)
-                if self.batch.rows:
-                    decoding = list(self.batch.rows)
-                    try:
-                        self.batch.step()
-                    except Exception as exc:  # noqa: BLE001 - the rows of this step answer with it
-                        self._fail(self.batch.fail_all(), exc)
-                    self._finish(decoding)
-                    waits += [0.0] * (len(decoding) - len(waits))
-                if waits:
-                    metrics.record_pass(waits, time.monotonic() - started, self.max_rows)
-        for row in self.batch.fail_all():
-            self._done(row, ModelUnloaded("the model was unloaded"))
+        error: BaseException = ModelUnloaded("the model was unloaded")
+        try:
+            with torch.inference_mode():
+                while (joining := self._next_rows()) is not None:
+                    self._iterate(joining)
+        except Exception as exc:  # noqa: BLE001 - a fault of the loop itself: its callers must not wait forever
+            logger.exception("the generation scheduler stopped")
+            error = RuntimeError(f"the generation scheduler stopped: {exc}")
         with self._ready:
+            self._closed, self._failure = True, error
             waiting, self._waiting = list(self._waiting), deque()
-        for row in waiting:
-            self._done(row, ModelUnloaded("the model was unloaded"))
-        self.batch.close()
+        try:
+            waiting += self.batch.fail_all()
+            self.batch.close()
+        finally:
+            for row in waiting:
+                self._done(row, error)
+
+    def _iterate(self, joining: list[Row]) -> None:
+        """The joining rows prefilled, then one step of the batch; recorded as one pass of the rows in it."""
+        started = time.monotonic()
+        waits = [started - row.joined_at for row in joining]
+        if joining:
+            self._admit(joining)
+        if self.batch.rows:
+            decoding = self.batch.live
+            try:
+                self.batch.step()
+            except Exception as exc:  # noqa: BLE001 - the rows of this step answer with it
+                self._fail(self.batch.fail_all(), exc)
+            self._finish(decoding)
+            waits += [0.0] * (len(decoding) - len(waits))
+        if waits:
+            metrics.record_pass(waits, time.monotonic() - started, self.max_rows)
 
     def _next_rows(self) -> list[Row] | None:
         """The rows that join before the next step (maybe none), or None once closed."""
@@ -99,7 +112,7 @@ class Scheduler:
                 return None
             if self.batch.rows and not self.batch.joinable:
                 return []  # this model's rows cannot join a running batch: they wait for it to empty
-            room = self.max_rows - len(self.batch.rows)
+            room = self.max_rows - len(self.batch.live)
             return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
 
     def _admit(self, rows: list[Row]) -> None:

@@ -24,6 +24,10 @@ class CountingBatch:
         self.step_seconds = step_seconds
         self.closed = False
 
+    @property
+    def live(self) -> list[Row]:
+        return list(self.rows)
+
     def admit(self, rows: list[Row]) -> None:
         if any(row.prompt == [-1] for row in rows):
             raise ValueError("this prompt cannot be prefilled")
@@ -196,3 +200,18 @@ def test_each_step_is_recorded_as_a_pass_of_its_rows(monkeypatch: pytest.MonkeyP
     finally:
         scheduler.close()
     assert passes and passes[0] == (2, 4)
+
+
+def test_a_fault_of_the_loop_itself_fails_every_row_and_the_next_ones_instead_of_hanging() -> None:
+    class Broken(CountingBatch):
+        @property
+        def live(self) -> list[Row]:
+            raise AttributeError("a bug")
+
+    scheduler = Scheduler(Broken(), max_rows=8, name="test")  # type: ignore[arg-type]
+    rows = [Row([1], 5), Row([1], 5)]
+    scheduler.submit(rows)
+    assert all(isinstance(row.error, RuntimeError) and "a bug" in str(row.error) for row in rows)
+    with pytest.raises(RuntimeError, match="scheduler stopped"):
+        scheduler.submit([Row([1], 1)])
+    scheduler.close()
