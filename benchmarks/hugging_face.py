@@ -197,7 +197,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--no-aws", action="store_true", help="leave the AWS stack out (nothing to install)")
     parser.add_argument("--part", choices=("all", "classifier", "generation"), default="all")
     parser.add_argument("--gen-requests", type=int, default=160, help="generations of the many-clients round, in all")
-    parser.add_argument("--gen-lone", type=int, default=40, help="generations of the one-client round")
+    parser.add_argument("--gen-lone", type=int, default=60, help="generations of the one-client round")
     return parser.parse_args(argv)
 
 

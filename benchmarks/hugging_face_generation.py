@@ -10,10 +10,12 @@ words, 16 to 96 new tokens, greedy (``"do_sample": false, "num_beams": 1``, whic
 Ours serves each model with ``batch_size`` = ``--clients`` in its serving.properties (that many rows per step, and
 frontend connections); the AWS stack serves one task per container (``HF_TASK``), so it is started once per model.
 
-Measured per stack and model: LOAD until the first answer; one client's p50 and p99 over ``--gen-lone`` requests on
-one kept-alive connection; ``--clients`` clients sending ``--gen-requests`` requests in all, each on its own
-connection (req/s); and how many of the lone client's answers both stacks gave alike (the same greedy text from
-transformers 5.23 here and 4.57.6 there). Timings are never asserted; compare ratios within one run.
+Measured per stack and model, both stacks running and taking turns (a machine busier at one moment weighs on both
+alike): LOAD until the first answer; one client's p50 and p99 over ``--gen-lone`` requests on one kept-alive
+connection, the stacks answering each request in turn; ``--clients`` clients sending ``--gen-requests`` requests
+in all, each on its own connection, in 4 rounds taking turns (req/s, their mean); and how many of the lone client's
+answers both stacks gave alike (the same greedy text from transformers 5.23 here and 4.57.6 there). Timings are
+never asserted; compare ratios within one run.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ MODELS = {
 }
 LABELS = {"gpt2": "GPT-2 (text-generation)", "t5": "T5 (text2text-generation)"}
 WORKERS_SECONDS = 120
+ROUNDS = 4  # each stack's rounds of one client and of many, taking turns with the other's
 
 
 def progress(message: str) -> None:
@@ -77,25 +80,44 @@ def answers(server: Server, name: str, texts: list[bytes]) -> list[Any]:
     return found
 
 
-def measure(server: Server, name: str, path: Path, args: argparse.Namespace, ours: bool) -> dict[str, Any]:
-    from benchmarks.hugging_face import load_until_first_answer, lone_client, many_clients
+def measure(servers: dict[str, Server], name: str, paths: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
+    """Both stacks on one model taking turns, so that a machine busier at one moment weighs on both alike: the lone
+    client's requests one by one, then ``ROUNDS`` rounds of many clients each."""
+    from benchmarks.hugging_face import call, connect, load_until_first_answer, lone_client, many_clients
 
     texts = bodies(name, max(args.gen_requests, args.gen_lone))
-    progress(f"{name}: LOAD")
-    row: dict[str, Any] = {"load": load_until_first_answer(server, name, path, texts[0])}
-    lone_client(server, name, texts, 5)  # warm-up
-    progress(f"{name}: one client")
-    lone = lone_client(server, name, texts, args.gen_lone)
-    row["p50"], row["p99"] = percentile(lone, 50) * 1000, percentile(lone, 99) * 1000
-    row["answers"] = answers(server, name, texts[: args.gen_lone])
-    if ours:
-        deadline = time.monotonic() + WORKERS_SECONDS
-        while not workers_ready(server, name, args.clients) and time.monotonic() < deadline:
-            time.sleep(0.5)
-    progress(f"{name}: {args.clients} clients")
-    many_clients(server, name, texts, args.clients, args.clients)  # warm-up: every connection once
-    row["throughput"], row["failures"] = many_clients(server, name, texts, args.clients, args.gen_requests)
-    return row
+    rows: dict[str, dict[str, Any]] = {}
+    for stack, server in servers.items():
+        progress(f"{name}, {stack}: LOAD")
+        rows[stack] = {"load": load_until_first_answer(server, name, paths[stack], texts[0]), "lone": [], "rates": []}
+        lone_client(server, name, texts, 5)  # warm-up
+        rows[stack]["answers"] = answers(server, name, texts[: args.gen_lone])
+    deadline = time.monotonic() + WORKERS_SECONDS
+    while not workers_ready(servers["ours"], name, args.clients) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for server in servers.values():
+        many_clients(server, name, texts, args.clients, args.clients)  # warm-up: every connection once
+    connections = {stack: connect(server) for stack, server in servers.items()}
+    progress(f"{name}: one client, the stacks taking turns request by request")
+    for index in range(args.gen_lone):
+        order = list(servers) if index % 2 == 0 else list(reversed(servers))
+        for stack in order:
+            started = time.perf_counter()
+            status, _ = call(connections[stack], f"/models/{name}/invoke", texts[index])
+            rows[stack]["lone"].append(time.perf_counter() - started)
+            rows[stack]["failures"] = rows[stack].get("failures", 0) + (status != 200)
+    for turn in range(ROUNDS):
+        for stack, server in servers.items():
+            progress(f"{name}, {stack}: {args.clients} clients, round {turn + 1} of {ROUNDS}")
+            rate, failed = many_clients(
+                server, name, texts, args.clients, max(args.clients, args.gen_requests // ROUNDS)
+            )
+            rows[stack]["rates"].append(rate)
+            rows[stack]["failures"] += failed
+    for row in rows.values():
+        row["p50"], row["p99"] = percentile(row["lone"], 50) * 1000, percentile(row["lone"], 99) * 1000
+        row["throughput"] = sum(row["rates"]) / len(row["rates"])
+    return rows
 
 
 def run(args: argparse.Namespace, root: Path, with_aws: bool) -> str:
@@ -108,16 +130,17 @@ def run(args: argparse.Namespace, root: Path, with_aws: bool) -> str:
     with serve(command, env, root / "gen-ours", port) as ours:
         for name, (_, task, _) in MODELS.items():
             properties = {"serving.properties": f"task={task}\nbatch_size={args.clients}\n"}
-            model = link_model(sources[name], root / f"gen-ours-{name}", properties)
-            rows[("ours", name)] = measure(ours, name, model, args, ours=True)
-    if with_aws:
-        for name, (_, task, _) in MODELS.items():
+            paths = {"ours": link_model(sources[name], root / f"gen-ours-{name}", properties)}
+            if not with_aws:
+                rows[("ours", name)] = measure({"ours": ours}, name, paths, args)["ours"]
+                continue
             work = root / f"gen-aws-{name}"
             command, env, port, versions = stock_server(work, HF_VENV, {"HF_TASK": task}, HF_HANDLER, HF_PACKAGES)
             progress(f"AWS stack ({task}): {versions}")
             with serve_isolated("AWS HF", command, env, work, port) as aws:
-                model = link_model(sources[name], root / f"gen-aws-model-{name}")
-                rows[("AWS", name)] = measure(aws, name, model, args, ours=False)
+                paths["AWS"] = link_model(sources[name], root / f"gen-aws-model-{name}")
+                measured = measure({"ours": ours, "AWS": aws}, name, paths, args)
+            rows.update({(stack, name): row for stack, row in measured.items()})
     return report(rows, args)
 
 
