@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import signal
 import socket
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ class Executor:
     control: socket.socket  # the server's end: connections for this device are handed over on it
     ready: bool = False  # it loaded the model and served (it says so on the control socket)
     oom_kills: dict[str, int] = field(default_factory=failures.oom_kills)  # the kernel's count when it started
+    killed_by_us: bool = False  # retired: its SIGKILL was ours
 
     def served(self) -> bool:
         """Whether the executor has loaded its model: it writes ``READY`` once, even if it has ended since."""
@@ -102,6 +104,7 @@ class ExecutorPool:
         """Ends an executor that cannot take connections any more (it is dying, or stuck), and forgets it."""
         self._note_served(device, executor)
         if executor.process.exitcode is None:
+            executor.killed_by_us = True  # its SIGKILL is ours: not the kernel's out-of-memory killer's
             executor.process.kill()
         executor.process.join(CHILD_STOP_SECONDS)
         self.reap()
@@ -119,7 +122,9 @@ class ExecutorPool:
             del self.executors[device]
             executor.control.close()
             code = process.exitcode
-            cause = failures.exit_cause(code, executor.oom_kills)
+            ours = executor.killed_by_us and code == -signal.SIGKILL
+            cause = "killed by SIGKILL (ours: it could not take connections)" if ours else None
+            cause = cause or failures.exit_cause(code, executor.oom_kills)
             if code < 0:
                 logger.error("model=%s gpu=%s executor pid=%d %s", self.spec.name, device, process.pid, cause)
             else:
