@@ -23,6 +23,10 @@ from mme_runtime.serving.hf_rows import STOP, TIME, Row
 
 logger = logging.getLogger(__name__)
 
+# While at least half the batch runs, rows that arrive one by one wait up to GATHER_STEPS steps for GATHER_ROWS of
+# them to share one prefill pass (each pass costs a few milliseconds before its first token).
+GATHER_ROWS, GATHER_STEPS = 3, 2
+
 
 class ModelUnloaded(RuntimeError):
     """The model left (its UNLOAD) while the row waited or ran."""
@@ -38,6 +42,7 @@ class Scheduler:
         self._events: dict[int, threading.Event] = {}
         self._ready = threading.Condition()
         self._closed = False
+        self._held = 0  # steps the waiting rows have been held back to gather
         self._failure: BaseException = ModelUnloaded("the model was unloaded")  # what a row submitted too late gets
         self._series = metrics.current()  # a device host's threads each record for their own model
         self.thread = threading.Thread(target=self._run_forever, name=f"generation-{name}", daemon=True)
@@ -112,8 +117,14 @@ class Scheduler:
                 return None
             if self.batch.rows and not self.batch.joinable:
                 return []  # this model's rows cannot join a running batch: they wait for it to empty
-            room = self.max_rows - len(self.batch.live)
-            return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+            live = len(self.batch.live)
+            if self._waiting and 2 * live >= self.max_rows and len(self._waiting) < GATHER_ROWS:
+                # A busy batch: a lone arrival waits a step or two for others to share its prefill pass.
+                self._held += 1
+                if self._held <= GATHER_STEPS:
+                    return []
+            self._held = 0
+            return [self._waiting.popleft() for _ in range(min(self.max_rows - live, len(self._waiting)))]
 
     def _admit(self, rows: list[Row]) -> None:
         """Prefills the joining rows; if that fails they fail, and the running rows only if the batch was touched."""
