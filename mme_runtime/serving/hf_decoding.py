@@ -14,6 +14,7 @@ with the arguments ``generate`` passes, so a lone client's tokens are ``generate
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any
 
 import torch
@@ -39,7 +40,9 @@ class DecodingBatch:
         parameters = set(inspect.signature(model.forward).parameters)
         self._keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
         self._positions_module = _absolute_positions(model) if self.encoder_decoder else None
-        self._override: torch.Tensor | None = None
+        # Each row's positions while this thread runs a step: a generate alone on another thread (beam search)
+        # runs the same module meanwhile, and must get its own.
+        self._override = threading.local()
         if self._positions_module is not None:
             self._hook = self._positions_module.register_forward_hook(self._own_positions)
         # Rows may join a running batch only where each keeps its own positions; otherwise only an empty one.
@@ -191,7 +194,7 @@ class DecodingBatch:
         if self.encoder_decoder:
             from transformers.modeling_outputs import BaseModelOutput
 
-            self._override = self.positions.unsqueeze(1)
+            self._override.positions = self.positions.unsqueeze(1)
             try:
                 outputs = self.model(
                     encoder_outputs=BaseModelOutput(last_hidden_state=self.encoded),
@@ -204,7 +207,7 @@ class DecodingBatch:
                     **self._keep,
                 )
             finally:
-                self._override = None
+                self._override.positions = None
         else:
             outputs = self.model(
                 input_ids=inputs,
@@ -255,10 +258,11 @@ class DecodingBatch:
 
     def _own_positions(self, module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         """Each row's own decoder position embedding, where the module would give all rows the cache's length."""
-        if self._override is None:
+        positions = getattr(self._override, "positions", None)
+        if positions is None:
             return output
         assert isinstance(module, torch.nn.Embedding)
-        return torch.nn.Embedding.forward(module, self._override + int(getattr(module, "offset", 0)))
+        return torch.nn.Embedding.forward(module, positions + int(getattr(module, "offset", 0)))
 
 
 def _absolute_positions(model: Any) -> torch.nn.Embedding | None:

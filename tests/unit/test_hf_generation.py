@@ -193,3 +193,25 @@ def test_text_to_text_refuses_text_generations_parameters(directories: Path) -> 
             ask(generator, "the model", return_full_text=False)
     finally:
         generator.close()
+
+
+def test_beam_search_beside_batched_rows_of_a_model_with_absolute_positions(directories: Path) -> None:
+    """BART's decoder positions come per row from a hook while the batch steps; a beam search running generate
+    alone on another thread at the same time must get its own."""
+    generator = runner(directories["bart"], "text2text-generation")
+    texts = [hf_models.text_of_tokens(5 + seed, seed) for seed in range(8)]
+    parameters = [GREEDY if index % 2 else {"num_beams": 2} for index in range(len(texts))]
+    got: list[Any] = [None] * len(texts)
+
+    def client(index: int) -> None:
+        got[index] = ask(generator, texts[index], max_new_tokens=24, **parameters[index])
+
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(len(texts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    generator.close()
+    for text, chosen, answer in zip(texts, parameters, got, strict=True):
+        expected = generated_alone(directories["bart"], "", "", "generated_text", text, max_new_tokens=24, **chosen)
+        assert answer == expected, (text, chosen)
