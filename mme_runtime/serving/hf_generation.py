@@ -28,7 +28,7 @@ from mme_runtime.serving.hf_requests import TaskRequest
 from mme_runtime.serving.hf_rows import TIME, Row
 from mme_runtime.serving.hf_scheduler import Scheduler
 
-# The cap on max_new_tokens when nothing sets it (serving.properties max_new_tokens; proposed: MME_MAX_NEW_TOKENS).
+# The cap on max_new_tokens where serving.properties sets none (its max_new_tokens): a request asking more answers 400.
 DEFAULT_MAX_NEW_TOKENS = 1024
 # A generation is cut this long before SAGEMAKER_MODEL_SERVER_TIMEOUT, so that its answer leaves in time.
 TIME_MARGIN_SECONDS = 10.0
