@@ -275,6 +275,19 @@ def t5(directory: Path, layers: int = 2, hidden: int = 64, seed: int = 0) -> Pat
     return _save(model, tokenizer, directory)
 
 
+# The size of the tiny BART- and Marian-shaped models: two layers each side, 64 wide, 256 positions.
+SMALL_ENCODER_DECODER = {
+    "d_model": 64,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_attention_heads": 2,
+    "decoder_attention_heads": 2,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "max_position_embeddings": 256,
+}
+
+
 def bart(directory: Path, seed: int = 0) -> Path:
     """A BART-shaped encoder-decoder (learned absolute positions) with a byte-level BPE tokenizer trained here."""
     transformers = _transformers()
@@ -284,14 +297,7 @@ def bart(directory: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = transformers.BartConfig(
         vocab_size=len(vocab),
-        d_model=64,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=128,
-        decoder_ffn_dim=128,
-        max_position_embeddings=256,
+        **SMALL_ENCODER_DECODER,
         pad_token_id=1,
         bos_token_id=0,
         eos_token_id=2,
@@ -320,14 +326,7 @@ def marian(directory: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = transformers.MarianConfig(
         vocab_size=len(pieces),
-        d_model=64,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=128,
-        decoder_ffn_dim=128,
-        max_position_embeddings=256,
+        **SMALL_ENCODER_DECODER,
         pad_token_id=2,
         eos_token_id=0,
         decoder_start_token_id=2,
