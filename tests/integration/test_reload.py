@@ -17,35 +17,22 @@ from serving import RunningServer, start_server, wait_until
 
 ROWS = json.dumps([[1.0, 2.0, 3.0, 4.0], [0.5, 0.0, -1.0, 2.0]])
 
-# A state dict and its own model_fn, as models packed for the AWS container are; each call of model_fn is counted in a
-# file outside the model's directory (a file written inside it would change the directory, and so its key).
-COUNTED_SCRIPT = """
-import json
-import os
+# The AWS-style state-dict model (model_factory.STATE_DICT_SCRIPT) with each call of its model_fn counted in a file
+# outside the model's directory (a file written inside it would change the directory, and so its key).
+COUNTED_SCRIPT = (
+    model_factory.STATE_DICT_SCRIPT
+    + """
 
-import torch
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(4, 3)
-
-    def forward(self, x):
-        return torch.softmax(self.fc(x), dim=-1)
+_load = model_fn
 
 
 def model_fn(model_dir):
     with open(os.environ["MME_TEST_MODEL_FN_CALLS"], "a") as calls:
         calls.write(f"{os.getpid()}\\n")
-    net = Net()
-    net.load_state_dict(torch.load(os.path.join(model_dir, "model.pth")))
-    return net.eval()
-
-
-def input_fn(body, content_type):
-    return torch.tensor(json.loads(body), dtype=torch.float32)
+    return _load(model_dir)
 """
+)
+INPUTS = json.dumps({"inputs": json.loads(ROWS)})  # what the state-dict script's input_fn reads
 
 
 def counted_model(model_dir: Path, seed: int) -> Path:
@@ -61,10 +48,11 @@ def model_fn_calls(home: Path) -> int:
 
 
 def load_and_answer(server: RunningServer, name: str, model_dir: Path) -> list[list[float]]:
+    """A counted model's LOAD, then its predictions for ``INPUTS``."""
     assert server.load(name, model_dir).status_code == 200, server.log_text()[-2000:]
-    response = server.invoke(name, ROWS)
+    response = server.invoke(name, INPUTS)
     assert response.status_code == 200, response.text
-    return list(response.json())
+    return list(response.json()["predictions"])
 
 
 def load_seconds(server: RunningServer) -> dict[str, float]:
