@@ -37,6 +37,7 @@ class Config:
     log_level: int = logging.INFO
     program: str = "inference.py"
     hf_task: str | None = None
+    max_new_tokens: int = 1024
     submit_directory: str | None = None
     default_accept: str = "application/json"
     preload_model_gpu: bool | None = None
@@ -145,6 +146,7 @@ class Config:
             "MME_SHARE_DEVICE": "true" if self.share_device else "false",
             "MME_SHARE_WEIGHTS": "true" if self.share_weights else "false",
             "MME_CPU_HOSTS": str(self.cpu_hosts),
+            "MME_MAX_NEW_TOKENS": str(self.max_new_tokens),
         }
         if self.max_concurrency is not None:
             env["MME_MAX_CONCURRENCY"] = str(self.max_concurrency)

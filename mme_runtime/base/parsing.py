@@ -23,6 +23,8 @@ MAX_MMS_PORT = 32766
 MAX_BATCH_SIZE = 1024
 MAX_BATCH_DELAY_MS = 60_000
 MAX_CONCURRENCY = 256
+# Bound of a generation's cap on new tokens (environment, serving.properties): a sanity limit, not a default.
+MAX_NEW_TOKENS = 1_000_000
 # CloudWatch's rule for a namespace; "AWS/" starts only AWS's own.
 NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9._/#:-]{1,255}")
 

@@ -7,16 +7,13 @@ Reading the environment is ``config.py``'s job; this module only describes it. N
 
 from __future__ import annotations
 
+from mme_runtime.base.model_settings import BATCHING, MODELS
 from mme_runtime.base.parsing import (
-    MAX_BATCH_DELAY_MS,
-    MAX_BATCH_SIZE,
-    MAX_CONCURRENCY,
     Setting,
     integer,
     megabytes,
     namespace,
     parse_bool,
-    parse_load_models,
     parse_log_level,
     parse_port,
     parse_seconds,
@@ -97,99 +94,6 @@ SAGEMAKER: tuple[Setting, ...] = (
         text,
         "application/json",
         "Response type when a request has no `Accept` or `*/*`.",
-    ),
-)
-MODELS: tuple[Setting, ...] = (
-    Setting(
-        "HF_TASK", "hf_task", text, "unset", "Task of no-code Hugging Face models whose serving.properties has none."
-    ),
-    Setting(
-        "MME_MODEL_ROOT",
-        "model_root",
-        path,
-        "/opt/ml/models",
-        "LOAD accepts only model directories under this root (resolved: `..` and symlinks cannot leave it).",
-    ),
-    Setting(
-        "MME_ALLOW_ANY_MODEL_LOCATION",
-        "allow_any_model_location",
-        parse_bool,
-        "false",
-        "Lets LOAD name any directory, and http(s) URLs MMS downloads; off in multi-model mode for safety.",
-    ),
-    Setting(
-        "MME_LOAD_MODELS",
-        "load_models",
-        parse_load_models,
-        "unset",
-        "Models to load at start, `name=/path,name2=/path2` (used by `make serve` for its demo model).",
-    ),
-    Setting(
-        "MME_CACHE_DIR",
-        "cache_dir",
-        path,
-        "/tmp/mme/cache",
-        "Local cache shared by all models: `code/` (S3 archives by URI and ETag), `requirements/` (by file hash), "
-        "`compiled/` (AOTInductor packages of `compile=true` models, by content).",
-    ),
-    Setting(
-        "MME_MODEL_CACHE_MB",
-        "model_cache_mb",
-        integer(0),
-        "2048",
-        "Host memory the warm process may hold for loaded TorchScript models shared by servers (0: no cache).",
-    ),
-    Setting(
-        "MME_KEEP_UNLOADED_MB",
-        "keep_unloaded_mb",
-        integer(0),
-        "2048",
-        "Host memory the packages of unloaded models may keep, least recently used out first and never while a LOAD "
-        "needs it: a re-LOAD of the same files then skips `model_fn` (0: none kept).",
-    ),
-    Setting(
-        "MME_MEMORY_HEADROOM_MB",
-        "memory_headroom_mb",
-        integer(0),
-        "256",
-        "Memory a LOAD must leave free beyond the model's artifacts (host, and its GPU), or it answers 507.",
-    ),
-    Setting(
-        "MME_PIP_TIMEOUT_SECONDS",
-        "pip_timeout_seconds",
-        integer(1),
-        "300",
-        "Longest a model's `requirements.txt` install may take before its LOAD fails.",
-    ),
-    Setting(
-        "MME_S3_TIMEOUT_SECONDS",
-        "s3_timeout_seconds",
-        integer(1),
-        "30",
-        "Read timeout of one S3 call for inference code (connect: at most 5 s; 2 attempts).",
-    ),
-)
-BATCHING: tuple[Setting, ...] = (
-    Setting(
-        "MME_BATCH_SIZE",
-        "batch_size",
-        integer(1, MAX_BATCH_SIZE),
-        "1 (off)",
-        "Requests per forward pass for models whose `serving.properties` sets no `batch_size` (see Batching).",
-    ),
-    Setting(
-        "MME_MAX_BATCH_DELAY_MS",
-        "max_batch_delay_ms",
-        integer(0, MAX_BATCH_DELAY_MS),
-        "10",
-        "Longest a batch waits for more requests after a forward pass, for models that set no `max_batch_delay`.",
-    ),
-    Setting(
-        "MME_MAX_CONCURRENCY",
-        "max_concurrency",
-        integer(1, MAX_CONCURRENCY),
-        "4 unbatched, 1 batching",
-        "Forward passes of one model that may run at once on a device, for models that set no `max_concurrency`.",
     ),
 )
 PROCESSES: tuple[Setting, ...] = (

@@ -24,6 +24,7 @@ from mme_runtime.base.parsing import (
     MAX_BATCH_DELAY_MS,
     MAX_BATCH_SIZE,
     MAX_CONCURRENCY,
+    MAX_NEW_TOKENS,
     parse_bool,
     parse_int,
     parse_seconds,
@@ -39,7 +40,6 @@ KNOWN_KEYS = (
     *("share_weights", "base_model"),
     *("max_new_tokens", "max_generation_seconds"),
 )
-MAX_NEW_TOKENS = 1_000_000
 COMPILE_MODES = ("default", "max-autotune")
 ISOLATIONS = ("shared", "process")
 POOLINGS = ("mean", "cls", "none")

@@ -125,10 +125,10 @@ class HuggingFaceDefaults:
 
 
 def generation_limits(settings: ServingSettings, config: Config) -> GenerationLimits:
-    """The cap on new tokens (``serving.properties``'s ``max_new_tokens``, else 1024) and the time limit of a
-    generation (``serving.properties``, else cut ``TIME_MARGIN_SECONDS`` before ``SAGEMAKER_MODEL_SERVER_TIMEOUT``,
-    so that it answers in time)."""
-    cap = settings.max_new_tokens or hf_generation.DEFAULT_MAX_NEW_TOKENS
+    """The cap on new tokens (``serving.properties``'s ``max_new_tokens``, else ``MME_MAX_NEW_TOKENS``) and the time
+    limit of a generation (``serving.properties``, else cut ``TIME_MARGIN_SECONDS`` before
+    ``SAGEMAKER_MODEL_SERVER_TIMEOUT``, so that it answers in time)."""
+    cap = settings.max_new_tokens or config.max_new_tokens
     latest = max(1.0, config.response_timeout_seconds - hf_generation.TIME_MARGIN_SECONDS)
     seconds = min(settings.max_generation_seconds or latest, latest)
     return GenerationLimits(cap, seconds, settings.batch_size)

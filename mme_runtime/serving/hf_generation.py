@@ -4,9 +4,9 @@ that input alone; what the loop does not do (beam search, and the other decoding
 
 Parameters go to ``generate`` as the pipeline passes them, plus ``stop`` (a string or a list: the answer ends with the
 token that completes one) and ``seed`` (a sampled answer then depends on it alone, never on the rows beside it).
-``max_new_tokens`` (or a ``max_length`` that implies more) over the model's cap answers 400; a default over it is
-lowered to it, and to what fits the model's positions. A generation still running at the time limit is cut: its answer
-is what it has, with a ``warning``.
+``max_new_tokens`` (or a ``max_length`` that implies more) over the model's cap (``serving.properties``, else
+``MME_MAX_NEW_TOKENS``) answers 400; a default over it is lowered to it, and to what fits the model's positions. A
+generation still running at the time limit is cut: its answer is what it has, with a ``warning``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mme_runtime.base.config import Config
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.models.hf_loading import HuggingFaceModel
 from mme_runtime.serving.hf_decoding import DecodingBatch
@@ -28,8 +29,6 @@ from mme_runtime.serving.hf_requests import TaskRequest
 from mme_runtime.serving.hf_rows import TIME, Row
 from mme_runtime.serving.hf_scheduler import Scheduler
 
-# The cap on max_new_tokens where serving.properties sets none (its max_new_tokens): a request asking more answers 400.
-DEFAULT_MAX_NEW_TOKENS = 1024
 # A generation is cut this long before SAGEMAKER_MODEL_SERVER_TIMEOUT, so that its answer leaves in time.
 TIME_MARGIN_SECONDS = 10.0
 STOP_KEYS = ("stop", "stop_sequence", "stop_strings")
@@ -49,7 +48,7 @@ LOOP_MODES = frozenset({"greedy_search", "sample"})
 
 @dataclass(frozen=True)
 class GenerationLimits:
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int = Config.max_new_tokens  # a request asking more answers 400
     seconds: float = 60.0 - TIME_MARGIN_SECONDS
     max_rows: int = 1  # rows decoded together at most: the model's batch_size
 

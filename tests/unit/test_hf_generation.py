@@ -13,8 +13,11 @@ import hf_models
 import pytest
 import torch
 
-from mme_runtime.base.errors import InvalidInput
+from mme_runtime.base.config import Config
+from mme_runtime.base.errors import ConfigError, InvalidInput
 from mme_runtime.models import hf_loading
+from mme_runtime.models.serving_properties import read_settings
+from mme_runtime.serving.hf_defaults import generation_limits
 from mme_runtime.serving.hf_generation import GenerationLimits, GenerationRunner, shape
 from mme_runtime.serving.hf_requests import TaskRequest
 
@@ -131,6 +134,16 @@ def test_max_new_tokens_over_the_cap_is_refused_and_a_default_over_it_lowered(di
     generator.close()
     expected = generated_alone(directories["gpt2"], "text-generation", None, "", text, max_new_tokens=8, **GREEDY)
     assert lowered == expected
+
+
+def test_the_cap_is_the_models_own_else_the_containers(tmp_path: Path) -> None:
+    container = Config.from_env({"MME_MAX_NEW_TOKENS": "64"})
+    assert generation_limits(read_settings(tmp_path, Config()), Config()).max_new_tokens == 1024
+    assert generation_limits(read_settings(tmp_path, container), container).max_new_tokens == 64
+    (tmp_path / "serving.properties").write_text("max_new_tokens=8\n")
+    assert generation_limits(read_settings(tmp_path, container), container).max_new_tokens == 8
+    with pytest.raises(ConfigError, match="MME_MAX_NEW_TOKENS"):
+        Config.from_env({"MME_MAX_NEW_TOKENS": "0"})
 
 
 def test_a_prompt_longer_than_the_models_positions_is_refused(directories: Path) -> None:
