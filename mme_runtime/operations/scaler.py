@@ -5,7 +5,9 @@ many connections per device. They cost a frontend thread and an executor thread 
 the weights. A model whose ``serving.properties`` asks for batching therefore asks for ``batch_size`` workers per
 device: its executor leaves a request in the runtime directory, and the entrypoint's supervisor, which knows the
 management port, raises the model's worker count with MMS's scale call (``PUT /models/{name}?min_worker=N``) once its
-LOAD has completed. It never lowers a count someone set higher. Neither side imports torch.
+LOAD has completed, and a second more: MMS answers a LOAD after its worker is READY, comparing its workers with the
+model's minimum then, so a minimum raised in between would turn that LOAD's 200 into 210 "Workers scaling in
+progress...". It never lowers a count someone set higher. Neither side imports torch.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from mme_runtime.base.janitor import REQUEST_TIMEOUT_SECONDS, get_json, write_ma
 logger = logging.getLogger(__name__)
 
 REQUEST_LIFETIME_SECONDS = 120.0  # a LOAD slower than this gets no extra connections: the log says so
+READY_SECONDS = 1.0  # how long a model is seen READY before it is scaled: its LOAD's answer has left by then
 
 
 def requests_dir(runtime_dir: Path) -> Path:
@@ -41,6 +44,7 @@ class Scaler:
         self.directory = requests_dir(runtime_dir)
         self.base = f"http://127.0.0.1:{port}/models/"
         self.devices = max(1, devices)
+        self._ready_since: dict[str, float] = {}  # model: when a sweep first saw it READY
 
     def sweep(self) -> None:
         if not self.directory.is_dir():
@@ -53,8 +57,10 @@ class Scaler:
                 age = time.time() - request.stat().st_mtime
             except (OSError, ValueError):
                 continue
-            if self._settle(str(wanted["model"]), int(wanted["per_device"]) * self.devices, age):
+            model = str(wanted["model"])
+            if self._settle(model, int(wanted["per_device"]) * self.devices, age):
                 request.unlink(missing_ok=True)
+                self._ready_since.pop(model, None)
 
     def _settle(self, model: str, workers: int, age: float) -> bool:
         """True once nothing is left to do for this request."""
@@ -72,6 +78,8 @@ class Scaler:
             return expired
         if int(description.get("minWorkers") or 0) >= workers:
             return True
+        if time.monotonic() - self._ready_since.setdefault(model, time.monotonic()) < READY_SECONDS:
+            return False  # its LOAD may not have answered yet
         maximum = max(workers, int(description.get("maxWorkers") or 0))  # never lower a maximum set higher
         query = urllib.parse.urlencode({"min_worker": workers, "max_worker": maximum, "synchronous": "false"})
         try:
