@@ -42,7 +42,7 @@ def check_input(item: Any) -> None:
         raise InvalidInput('table-question-answering takes {"query": "...", "table": {"column": ["cell", ...]}}')
     query, table = item["query"], item["table"]
     queries = query if isinstance(query, list) else [query]
-    if not queries or not all(isinstance(text, str) and text.strip() for text in queries):
+    if not queries or not all(isinstance(text, str) and text for text in queries):
         raise InvalidInput(f'"query" must be a non-empty string or a list of them, not {query!r}')
     if not isinstance(table, dict) or not table:
         raise InvalidInput('"table" must be an object of columns, {"column": ["cell", ...], ...}')
