@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from mme_runtime.base.errors import InvalidInput, UnsupportedContentType
-from mme_runtime.serving import content
+from mme_runtime.serving import content, hf_tables, hf_zero_shot
 
 IMAGE_TYPES = frozenset(
     {"image/jpeg", "image/png", "image/tiff", "image/bmp", "image/gif", "image/webp", "image/x-image"}
@@ -29,6 +29,8 @@ ACCEPTS = (content.JSON, content.CSV)
 QUESTION_KEYS = ("question", "context")
 # An image is decoded into the process every model of its device shares: 25 megapixels is 75 MB as RGB.
 MAX_IMAGE_PIXELS = 25_000_000
+# Tasks whose inputs or parameters nest, which a CSV cannot: the AWS container refuses CSV for them too (400).
+NO_CSV_TASKS = frozenset({hf_zero_shot.TASK, hf_tables.TASK})
 
 
 @dataclass(eq=False)
@@ -75,6 +77,8 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
         except ValueError as exc:
             raise InvalidInput(f"the body is not JSON: {exc}") from exc
     elif media == content.CSV:
+        if task in NO_CSV_TASKS:
+            raise InvalidInput(f"content type {content.CSV} is not supported with {task}: send {content.JSON}")
         data = _csv(body)
     else:
         raise UnsupportedContentType(
@@ -92,6 +96,10 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
         raise InvalidInput('"inputs" is an empty list')
     for item in items:
         _check(item, task)
+    if task == hf_zero_shot.TASK:
+        hf_zero_shot.check_parameters(parameters)
+    elif task == hf_tables.TASK:
+        hf_tables.check_parameters(parameters)
     if task == "image-classification":
         items = [_image(_base64(item)) for item in items]
     return TaskRequest(items, parameters, single)
@@ -118,6 +126,8 @@ def _check(item: Any, task: str) -> None:
     elif task == "image-classification":
         if not isinstance(item, str):
             raise InvalidInput("image-classification takes an image body (image/png, image/jpeg, ...) or base64")
+    elif task == hf_tables.TASK:
+        hf_tables.check_input(item)
     elif task == "text-classification" and isinstance(item, dict):
         if not isinstance(item.get("text"), str) or not isinstance(item.get("text_pair", ""), str):
             raise InvalidInput('a text pair is {"text": "...", "text_pair": "..."}')

@@ -19,7 +19,7 @@ import torch
 
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.models.hf_loading import HuggingFaceModel
-from mme_runtime.serving import hf_padding, hf_question_answering
+from mme_runtime.serving import hf_padding, hf_question_answering, hf_tables
 from mme_runtime.serving.hf_requests import TaskRequest
 
 # The tasks whose pipelines take "truncation": a text longer than the model takes may be cut to fit.
@@ -52,6 +52,8 @@ class TaskRunner:
         """Each input's answer, in order (one per row of every request)."""
         if self._pipeline is None:
             return hf_question_answering.run(self._tokenizer(), self.model, requests, self._forward)
+        if self.task == hf_tables.TASK:
+            return hf_tables.run(self._thread_pipeline(), self.model, requests, self._forward)
         pipeline = self._thread_pipeline()
         plans: list[tuple[int, int, dict[str, Any]]] = []  # (first row, rows, postprocess parameters) per input
         rows: list[dict[str, Any]] = []
@@ -187,6 +189,6 @@ def shape(task: str, answers: list[Any], request: TaskRequest) -> Any:
     if request.single:
         wrap = task == "text-classification" and "top_k" not in request.parameters
         return [answers[0]] if wrap else answers[0]
-    if task == "fill-mask" and len(answers) == 1:
+    if task in ("fill-mask", hf_tables.TASK) and len(answers) == 1:
         return answers[0]
     return answers

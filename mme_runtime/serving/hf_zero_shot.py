@@ -1,0 +1,43 @@
+"""Zero-shot classification's requests, checked before they join a batch: ``candidate_labels`` (a list, or one string
+of comma-separated labels, as the pipeline splits it), ``multi_label`` and ``hypothesis_template``. What the task
+runs is transformers' own zero-shot pipeline (``hf_tasks.py``): each (text, label) pair is one row, and the rows of
+every request of a batch share the padded forward passes; the pipeline's postprocessing scores each text's labels.
+
+A request at fault here answers 400 alone, where inside the pipeline its error would have failed the whole batch's
+pass first (the batcher then splits it to find whose it was).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mme_runtime.base.errors import InvalidInput
+
+TASK = "zero-shot-classification"
+
+
+def check_parameters(parameters: dict[str, Any]) -> None:
+    """Raises ``InvalidInput`` naming what the request got wrong."""
+    if "candidate_labels" not in parameters:
+        raise InvalidInput(
+            'zero-shot-classification needs "parameters": {"candidate_labels": ["label", ...]} (or "label,label")'
+        )
+    labels = parameters["candidate_labels"]
+    if isinstance(labels, str):
+        labels = [label.strip() for label in labels.split(",") if label.strip()]
+    if not isinstance(labels, list) or not all(isinstance(label, str) for label in labels):
+        raise InvalidInput(f"candidate_labels must be a list of strings or one comma-separated string, not {labels!r}")
+    if not labels:
+        raise InvalidInput("candidate_labels names no label")
+    multi_label = parameters.get("multi_label", False)
+    if not isinstance(multi_label, bool):  # the pipeline reads any truthy value as true: "false" would be true
+        raise InvalidInput(f"multi_label must be true or false, not {multi_label!r}")
+    template = parameters.get("hypothesis_template", "This example is {}.")
+    if not isinstance(template, str):
+        raise InvalidInput(f"hypothesis_template must be a string, not {template!r}")
+    try:
+        filled = template.format(labels[0])
+    except (IndexError, KeyError, ValueError, AttributeError, TypeError) as exc:
+        raise InvalidInput(f"hypothesis_template {template!r} cannot be filled with a label: {exc}") from exc
+    if filled == template:
+        raise InvalidInput(f"hypothesis_template {template!r} has no {{}} where the label goes")
