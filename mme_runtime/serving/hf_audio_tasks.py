@@ -159,7 +159,7 @@ def pass_groups(rows: list[dict[str, Any]], forwards: list[dict[str, Any]], mask
     for index, (row, forward) in enumerate(zip(rows, forwards, strict=True)):
         main = _main_input(row)
         shape = "any" if maskable else tuple(main.shape)
-        names = sorted(name for name in row if name != "stride")
+        names = sorted(row)  # a chunk's "stride" too: the pass hands it on only where every row has one
         kinds.setdefault(json.dumps([forward, str(shape), names], sort_keys=True, default=str), []).append(index)
     groups: list[list[int]] = []
     for members in kinds.values():
