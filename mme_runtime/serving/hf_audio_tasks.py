@@ -28,9 +28,7 @@ from mme_runtime.serving.hf_requests import TaskRequest
 
 REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout", "decoder_kwargs", "prompt_ids", "assistant_model"})
 # A generating recognizer's parameters beyond GenerationConfig's own names, as Whisper's generate takes them.
-SPEECH_GENERATION_PARAMETERS = frozenset(
-    {"language", "task", "return_timestamps", "return_language", "is_multilingual"}
-)
+SPEECH_GENERATION_PARAMETERS = frozenset({"language", "task", "return_timestamps", "return_language"})
 MAX_BEAMS = 8  # each beam is a row of the generation: a request may not multiply its rows past this
 # A clip's main input, by model kind: raw samples (Wav2Vec2) or a spectrogram (Whisper).
 INPUT_KEYS = ("input_values", "input_features")
@@ -88,7 +86,10 @@ class AudioRunner:
             batch = members[0] if len(members) == 1 else pad_rows(members)
             try:
                 result = pipeline.forward(batch, **forwards[group[0]])
-            except (ValueError, TypeError) as exc:  # generate refuses the parameters (a max_length past the model's)
+            except (ValueError, TypeError) as exc:
+                if not forwards[group[0]]:
+                    raise  # no parameters of the client's: the server's fault, a 500
+                # generate refuses the parameters (a max_new_tokens past the model's positions): the client's
                 raise InvalidInput(f"the model could not run with these parameters: {exc}") from exc
             for position, index in enumerate(group):
                 outputs[index] = result if len(members) == 1 else self._row(result, position, rows[index])
