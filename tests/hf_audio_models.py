@@ -96,7 +96,7 @@ def wav2vec2_classifier(directory: Path, seed: int = 0, layer_norm: bool = True)
 
 def whisper(directory: Path, seed: int = 0, mel_bins: int = 16) -> Path:
     """A Whisper-shaped recognizer (English only: its prompt is <|startoftranscript|><|notimestamps|>), greedy by
-    its generation config, up to 48 tokens, with a byte-level BPE tokenizer trained on ``hf_models.corpus()``."""
+    its generation config, up to 24 tokens, with a byte-level BPE tokenizer trained on ``hf_models.corpus()``."""
     transformers = _transformers()
 
     vocab, merges = hf_models._byte_bpe([], size=300)
@@ -128,7 +128,7 @@ def whisper(directory: Path, seed: int = 0, mel_bins: int = 16) -> Path:
         eos_token_id=end,
         pad_token_id=end,
         bos_token_id=end,
-        max_length=48,
+        max_length=24,
         num_beams=1,
         no_timestamps_token_id=no_timestamps,
         is_multilingual=False,
