@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from mme_runtime.base.errors import ModelLoadError
+from mme_runtime.models import hf_audio_loading
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ TASKS = {
     "text2text-generation": "AutoModelForSeq2SeqLM",
     "summarization": "AutoModelForSeq2SeqLM",
     "translation": "AutoModelForSeq2SeqLM",  # also translation_xx_to_yy, as the pipelines name it
+    # Speech (models/hf_audio_loading.py): a CTC model, or an encoder-decoder (Whisper) by generation.
+    "automatic-speech-recognition": "AutoModelForCTC",
+    "audio-classification": "AutoModelForAudioClassification",
 }
 GENERATIVE_TASKS = frozenset({"text-generation", "text2text-generation", "summarization", "translation"})
 ALIASES = {"sentiment-analysis": "text-classification", "ner": "token-classification"}
@@ -58,6 +62,7 @@ ARCHITECTURE_TASKS = {
     "ForImageClassification": "image-classification",
     "ForCausalLM": "text-generation",
     "LMHeadModel": "text-generation",
+    **hf_audio_loading.ARCHITECTURE_TASKS,
 }
 # Architectures whose name ends as another task's does (TAPAS answers questions about tables, not about texts).
 ARCHITECTURE_NAMES = {"TapasForQuestionAnswering": "table-question-answering"}
@@ -84,6 +89,7 @@ class HuggingFaceModel:
     normalize: bool = False  # pooled vectors scaled to length 1 (a sentence-transformers Normalize module)
     truncate_to: int | None = None  # a sentence-transformers model's max_seq_length: longer texts are cut to it
     adapters: Any = None  # its LoRA adapters once one is attached in the process that serves it (``lora.py``)
+    feature_extractor: Any = None  # audio tasks: turns a waveform into the model's inputs
 
     def place(self, device: torch.device) -> HuggingFaceModel:
         self.model = self.model.to(device).eval()
@@ -110,9 +116,9 @@ def resolve_task(model_dir: Path, model_task: str | None, container_task: str | 
     found = {task for name in architectures for suffix, task in ARCHITECTURE_TASKS.items() if name.endswith(suffix)}
     found = {ARCHITECTURE_NAMES[name] for name in architectures if name in ARCHITECTURE_NAMES} or found
     if len(found) == 1:
-        return found.pop()
+        return hf_audio_loading.audio_task(found.pop(), model_dir)
     if config.get("is_encoder_decoder") and any(name.endswith(SEQ_TO_SEQ_SUFFIXES) for name in architectures):
-        return "text2text-generation"
+        return hf_audio_loading.audio_task("text2text-generation", model_dir)
     if not architectures or all(name.endswith("Model") and "For" not in name for name in architectures):
         return "feature-extraction"  # a bare encoder (BertModel): what it computes is its hidden states
     raise ModelLoadError(
@@ -135,11 +141,14 @@ def load(model_dir: Path, task: str, trust_remote_code: bool, pooling: str | Non
         logger.warning("model_dir=%s runs the code its config.json names (trust_remote_code=true)", model_dir)
     options: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     try:
-        auto = getattr(transformers, TASKS[base_task(task)])
+        audio = task in hf_audio_loading.AUDIO_TASKS
+        auto = getattr(transformers, hf_audio_loading.auto_class(task, config) if audio else TASKS[base_task(task)])
         model, info = auto.from_pretrained(str(model_dir), weights_only=True, output_loading_info=True, **options)
-        tokenizer = image_processor = None
+        tokenizer = image_processor = feature_extractor = None
         if task in IMAGE_TASKS:
             image_processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir), **options)
+        elif audio:
+            feature_extractor, tokenizer = hf_audio_loading.processors(transformers, model_dir, task, options)
         else:
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), **options)
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -157,6 +166,7 @@ def load(model_dir: Path, task: str, trust_remote_code: bool, pooling: str | Non
     logger.info("model_dir=%s loaded with transformers as %s (%s)", model_dir, task, type(model).__name__)
     limit = min(limits) if limits else None
     loaded = HuggingFaceModel(task, model.eval(), tokenizer, image_processor, limit, "auto_map" in config)
+    loaded.feature_extractor = feature_extractor
     if task == "feature-extraction":
         loaded.pooling, loaded.normalize = _pooling(model_dir, pooling)
         loaded.truncate_to = _max_seq_length(model_dir) if loaded.pooling else None

@@ -9,6 +9,7 @@ padded and cut back), ``hf_question_answering``, ``hf_zero_shot`` (zero-shot's p
 (TAPAS); its generative tasks go through ``hf_generation`` (requests into
 rows and answers, with ``hf_generation_tasks``), ``hf_scheduler`` (rows join and leave between steps),
 ``hf_decoding`` (one step of every row, their caches padded together, kept by ``hf_kv_cache``) and ``hf_rows`` (how a
-row picks its token).
+row picks its token); its speech tasks through ``hf_audio`` (audio bodies decoded and resampled) and
+``hf_audio_tasks`` (clips padded into shared passes, Whisper's batched generate).
 It may import: ``base``, ``operations``, ``models``.
 """

@@ -21,9 +21,10 @@ import torch
 
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
-from mme_runtime.models import hf_loading, lora, model_cache, pt2
+from mme_runtime.models import hf_audio_loading, hf_loading, lora, model_cache, pt2
 from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.serving import hf_generation, hf_requests
+from mme_runtime.serving.hf_audio_tasks import AudioRunner
 from mme_runtime.serving.hf_generation import GenerationLimits, GenerationRunner
 from mme_runtime.serving.hf_requests import TaskBatch, TaskRequest
 from mme_runtime.serving.hf_tasks import TaskRunner, shape
@@ -56,7 +57,7 @@ class HuggingFaceDefaults:
             raise ModelLoadError(f"a LoRA adapter for {self.task} is not served (adapters are served for {served})")
         self._trust_remote_code = settings.trust_remote_code
         self._pooling = settings.pooling
-        self._runner: TaskRunner | None = None
+        self._runner: TaskRunner | AudioRunner | None = None
         self._lock = threading.Lock()
         self._config = config
         self._generator: GenerationRunner | None = None
@@ -116,11 +117,12 @@ class HuggingFaceDefaults:
             return hf_requests.encode(hf_generation.shape(self.task, answers, request), accept)
         return hf_requests.encode(shape(self.task, answers, request), accept)
 
-    def _runner_for(self, model: hf_loading.HuggingFaceModel) -> TaskRunner:
+    def _runner_for(self, model: hf_loading.HuggingFaceModel) -> TaskRunner | AudioRunner:
         with self._lock:
             if self._runner is None or self._runner.model is not model:
                 device = next(model.model.parameters(), torch.empty(0)).device
-                self._runner = TaskRunner(model, device)
+                audio = self.task in hf_audio_loading.AUDIO_TASKS  # speech: serving/hf_audio_tasks.py
+                self._runner = AudioRunner(model, device) if audio else TaskRunner(model, device)
             return self._runner
 
 

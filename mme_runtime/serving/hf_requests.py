@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from mme_runtime.base.errors import InvalidInput, UnsupportedContentType
-from mme_runtime.serving import content, hf_tables, hf_zero_shot
+from mme_runtime.models.hf_audio_loading import AUDIO_TASKS
+from mme_runtime.serving import content, hf_audio, hf_tables, hf_zero_shot
 
 IMAGE_TYPES = frozenset(
     {"image/jpeg", "image/png", "image/tiff", "image/bmp", "image/gif", "image/webp", "image/x-image"}
@@ -69,6 +70,8 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
     media = content.media_type(content_type) or content.JSON
     if media in IMAGE_TYPES:
         return TaskRequest([_image(body)])
+    if media in hf_audio.AUDIO_TYPES:  # speech models: serving/hf_audio.py
+        return TaskRequest([hf_audio.read_body(body, content_type, task, AUDIO_TASKS)])
     if isinstance(body, (bytes, bytearray)):
         body = content.utf8_text(body)
     if media == content.JSON:
@@ -82,7 +85,7 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
         data = _csv(body)
     else:
         raise UnsupportedContentType(
-            f"content type {content_type!r} is not supported: send {content.JSON}, {content.CSV} or an image type"
+            f"content type {content_type!r} is not supported: send {content.JSON}, {content.CSV}, an image or audio"
         )
     if not isinstance(data, dict) or "inputs" not in data:
         raise InvalidInput('the body must be a JSON object with "inputs" (and optionally "parameters")')
@@ -94,6 +97,8 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
     items = [inputs] if single else inputs
     if not items:
         raise InvalidInput('"inputs" is an empty list')
+    if task in AUDIO_TASKS:
+        return TaskRequest(hf_audio.read_inputs(items, task), parameters, single)
     for item in items:
         _check(item, task)
     if task == hf_zero_shot.TASK:
