@@ -43,10 +43,17 @@ TASKS = {
     "text2text-generation": "AutoModelForSeq2SeqLM",
     "summarization": "AutoModelForSeq2SeqLM",
     "translation": "AutoModelForSeq2SeqLM",  # also translation_xx_to_yy, as the pipelines name it
+    # Images, batched per input shape (serving/hf_vision.py); a segmenter's Auto class depends on it (_auto_class).
+    "object-detection": "AutoModelForObjectDetection",
+    "image-segmentation": "AutoModelForImageSegmentation",
+    "zero-shot-image-classification": "AutoModelForZeroShotImageClassification",
 }
 GENERATIVE_TASKS = frozenset({"text-generation", "text2text-generation", "summarization", "translation"})
 ALIASES = {"sentiment-analysis": "text-classification", "ner": "token-classification"}
-IMAGE_TASKS = frozenset({"image-classification"})
+IMAGE_TASKS = frozenset(
+    {"image-classification", "object-detection", "image-segmentation", "zero-shot-image-classification"}
+)
+TEXT_AND_IMAGE_TASKS = frozenset({"zero-shot-image-classification"})  # its candidate labels are texts: a tokenizer too
 # What an architecture's name ends with, and the task it serves (``BertForSequenceClassification``: a classifier).
 ARCHITECTURE_TASKS = {
     "ForSequenceClassification": "text-classification",
@@ -56,6 +63,14 @@ ARCHITECTURE_TASKS = {
     "ForImageClassification": "image-classification",
     "ForCausalLM": "text-generation",
     "LMHeadModel": "text-generation",
+    "ForObjectDetection": "object-detection",
+    "ForSemanticSegmentation": "image-segmentation",
+    "ForInstanceSegmentation": "image-segmentation",
+    "ForUniversalSegmentation": "image-segmentation",
+    "ForSegmentation": "image-segmentation",  # DetrForSegmentation: panoptic
+    "CLIPModel": "zero-shot-image-classification",  # and AltCLIP, ChineseCLIP; bare image-text models, no head
+    "SiglipModel": "zero-shot-image-classification",
+    "Siglip2Model": "zero-shot-image-classification",
 }
 # Models whose position ids start after the padding index, so max_position_embeddings overstates what they take.
 OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "camembert", "longformer"})
@@ -130,12 +145,12 @@ def load(model_dir: Path, task: str, trust_remote_code: bool, pooling: str | Non
         logger.warning("model_dir=%s runs the code its config.json names (trust_remote_code=true)", model_dir)
     options: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     try:
-        auto = getattr(transformers, TASKS[base_task(task)])
+        auto = _auto_class(transformers, base_task(task), config)
         model, info = auto.from_pretrained(str(model_dir), weights_only=True, output_loading_info=True, **options)
         tokenizer = image_processor = None
         if task in IMAGE_TASKS:
             image_processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir), **options)
-        else:
+        if task not in IMAGE_TASKS or task in TEXT_AND_IMAGE_TASKS:
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), **options)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"transformers could not load {model_dir.name} for {task}: {exc}") from exc
@@ -157,6 +172,18 @@ def load(model_dir: Path, task: str, trust_remote_code: bool, pooling: str | Non
 def base_task(task: str) -> str:
     """The task a name stands for: ``translation_en_to_de`` is translation, from English to German."""
     return "translation" if TRANSLATION.fullmatch(task) else task
+
+
+def _auto_class(transformers: Any, task: str, config: dict[str, Any]) -> Any:
+    """The task's Auto class. image-segmentation has several, as the pipeline has: the first whose mapping knows
+    the model type (DETR's panoptic head, a semantic segmenter such as SegFormer, a universal one such as
+    Mask2Former)."""
+    if task == "image-segmentation":
+        mappings = transformers.models.auto.modeling_auto
+        for kind in ("IMAGE", "SEMANTIC", "UNIVERSAL", "INSTANCE"):
+            if config.get("model_type") in getattr(mappings, f"MODEL_FOR_{kind}_SEGMENTATION_MAPPING_NAMES"):
+                return getattr(transformers, f"AutoModelFor{kind.title()}Segmentation")
+    return getattr(transformers, TASKS[task])
 
 
 def _check_head(model_dir: Path, task: str, config: dict[str, Any], info: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from mme_runtime.base.errors import InvalidInput, UnsupportedContentType
+from mme_runtime.models.hf_loading import IMAGE_TASKS
 from mme_runtime.serving import content
 
 IMAGE_TYPES = frozenset(
@@ -92,7 +93,7 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
         raise InvalidInput('"inputs" is an empty list')
     for item in items:
         _check(item, task)
-    if task == "image-classification":
+    if task in IMAGE_TASKS:
         items = [_image(_base64(item)) for item in items]
     return TaskRequest(items, parameters, single)
 
@@ -115,9 +116,9 @@ def _check(item: Any, task: str) -> None:
     if task == "question-answering":
         if not isinstance(item, dict) or not all(isinstance(item.get(key), str) for key in QUESTION_KEYS):
             raise InvalidInput('question-answering takes {"question": "...", "context": "..."} (or a list of them)')
-    elif task == "image-classification":
+    elif task in IMAGE_TASKS:
         if not isinstance(item, str):
-            raise InvalidInput("image-classification takes an image body (image/png, image/jpeg, ...) or base64")
+            raise InvalidInput(f"{task} takes an image body (image/png, image/jpeg, ...) or base64 in JSON")
     elif task == "text-classification" and isinstance(item, dict):
         if not isinstance(item.get("text"), str) or not isinstance(item.get("text_pair", ""), str):
             raise InvalidInput('a text pair is {"text": "...", "text_pair": "..."}')
