@@ -160,3 +160,33 @@ def encoded(picture: Any, kind: str = "PNG") -> bytes:
 
 def base64_image(picture: Any, kind: str = "PNG") -> str:
     return base64.b64encode(encoded(picture, kind)).decode()
+
+
+def mask_pixels(encoded_mask: str) -> Any:
+    """A mask as the server answers it (a PNG in base64), as an array of pixels."""
+    import numpy as np
+    from PIL import Image
+
+    return np.array(Image.open(io.BytesIO(base64.b64decode(encoded_mask))))
+
+
+def same_answer(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> bool:
+    """Ours (as JSON gives it) against the pipeline's for one image: scores within 1e-4, everything else equal, and a
+    mask (ours a base64 PNG, theirs a PIL image) pixel for pixel."""
+    import numpy as np
+
+    if len(ours) != len(theirs):
+        return False
+    for mine, other in zip(ours, theirs, strict=True):
+        if mine.keys() != other.keys():
+            return False
+        for key, value in mine.items():
+            if key == "score" and value is not None:
+                if abs(value - other[key]) > 1e-4:
+                    return False
+            elif key == "mask":
+                if not np.array_equal(mask_pixels(value), np.array(other[key])):
+                    return False
+            elif value != other[key]:
+                return False
+    return True

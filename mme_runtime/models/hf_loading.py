@@ -98,6 +98,7 @@ class HuggingFaceModel:
 
     def place(self, device: torch.device) -> HuggingFaceModel:
         self.model = self.model.to(device).eval()
+        _register_output_capture(self.model)
         return self
 
 
@@ -184,6 +185,18 @@ def _auto_class(transformers: Any, task: str, config: dict[str, Any]) -> Any:
             if config.get("model_type") in getattr(mappings, f"MODEL_FOR_{kind}_SEGMENTATION_MAPPING_NAMES"):
                 return getattr(transformers, f"AutoModelFor{kind.title()}Segmentation")
     return getattr(transformers, TASKS[task])
+
+
+def _register_output_capture(model: torch.nn.Module) -> None:
+    """transformers records which outputs a model class can capture (the hidden states SegFormer's head reads) in a
+    registry of its process, when a model is built: a model unpickled in a device host was built in its loader, so
+    its classes are registered again here, or SegFormer's head gets no hidden states."""
+    from transformers import PreTrainedModel
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
 
 
 def _check_head(model_dir: Path, task: str, config: dict[str, Any], info: dict[str, Any]) -> None:

@@ -4,13 +4,10 @@ shapes allow; bad parameters are refused naming what is wrong."""
 
 from __future__ import annotations
 
-import base64
-import io
 from pathlib import Path
 from typing import Any
 
 import hf_vision_models
-import numpy as np
 import pytest
 import torch
 
@@ -60,31 +57,6 @@ def counting_passes(runner: TaskRunner, monkeypatch: pytest.MonkeyPatch) -> list
     return sizes
 
 
-def mask_pixels(encoded: str) -> np.ndarray:
-    from PIL import Image
-
-    return np.array(Image.open(io.BytesIO(base64.b64decode(encoded))))
-
-
-def same(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> bool:
-    """Scores within 1e-4, everything else equal; a mask (ours a base64 PNG, theirs a PIL image) pixel for pixel."""
-    if len(ours) != len(theirs):
-        return False
-    for mine, other in zip(ours, theirs, strict=True):
-        if mine.keys() != other.keys():
-            return False
-        for key, value in mine.items():
-            if key == "score" and value is not None:
-                if abs(value - other[key]) > 1e-4:
-                    return False
-            elif key == "mask":
-                if not np.array_equal(mask_pixels(value), np.array(other[key])):
-                    return False
-            elif value != other[key]:
-                return False
-    return True
-
-
 def test_detections_of_images_of_several_shapes_share_a_pass_per_shape(
     runners: dict[str, TaskRunner], models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -99,8 +71,10 @@ def test_detections_of_images_of_several_shapes_share_a_pass_per_shape(
     pipe = reference(models["object-detection"], "object-detection")
     for index, image in enumerate(images):
         expected = pipe(image, threshold=thresholds[index % 3])
-        assert same(answers[index], expected), index
-    assert same(answers[9], pipe(images[0])) and same(answers[10], pipe(images[1]))
+        assert hf_vision_models.same_answer(answers[index], expected), index
+    assert hf_vision_models.same_answer(answers[9], pipe(images[0])) and hf_vision_models.same_answer(
+        answers[10], pipe(images[1])
+    )
     assert {len(answer) for answer in answers[:9]} != {10}  # the thresholds kept some boxes and not others
     assert set(answers[0][0]) == {"score", "label", "box"} and set(answers[0][0]["box"]) == {
         "xmin",
@@ -121,8 +95,10 @@ def test_segments_of_images_of_any_size_share_one_pass_with_masks_as_png(
     assert passes == [6]
     pipe = reference(models["image-segmentation"], "image-segmentation")
     for image, own, answer in zip(images, parameters, answers, strict=True):
-        assert same(answer, pipe(image, **own))
-        assert all(mask_pixels(segment["mask"]).shape == (image.height, image.width) for segment in answer)
+        assert hf_vision_models.same_answer(answer, pipe(image, **own))
+        assert all(
+            hf_vision_models.mask_pixels(segment["mask"]).shape == (image.height, image.width) for segment in answer
+        )
         assert all(segment["score"] is None for segment in answer)  # semantic segments have no score
 
 
@@ -147,7 +123,7 @@ def test_zero_shot_images_and_all_their_labels_share_one_pass(
     assert passes == [8]
     pipe = reference(models["zero-shot-image-classification"], "zero-shot-image-classification")
     for (image, own), answer in zip(expected_calls, answers, strict=True):
-        assert same(answer, pipe(image, **own))
+        assert hf_vision_models.same_answer(answer, pipe(image, **own))
     assert [item["label"] for item in answers[2]] == ["bird"] and answers[2][0]["score"] == pytest.approx(1.0)
 
 
@@ -231,3 +207,16 @@ def test_images_come_as_the_body_or_base64_in_json() -> None:
         hf_requests.decode('{"inputs": 3}', "application/json", "image-segmentation")
     with pytest.raises(InvalidInput, match="base64"):
         hf_requests.decode('{"inputs": "http://example.com/cat.png"}', "application/json", "object-detection")
+
+
+def test_a_segmenter_unpickled_in_another_process_reads_its_hidden_states_once_placed(models: dict[str, Path]) -> None:
+    """transformers registers what a model class can capture when a model is built; a device host unpickles models
+    built in a loader, so ``place`` registers them again (else SegFormer's head gets no hidden states)."""
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+    loaded = hf_loading.load(models["image-segmentation"], "image-segmentation", False)
+    for module in loaded.model.modules():  # as in a process that never built one
+        _CAN_RECORD_REGISTRY.pop(str(module.__class__), None)
+    runner = TaskRunner(loaded.place(torch.device("cpu")), torch.device("cpu"))
+    [answer] = runner.run([TaskRequest([hf_vision_models.image(0)])])
+    assert answer and {"label", "mask", "score"} == set(answer[0])
