@@ -1,6 +1,7 @@
 """Tiny vision models built offline, the way a user's ``save_pretrained`` leaves them, with random weights: a DETR
-object detector (a small ResNet backbone, no timm), a SegFormer semantic segmenter and a CLIP model with a byte-level
-BPE tokenizer trained here, for zero-shot image classification. Test images are drawn here too. No hub, no network.
+object detector and panoptic segmenter (a small ResNet backbone, no timm), a SegFormer semantic segmenter and a CLIP
+model with a byte-level BPE tokenizer trained here, for zero-shot image classification. Test images are drawn here
+too. No hub, no network.
 """
 
 from __future__ import annotations
@@ -52,19 +53,53 @@ def detr(directory: Path, seed: int = 0, shortest_edge: int = 64, longest_edge: 
         decoder_ffn_dim=64,
         **_labels(OBJECT_LABELS),
     )
-    model = transformers.DetrForObjectDetection(config)
-    # Drawn wider than transformers draws them (the backbone aside), so that each query finds a box of its own and
-    # scores spread around 0.5: at transformers' scale every query answers one box with one score.
+    _widen(transformers.DetrForObjectDetection(config), seed).save_pretrained(directory)
+    transformers.DetrImageProcessorPil(
+        size={"shortest_edge": shortest_edge, "longest_edge": longest_edge}
+    ).save_pretrained(directory)
+    return directory
+
+
+def detr_panoptic(directory: Path, seed: int = 0) -> Path:
+    """A DETR panoptic segmenter (``DetrForSegmentation``): its mask head reads four backbone stages and needs widths
+    its group norms divide (64 wide, 8 heads). Its processor keeps the aspect ratio, as ``detr``'s does."""
+    transformers = _transformers()
+
+    torch.manual_seed(seed)
+    backbone = transformers.ResNetConfig(
+        embedding_size=8,
+        hidden_sizes=[8, 8, 16, 16],
+        depths=[1, 1, 1, 1],
+        layer_type="basic",
+        out_features=["stage1", "stage2", "stage3", "stage4"],
+    )
+    config = transformers.DetrConfig(
+        backbone_config=backbone,
+        use_timm_backbone=False,
+        num_queries=10,
+        d_model=64,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=8,
+        decoder_attention_heads=8,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        **_labels(OBJECT_LABELS),
+    )
+    _widen(transformers.DetrForSegmentation(config), seed).save_pretrained(directory)
+    transformers.DetrImageProcessorPil(size={"shortest_edge": 64, "longest_edge": 96}).save_pretrained(directory)
+    return directory
+
+
+def _widen(model: Any, seed: int) -> Any:
+    """Weights drawn wider than transformers draws them (the backbone aside), so that each query finds a box of its
+    own and scores spread around 0.5: at transformers' scale every query answers one box with one score."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if parameter.dim() >= 2 and "backbone" not in name:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
-    model.eval().save_pretrained(directory)
-    transformers.DetrImageProcessorPil(
-        size={"shortest_edge": shortest_edge, "longest_edge": longest_edge}
-    ).save_pretrained(directory)
-    return directory
+    return model.eval()
 
 
 def segformer(directory: Path, seed: int = 0, size: int = 32) -> Path:
