@@ -192,8 +192,11 @@ def _register_output_capture(model: torch.nn.Module) -> None:
     registry of its process, when a model is built: a model unpickled in a device host was built in its loader, so
     its classes are registered again here, or SegFormer's head gets no hidden states."""
     from transformers import PreTrainedModel
-    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # a transformers without this registry (a model's own, isolated): nothing to register
+        return
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
             _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
