@@ -49,10 +49,17 @@ TASKS = {
     # Speech (models/hf_audio_loading.py): a CTC model, or an encoder-decoder (Whisper) by generation.
     "automatic-speech-recognition": "AutoModelForCTC",
     "audio-classification": "AutoModelForAudioClassification",
+    # Images, batched per input shape (serving/hf_vision.py); a segmenter's Auto class depends on it (_auto_class).
+    "object-detection": "AutoModelForObjectDetection",
+    "image-segmentation": "AutoModelForImageSegmentation",
+    "zero-shot-image-classification": "AutoModelForZeroShotImageClassification",
 }
 GENERATIVE_TASKS = frozenset({"text-generation", "text2text-generation", "summarization", "translation"})
 ALIASES = {"sentiment-analysis": "text-classification", "ner": "token-classification"}
-IMAGE_TASKS = frozenset({"image-classification"})
+IMAGE_TASKS = frozenset(
+    {"image-classification", "object-detection", "image-segmentation", "zero-shot-image-classification"}
+)
+TEXT_AND_IMAGE_TASKS = frozenset({"zero-shot-image-classification"})  # its candidate labels are texts: a tokenizer too
 # What an architecture's name ends with, and the task it serves (``BertForSequenceClassification``: a classifier).
 ARCHITECTURE_TASKS = {
     "ForSequenceClassification": "text-classification",
@@ -63,6 +70,14 @@ ARCHITECTURE_TASKS = {
     "ForCausalLM": "text-generation",
     "LMHeadModel": "text-generation",
     **hf_audio_loading.ARCHITECTURE_TASKS,
+    "ForObjectDetection": "object-detection",
+    "ForSemanticSegmentation": "image-segmentation",
+    "ForInstanceSegmentation": "image-segmentation",
+    "ForUniversalSegmentation": "image-segmentation",
+    "ForSegmentation": "image-segmentation",  # DetrForSegmentation: panoptic
+    "CLIPModel": "zero-shot-image-classification",  # and AltCLIP, ChineseCLIP; bare image-text models, no head
+    "SiglipModel": "zero-shot-image-classification",
+    "Siglip2Model": "zero-shot-image-classification",
 }
 # Architectures whose name ends as another task's does (TAPAS answers questions about tables, not about texts).
 ARCHITECTURE_NAMES = {"TapasForQuestionAnswering": "table-question-answering"}
@@ -93,6 +108,7 @@ class HuggingFaceModel:
 
     def place(self, device: torch.device) -> HuggingFaceModel:
         self.model = self.model.to(device).eval()
+        _register_output_capture(self.model)
         return self
 
 
@@ -141,15 +157,14 @@ def load(model_dir: Path, task: str, trust_remote_code: bool, pooling: str | Non
         logger.warning("model_dir=%s runs the code its config.json names (trust_remote_code=true)", model_dir)
     options: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     try:
-        audio = task in hf_audio_loading.AUDIO_TASKS
-        auto = getattr(transformers, hf_audio_loading.auto_class(task, config) if audio else TASKS[base_task(task)])
+        auto = _auto_class(transformers, base_task(task), config)
         model, info = auto.from_pretrained(str(model_dir), weights_only=True, output_loading_info=True, **options)
         tokenizer = image_processor = feature_extractor = None
         if task in IMAGE_TASKS:
             image_processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir), **options)
-        elif audio:
+        if task in hf_audio_loading.AUDIO_TASKS:
             feature_extractor, tokenizer = hf_audio_loading.processors(transformers, model_dir, task, options)
-        else:
+        elif task not in IMAGE_TASKS or task in TEXT_AND_IMAGE_TASKS:
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), **options)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"transformers could not load {model_dir.name} for {task}: {exc}") from exc
@@ -176,6 +191,36 @@ def load(model_dir: Path, task: str, trust_remote_code: bool, pooling: str | Non
 def base_task(task: str) -> str:
     """The task a name stands for: ``translation_en_to_de`` is translation, from English to German."""
     return "translation" if TRANSLATION.fullmatch(task) else task
+
+
+def _auto_class(transformers: Any, task: str, config: dict[str, Any]) -> Any:
+    """The task's Auto class. A speech task's depends on the model (``hf_audio_loading.py``); image-segmentation has
+    several, as the pipeline has: the first whose mapping knows
+    the model type (DETR's panoptic head, a semantic segmenter such as SegFormer, a universal one such as
+    Mask2Former)."""
+    if task in hf_audio_loading.AUDIO_TASKS:
+        return getattr(transformers, hf_audio_loading.auto_class(task, config))
+    if task == "image-segmentation":
+        mappings = transformers.models.auto.modeling_auto
+        for kind in ("IMAGE", "SEMANTIC", "UNIVERSAL", "INSTANCE"):
+            if config.get("model_type") in getattr(mappings, f"MODEL_FOR_{kind}_SEGMENTATION_MAPPING_NAMES"):
+                return getattr(transformers, f"AutoModelFor{kind.title()}Segmentation")
+    return getattr(transformers, TASKS[task])
+
+
+def _register_output_capture(model: torch.nn.Module) -> None:
+    """transformers records which outputs a model class can capture (the hidden states SegFormer's head reads) in a
+    registry of its process, when a model is built: a model unpickled in a device host was built in its loader, so
+    its classes are registered again here, or SegFormer's head gets no hidden states."""
+    from transformers import PreTrainedModel
+
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # a transformers without this registry (a model's own, isolated): nothing to register
+        return
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
 
 
 def _check_head(model_dir: Path, task: str, config: dict[str, Any], info: dict[str, Any]) -> None:

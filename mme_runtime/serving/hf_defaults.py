@@ -23,7 +23,7 @@ from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
 from mme_runtime.models import hf_audio_loading, hf_loading, lora, model_cache, pt2
 from mme_runtime.models.serving_properties import ServingSettings
-from mme_runtime.serving import hf_generation, hf_requests
+from mme_runtime.serving import hf_generation, hf_requests, hf_vision
 from mme_runtime.serving.hf_audio_tasks import AudioRunner
 from mme_runtime.serving.hf_generation import GenerationLimits, GenerationRunner
 from mme_runtime.serving.hf_requests import TaskBatch, TaskRequest
@@ -90,6 +90,8 @@ class HuggingFaceDefaults:
 
     def default_input_fn(self, input_data: Any, content_type: str | None, context: Any = None) -> TaskRequest:
         request = hf_requests.decode(input_data, content_type, self.task)
+        if self.task in hf_vision.TASKS:  # a bad parameter is refused before the request joins a batch
+            hf_vision.check_parameters(self.task, request.parameters)
         if self.adapter is not None and context is not None:
             request.adapter = context.model_name  # the rows it adds to a pass use this model's adapter
         return request

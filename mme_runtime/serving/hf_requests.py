@@ -21,6 +21,7 @@ import numpy as np
 
 from mme_runtime.base.errors import InvalidInput, UnsupportedContentType
 from mme_runtime.models.hf_audio_loading import AUDIO_TASKS
+from mme_runtime.models.hf_loading import IMAGE_TASKS
 from mme_runtime.serving import content, hf_audio, hf_tables, hf_zero_shot
 
 IMAGE_TYPES = frozenset(
@@ -105,7 +106,7 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
         hf_zero_shot.check_parameters(parameters)
     elif task == hf_tables.TASK:
         hf_tables.check_parameters(parameters)
-    if task == "image-classification":
+    if task in IMAGE_TASKS:
         items = [_image(_base64(item)) for item in items]
     return TaskRequest(items, parameters, single)
 
@@ -128,9 +129,9 @@ def _check(item: Any, task: str) -> None:
     if task == "question-answering":
         if not isinstance(item, dict) or not all(isinstance(item.get(key), str) for key in QUESTION_KEYS):
             raise InvalidInput('question-answering takes {"question": "...", "context": "..."} (or a list of them)')
-    elif task == "image-classification":
+    elif task in IMAGE_TASKS:
         if not isinstance(item, str):
-            raise InvalidInput("image-classification takes an image body (image/png, image/jpeg, ...) or base64")
+            raise InvalidInput(f"{task} takes an image body (image/png, image/jpeg, ...) or base64 in JSON")
     elif task == hf_tables.TASK:
         hf_tables.check_input(item)
     elif task == "text-classification" and isinstance(item, dict):

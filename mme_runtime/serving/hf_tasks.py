@@ -19,7 +19,7 @@ import torch
 
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.models.hf_loading import HuggingFaceModel
-from mme_runtime.serving import hf_padding, hf_question_answering, hf_tables
+from mme_runtime.serving import hf_padding, hf_question_answering, hf_tables, hf_vision
 from mme_runtime.serving.hf_requests import TaskRequest
 
 # The tasks whose pipelines take "truncation": a text longer than the model takes may be cut to fit.
@@ -55,6 +55,8 @@ class TaskRunner:
         if self.task == hf_tables.TASK:
             return hf_tables.run(self._thread_pipeline(), self.model, requests, self._forward)
         pipeline = self._thread_pipeline()
+        if self.task in hf_vision.TASKS:  # images batched per shape, masks as PNG
+            return hf_vision.run(pipeline, requests)
         plans: list[tuple[int, int, dict[str, Any]]] = []  # (first row, rows, postprocess parameters) per input
         rows: list[dict[str, Any]] = []
         adapters: list[str | None] = []  # the LoRA adapter of each row (its request's)
