@@ -50,7 +50,16 @@ class RunningServer:
 
     def load(self, name: str, model_dir: Path | None = None, **extra: Any) -> requests.Response:
         body = {"model_name": name, "url": str(model_dir or self.model_dir(name)), **extra}
-        return requests.post(f"{self.url}/models", json=body, timeout=REQUEST_TIMEOUT_SECONDS)
+        response = requests.post(f"{self.url}/models", json=body, timeout=REQUEST_TIMEOUT_SECONDS)
+        if response.status_code == 200:
+            self.wait_for_batching_workers(name)
+        return response
+
+    def wait_for_batching_workers(self, name: str, timeout: float = 10) -> None:
+        """A batching model gets the connections that fill its batches from the entrypoint's scaler shortly after its
+        LOAD answers (``operations/scaler.py``): wait until they are asked for, so that a test's first burst batches."""
+        request = self.home / "run" / "worker-requests" / urllib.parse.quote(name, safe="")
+        wait_until(lambda: not request.exists(), timeout)
 
     def invoke(
         self,

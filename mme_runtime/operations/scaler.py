@@ -5,7 +5,7 @@ many connections per device. They cost a frontend thread and an executor thread 
 the weights. A model whose ``serving.properties`` asks for batching therefore asks for ``batch_size`` workers per
 device: its executor leaves a request in the runtime directory, and the entrypoint's supervisor, which knows the
 management port, raises the model's worker count with MMS's scale call (``PUT /models/{name}?min_worker=N``) once its
-LOAD has completed, and a second more: MMS answers a LOAD after its worker is READY, comparing its workers with the
+LOAD has completed, and half a second more: MMS answers a LOAD after its worker is READY, comparing its workers with the
 model's minimum then, so a minimum raised in between would turn that LOAD's 200 into 210 "Workers scaling in
 progress...". It never lowers a count someone set higher. Neither side imports torch.
 """
@@ -25,7 +25,7 @@ from mme_runtime.base.janitor import REQUEST_TIMEOUT_SECONDS, get_json, write_ma
 logger = logging.getLogger(__name__)
 
 REQUEST_LIFETIME_SECONDS = 120.0  # a LOAD slower than this gets no extra connections: the log says so
-READY_SECONDS = 1.0  # how long a model is seen READY before it is scaled: its LOAD's answer has left by then
+READY_SECONDS = 0.5  # how long a model is seen READY before it is scaled: its LOAD's answer has left by then
 
 
 def requests_dir(runtime_dir: Path) -> Path:
