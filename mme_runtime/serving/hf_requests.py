@@ -3,8 +3,9 @@
 
 A request is ``{"inputs": ..., "parameters": {...}}`` in JSON (a string or a list of strings; for
 question-answering ``{"question", "context"}`` or a list of them), a CSV with an ``inputs`` (or ``question`` and
-``context``) header, or an image (``image/png``, ``image/jpeg``, ...). The answer is the pipeline's, in compact JSON
-or CSV. A ``TaskRequest`` is what several requests share a forward pass as: one row per input.
+``context``) header, an image (``image/png``, ``image/jpeg``, ...), or an NPY array (``hf_npy.py``). The answer is
+the pipeline's, in compact JSON, CSV or NPY; the sentence tasks read theirs in ``hf_sentences.py``. A ``TaskRequest``
+is what several requests share a forward pass as: one row per input.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from typing import Any
 import numpy as np
 
 from mme_runtime.base.errors import InvalidInput, UnsupportedContentType
-from mme_runtime.serving import content
+from mme_runtime.models import hf_sentence_loading
+from mme_runtime.serving import content, hf_npy
 
 IMAGE_TYPES = frozenset(
     {"image/jpeg", "image/png", "image/tiff", "image/bmp", "image/gif", "image/webp", "image/x-image"}
 )
-ACCEPTS = (content.JSON, content.CSV)
+ACCEPTS = (content.JSON, content.CSV, content.NPY)
 QUESTION_KEYS = ("question", "context")
 # An image is decoded into the process every model of its device shares: 25 megapixels is 75 MB as RGB.
 MAX_IMAGE_PIXELS = 25_000_000
@@ -67,9 +69,11 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
     media = content.media_type(content_type) or content.JSON
     if media in IMAGE_TYPES:
         return TaskRequest([_image(body)])
-    if isinstance(body, (bytes, bytearray)):
+    if isinstance(body, (bytes, bytearray)) and media != content.NPY:
         body = content.utf8_text(body)
-    if media == content.JSON:
+    if media == content.NPY:
+        data = {"inputs": hf_npy.inputs(body)}  # the array is the inputs (hf_npy.py)
+    elif media == content.JSON:
         try:
             data = json.loads(body)
         except ValueError as exc:
@@ -78,7 +82,8 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
         data = _csv(body)
     else:
         raise UnsupportedContentType(
-            f"content type {content_type!r} is not supported: send {content.JSON}, {content.CSV} or an image type"
+            f"content type {content_type!r} is not supported: send {content.JSON}, {content.CSV}, {content.NPY} or an "
+            "image type"
         )
     if not isinstance(data, dict) or "inputs" not in data:
         raise InvalidInput('the body must be a JSON object with "inputs" (and optionally "parameters")')
@@ -86,6 +91,10 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
     if not isinstance(parameters, dict):
         raise InvalidInput(f'"parameters" must be an object, not {type(parameters).__name__}')
     inputs = data["inputs"]
+    if task in hf_sentence_loading.TASKS:
+        from mme_runtime.serving import hf_sentences  # which builds on this module's TaskRequest
+
+        return hf_sentences.request(inputs, parameters, task)
     single = not isinstance(inputs, list)
     items = [inputs] if single else inputs
     if not items:
@@ -98,7 +107,9 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
 
 
 def encode(answer: Any, accept: str) -> bytes:
-    """The answer in compact JSON (as the toolkit writes it), or CSV for a list of records."""
+    """The answer in compact JSON (as the toolkit writes it), CSV for a list of records, or NPY for numbers."""
+    if content.media_type(accept) == content.NPY:
+        return hf_npy.encode(answer)
     if content.media_type(accept) == content.CSV:
         records = answer if isinstance(answer, list) else [answer]
         if not records or not all(isinstance(record, dict) for record in records):
