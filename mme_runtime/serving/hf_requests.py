@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 
 from mme_runtime.base.errors import InvalidInput, UnsupportedContentType
-from mme_runtime.models import hf_sentence_loading
-from mme_runtime.serving import content, hf_npy
+from mme_runtime.serving import content, hf_npy, hf_sentences
 
 IMAGE_TYPES = frozenset(
     {"image/jpeg", "image/png", "image/tiff", "image/bmp", "image/gif", "image/webp", "image/x-image"}
@@ -91,10 +90,8 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
     if not isinstance(parameters, dict):
         raise InvalidInput(f'"parameters" must be an object, not {type(parameters).__name__}')
     inputs = data["inputs"]
-    if task in hf_sentence_loading.TASKS:
-        from mme_runtime.serving import hf_sentences  # which builds on this module's TaskRequest
-
-        return hf_sentences.request(inputs, parameters, task)
+    if task in hf_sentences.TASKS:
+        return TaskRequest(*hf_sentences.request(inputs, parameters, task))
     single = not isinstance(inputs, list)
     items = [inputs] if single else inputs
     if not items:

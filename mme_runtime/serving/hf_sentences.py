@@ -15,18 +15,16 @@ tasks as pooled feature-extraction (``hf_tasks.py``), ranking through ``scores``
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.models.hf_loading import HuggingFaceModel
 from mme_runtime.models.hf_sentence_loading import IDENTITY, RANKING_TASK, TASKS
-from mme_runtime.serving.hf_requests import TaskRequest
 
-__all__ = ["TASKS", "SentenceRequest", "request", "scores", "shape"]
+__all__ = ["TASKS", "request", "scores", "shape"]
 
 RANKING_KEYS = frozenset({"sentences", "query", "texts", "return_documents"})
 PAIRS = "sentence-ranking takes [query, passage] pairs: a list of them, or one"
@@ -35,17 +33,21 @@ _MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 Forward = Callable[[list[dict[str, Any]], Callable[[Any], Any]], list[dict[str, Any]]]
 
 
-@dataclass(eq=False)
-class SentenceRequest(TaskRequest):
-    """A sentence task's request: its sentences (the source first, for similarity) or its pairs, one row each.
-    ``ranked``: sent as ``{"query", "texts"}``, answered as a ranking."""
+class Request(Protocol):
+    """What is read here of a request (``hf_requests.TaskRequest``, which is built from ``request``'s answer)."""
 
-    ranked: bool = False
-    return_documents: bool = False
+    inputs: list[Any]
+    parameters: dict[str, Any]
+    single: bool
 
 
-def request(inputs: Any, parameters: dict[str, Any], task: str) -> SentenceRequest:
-    """The request's rows. Raises ``InvalidInput`` naming what the task takes."""
+Rows = tuple[list[Any], dict[str, Any], bool]
+
+
+def request(inputs: Any, parameters: dict[str, Any], task: str) -> Rows:
+    """A request's rows (its sentences, the source first for similarity, or its pairs), its parameters and whether it
+    sent one input. A ranking's parameters are the toolkit pipeline's: ``query`` and ``return_documents``. Raises
+    ``InvalidInput`` naming what the task takes."""
     if parameters:  # the Hugging Face toolkit drops them unread: a client relying on one would be misled
         raise InvalidInput(f"{task} takes no parameters, not {sorted(parameters)}")
     if task == "sentence-similarity":
@@ -54,7 +56,7 @@ def request(inputs: Any, parameters: dict[str, Any], task: str) -> SentenceReque
         if not isinstance(inputs["source_sentence"], str):
             raise InvalidInput('"source_sentence" must be a string')
         sentences, _ = _texts(inputs["sentences"], '"sentences"')
-        return SentenceRequest([inputs["source_sentence"], *sentences], single=False)
+        return [inputs["source_sentence"], *sentences], {}, False
     if task == RANKING_TASK:
         return _ranking(inputs)
     if isinstance(inputs, dict):
@@ -62,10 +64,10 @@ def request(inputs: Any, parameters: dict[str, Any], task: str) -> SentenceReque
             raise InvalidInput('sentence-embeddings takes a string, a list of strings, or {"sentences": ...}')
         inputs = inputs["sentences"]
     sentences, single = _texts(inputs, '"inputs"')
-    return SentenceRequest(sentences, single=single)
+    return sentences, {}, single
 
 
-def _ranking(inputs: Any) -> SentenceRequest:
+def _ranking(inputs: Any) -> Rows:
     if not isinstance(inputs, dict):
         return _pairs(inputs)
     unknown = set(inputs) - RANKING_KEYS
@@ -82,11 +84,10 @@ def _ranking(inputs: Any) -> SentenceRequest:
     return_documents = inputs.get("return_documents", False)
     if not isinstance(return_documents, bool):
         raise InvalidInput(f'"return_documents" must be true or false, not {return_documents!r}')
-    pairs = [(query, text) for text in documents]
-    return SentenceRequest(pairs, single=False, ranked=True, return_documents=return_documents)
+    return [(query, text) for text in documents], {"query": query, "return_documents": return_documents}, False
 
 
-def _pairs(inputs: Any) -> SentenceRequest:
+def _pairs(inputs: Any) -> Rows:
     if not isinstance(inputs, (list, tuple)) or not inputs:
         raise InvalidInput(PAIRS)
     single = not isinstance(inputs[0], (list, tuple))  # as CrossEncoder.predict tells one pair from a list
@@ -94,7 +95,7 @@ def _pairs(inputs: Any) -> SentenceRequest:
     for pair in pairs:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not all(isinstance(text, str) for text in pair):
             raise InvalidInput(f"{PAIRS}; not {pair!r}"[:300])
-    return SentenceRequest([(query, passage) for query, passage in pairs], single=single)
+    return [(query, passage) for query, passage in pairs], {}, single
 
 
 def _texts(value: Any, name: str, single_allowed: bool = True) -> tuple[list[str], bool]:
@@ -107,7 +108,7 @@ def _texts(value: Any, name: str, single_allowed: bool = True) -> tuple[list[str
     return value, False
 
 
-def scores(tokenizer: Any, model: HuggingFaceModel, requests: list[TaskRequest], forward: Forward) -> list[Any]:
+def scores(tokenizer: Any, model: HuggingFaceModel, requests: Sequence[Request], forward: Forward) -> list[Any]:
     """Each pair's score, in order, as ``CrossEncoder.predict`` gives it: the pair tokenized together and cut to the
     model's length (longest text first), its logits through the model's activation; one number for a model of one
     label, a list for more. ``forward`` runs the pairs of all requests in padded passes."""
@@ -135,19 +136,20 @@ def scores(tokenizer: Any, model: HuggingFaceModel, requests: list[TaskRequest],
     return answers
 
 
-def shape(task: str, answers: list[Any], request: TaskRequest) -> Any:
+def shape(task: str, answers: list[Any], request: Request) -> Any:
     """A request's answer from its rows' (vectors or scores), as the toolkit's sentence pipelines give it."""
     if task == "sentence-embeddings":
         return {"embeddings": answers[0] if request.single else answers}
     if task == "sentence-similarity":
         vectors = torch.nn.functional.normalize(torch.tensor(answers, dtype=torch.float32), dim=1)
         return {"similarities": (vectors[1:] @ vectors[0]).tolist()}
-    if not (isinstance(request, SentenceRequest) and request.ranked):
+    if "query" not in request.parameters:
         return {"scores": answers[0] if request.single else answers}
     if any(isinstance(score, list) for score in answers):
         raise InvalidInput("a ranking needs a model of one label (a relevance score); send pairs for its logits")
     # CrossEncoder.rank's records, stably sorted best first, with the toolkit's renaming of corpus_id to index last.
     ranked = sorted(range(len(answers)), key=lambda index: answers[index], reverse=True)
     texts = [passage for _, passage in request.inputs]
-    records = [{"score": answers[i], **({"text": texts[i]} if request.return_documents else {})} for i in ranked]
+    documents = request.parameters["return_documents"]
+    records = [{"score": answers[i], **({"text": texts[i]} if documents else {})} for i in ranked]
     return [record | {"index": index} for record, index in zip(records, ranked, strict=True)]
