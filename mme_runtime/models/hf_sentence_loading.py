@@ -35,9 +35,16 @@ def configure(model_dir: Path, loaded: Any) -> None:
     """Makes a loaded model (``hf_loading.HuggingFaceModel``) compute what its sentence task answers: pooled
     feature-extraction for the embedding tasks (its pooling and normalization read by ``hf_loading``), or scores
     for ranking. Raises ``ModelLoadError`` for a directory that would answer otherwise than sentence-transformers."""
-    loaded.truncate_to = loaded.truncate_to or loaded.max_length  # sentence-transformers always cuts, never refuses
+    # sentence-transformers reads sentence_bert_config.json only beside a modules.json (else it builds its default
+    # modules): it always cuts, never refuses, at max_seq_length, else at what the model takes.
+    listed = (model_dir / "modules.json").is_file()
+    settings = _read(model_dir / "sentence_bert_config.json") if listed else {}
+    max_seq_length = settings.get("max_seq_length") if isinstance(settings, dict) else None
+    loaded.truncate_to = max_seq_length if isinstance(max_seq_length, int) and max_seq_length > 0 else loaded.max_length
+    if isinstance(settings, dict) and settings.get("do_lower_case"):
+        _lower_case(loaded.tokenizer)
+    _check_modules(model_dir, SERVED_MODULES if loaded.task in EMBEDDING_TASKS else SERVED_MODULES[:1])
     if loaded.task in EMBEDDING_TASKS:
-        _check_modules(model_dir)
         loaded.task = "feature-extraction"
         loaded.pooling = loaded.pooling or DEFAULT_POOLING
     else:
@@ -91,15 +98,31 @@ def score_activation(model_dir: Path, config: Any) -> str:
     return SIGMOID if config.num_labels == 1 else IDENTITY
 
 
-def _check_modules(model_dir: Path) -> None:
+def _lower_case(tokenizer: Any) -> None:
+    """``do_lower_case``: texts lowercased before the tokenizer's own normalization, as sentence-transformers does it
+    (a ``Lowercase`` put first, unless the tokenizer has one)."""
+    from tokenizers.normalizers import Lowercase, Sequence
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ModelLoadError("do_lower_case=true in sentence_bert_config.json needs a fast tokenizer (tokenizer.json)")
+    current = backend.normalizer
+    steps = [] if current is None else [current]
+    if isinstance(current, Sequence):
+        steps = list(current)  # type: ignore[call-overload]  # it iterates over its steps: its stub does not say so
+    if not any(isinstance(step, Lowercase) for step in steps):
+        backend.normalizer = Sequence([Lowercase(), *steps])
+
+
+def _check_modules(model_dir: Path, served: tuple[str, ...]) -> None:
     modules = _read(model_dir / "modules.json", default=[])
     if not isinstance(modules, list) or not all(isinstance(module, dict) for module in modules):
         raise ModelLoadError(f"{model_dir.name}: modules.json is not a list of modules")
-    others = [str(module.get("type")) for module in modules if not str(module.get("type")).endswith(SERVED_MODULES)]
+    others = [str(module.get("type")) for module in modules if not str(module.get("type")).endswith(served)]
     if others:
         raise ModelLoadError(
             f"{model_dir.name}'s modules.json has modules served only with code ({', '.join(others)}): served with no "
-            f"code are {', '.join(SERVED_MODULES)}"
+            f"code are {', '.join(served)}"
         )
     paths = {str(module.get("path", "")) for module in modules if str(module.get("type")).endswith("Transformer")}
     if paths - {""}:

@@ -200,3 +200,14 @@ def test_a_directory_with_modules_served_only_with_code_fails_the_load(
     assert wait_until(
         lambda: "modules served only with code (sentence_transformers.models.Dense)" in server.log_text(), 10
     )
+
+
+def test_do_lower_case_holds_in_the_process_that_serves_the_model(server: RunningServer) -> None:
+    """The lowercasing is put into the tokenizer at LOAD: it must travel with the model to its device host."""
+    hf_sentence_models.sentence_transformer(server.models / "lower", do_lower_case=True, seed=3)
+    (server.models / "lower" / "serving.properties").write_text("task=sentence-embeddings\n")
+    assert server.load("lower").status_code == 200
+    shouted, quiet = (
+        server.invoke("lower", json.dumps({"inputs": text})).json()["embeddings"] for text in ("PARIS Is", "paris is")
+    )
+    assert close(shouted, quiet)

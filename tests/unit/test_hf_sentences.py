@@ -32,6 +32,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     hf_sentence_models.cross_encoder(root / "ranker")
     hf_sentence_models.cross_encoder(root / "two-labels", num_labels=2, seed=1)
     hf_sentence_models.cross_encoder(root / "tanh", activation="torch.nn.modules.activation.Tanh", seed=2)
+    hf_sentence_models.cross_encoder(root / "short", seed=3, max_seq_length=12)
+    hf_sentence_models.sentence_transformer(root / "lower", do_lower_case=True, seed=3)
     return root
 
 
@@ -55,7 +57,7 @@ def close(ours: Any, theirs: Any) -> bool:
     return bool(torch.allclose(torch.tensor(ours), torch.tensor(theirs), atol=1e-4, rtol=0))
 
 
-@pytest.mark.parametrize("name", ["hub", "modern", "cls"])
+@pytest.mark.parametrize("name", ["hub", "modern", "cls", "lower"])
 def test_embeddings_and_similarities_are_sentence_transformers_own(root: Path, name: str) -> None:
     from sentence_transformers import SentenceTransformer, util
 
@@ -73,7 +75,7 @@ def test_embeddings_and_similarities_are_sentence_transformers_own(root: Path, n
         assert list(answer) == ["similarities"] and close(answer["similarities"], expected)
 
 
-@pytest.mark.parametrize("name", ["ranker", "two-labels", "tanh"])
+@pytest.mark.parametrize("name", ["ranker", "two-labels", "tanh", "short"])
 def test_scores_are_cross_encoder_predicts_with_its_activation(root: Path, name: str) -> None:
     from sentence_transformers import CrossEncoder
 
@@ -82,6 +84,18 @@ def test_scores_are_cross_encoder_predicts_with_its_activation(root: Path, name:
     assert close(several["scores"], reference.predict(PAIRS).tolist())
     assert isinstance(one["scores"], float if name != "two-labels" else list)
     assert close(one["scores"], reference.predict(PAIRS[1]).tolist())
+
+
+def test_do_lower_case_lowercases_texts_as_sentence_transformers_does(root: Path) -> None:
+    lower = runner(root / "lower", "sentence-embeddings")
+    shouted, quiet = ask(lower, "sentence-embeddings", "PARIS is THE Capital", "paris is the capital")
+    assert close(shouted["embeddings"], quiet["embeddings"])
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(root / "lower"), device="cpu")
+    assert close(shouted["embeddings"], reference.encode("PARIS is THE Capital").tolist())
+    cased = runner(root / "hub", "sentence-embeddings")  # its tokenizer lowercases: texts are left to it
+    assert cased.model.tokenizer.backend_tokenizer.normalizer.__class__.__name__ == "BertNormalizer"
 
 
 def test_a_ranking_is_cross_encoder_rank_with_the_toolkits_index(root: Path) -> None:
