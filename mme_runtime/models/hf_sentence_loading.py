@@ -27,6 +27,15 @@ TASKS = EMBEDDING_TASKS | {RANKING_TASK}
 SERVED_MODULES = ("Transformer", "Pooling", "Normalize")
 # sentence-transformers' pooling for a model with no 1_Pooling/config.json: the mean of its tokens.
 DEFAULT_POOLING = "mean"
+# How sentence-transformers 2 to 5 wrote the pooling in 1_Pooling/config.json, one flag per mode.
+LEGACY_POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
 # Activations a CrossEncoder may name, and the default: sigmoid for one label (a relevance score), else the logits.
 SIGMOID, IDENTITY = "Sigmoid", "Identity"
 
@@ -61,14 +70,7 @@ def pooling_mode(settings: dict[str, Any]) -> str | None:
         return mode
     if mode is not None:
         return None  # several modes concatenated: not served
-    legacy = {
-        "cls_token": "cls",
-        "max_tokens": "max",
-        "mean_tokens": "mean",
-        "mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-    }
-    legacy |= {"weightedmean_tokens": "weightedmean", "lasttoken": "lasttoken"}
-    chosen = [name for key, name in legacy.items() if settings.get(f"pooling_mode_{key}")]
+    chosen = [name for key, name in LEGACY_POOLING_KEYS.items() if settings.get(key)]
     return DEFAULT_POOLING if not chosen else chosen[0] if len(chosen) == 1 else None
 
 
