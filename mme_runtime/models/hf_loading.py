@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mme_runtime.base.errors import ModelLoadError
-from mme_runtime.models import hf_audio_loading
+from mme_runtime.models import hf_audio_loading, hf_sentence_loading
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +53,14 @@ TASKS = {
     "object-detection": "AutoModelForObjectDetection",
     "image-segmentation": "AutoModelForImageSegmentation",
     "zero-shot-image-classification": "AutoModelForZeroShotImageClassification",
+    # sentence-transformers directories (hf_sentence_loading.py): pooled vectors, or a cross-encoder's scores.
+    "sentence-embeddings": "AutoModel",
+    "sentence-similarity": "AutoModel",
+    "sentence-ranking": "AutoModelForSequenceClassification",
 }
 GENERATIVE_TASKS = frozenset({"text-generation", "text2text-generation", "summarization", "translation"})
 ALIASES = {"sentiment-analysis": "text-classification", "ner": "token-classification"}
+ALIASES |= {"text-ranking": "sentence-ranking"}  # the Hugging Face toolkit's other name for it
 IMAGE_TASKS = frozenset(
     {"image-classification", "object-detection", "image-segmentation", "zero-shot-image-classification"}
 )
@@ -103,6 +108,7 @@ class HuggingFaceModel:
     pooling: str | None = None  # feature-extraction: "mean" or "cls" gives one vector per input; None, every token's
     normalize: bool = False  # pooled vectors scaled to length 1 (a sentence-transformers Normalize module)
     truncate_to: int | None = None  # a sentence-transformers model's max_seq_length: longer texts are cut to it
+    score_activation: str | None = None  # sentence-ranking: the torch.nn activation of its scores (Sigmoid, ...)
     adapters: Any = None  # its LoRA adapters once one is attached in the process that serves it (``lora.py``)
     feature_extractor: Any = None  # audio tasks: turns a waveform into the model's inputs
 
@@ -182,9 +188,11 @@ def load(model_dir: Path, task: str, trust_remote_code: bool, pooling: str | Non
     limit = min(limits) if limits else None
     loaded = HuggingFaceModel(task, model.eval(), tokenizer, image_processor, limit, "auto_map" in config)
     loaded.feature_extractor = feature_extractor
-    if task == "feature-extraction":
+    if task == "feature-extraction" or task in hf_sentence_loading.EMBEDDING_TASKS:
         loaded.pooling, loaded.normalize = _pooling(model_dir, pooling)
         loaded.truncate_to = _max_seq_length(model_dir) if loaded.pooling else None
+    if task in hf_sentence_loading.TASKS:
+        hf_sentence_loading.configure(model_dir, loaded)
     return loaded
 
 
@@ -226,7 +234,7 @@ def _register_output_capture(model: torch.nn.Module) -> None:
 def _check_head(model_dir: Path, task: str, config: dict[str, Any], info: dict[str, Any]) -> None:
     """A task whose head the weights do not hold would answer from random weights: the LOAD fails instead."""
     missing = [*info.get("missing_keys", []), *(key for key, *_ in info.get("mismatched_keys", []))]
-    if task == "feature-extraction":  # its answer is the hidden states: a pooler the weights lack is never read
+    if TASKS.get(task) == "AutoModel":  # its answer is the hidden states: a pooler the weights lack is never read
         missing = [key for key in missing if "pooler" not in key]
     if missing:
         raise ModelLoadError(
@@ -267,10 +275,9 @@ def _pooling(model_dir: Path, configured: str | None) -> tuple[str | None, bool]
         settings = json.loads((model_dir / "1_Pooling" / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None, False
-    if settings.get("pooling_mode_cls_token"):
-        return "cls", normalize
-    if settings.get("pooling_mode_mean_tokens"):
-        return "mean", normalize
+    mode = hf_sentence_loading.pooling_mode(settings)
+    if mode in ("cls", "mean"):
+        return mode, normalize
     raise ModelLoadError(f"1_Pooling/config.json asks for a pooling this server does not do: {settings}; set pooling=")
 
 

@@ -5,8 +5,9 @@ frontend connection, answered through ``handler_service.py``), ``transformer`` (
 ``context`` (what user functions receive) and ``placement`` (the model on its device). A Hugging Face model served
 with no code swaps the contract's defaults for ``hf_defaults``: ``hf_requests`` (the AWS Hugging Face container's
 request and answer), ``hf_tasks`` (a batch through the task's pipeline), ``hf_padding`` (rows grouped by length,
-padded and cut back), ``hf_question_answering``, ``hf_zero_shot`` (zero-shot's parameters), ``hf_tables`` (TAPAS)
-and ``hf_vision`` (images batched per shape); its generative tasks go through ``hf_generation`` (requests into
+padded and cut back), ``hf_question_answering``, ``hf_zero_shot`` (zero-shot's parameters), ``hf_tables`` (TAPAS),
+``hf_vision`` (images batched per shape), ``hf_sentences`` (sentence-transformers' tasks) and ``hf_npy`` (NPY
+bodies); its generative tasks go through ``hf_generation`` (requests into
 rows and answers, with ``hf_generation_tasks``), ``hf_scheduler`` (rows join and leave between steps),
 ``hf_decoding`` (one step of every row, their caches padded together, kept by ``hf_kv_cache``) and ``hf_rows`` (how a
 row picks its token); its speech tasks through ``hf_audio`` (audio bodies decoded and resampled) and

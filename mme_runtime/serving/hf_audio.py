@@ -32,16 +32,22 @@ MAX_SAMPLING_RATE = 96_000
 BLOCK_FRAMES = 1 << 16  # decoded and mixed down a block at a time: never all channels of the clip at once
 
 
+# An array of samples (an NPY body) says no rate: it is taken at the model's, as the pipeline takes a bare array.
+MODELS_RATE = 0
+NOMINAL_RATE = 16_000  # what such a clip's length is counted at, against the cap: speech models' usual rate
+
+
 @dataclass(eq=False)
 class Audio:
-    """A clip decoded to one channel of float32 samples at its own rate (resampled later, to the model's)."""
+    """A clip decoded to one channel of float32 samples at its own rate (resampled later, to the model's), or at
+    ``MODELS_RATE``."""
 
     samples: np.ndarray
     sampling_rate: int
 
     @property
     def seconds(self) -> float:
-        return len(self.samples) / self.sampling_rate
+        return len(self.samples) / (self.sampling_rate or NOMINAL_RATE)
 
 
 def read_body(body: Any, content_type: str | None, task: str, audio_tasks: frozenset[str]) -> Audio:
@@ -53,15 +59,24 @@ def read_body(body: Any, content_type: str | None, task: str, audio_tasks: froze
 
 
 def read_inputs(items: list[Any], task: str) -> list[Audio]:
-    """Audio files sent as base64 in JSON's ``inputs``; together they last at most ``MAX_AUDIO_SECONDS``."""
+    """Audio files sent as base64 in JSON's ``inputs`` (or samples, in an NPY body); together they last at most
+    ``MAX_AUDIO_SECONDS``."""
     clips = []
     total = 0.0
     for item in items:
-        clips.append(read_base64(item, task))
+        clips.append(samples(item, task) if isinstance(item, np.ndarray) else read_base64(item, task))
         total += clips[-1].seconds
         if total > MAX_AUDIO_SECONDS:
             raise InvalidInput(f"the clips of this request last {total:.1f} s or more; at most {MAX_AUDIO_SECONDS} s")
     return clips
+
+
+def samples(item: np.ndarray, task: str) -> Audio:
+    """A clip sent as its samples (an NPY body's row of numbers: ``hf_npy.py``), at the model's rate."""
+    clip = np.asarray(item, dtype=np.float32)
+    if clip.ndim != 1 or not clip.size:
+        raise InvalidInput(f"{task} takes samples as one row of numbers per clip")
+    return Audio(clip, MODELS_RATE)
 
 
 def read_base64(item: Any, task: str) -> Audio:
@@ -107,7 +122,7 @@ def decode(raw: bytes) -> Audio:
 def resample(audio: Audio, sampling_rate: int) -> np.ndarray:
     """The clip at ``sampling_rate``: soxr's high-quality resampler (transformers' pipelines resample with
     torchaudio, which no wheel of this torch has), or the samples themselves at that rate already."""
-    if audio.sampling_rate == sampling_rate:
+    if audio.sampling_rate in (sampling_rate, MODELS_RATE):
         return audio.samples
     import soxr
 

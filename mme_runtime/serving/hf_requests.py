@@ -3,8 +3,9 @@
 
 A request is ``{"inputs": ..., "parameters": {...}}`` in JSON (a string or a list of strings; for
 question-answering ``{"question", "context"}`` or a list of them), a CSV with an ``inputs`` (or ``question`` and
-``context``) header, or an image (``image/png``, ``image/jpeg``, ...). The answer is the pipeline's, in compact JSON
-or CSV. A ``TaskRequest`` is what several requests share a forward pass as: one row per input.
+``context``) header, an image (``image/png``, ``image/jpeg``, ...), or an NPY array (``hf_npy.py``). The answer is
+the pipeline's, in compact JSON, CSV or NPY; the sentence tasks read theirs in ``hf_sentences.py``. A ``TaskRequest``
+is what several requests share a forward pass as: one row per input.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ import numpy as np
 from mme_runtime.base.errors import InvalidInput, UnsupportedContentType
 from mme_runtime.models.hf_audio_loading import AUDIO_TASKS
 from mme_runtime.models.hf_loading import IMAGE_TASKS
-from mme_runtime.serving import content, hf_audio, hf_tables, hf_zero_shot
+from mme_runtime.serving import content, hf_audio, hf_npy, hf_sentences, hf_tables, hf_zero_shot
 
 IMAGE_TYPES = frozenset(
     {"image/jpeg", "image/png", "image/tiff", "image/bmp", "image/gif", "image/webp", "image/x-image"}
 )
-ACCEPTS = (content.JSON, content.CSV)
+ACCEPTS = (content.JSON, content.CSV, content.NPY)
 QUESTION_KEYS = ("question", "context")
 # An image is decoded into the process every model of its device shares: 25 megapixels is 75 MB as RGB.
 MAX_IMAGE_PIXELS = 25_000_000
@@ -73,9 +74,11 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
         return TaskRequest([_image(body)])
     if media in hf_audio.AUDIO_TYPES:  # speech models: serving/hf_audio.py
         return TaskRequest([hf_audio.read_body(body, content_type, task, AUDIO_TASKS)])
-    if isinstance(body, (bytes, bytearray)):
+    if isinstance(body, (bytes, bytearray)) and media != content.NPY:
         body = content.utf8_text(body)
-    if media == content.JSON:
+    if media == content.NPY:
+        data = {"inputs": hf_npy.inputs(body)}  # the array is the inputs (hf_npy.py)
+    elif media == content.JSON:
         try:
             data = json.loads(body)
         except ValueError as exc:
@@ -86,7 +89,8 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
         data = _csv(body)
     else:
         raise UnsupportedContentType(
-            f"content type {content_type!r} is not supported: send {content.JSON}, {content.CSV}, an image or audio"
+            f"content type {content_type!r} is not supported: send {content.JSON}, {content.CSV}, {content.NPY}, an "
+            "image or audio"
         )
     if not isinstance(data, dict) or "inputs" not in data:
         raise InvalidInput('the body must be a JSON object with "inputs" (and optionally "parameters")')
@@ -94,6 +98,8 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
     if not isinstance(parameters, dict):
         raise InvalidInput(f'"parameters" must be an object, not {type(parameters).__name__}')
     inputs = data["inputs"]
+    if task in hf_sentences.TASKS:
+        return TaskRequest(*hf_sentences.request(inputs, parameters, task))
     single = not isinstance(inputs, list)
     items = [inputs] if single else inputs
     if not items:
@@ -112,7 +118,9 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
 
 
 def encode(answer: Any, accept: str) -> bytes:
-    """The answer in compact JSON (as the toolkit writes it), or CSV for a list of records."""
+    """The answer in compact JSON (as the toolkit writes it), CSV for a list of records, or NPY for numbers."""
+    if content.media_type(accept) == content.NPY:
+        return hf_npy.encode(answer)
     if content.media_type(accept) == content.CSV:
         records = answer if isinstance(answer, list) else [answer]
         if not records or not all(isinstance(record, dict) for record in records):

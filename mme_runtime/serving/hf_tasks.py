@@ -3,7 +3,8 @@ pipeline (tokenized, with the request's own parameters), the rows are grouped by
 one forward pass (``hf_padding.py``), and each row, cut back to its own length, is post-processed as the pipeline
 does for that input alone. So each client gets what the unbatched pipeline answers for its input.
 
-transformers 5 has no question-answering pipeline: ``hf_question_answering.py`` is its stand-in here.
+transformers 5 has no question-answering pipeline: ``hf_question_answering.py`` is its stand-in here. The sentence
+tasks (``hf_sentences.py``) run as pooled feature-extraction, or score pairs there.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.models.hf_loading import HuggingFaceModel
-from mme_runtime.serving import hf_padding, hf_question_answering, hf_tables, hf_vision
+from mme_runtime.serving import hf_padding, hf_question_answering, hf_sentences, hf_tables, hf_vision
 from mme_runtime.serving.hf_requests import TaskRequest
 
 # The tasks whose pipelines take "truncation": a text longer than the model takes may be cut to fit.
@@ -39,7 +40,7 @@ class TaskRunner:
         self.task = model.task
         self._local = threading.local()
         self._pipeline: Any = None
-        if self.task != "question-answering":
+        if self.task not in ("question-answering", "sentence-ranking"):  # written by hand
             self._pipeline = transformers.pipeline(
                 self.task,
                 model=model.model,
@@ -50,6 +51,8 @@ class TaskRunner:
 
     def run(self, requests: list[TaskRequest]) -> list[Any]:
         """Each input's answer, in order (one per row of every request)."""
+        if self.task == "sentence-ranking":
+            return hf_sentences.scores(self._tokenizer(), self.model, requests, self._forward)
         if self._pipeline is None:
             return hf_question_answering.run(self._tokenizer(), self.model, requests, self._forward)
         if self.task == hf_tables.TASK:
@@ -188,6 +191,8 @@ def _is_chunked(pipeline: Any) -> bool:
 def shape(task: str, answers: list[Any], request: TaskRequest) -> Any:
     """The answers of one request as the pipeline returns them for its input: for one input, its answer (a text
     classifier's in a list unless ``top_k`` was given); for a list, the list (fill-mask unwraps a list of one)."""
+    if task in hf_sentences.TASKS:
+        return hf_sentences.shape(task, answers, request)
     if request.single:
         wrap = task == "text-classification" and "top_k" not in request.parameters
         return [answers[0]] if wrap else answers[0]

@@ -69,6 +69,32 @@ def test_ctc_and_classifier_answers_in_one_batch_equal_the_lone_pipelines(tmp_pa
             assert _close(answer, expected), (task, answer, expected)
 
 
+def test_npy_samples_are_taken_at_the_models_rate_as_the_pipeline_takes_a_bare_array(tmp_path: Path) -> None:
+    import numpy as np
+
+    from mme_runtime.serving.hf_requests import decode
+
+    directory = hf_audio_models.wav2vec2_classifier(tmp_path / "cls")
+    runner, pipeline = _runner(directory, "audio-classification"), _pipeline(directory, "audio-classification")
+    clips = np.stack([_clip(1.0, seed).samples for seed in range(2)])
+    request = decode(_npy(clips), "application/x-npy", "audio-classification")
+    assert not request.single and [clip.sampling_rate for clip in request.inputs] == [0, 0]
+    for answer, clip in zip(runner.run([request]), clips, strict=True):
+        assert _close(answer, pipeline(clip)), answer
+    with pytest.raises(InvalidInput, match="NaN"):
+        decode(_npy(np.array([0.5, np.nan], dtype=np.float32)), "application/x-npy", "audio-classification")
+
+
+def _npy(array: Any) -> bytes:
+    import io
+
+    import numpy as np
+
+    body = io.BytesIO()
+    np.save(body, array)
+    return body.getvalue()
+
+
 def test_a_model_that_normalizes_over_the_whole_clip_never_pads() -> None:
     rows = [{"input_values": torch.zeros(1, n)} for n in (3200, 6400, 3200)]
     assert hf_audio_tasks.pass_groups(rows, [{}] * 3, maskable=False) == [[0, 2], [1]]
