@@ -92,9 +92,9 @@ def run(pipeline: Any, model: HuggingFaceModel, requests: Sequence[Request], for
     answers = []
     for table, planned in plans:
         if not isinstance(planned, list):  # a sequential input: the pipeline's own outputs
-            answers.append(pipeline.postprocess(planned))
+            answers.append(_postprocess(pipeline, planned))
             continue
-        each = [pipeline.postprocess(_pipeline_outputs(rows[index], outputs[index], table)) for index in planned]
+        each = [_postprocess(pipeline, _pipeline_outputs(rows[index], outputs[index], table)) for index in planned]
         answers.append(each[0] if len(each) == 1 else each)
     return answers
 
@@ -117,6 +117,16 @@ def _prepare(pipeline: Any, model: HuggingFaceModel, table: Any, query: Any, opt
     if bool((prepared["token_type_ids"].reshape(-1, len(sizes)).max(dim=0).values >= sizes).any()):
         raise InvalidInput(f"the table has more rows or columns than the model numbers ({sizes.tolist()})")
     return prepared
+
+
+def _postprocess(pipeline: Any, outputs: dict[str, Any]) -> Any:
+    """The pipeline's answer to one pair. A table with no text at all (every cell and column name empty) gives it no
+    cell to answer from, and it fails (an UnboundLocalError in transformers 5): that is this request's 400, so that
+    the batcher retries the requests beside it without it, not a 500 for all of them."""
+    try:
+        return pipeline.postprocess(outputs)
+    except Exception as exc:  # noqa: BLE001 - it reads only this pair's table, tokens and logits
+        raise InvalidInput(f"no answer could be read from this table (does it hold any text?): {exc}") from exc
 
 
 def _run_model(model: HuggingFaceModel) -> Callable[[Any], Any]:

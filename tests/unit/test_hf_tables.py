@@ -133,3 +133,17 @@ def test_a_table_the_model_cannot_number_is_the_clients_400(tmp_path_factory: py
     with pytest.raises(InvalidInput, match="at most 128"):
         runner.run([request])
     assert isinstance(runner.run([decode({"inputs": {"query": "q", "table": big}})])[0], dict)  # rows dropped to fit
+
+
+@pytest.mark.parametrize("sequential", [False, True], ids=["batched", "sequential"])
+def test_a_table_with_no_text_is_its_clients_400_and_fails_no_other_request(tapas_dir: Path, sequential: bool) -> None:
+    """A table whose cells and column names are all empty gives the pipeline's postprocessing no cell to answer from
+    (it fails with an UnboundLocalError): the request at fault is a 400, so that the batcher retries the others
+    without it, never a 500 for every request of its batch."""
+    model = hf_loading.load(tapas_dir, TASK, trust_remote_code=False).place(torch.device("cpu"))
+    runner = TaskRunner(model, torch.device("cpu"))
+    parameters = {"sequential": True} if sequential else {}
+    empty = decode({"inputs": {"query": ["q", "r"], "table": {"": ["", ""]}}, "parameters": parameters})
+    with pytest.raises(InvalidInput, match="no answer"):
+        runner.run([decode(BODIES[0]), empty])
+    assert len(runner.run([decode(BODIES[0])])) == 1
