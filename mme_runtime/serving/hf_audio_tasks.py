@@ -53,6 +53,8 @@ class AudioRunner:
         self._sampling_rate = int(model.feature_extractor.sampling_rate)
         self._masks_padding = masks_padding(model.model)
         self._generates = getattr(self._pipeline, "type", "") in {"seq2seq", "seq2seq_whisper"}
+        # A CTC model's logits (and tokens) are one per frame, cut back to a row's own; a classifier's one per label.
+        self._per_frame = self.task == "automatic-speech-recognition" and not self._generates
         generation_config: Any = getattr(model.model, "generation_config", None)
         self._end_tokens = getattr(generation_config, "eos_token_id", None)
 
@@ -68,6 +70,8 @@ class AudioRunner:
                 if not isinstance(item, Audio):
                     raise InvalidInput(f"{self.task} takes audio (audio/x-flac, audio/wave, ... or base64 in JSON)")
                 prepared = _prepare(pipeline, resample(item, self._sampling_rate), before)
+                for row in prepared:
+                    self._check_frames(row)
                 plans.append((len(rows), len(prepared), after))
                 rows += prepared
                 forwards += [forward] * len(prepared)
@@ -103,7 +107,7 @@ class AudioRunner:
         for key, value in batch.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 value = value[index : index + 1]
-                if key in ("tokens", "logits") and frames is not None and not self._generates:
+                if key in ("tokens", "logits") and frames is not None and self._per_frame:
                     value = value[:, :frames]
                 elif key == "tokens" and self._generates:
                     value = _cut_after_end(value, self._end_tokens)
@@ -119,6 +123,17 @@ class AudioRunner:
         if lengths is None or not isinstance(samples, torch.Tensor):
             return None
         return int(lengths(torch.tensor(samples.shape[-1])))
+
+    def _check_frames(self, row: dict[str, Any]) -> None:
+        """A clip (or chunk) too short for the model's convolutions to make one frame (Wav2Vec2 needs 400 samples,
+        25 ms) would fail its pass with a RuntimeError, a 500 for every request of the batch: it is this one's 400."""
+        frames = self._frames(row)
+        if frames is not None and frames < 1:
+            samples = row["input_values"].shape[-1]
+            raise InvalidInput(
+                f"the audio (or a chunk of it) is too short for the model: {samples} samples at "
+                f"{self._sampling_rate} Hz make no frame of its output"
+            )
 
     def _parameters(self, pipeline: Any, request: TaskRequest) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         refused = REFUSED_PARAMETERS & set(request.parameters)

@@ -158,6 +158,44 @@ def test_a_ctc_model_takes_no_generation_parameters_and_a_classifier_no_text(tmp
         runner.run([TaskRequest(["a text"], {})])
 
 
+def test_a_classifier_with_more_labels_than_frames_answers_each_batched_clip_as_alone(tmp_path: Path) -> None:
+    """A classifier's logits are one per label, not per frame: cutting a padded row back to its frames must leave
+    them whole, or a clip shorter than the labels are many (a language identifier of 256 languages) loses labels."""
+    import transformers
+
+    labels = {index: f"class {index}" for index in range(40)}
+    config = hf_audio_models._wav2vec2_config(
+        True, classifier_proj_size=16, id2label=labels, label2id={name: index for index, name in labels.items()}
+    )
+    torch.manual_seed(0)
+    transformers.Wav2Vec2ForSequenceClassification(config).save_pretrained(tmp_path / "many")
+    hf_audio_models._feature_extractor(True).save_pretrained(tmp_path / "many")
+    runner, pipeline = (
+        _runner(tmp_path / "many", "audio-classification"),
+        _pipeline(tmp_path / "many", "audio-classification"),
+    )
+    requests = [TaskRequest([_clip(seconds, seed)], {"top_k": 40}) for seed, seconds in enumerate((0.25, 0.4, 0.3))]
+    answers = runner.run(requests)  # 12 to 20 frames each, padded into one pass
+    for request, answer in zip(requests, answers, strict=True):
+        assert _close(answer, pipeline(request.inputs[0].samples, top_k=40)), request
+
+
+@pytest.mark.parametrize("samples", [1, 300])
+def test_a_clip_shorter_than_one_frame_is_its_clients_400_alone_or_in_a_batch(tmp_path: Path, samples: int) -> None:
+    """Wav2Vec2's convolutions need 400 samples (25 ms) for a frame: a shorter clip (or chunk) failed its pass with a
+    RuntimeError, a 500 for every request of its batch."""
+    import numpy as np
+
+    runner = _runner(hf_audio_models.wav2vec2_classifier(tmp_path / "cls"), "audio-classification")
+    tiny = Audio(np.full(samples, 0.1, dtype=np.float32), hf_audio_models.SAMPLING_RATE)
+    for requests in ([TaskRequest([tiny])], [TaskRequest([_clip(0.5, 1)]), TaskRequest([tiny])]):
+        with pytest.raises(InvalidInput, match="too short"):
+            runner.run(requests)
+    ctc = _runner(hf_audio_models.wav2vec2_ctc(tmp_path / "ctc"), ASR)
+    with pytest.raises(InvalidInput, match="too short"):
+        ctc.run([TaskRequest([_clip(1.0, 2)], {"chunk_length_s": 0.02, "stride_length_s": 0.0})])
+
+
 def _close(ours: Any, theirs: Any, tolerance: float = 1e-4) -> bool:
     ours, theirs = json.loads(json.dumps(ours)), json.loads(json.dumps(theirs))
     if isinstance(ours, dict):
