@@ -14,10 +14,13 @@ from typing import Any
 from mme_runtime.base.errors import InvalidInput
 
 TASK = "zero-shot-classification"
+# (text, label) pairs of one request, each a row of the model: 6 MB of JSON could name millions (a thousand one-letter
+# texts times a thousand labels), tokenized in the device's shared process and run in passes its batch waits on.
+MAX_PAIRS = 10_000
 
 
-def check_parameters(parameters: dict[str, Any]) -> None:
-    """Raises ``InvalidInput`` naming what the request got wrong."""
+def check_parameters(parameters: dict[str, Any], texts: int = 1) -> None:
+    """Raises ``InvalidInput`` naming what the request (of ``texts`` texts) got wrong."""
     if "candidate_labels" not in parameters:
         raise InvalidInput(
             'zero-shot-classification needs "parameters": {"candidate_labels": ["label", ...]} (or "label,label")'
@@ -29,6 +32,11 @@ def check_parameters(parameters: dict[str, Any]) -> None:
         raise InvalidInput(f"candidate_labels must be a list of strings or one comma-separated string, not {labels!r}")
     if not labels:
         raise InvalidInput("candidate_labels names no label")
+    if texts * len(labels) > MAX_PAIRS:
+        raise InvalidInput(
+            f"{texts} texts times {len(labels)} candidate labels make {texts * len(labels)} (text, label) pairs, each "
+            f"a pass of the model; at most {MAX_PAIRS} in one request"
+        )
     multi_label = parameters.get("multi_label", False)
     if not isinstance(multi_label, bool):  # the pipeline reads any truthy value as true: "false" would be true
         raise InvalidInput(f"multi_label must be true or false, not {multi_label!r}")
