@@ -134,6 +134,11 @@ def test_whisper_generates_a_batch_of_clips_as_each_alone(tmp_path: Path) -> Non
         ({"not_a_parameter": 1}, "not generation parameters"),
         ({"return_tensors": True}, "not accepted"),
         ({"max_new_tokens": 500}, "could not run"),
+        # A token id past the vocabulary is an IndexError in the embedding on the CPU, a device-side assert on a GPU
+        # that leaves its CUDA context (every model of the device's process) unusable.
+        ({"decoder_start_token_id": 10**8}, "token ids"),
+        ({"pad_token_id": -1}, "token ids"),
+        ({"suppress_tokens": [1, 10**6]}, "token ids"),
     ],
 )
 def test_whisper_refuses_what_would_break_or_multiply_its_rows(
