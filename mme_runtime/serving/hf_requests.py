@@ -116,7 +116,7 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
     for item in items:
         _check(item, task)
     if task == hf_zero_shot.TASK:
-        hf_zero_shot.check_parameters(parameters, len(items))
+        hf_zero_shot.check_parameters(parameters, items)
     elif task == hf_tables.TASK:
         hf_tables.check_parameters(parameters)
     if task in IMAGE_TASKS:

@@ -63,3 +63,25 @@ def test_a_zero_shot_request_has_at_most_max_pairs_text_label_pairs() -> None:
     over = {"inputs": ["a", "b", "c"], "parameters": {"candidate_labels": labels}}
     with pytest.raises(InvalidInput, match="pairs"):
         decode(json.dumps(over), "application/json", hf_zero_shot.TASK)
+
+
+@pytest.mark.parametrize("template", ["{:100000000}", "{!r:>9999}", "This {} is {:{}}"])
+def test_a_zero_shot_template_with_a_format_spec_is_400_before_it_is_filled(template: str) -> None:
+    """``"{:100000000}"`` made each label's hypothesis 100 MB (and the pipeline tokenizes one per label)."""
+    body = {"inputs": "a", "parameters": {"candidate_labels": ["x", "y"], "hypothesis_template": template}}
+    with pytest.raises(InvalidInput, match="hypothesis_template"):
+        decode(json.dumps(body), "application/json", hf_zero_shot.TASK)
+
+
+def test_a_zero_shot_request_reads_at_most_max_characters_through_the_tokenizer() -> None:
+    """Each pair's text and hypothesis are tokenized alone: a 3 MB text times 1,000 labels was 3 GB of tokenizing."""
+    labels = [f"l{index}" for index in range(100)]
+    text = "x" * (hf_zero_shot.MAX_CHARACTERS // 100)
+    with pytest.raises(InvalidInput, match="characters"):
+        decode(
+            json.dumps({"inputs": text, "parameters": {"candidate_labels": labels}}),
+            "application/json",
+            "zero-shot-classification",
+        )
+    fits = {"inputs": text[:-100], "parameters": {"candidate_labels": labels, "hypothesis_template": "{}"}}
+    assert decode(json.dumps(fits), "application/json", hf_zero_shot.TASK).rows == 1
