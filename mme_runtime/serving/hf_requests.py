@@ -118,7 +118,7 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
     if task == hf_zero_shot.TASK:
         hf_zero_shot.check_parameters(parameters, items)
     elif task == hf_tables.TASK:
-        hf_tables.check_parameters(parameters)
+        hf_tables.check_parameters(parameters, items)
     if task in IMAGE_TASKS:
         items = _images(items)
     return TaskRequest(items, parameters, single)

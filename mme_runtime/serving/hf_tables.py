@@ -24,6 +24,11 @@ TASK = "table-question-answering"
 PADDING = (True, False, "longest", "max_length", "do_not_pad")
 TRUNCATION = (True, False, "drop_rows_to_fit", "do_not_truncate")
 MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+# What one request's tables may hold, counted once per query: TAPAS's tokenizer is pure Python (about 2,000 cells or
+# 50,000 characters a second on one core here) and reads the whole table for each query, in the pass that the
+# requests of its batch wait on. The model reads 512 tokens at most: a larger table is mostly dropped to fit anyway.
+MAX_CELLS = 10_000
+MAX_CHARACTERS = 200_000
 
 Forward = Callable[[list[dict[str, Any]], Callable[[Any], Any]], list[dict[str, Any]]]
 
@@ -55,7 +60,19 @@ def check_input(item: Any) -> None:
         raise InvalidInput(f"the table's columns must have one length, at least 1: they have {sorted(lengths)}")
 
 
-def check_parameters(parameters: dict[str, Any]) -> None:
+def check_parameters(parameters: dict[str, Any], items: Sequence[Any] = ()) -> None:
+    """Raises ``InvalidInput`` for a parameter the pipeline does not take, or ``items`` (checked inputs) too large to
+    tokenize in a pass."""
+    cells = characters = 0
+    for item in items:
+        queries = len(item["query"]) if isinstance(item["query"], list) else 1
+        cells += queries * sum(len(column) + 1 for column in item["table"].values())
+        characters += queries * sum(len(name) + sum(map(len, column)) for name, column in item["table"].items())
+    if cells > MAX_CELLS or characters > MAX_CHARACTERS:
+        raise InvalidInput(
+            f"the tables of this request are read once per query: {cells} cells and {characters} characters in all, "
+            f"at most {MAX_CELLS} cells and {MAX_CHARACTERS} characters here (TAPAS reads 512 tokens at most)"
+        )
     unknown = set(parameters) - {"sequential", "padding", "truncation"}
     if unknown:
         raise InvalidInput(f"table-question-answering takes sequential, padding and truncation, not {sorted(unknown)}")

@@ -147,3 +147,18 @@ def test_a_table_with_no_text_is_its_clients_400_and_fails_no_other_request(tapa
     with pytest.raises(InvalidInput, match="no answer"):
         runner.run([decode(BODIES[0]), empty])
     assert len(runner.run([decode(BODIES[0])])) == 1
+
+
+def test_a_request_tokenizes_at_most_max_cells_and_characters_of_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TAPAS's tokenizer is pure Python (about 2,000 cells or 50,000 characters a second here) and reads the whole
+    table once per query, inside the pass its batch waits on: a 6 MB table was minutes of it, retried in halves."""
+    from mme_runtime.serving import hf_tables
+
+    monkeypatch.setattr(hf_tables, "MAX_CELLS", 16)  # a column name counts as a cell
+    monkeypatch.setattr(hf_tables, "MAX_CHARACTERS", 100)
+    grid = {"a": ["1", "2", "3"], "b": ["4", "5", "6"]}
+    assert decode({"inputs": [{"query": ["q", "r"], "table": grid}]}).rows == 1
+    with pytest.raises(InvalidInput, match="cells"):
+        decode({"inputs": [{"query": ["q", "r"], "table": grid}, {"query": "q", "table": grid}]})
+    with pytest.raises(InvalidInput, match="characters"):
+        decode({"inputs": {"query": "q", "table": {"a": ["x" * 101]}}})
