@@ -48,8 +48,7 @@ def check_parameters(parameters: dict[str, Any], texts: Sequence[str] = ("",)) -
     template = parameters.get("hypothesis_template", "This example is {}.")
     if not isinstance(template, str):
         raise InvalidInput(f"hypothesis_template must be a string, not {template!r}")
-    fields = _fields(template)
-    hypotheses = sum(len(template) + fields * len(label) for label in labels)
+    hypotheses = hypothesis_characters(template, labels)
     characters = sum(len(text) for text in texts) * len(labels) + len(texts) * hypotheses
     if characters > MAX_CHARACTERS:
         raise InvalidInput(
@@ -64,9 +63,9 @@ def check_parameters(parameters: dict[str, Any], texts: Sequence[str] = ("",)) -
         raise InvalidInput(f"hypothesis_template {template!r} has no {{}} where the label goes")
 
 
-def _fields(template: str) -> int:
-    """How many times the template holds the label. A format spec (``"{:100000000}"`` pads each hypothesis to 100 MB)
-    is refused before anything is filled."""
+def hypothesis_characters(template: str, labels: list[str]) -> int:
+    """The characters of every label's hypothesis, counted before any is filled: a format spec (``"{:100000000}"``
+    pads each hypothesis to 100 MB) is refused. The image zero-shot task fills its templates alike (``hf_vision``)."""
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
@@ -75,4 +74,5 @@ def _fields(template: str) -> int:
         raise InvalidInput(
             f"hypothesis_template {template!r} may hold {{}} for the label, with no conversion or format spec"
         )
-    return sum(name is not None for _, name, _, _ in parsed)
+    fields = sum(name is not None for _, name, _, _ in parsed)
+    return sum(len(template) + fields * len(label) for label in labels)
