@@ -116,6 +116,8 @@ def decode(raw: bytes) -> Audio:
     samples = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.float32)
     if not len(samples):
         raise InvalidInput("the audio holds no samples")
+    if not np.isfinite(samples).all():  # a float WAV may: a classifier's scores would be NaN, which JSON cannot write
+        raise InvalidInput("the audio holds samples that are not finite numbers (NaN or infinity)")
     return Audio(samples, rate)
 
 

@@ -133,3 +133,12 @@ def test_a_speech_directory_is_told_by_its_feature_extractor(
     text = _directory(tmp_path / "t", architecture, {"image_processor_type": "ViTImageProcessor"}, **config)
     assert hf_loading.resolve_task(text, None, None) in {task, "text-classification", "text2text-generation"}
     assert hf_loading.resolve_task(text, "automatic-speech-recognition", None) == ASR
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_samples_that_are_not_numbers_are_the_clients_400(value: float) -> None:
+    """A float WAV may hold NaN or infinity: a classifier's scores were NaN, which JSON cannot write (a 500)."""
+    samples = hf_audio_models.waveform(0.2)[:, 0].copy()
+    samples[10] = value
+    with pytest.raises(InvalidInput, match="not finite"):
+        hf_audio.decode(hf_audio_models.encode(samples, hf_audio_models.SAMPLING_RATE, "WAV", "FLOAT"))
