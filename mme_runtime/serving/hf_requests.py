@@ -34,6 +34,9 @@ QUESTION_KEYS = ("question", "context")
 MAX_IMAGE_PIXELS = 25_000_000
 # A request's images together (a PNG of flat color is a few bytes a megapixel: 6 MB of JSON held hundreds).
 MAX_REQUEST_PIXELS = 4 * MAX_IMAGE_PIXELS
+# Images in one request: a processor may enlarge each (DETR's makes a 70-byte 1x1 PNG 800x800 float32, 7.7 MB), and a
+# request's images are all prepared before its pass.
+MAX_IMAGES = 64
 # Longest side over shortest: a processor that resizes the shortest side to a size (CLIP's to 224) before it crops
 # makes a 1 x 100,000 image 224 x 22,400,000 (60 GB of float32); at 100:1, 224 x 22,400.
 MAX_ASPECT_RATIO = 100
@@ -180,6 +183,8 @@ def _image(raw: bytes | bytearray) -> Any:
 
 
 def _images(items: list[Any]) -> list[Any]:
+    if len(items) > MAX_IMAGES:
+        raise InvalidInput(f"the request sends {len(items)} images; at most {MAX_IMAGES} images in one request")
     images, pixels = [], 0
     for item in items:
         images.append(_image(_base64(item)))
