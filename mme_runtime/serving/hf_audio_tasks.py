@@ -27,6 +27,19 @@ from mme_runtime.serving.hf_audio import Audio, resample
 from mme_runtime.serving.hf_requests import TaskRequest
 
 REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout", "decoder_kwargs", "prompt_ids", "assistant_model"})
+# GenerationConfig's names for how the server holds a generation (its cache, compilation, batching), not what it
+# generates: a static cache of max_cache_len 10**6 is allocated whole, an offloaded one fails on a CPU.
+SERVER_PARAMETERS = frozenset(
+    {
+        "use_cache",
+        "cache_implementation",
+        "cache_config",
+        "max_cache_len",
+        "compile_config",
+        "disable_compile",
+        "continuous_batching_config",
+    }
+)
 # A generating recognizer's parameters beyond GenerationConfig's own names, as Whisper's generate takes them.
 SPEECH_GENERATION_PARAMETERS = frozenset({"language", "task", "return_timestamps", "return_language"})
 # Generation parameters that hold token ids (decoder_start_token_id, suppress_tokens, bad_words_ids...).
@@ -139,7 +152,7 @@ class AudioRunner:
             )
 
     def _parameters(self, pipeline: Any, request: TaskRequest) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        refused = REFUSED_PARAMETERS & set(request.parameters)
+        refused = (REFUSED_PARAMETERS | SERVER_PARAMETERS) & set(request.parameters)
         if refused:
             raise InvalidInput(f"parameters {sorted(refused)} are not accepted here")
         try:
