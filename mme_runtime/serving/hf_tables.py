@@ -65,9 +65,10 @@ def check_parameters(parameters: dict[str, Any], items: Sequence[Any] = ()) -> N
     tokenize in a pass."""
     cells = characters = 0
     for item in items:
-        queries = len(item["query"]) if isinstance(item["query"], list) else 1
-        cells += queries * sum(len(column) + 1 for column in item["table"].values())
-        characters += queries * sum(len(name) + sum(map(len, column)) for name, column in item["table"].items())
+        queries = item["query"] if isinstance(item["query"], list) else [item["query"]]
+        cells += len(queries) * sum(len(column) + 1 for column in item["table"].values())
+        table = sum(len(name) + sum(map(len, column)) for name, column in item["table"].items())
+        characters += len(queries) * table + sum(map(len, queries))
     if cells > MAX_CELLS or characters > MAX_CHARACTERS:
         raise InvalidInput(
             f"the tables of this request are read once per query: {cells} cells and {characters} characters in all, "

@@ -162,3 +162,5 @@ def test_a_request_tokenizes_at_most_max_cells_and_characters_of_table(monkeypat
         decode({"inputs": [{"query": ["q", "r"], "table": grid}, {"query": "q", "table": grid}]})
     with pytest.raises(InvalidInput, match="characters"):
         decode({"inputs": {"query": "q", "table": {"a": ["x" * 101]}}})
+    with pytest.raises(InvalidInput, match="characters"):
+        decode({"inputs": {"query": "q" * 101, "table": {"a": ["x"]}}})
