@@ -95,3 +95,15 @@ def test_a_request_holds_at_most_max_images() -> None:
     assert decode(json.dumps({"inputs": [image] * limit}), "application/json", "object-detection").rows == limit
     with pytest.raises(InvalidInput, match=f"at most {limit} images"):
         decode(json.dumps({"inputs": [image] * (limit + 1)}), "application/json", "image-classification")
+
+
+def test_an_npy_body_of_more_rows_than_clips_is_refused_before_it_is_split() -> None:
+    """A 6 MB NPY of shape (6,000,000, 1) int8 was split into six million row arrays (1 GB) before the clip cap."""
+    import numpy as np
+
+    from mme_runtime.serving import hf_audio, hf_npy
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros((hf_audio.MAX_CLIPS + 1, 1), np.int8))
+    with pytest.raises(InvalidInput, match="rows"):
+        hf_npy.inputs(buffer.getvalue())
