@@ -29,6 +29,8 @@ AUDIO_TYPES = frozenset({*AWS_AUDIO_TYPES, "audio/flac", "audio/wav", "audio/x-w
 MAX_AUDIO_SECONDS = 300
 # Rates above this are no sound a speech model was trained on, and would let a short clip hold many samples.
 MAX_SAMPLING_RATE = 96_000
+# Clips in one request: Whisper pads each to a 30 s window (480,000 samples, 80x3000 features) however short it is.
+MAX_CLIPS = 64
 BLOCK_FRAMES = 1 << 16  # decoded and mixed down a block at a time: never all channels of the clip at once
 
 
@@ -59,8 +61,10 @@ def read_body(body: Any, content_type: str | None, task: str, audio_tasks: froze
 
 
 def read_inputs(items: list[Any], task: str) -> list[Audio]:
-    """Audio files sent as base64 in JSON's ``inputs`` (or samples, in an NPY body); together they last at most
-    ``MAX_AUDIO_SECONDS``."""
+    """Audio files sent as base64 in JSON's ``inputs`` (or samples, in an NPY body), at most ``MAX_CLIPS``; together
+    they last at most ``MAX_AUDIO_SECONDS``."""
+    if len(items) > MAX_CLIPS:
+        raise InvalidInput(f"the request sends {len(items)} clips; at most {MAX_CLIPS} clips in one request")
     clips = []
     total = 0.0
     for item in items:
@@ -116,6 +120,8 @@ def decode(raw: bytes) -> Audio:
     samples = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.float32)
     if not len(samples):
         raise InvalidInput("the audio holds no samples")
+    if not np.isfinite(samples).all():  # a float WAV may: a classifier's scores would be NaN, which JSON cannot write
+        raise InvalidInput("the audio holds samples that are not finite numbers (NaN or infinity)")
     return Audio(samples, rate)
 
 

@@ -32,6 +32,14 @@ ACCEPTS = (content.JSON, content.CSV, content.NPY)
 QUESTION_KEYS = ("question", "context")
 # An image is decoded into the process every model of its device shares: 25 megapixels is 75 MB as RGB.
 MAX_IMAGE_PIXELS = 25_000_000
+# A request's images together (a PNG of flat color is a few bytes a megapixel: 6 MB of JSON held hundreds).
+MAX_REQUEST_PIXELS = 4 * MAX_IMAGE_PIXELS
+# Images in one request: a processor may enlarge each (DETR's makes a 70-byte 1x1 PNG 800x800 float32, 7.7 MB), and a
+# request's images are all prepared before its pass.
+MAX_IMAGES = 64
+# Longest side over shortest: a processor that resizes the shortest side to a size (CLIP's to 224) before it crops
+# makes a 1 x 100,000 image 224 x 22,400,000 (60 GB of float32); at 100:1, 224 x 22,400.
+MAX_ASPECT_RATIO = 100
 # Tasks whose inputs or parameters nest, which a CSV cannot: the AWS container refuses CSV for them too (400).
 NO_CSV_TASKS = frozenset({hf_zero_shot.TASK, hf_tables.TASK})
 
@@ -71,6 +79,8 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
     ``UnsupportedContentType`` (415) naming what is accepted."""
     media = content.media_type(content_type) or content.JSON
     if media in IMAGE_TYPES:
+        if task not in IMAGE_TASKS:  # as audio for a model that takes none: the type is refused, 415
+            raise UnsupportedContentType(f"content type {content_type!r} is an image, which {task} does not take")
         return TaskRequest([_image(body)])
     if media in hf_audio.AUDIO_TYPES:  # speech models: serving/hf_audio.py
         return TaskRequest([hf_audio.read_body(body, content_type, task, AUDIO_TASKS)])
@@ -109,11 +119,11 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
     for item in items:
         _check(item, task)
     if task == hf_zero_shot.TASK:
-        hf_zero_shot.check_parameters(parameters)
+        hf_zero_shot.check_parameters(parameters, items)
     elif task == hf_tables.TASK:
-        hf_tables.check_parameters(parameters)
+        hf_tables.check_parameters(parameters, items)
     if task in IMAGE_TASKS:
-        items = [_image(_base64(item)) for item in items]
+        items = _images(items)
     return TaskRequest(items, parameters, single)
 
 
@@ -165,9 +175,23 @@ def _image(raw: bytes | bytearray) -> Any:
         image = Image.open(io.BytesIO(raw))
         if image.width * image.height > MAX_IMAGE_PIXELS:
             raise InvalidInput(f"the image has {image.width}x{image.height} pixels; at most {MAX_IMAGE_PIXELS} here")
+        if max(image.size) > MAX_ASPECT_RATIO * min(image.size):
+            raise InvalidInput(f"the image is {image.width}x{image.height}: an aspect ratio over {MAX_ASPECT_RATIO}:1")
         return image.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise InvalidInput(f"the body is not an image this server reads: {exc}") from exc
+
+
+def _images(items: list[Any]) -> list[Any]:
+    if len(items) > MAX_IMAGES:
+        raise InvalidInput(f"the request sends {len(items)} images; at most {MAX_IMAGES} images in one request")
+    images, pixels = [], 0
+    for item in items:
+        images.append(_image(_base64(item)))
+        pixels += images[-1].width * images[-1].height
+        if pixels > MAX_REQUEST_PIXELS:
+            raise InvalidInput(f"the images of this request hold more than {MAX_REQUEST_PIXELS} pixels: send fewer")
+    return images
 
 
 def _base64(text: str) -> bytes:

@@ -24,6 +24,11 @@ TASK = "table-question-answering"
 PADDING = (True, False, "longest", "max_length", "do_not_pad")
 TRUNCATION = (True, False, "drop_rows_to_fit", "do_not_truncate")
 MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+# What one request's tables may hold, counted once per query: TAPAS's tokenizer is pure Python (about 2,000 cells or
+# 50,000 characters a second on one core here) and reads the whole table for each query, in the pass that the
+# requests of its batch wait on. The model reads 512 tokens at most: a larger table is mostly dropped to fit anyway.
+MAX_CELLS = 10_000
+MAX_CHARACTERS = 200_000
 
 Forward = Callable[[list[dict[str, Any]], Callable[[Any], Any]], list[dict[str, Any]]]
 
@@ -55,7 +60,20 @@ def check_input(item: Any) -> None:
         raise InvalidInput(f"the table's columns must have one length, at least 1: they have {sorted(lengths)}")
 
 
-def check_parameters(parameters: dict[str, Any]) -> None:
+def check_parameters(parameters: dict[str, Any], items: Sequence[Any] = ()) -> None:
+    """Raises ``InvalidInput`` for a parameter the pipeline does not take, or ``items`` (checked inputs) too large to
+    tokenize in a pass."""
+    cells = characters = 0
+    for item in items:
+        queries = item["query"] if isinstance(item["query"], list) else [item["query"]]
+        cells += len(queries) * sum(len(column) + 1 for column in item["table"].values())
+        table = sum(len(name) + sum(map(len, column)) for name, column in item["table"].items())
+        characters += len(queries) * table + sum(map(len, queries))
+    if cells > MAX_CELLS or characters > MAX_CHARACTERS:
+        raise InvalidInput(
+            f"the tables of this request are read once per query: {cells} cells and {characters} characters in all, "
+            f"at most {MAX_CELLS} cells and {MAX_CHARACTERS} characters here (TAPAS reads 512 tokens at most)"
+        )
     unknown = set(parameters) - {"sequential", "padding", "truncation"}
     if unknown:
         raise InvalidInput(f"table-question-answering takes sequential, padding and truncation, not {sorted(unknown)}")
@@ -92,9 +110,9 @@ def run(pipeline: Any, model: HuggingFaceModel, requests: Sequence[Request], for
     answers = []
     for table, planned in plans:
         if not isinstance(planned, list):  # a sequential input: the pipeline's own outputs
-            answers.append(pipeline.postprocess(planned))
+            answers.append(_postprocess(pipeline, planned))
             continue
-        each = [pipeline.postprocess(_pipeline_outputs(rows[index], outputs[index], table)) for index in planned]
+        each = [_postprocess(pipeline, _pipeline_outputs(rows[index], outputs[index], table)) for index in planned]
         answers.append(each[0] if len(each) == 1 else each)
     return answers
 
@@ -117,6 +135,16 @@ def _prepare(pipeline: Any, model: HuggingFaceModel, table: Any, query: Any, opt
     if bool((prepared["token_type_ids"].reshape(-1, len(sizes)).max(dim=0).values >= sizes).any()):
         raise InvalidInput(f"the table has more rows or columns than the model numbers ({sizes.tolist()})")
     return prepared
+
+
+def _postprocess(pipeline: Any, outputs: dict[str, Any]) -> Any:
+    """The pipeline's answer to one pair. A table with no text at all (every cell and column name empty) gives it no
+    cell to answer from, and it fails (an UnboundLocalError in transformers 5): that is this request's 400, so that
+    the batcher retries the requests beside it without it, not a 500 for all of them."""
+    try:
+        return pipeline.postprocess(outputs)
+    except Exception as exc:  # noqa: BLE001 - it reads only this pair's table, tokens and logits
+        raise InvalidInput(f"no answer could be read from this table (does it hold any text?): {exc}") from exc
 
 
 def _run_model(model: HuggingFaceModel) -> Callable[[Any], Any]:

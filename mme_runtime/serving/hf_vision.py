@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mme_runtime.base.errors import InvalidInput
+from mme_runtime.serving import hf_zero_shot
 
 if TYPE_CHECKING:
     from mme_runtime.serving.hf_requests import TaskRequest
@@ -36,6 +37,9 @@ NUMBERS = frozenset({"threshold", "mask_threshold", "overlap_mask_area_threshold
 SUBTASKS = ("panoptic", "instance", "semantic")
 # Set apart from the tensors a pass stacks: each row keeps its own.
 ROW_KEYS = frozenset({"target_size", "candidate_labels", "text_inputs"})
+# Candidate labels of one zero-shot request: every distinct label of a batch is a row of one pass of the text model
+# (ImageNet's 1,000 classes fit; a few bytes each, 6 MB of JSON named millions).
+MAX_LABELS = 4096
 
 
 def check_parameters(task: str, parameters: dict[str, Any]) -> None:
@@ -58,11 +62,15 @@ def check_parameters(task: str, parameters: dict[str, Any]) -> None:
             )
         if not isinstance(labels, list) or not labels or not all(isinstance(label, str) for label in labels):
             raise InvalidInput(f"candidate_labels must be a non-empty list of strings, not {labels!r}")
+        if len(labels) > MAX_LABELS:
+            raise InvalidInput(f"candidate_labels names {len(labels)} labels; at most {MAX_LABELS} here")
         template = parameters.get("hypothesis_template", "{}")
         if not isinstance(template, str):
             raise InvalidInput(
                 f"hypothesis_template must be a string such as 'This is a photo of {{}}.', not {template!r}"
             )
+        if hf_zero_shot.hypothesis_characters(template, labels) > hf_zero_shot.MAX_CHARACTERS:
+            raise InvalidInput(f"the hypotheses of these labels hold over {hf_zero_shot.MAX_CHARACTERS} characters")
 
 
 def run(pipeline: Any, requests: list[TaskRequest]) -> list[Any]:

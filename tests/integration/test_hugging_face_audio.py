@@ -6,6 +6,7 @@ client's 400, a type that is not audio or JSON its 415."""
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 import shutil
@@ -168,6 +169,20 @@ def test_bad_audio_is_the_clients_error_and_the_model_serves_on(
     assert response.status_code == status, response.text
     assert fragment in response.json()["message"] and "Traceback" not in response.text
     assert server.invoke("ctc", hf_audio_models.audio_file(0.3), content_type="audio/wav").status_code == 200
+
+
+def test_a_clip_too_short_for_a_frame_is_its_own_400_among_others(server: RunningServer) -> None:
+    """Under 400 samples Wav2Vec2's convolutions make no frame: the pass failed (a 500 for every request of its batch),
+    or, padded with longer clips, answered what the clip alone never would."""
+    short = hf_audio_models.encode(np.full((300, 1), 0.1, np.float32), 16_000, "WAV")
+    good = hf_audio_models.audio_file(0.5)
+    for name in ("ctc", "classifier"):
+        with ThreadPoolExecutor(8) as clients:
+            bodies = [short if index == 3 else good for index in range(8)]
+            send = functools.partial(server.invoke, name, content_type="audio/wave")
+            responses = list(clients.map(send, bodies))
+        assert responses[3].status_code == 400 and "too short" in responses[3].json()["message"], responses[3].text
+        assert all(response.status_code == 200 for index, response in enumerate(responses) if index != 3)
 
 
 def test_bad_parameters_answer_400_for_the_request_at_fault_only(server: RunningServer, built: Path) -> None:

@@ -154,6 +154,9 @@ def test_the_aws_containers_zero_shot_example_gets_an_answer_of_its_shape(server
         ("tapas", {"inputs": {"query": "q", "table": {"a": ["1", "2"], "b": ["3"]}}}, "one length"),
         ("tapas", {"inputs": {"query": "q", "table": {"a": [1]}}}, "list of strings"),
         ("tapas", {"inputs": {"query": "q", "table": {"a": ["1"]}}, "parameters": {"sequential": 2}}, "sequential"),
+        # The pipeline's postprocessing finds no cell in a table with no text: this request's 400, not the batch's 500.
+        ("tapas", {"inputs": {"query": "q", "table": {"": ["", ""]}}}, "no answer"),
+        ("nli", {"inputs": ["a"] * 3, "parameters": {"candidate_labels": ",".join("x" * 4000)}}, "pairs"),
     ],
 )
 def test_a_bad_request_is_its_own_400_while_others_are_answered(
@@ -172,6 +175,8 @@ def test_csv_is_refused_and_other_types_are_415(server: RunningServer, model: st
     csv = server.invoke(model, "inputs\na text\n", content_type="text/csv")
     assert csv.status_code == 400 and "not supported with" in csv.json()["message"], csv.text
     assert server.invoke(model, "a text", content_type="application/x-foo").status_code == 415
+    image = server.invoke(model, hf_models.png(1), content_type="image/png")  # a table model answered 500
+    assert image.status_code == 415 and "does not take" in image.json()["message"], image.text
 
 
 def test_a_classifier_with_no_entailment_label_fails_its_zero_shot_load(server: RunningServer, built: Path) -> None:

@@ -133,3 +133,22 @@ def test_a_speech_directory_is_told_by_its_feature_extractor(
     text = _directory(tmp_path / "t", architecture, {"image_processor_type": "ViTImageProcessor"}, **config)
     assert hf_loading.resolve_task(text, None, None) in {task, "text-classification", "text2text-generation"}
     assert hf_loading.resolve_task(text, "automatic-speech-recognition", None) == ASR
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_samples_that_are_not_numbers_are_the_clients_400(value: float) -> None:
+    """A float WAV may hold NaN or infinity: a classifier's scores were NaN, which JSON cannot write (a 500)."""
+    samples = hf_audio_models.waveform(0.2)[:, 0].copy()
+    samples[10] = value
+    with pytest.raises(InvalidInput, match="not finite"):
+        hf_audio.decode(hf_audio_models.encode(samples, hf_audio_models.SAMPLING_RATE, "WAV", "FLOAT"))
+
+
+def test_a_request_holds_at_most_max_clips() -> None:
+    """Whisper pads every clip to a 30 s window: a 1-sample WAV is 64 bytes of base64, and 1,000 of them (64 KB of
+    JSON) grew a device host by 2 GB and took 32 s with a tiny Whisper; 6 MB of JSON held 95,000."""
+    clip = base64.b64encode(hf_audio_models.audio_file(0.05)).decode()
+    limit = hf_audio.MAX_CLIPS
+    assert len(hf_audio.read_inputs([clip] * limit, "automatic-speech-recognition")) == limit
+    with pytest.raises(InvalidInput, match=f"at most {limit} clips"):
+        hf_audio.read_inputs([clip] * (limit + 1), "automatic-speech-recognition")

@@ -134,6 +134,16 @@ def test_whisper_generates_a_batch_of_clips_as_each_alone(tmp_path: Path) -> Non
         ({"not_a_parameter": 1}, "not generation parameters"),
         ({"return_tensors": True}, "not accepted"),
         ({"max_new_tokens": 500}, "could not run"),
+        # A token id past the vocabulary is an IndexError in the embedding on the CPU, a device-side assert on a GPU
+        # that leaves its CUDA context (every model of the device's process) unusable.
+        ({"decoder_start_token_id": 10**8}, "token ids"),
+        ({"pad_token_id": -1}, "token ids"),
+        ({"suppress_tokens": [1, 10**6]}, "token ids"),
+        # How the server holds the generation is not the client's: an offloaded cache failed the batch on a CPU (an
+        # AssertionError, 500), a static cache of max_cache_len 10**6 was allocated whole.
+        ({"cache_implementation": "offloaded_static"}, "not accepted"),
+        ({"cache_implementation": "static", "max_cache_len": 10**6}, "not accepted"),
+        ({"compile_config": {}}, "not accepted"),
     ],
 )
 def test_whisper_refuses_what_would_break_or_multiply_its_rows(
@@ -156,6 +166,44 @@ def test_a_ctc_model_takes_no_generation_parameters_and_a_classifier_no_text(tmp
         runner.run([TaskRequest([_clip(0.3, 1)], {"chunk_length_s": 0.1, "stride_length_s": 0.1})])
     with pytest.raises(InvalidInput, match="takes audio"):
         runner.run([TaskRequest(["a text"], {})])
+
+
+def test_a_classifier_with_more_labels_than_frames_answers_each_batched_clip_as_alone(tmp_path: Path) -> None:
+    """A classifier's logits are one per label, not per frame: cutting a padded row back to its frames must leave
+    them whole, or a clip shorter than the labels are many (a language identifier of 256 languages) loses labels."""
+    import transformers
+
+    labels = {index: f"class {index}" for index in range(40)}
+    config = hf_audio_models._wav2vec2_config(
+        True, classifier_proj_size=16, id2label=labels, label2id={name: index for index, name in labels.items()}
+    )
+    torch.manual_seed(0)
+    transformers.Wav2Vec2ForSequenceClassification(config).save_pretrained(tmp_path / "many")
+    hf_audio_models._feature_extractor(True).save_pretrained(tmp_path / "many")
+    runner, pipeline = (
+        _runner(tmp_path / "many", "audio-classification"),
+        _pipeline(tmp_path / "many", "audio-classification"),
+    )
+    requests = [TaskRequest([_clip(seconds, seed)], {"top_k": 40}) for seed, seconds in enumerate((0.25, 0.4, 0.3))]
+    answers = runner.run(requests)  # 12 to 20 frames each, padded into one pass
+    for request, answer in zip(requests, answers, strict=True):
+        assert _close(answer, pipeline(request.inputs[0].samples, top_k=40)), request
+
+
+@pytest.mark.parametrize("samples", [1, 300])
+def test_a_clip_shorter_than_one_frame_is_its_clients_400_alone_or_in_a_batch(tmp_path: Path, samples: int) -> None:
+    """Wav2Vec2's convolutions need 400 samples (25 ms) for a frame: a shorter clip (or chunk) failed its pass with a
+    RuntimeError, a 500 for every request of its batch."""
+    import numpy as np
+
+    runner = _runner(hf_audio_models.wav2vec2_classifier(tmp_path / "cls"), "audio-classification")
+    tiny = Audio(np.full(samples, 0.1, dtype=np.float32), hf_audio_models.SAMPLING_RATE)
+    for requests in ([TaskRequest([tiny])], [TaskRequest([_clip(0.5, 1)]), TaskRequest([tiny])]):
+        with pytest.raises(InvalidInput, match="too short"):
+            runner.run(requests)
+    ctc = _runner(hf_audio_models.wav2vec2_ctc(tmp_path / "ctc"), ASR)
+    with pytest.raises(InvalidInput, match="too short"):
+        ctc.run([TaskRequest([_clip(1.0, 2)], {"chunk_length_s": 0.02, "stride_length_s": 0.0})])
 
 
 def _close(ours: Any, theirs: Any, tolerance: float = 1e-4) -> bool:

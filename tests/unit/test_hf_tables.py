@@ -133,3 +133,34 @@ def test_a_table_the_model_cannot_number_is_the_clients_400(tmp_path_factory: py
     with pytest.raises(InvalidInput, match="at most 128"):
         runner.run([request])
     assert isinstance(runner.run([decode({"inputs": {"query": "q", "table": big}})])[0], dict)  # rows dropped to fit
+
+
+@pytest.mark.parametrize("sequential", [False, True], ids=["batched", "sequential"])
+def test_a_table_with_no_text_is_its_clients_400_and_fails_no_other_request(tapas_dir: Path, sequential: bool) -> None:
+    """A table whose cells and column names are all empty gives the pipeline's postprocessing no cell to answer from
+    (it fails with an UnboundLocalError): the request at fault is a 400, so that the batcher retries the others
+    without it, never a 500 for every request of its batch."""
+    model = hf_loading.load(tapas_dir, TASK, trust_remote_code=False).place(torch.device("cpu"))
+    runner = TaskRunner(model, torch.device("cpu"))
+    parameters = {"sequential": True} if sequential else {}
+    empty = decode({"inputs": {"query": ["q", "r"], "table": {"": ["", ""]}}, "parameters": parameters})
+    with pytest.raises(InvalidInput, match="no answer"):
+        runner.run([decode(BODIES[0]), empty])
+    assert len(runner.run([decode(BODIES[0])])) == 1
+
+
+def test_a_request_tokenizes_at_most_max_cells_and_characters_of_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TAPAS's tokenizer is pure Python (about 2,000 cells or 50,000 characters a second here) and reads the whole
+    table once per query, inside the pass its batch waits on: a 6 MB table was minutes of it, retried in halves."""
+    from mme_runtime.serving import hf_tables
+
+    monkeypatch.setattr(hf_tables, "MAX_CELLS", 16)  # a column name counts as a cell
+    monkeypatch.setattr(hf_tables, "MAX_CHARACTERS", 100)
+    grid = {"a": ["1", "2", "3"], "b": ["4", "5", "6"]}
+    assert decode({"inputs": [{"query": ["q", "r"], "table": grid}]}).rows == 1
+    with pytest.raises(InvalidInput, match="cells"):
+        decode({"inputs": [{"query": ["q", "r"], "table": grid}, {"query": "q", "table": grid}]})
+    with pytest.raises(InvalidInput, match="characters"):
+        decode({"inputs": {"query": "q", "table": {"a": ["x" * 101]}}})
+    with pytest.raises(InvalidInput, match="characters"):
+        decode({"inputs": {"query": "q" * 101, "table": {"a": ["x"]}}})

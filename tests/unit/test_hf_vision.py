@@ -163,6 +163,14 @@ def test_each_distinct_label_text_is_computed_once(
         ("zero-shot-image-classification", {"candidate_labels": []}, "non-empty"),
         ("zero-shot-image-classification", {"candidate_labels": ["a", 2]}, "list of strings"),
         ("zero-shot-image-classification", {"candidate_labels": ["a"], "hypothesis_template": 1}, "template"),
+        # Every distinct label is a row of one pass of the text model, each filled into the template first.
+        ("zero-shot-image-classification", {"candidate_labels": ["a"] * 4097}, "at most 4096"),
+        ("zero-shot-image-classification", {"candidate_labels": ["a"], "hypothesis_template": "{:99999999}"}, "spec"),
+        (
+            "zero-shot-image-classification",
+            {"candidate_labels": ["a"] * 9, "hypothesis_template": "{}" * 10**6},
+            "char",
+        ),
     ],
 )
 def test_bad_parameters_are_refused_naming_what_is_wrong(task: str, parameters: dict[str, Any], fragment: str) -> None:
