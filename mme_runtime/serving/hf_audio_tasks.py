@@ -24,26 +24,12 @@ from mme_runtime.base.errors import InvalidInput
 from mme_runtime.models.hf_loading import HuggingFaceModel
 from mme_runtime.serving import hf_padding
 from mme_runtime.serving.hf_audio import Audio, resample
+from mme_runtime.serving.hf_generation_parameters import SERVER_PARAMETERS, check_token_ids, vocabulary
 from mme_runtime.serving.hf_requests import TaskRequest
 
 REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout", "decoder_kwargs", "prompt_ids", "assistant_model"})
-# GenerationConfig's names for how the server holds a generation (its cache, compilation, batching), not what it
-# generates: a static cache of max_cache_len 10**6 is allocated whole, an offloaded one fails on a CPU.
-SERVER_PARAMETERS = frozenset(
-    {
-        "use_cache",
-        "cache_implementation",
-        "cache_config",
-        "max_cache_len",
-        "compile_config",
-        "disable_compile",
-        "continuous_batching_config",
-    }
-)
 # A generating recognizer's parameters beyond GenerationConfig's own names, as Whisper's generate takes them.
 SPEECH_GENERATION_PARAMETERS = frozenset({"language", "task", "return_timestamps", "return_language"})
-# Generation parameters that hold token ids (decoder_start_token_id, suppress_tokens, bad_words_ids...).
-TOKEN_ID_SUFFIXES = ("token_id", "token_ids", "suppress_tokens", "words_ids")
 MAX_BEAMS = 8  # each beam is a row of the generation: a request may not multiply its rows past this
 # A clip's main input, by model kind: raw samples (Wav2Vec2) or a spectrogram (Whisper).
 INPUT_KEYS = ("input_values", "input_features")
@@ -70,7 +56,7 @@ class AudioRunner:
         self._generates = getattr(self._pipeline, "type", "") in {"seq2seq", "seq2seq_whisper"}
         # A CTC model's logits (and tokens) are one per frame, cut back to a row's own; a classifier's one per label.
         self._per_frame = self.task == "automatic-speech-recognition" and not self._generates
-        self._vocabulary = _vocabulary(model.model) if self._generates else None
+        self._vocabulary = vocabulary(model.model) if self._generates else None
         generation_config: Any = getattr(model.model, "generation_config", None)
         self._end_tokens = getattr(generation_config, "eos_token_id", None)
 
@@ -228,7 +214,7 @@ def _cut_after_end(tokens: torch.Tensor, end: int | list[int] | None) -> torch.T
     return tokens[:, : hits[0] + 1] if hits else tokens
 
 
-def _check_generation(forward: dict[str, Any], generates: bool, vocabulary: int | None = None) -> None:
+def _check_generation(forward: dict[str, Any], generates: bool, vocabulary_size: int | None = None) -> None:
     """A CTC model generates nothing: only ``return_timestamps`` reaches its pass. A generating one takes what its
     ``generate`` takes, ``num_beams`` up to ``MAX_BEAMS``, one sequence per clip, and token ids of its vocabulary: one
     past it (``decoder_start_token_id``, ``pad_token_id``) fails the embedding, on a GPU with a device-side assert that
@@ -248,29 +234,7 @@ def _check_generation(forward: dict[str, Any], generates: bool, vocabulary: int 
         raise InvalidInput(f"num_beams must be an integer from 1 to {MAX_BEAMS}, not {beams!r}")
     if forward.get("num_return_sequences", 1) != 1:
         raise InvalidInput("a speech recognizer answers one text per clip: num_return_sequences must be 1")
-    for key, value in forward.items():
-        if vocabulary is not None and key.endswith(TOKEN_ID_SUFFIXES):
-            outside = [token for token in _integers(value) if not 0 <= token < vocabulary]
-            if outside:
-                raise InvalidInput(f"{key} names token ids {outside[:5]} outside the model's {vocabulary} tokens")
-
-
-def _integers(value: Any) -> list[int]:
-    """The integers in a parameter's value, however nested in lists."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [token for item in value for token in _integers(item)]
-    return []
-
-
-def _vocabulary(model: Any) -> int | None:
-    """How many token ids the decoder embeds (Whisper's), or None when the model says none."""
-    try:
-        embeddings = model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
-    return int(getattr(embeddings, "num_embeddings", 0)) or None
+    check_token_ids(forward, vocabulary_size)
 
 
 def _prepare(pipeline: Any, samples: Any, parameters: dict[str, Any]) -> list[dict[str, Any]]:

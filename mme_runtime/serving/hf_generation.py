@@ -24,6 +24,7 @@ from mme_runtime.base.config import Config
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.models.hf_loading import HuggingFaceModel
 from mme_runtime.serving.hf_decoding import DecodingBatch
+from mme_runtime.serving.hf_generation_parameters import SERVER_PARAMETERS, check_token_ids, vocabulary
 from mme_runtime.serving.hf_generation_tasks import Prompt, TextGeneration, TextToText
 from mme_runtime.serving.hf_requests import TaskRequest
 from mme_runtime.serving.hf_rows import TIME, Row
@@ -36,7 +37,8 @@ MAX_STOPS = 16
 REFUSED = frozenset(
     {"return_tensors", "timeout", "generation_config", "streamer", "assistant_model", "assistant_tokenizer"}
     | {"custom_generate", "trust_remote_code", "tokenizer", "return_dict_in_generate", "output_scores"}
-    | {"output_logits", "output_attentions", "output_hidden_states", "synced_gpus", "compile_config"}
+    | {"output_logits", "output_attentions", "output_hidden_states", "synced_gpus"}
+    | SERVER_PARAMETERS
 )
 # Type and lower bound of the parameters clients send most: a wrong one answers 400 naming it.
 INTEGERS = {"max_new_tokens": 1, "min_new_tokens": 0, "max_length": 1, "min_length": 0, "top_k": 0, "seed": 0}
@@ -64,6 +66,7 @@ class GenerationRunner:
             TextGeneration(model, device) if model.task == "text-generation" else TextToText(model, model.task)
         )
         self._scheduler = Scheduler(DecodingBatch(model.model), limits.max_rows, name)
+        self._vocabulary = vocabulary(model.model)
         self._stop_tokenizer = copy.deepcopy(model.tokenizer)  # the scheduler thread's, for stop sequences
         self._alone = threading.Lock()  # generate alone: one at a time
         self._alone_tokenizer = copy.deepcopy(model.tokenizer)
@@ -81,6 +84,7 @@ class GenerationRunner:
         planned: list[tuple[Prompt, list[Row] | None, Any, tuple[str, ...]]] = []
         for request in requests:
             parameters, stops, seed = _parameters(request.parameters)
+            check_token_ids(parameters, self._vocabulary)
             for item in request.inputs:
                 prompt = self._task.prepare(item, parameters)
                 rows, config = self._plan(prompt, set(request.parameters), stops, seed, deadline)

@@ -188,6 +188,10 @@ def test_beam_search_runs_generate_alone(directories: Path) -> None:
         ({"num_return_sequences": 2, "do_sample": False}, "num_return_sequences"),
         ({"not_a_parameter": 1}, "not_a_parameter"),
         ({"return_tensors": True}, "return_tensors"),
+        ({"cache_implementation": "static", "max_cache_len": 10**6}, "cache_implementation"),
+        ({"eos_token_id": 10**6}, "outside the model's"),
+        ({"bad_words_ids": [[1], [-2]]}, "outside the model's"),
+        ({"num_beams": 2, "forced_bos_token_id": 10**6}, "outside the model's"),  # generate alone: checked the same
     ],
 )
 def test_bad_parameters_are_the_clients_400(directories: Path, parameters: dict[str, Any], fragment: str) -> None:
