@@ -163,6 +163,14 @@ PROCESSES: tuple[Setting, ...] = (
         "Passed to the model processes: idle OpenMP threads sleep instead of spinning, leaving the cores to other "
         "models, the frontend and request decoding.",
     ),
+    Setting(
+        "GOMP_SPINCOUNT",
+        "gomp_spincount",
+        text,
+        "10000",
+        "Passed to the model processes: how long an idle OpenMP thread spins before it sleeps (GNU OpenMP, which "
+        "torch's wheels use; about a tenth of a millisecond): enough to bridge the ops of one forward pass.",
+    ),
 )
 METRICS: tuple[Setting, ...] = (
     Setting(

@@ -85,6 +85,7 @@ def test_to_env_round_trips_what_backends_need() -> None:
 def test_idle_openmp_threads_sleep_unless_the_user_chose_otherwise() -> None:
     assert Config.from_env({}).to_env()["OMP_WAIT_POLICY"] == "PASSIVE"
     assert Config.from_env({"OMP_WAIT_POLICY": "ACTIVE"}).to_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert Config.from_env({}).to_env()["GOMP_SPINCOUNT"] == "10000"  # ... after a short spin between ops
 
 
 def test_every_variable_names_a_config_field_and_is_listed_once() -> None:
