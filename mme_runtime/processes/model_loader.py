@@ -32,6 +32,9 @@ from mme_runtime.processes.warm_protocol import send
 
 logger = logging.getLogger(__name__)
 
+# How long a failed LOAD waits after logging its cause, before MMS hears of the failure (_let_the_cause_be_read).
+CAUSE_READ_SECONDS = 0.2
+
 
 def start_loader(
     spec: ModelSpec, request: dict[str, Any], stdio: list[int], close_fds: list[int]
@@ -64,6 +67,8 @@ def run_loader(
         metrics.start_model(config, spec.name, os.getpid())  # counted as loading until it reports
         report, fds = _load(spec, config)
         metrics.stop_model(config)  # what it counted for the container stays; the model's series are the host's
+        if "failure" in report:
+            _let_the_cause_be_read()
         send(result, report, fds)
         status = 0
     except BaseException:  # the child must never return into the warm process's loop
@@ -136,6 +141,15 @@ def _plain_torchscript(model_dir: Path, config: Config) -> Path | None:
         return None
     path = model_file(model_dir)
     return path if path is not None and is_torchscript(path) else None
+
+
+def _let_the_cause_be_read() -> None:
+    """The cause of a failed LOAD is logged to the model's stdout, which MMS reads on a thread of its own; once our
+    failure reaches MMS it kills the model's process and stops that thread, dropping lines it had not read yet (it
+    lost the cause now and then on a busy machine). A failed LOAD waits a moment for it: no other model waits."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(CAUSE_READ_SECONDS)
 
 
 def _failure(failure: LoadFailure) -> dict[str, Any]:
