@@ -66,7 +66,7 @@ def test_a_90_s_load_succeeds_while_loaded_models_answer_at_once(server: Running
     (server.model_dir("slow-own") / "serving.properties").write_text("isolation=process\n")
 
     loads: dict[str, tuple[int, float]] = {}
-    early_invoke: dict[str, tuple[int, float]] = {}
+    early_invoke: dict[str, tuple[int, float, str]] = {}
 
     def load(name: str) -> None:
         loads[name] = post_load(server, name)
@@ -86,7 +86,7 @@ def test_a_90_s_load_succeeds_while_loaded_models_answer_at_once(server: Running
             )
         except requests.RequestException:
             return
-        early_invoke["slow"] = response.status_code, time.monotonic() - started
+        early_invoke["slow"] = response.status_code, time.monotonic() - started, response.text[:300]
 
     threads = [threading.Thread(target=load, args=(name,)) for name in ("slow", "slow-own")]
     for thread in threads:
@@ -117,7 +117,8 @@ def test_a_90_s_load_succeeds_while_loaded_models_answer_at_once(server: Running
         response = server.invoke(name, "x", content_type="text/plain")
         assert response.status_code == 200 and response.json() == {"model": name}
     waiting.join(30)
-    assert early_invoke.get("slow", (None,))[0] == 200
+    # It answered 503 twice in fresh-clone runs of the whole suite, never alone: what MMS said, and when, is kept.
+    assert early_invoke.get("slow", (None,))[0] == 200, early_invoke
 
     all_latencies = sorted(seconds for series in latencies.values() for seconds in series)
     print(
