@@ -334,3 +334,22 @@ def marian(directory: Path, seed: int = 0) -> Path:
     )
     model = _lively(transformers.MarianMTModel(config), 0, seed=seed, std=1.0)
     return _save(model, tokenizer, directory)
+
+
+def answers_close(ours: Any, theirs: Any, tolerance: float = 1e-4) -> bool:
+    """Two answers alike: numbers within ``tolerance``, texts, labels and structure exactly."""
+    if isinstance(ours, dict):
+        return (
+            isinstance(theirs, dict)
+            and ours.keys() == theirs.keys()
+            and all(answers_close(ours[k], theirs[k], tolerance) for k in ours)
+        )
+    if isinstance(ours, list):
+        return (
+            isinstance(theirs, list)
+            and len(ours) == len(theirs)
+            and all(answers_close(a, b, tolerance) for a, b in zip(ours, theirs, strict=True))
+        )
+    if isinstance(ours, float) or isinstance(theirs, float):
+        return abs(float(ours) - float(theirs)) <= tolerance
+    return bool(ours == theirs)

@@ -12,7 +12,6 @@ over the whole clip (``"group"``, Wav2Vec2 base) would see the padding: its clip
 
 from __future__ import annotations
 
-import copy
 import importlib
 import json
 import threading
@@ -26,6 +25,7 @@ from mme_runtime.serving import hf_padding
 from mme_runtime.serving.hf_audio import Audio, resample
 from mme_runtime.serving.hf_generation_parameters import SERVER_PARAMETERS, check_token_ids, vocabulary
 from mme_runtime.serving.hf_requests import TaskRequest
+from mme_runtime.serving.hf_tasks import thread_pipeline
 
 REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout", "decoder_kwargs", "prompt_ids", "assistant_model"})
 # A generating recognizer's parameters beyond GenerationConfig's own names, as Whisper's generate takes them.
@@ -154,13 +154,7 @@ class AudioRunner:
         )
 
     def _thread_pipeline(self) -> Any:
-        pipeline = getattr(self._local, "pipeline", None)
-        if pipeline is None:
-            pipeline = copy.copy(self._pipeline)
-            if pipeline.tokenizer is not None:
-                pipeline.tokenizer = copy.deepcopy(pipeline.tokenizer)
-            self._local.pipeline = pipeline
-        return pipeline
+        return thread_pipeline(self._local, self._pipeline)
 
 
 def masks_padding(model: Any) -> bool:

@@ -23,6 +23,7 @@ import torch
 
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.models.hf_loading import HuggingFaceModel
+from mme_runtime.serving.hf_tasks import thread_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -88,12 +89,7 @@ class TextGeneration:
         return Prompt(ids, arguments, answer)
 
     def _thread_pipeline(self) -> Any:
-        pipeline = getattr(self._local, "pipeline", None)
-        if pipeline is None:
-            pipeline = copy.copy(self._pipeline)
-            pipeline.tokenizer = copy.deepcopy(pipeline.tokenizer)
-            self._local.pipeline = pipeline
-        return pipeline
+        return thread_pipeline(self._local, self._pipeline)
 
 
 class TextToText:

@@ -123,19 +123,24 @@ class TaskRunner:
             raise InvalidInput(f"an input has {length} tokens and the model takes at most {limit}: shorten it{advice}")
 
     def _thread_pipeline(self) -> Any:
-        pipeline = getattr(self._local, "pipeline", None)
-        if pipeline is None:
-            pipeline = copy.copy(self._pipeline)
-            if pipeline.tokenizer is not None:
-                pipeline.tokenizer = copy.deepcopy(pipeline.tokenizer)
-            self._local.pipeline = pipeline
-        return pipeline
+        return thread_pipeline(self._local, self._pipeline)
 
     def _tokenizer(self) -> Any:
         tokenizer = getattr(self._local, "tokenizer", None)
         if tokenizer is None:
             tokenizer = self._local.tokenizer = copy.deepcopy(self.model.tokenizer)
         return tokenizer
+
+
+def thread_pipeline(local: threading.local, pipeline: Any) -> Any:
+    """This thread's copy of ``pipeline``, with a tokenizer of its own (see ``TaskRunner``)."""
+    own = getattr(local, "pipeline", None)
+    if own is None:
+        own = copy.copy(pipeline)
+        if own.tokenizer is not None:
+            own.tokenizer = copy.deepcopy(own.tokenizer)
+        local.pipeline = own
+    return own
 
 
 def _parameters(

@@ -54,16 +54,7 @@ def pipeline_answer(model_dir: Path, task: str, inputs: Any, **parameters: Any) 
     return json.loads(json.dumps(answer, default=lambda value: value.tolist() if hasattr(value, "tolist") else value))
 
 
-def close(ours: Any, theirs: Any, tolerance: float = 1e-4) -> bool:
-    if isinstance(ours, dict):
-        return (
-            isinstance(theirs, dict) and ours.keys() == theirs.keys() and all(close(ours[k], theirs[k]) for k in ours)
-        )
-    if isinstance(ours, list):
-        return isinstance(theirs, list) and len(ours) == len(theirs) and all(map(close, ours, theirs))
-    if isinstance(ours, float) or isinstance(theirs, float):
-        return abs(float(ours) - float(theirs)) <= tolerance
-    return bool(ours == theirs)
+close = hf_models.answers_close
 
 
 def invoke(server: RunningServer, name: str, body: Any, **kwargs: Any) -> requests.Response:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import hf_audio_models
+import hf_models
 import numpy as np
 import pytest
 from serving import RunningServer, batch_passes, start_server
@@ -68,17 +69,7 @@ def reference(built: Path, name: str, raw: bytes, parameters: dict[str, Any]) ->
 _pipelines: dict[str, Any] = {}
 
 
-def close(ours: Any, theirs: Any, tolerance: float = 1e-4) -> bool:
-    """Scores within ``tolerance``; texts, labels and timestamps exactly."""
-    if isinstance(ours, dict):
-        return (
-            isinstance(theirs, dict) and ours.keys() == theirs.keys() and all(close(ours[k], theirs[k]) for k in ours)
-        )
-    if isinstance(ours, list):
-        return isinstance(theirs, list) and len(ours) == len(theirs) and all(map(close, ours, theirs))
-    if isinstance(ours, float) or isinstance(theirs, float):
-        return abs(float(ours) - float(theirs)) <= tolerance
-    return bool(ours == theirs)
+close = hf_models.answers_close
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -48,16 +48,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, built: Path) -> Iterator[Ru
         yield running
 
 
-def close(ours: Any, theirs: Any, tolerance: float = 1e-4) -> bool:
-    if isinstance(ours, dict):
-        return (
-            isinstance(theirs, dict) and ours.keys() == theirs.keys() and all(close(ours[k], theirs[k]) for k in ours)
-        )
-    if isinstance(ours, list):
-        return isinstance(theirs, list) and len(ours) == len(theirs) and all(map(close, ours, theirs))
-    if isinstance(ours, float) or isinstance(theirs, float):
-        return abs(float(ours) - float(theirs)) <= tolerance
-    return bool(ours == theirs)
+close = hf_models.answers_close
 
 
 @functools.cache

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import hf_models
 import hf_zero_shot_models
 import pytest
 import torch
@@ -31,16 +32,7 @@ def runner(nli_dir: Path) -> TaskRunner:
     return TaskRunner(model.place(torch.device("cpu")), torch.device("cpu"))
 
 
-def close(ours: Any, theirs: Any) -> bool:
-    if isinstance(ours, dict):
-        return (
-            isinstance(theirs, dict) and ours.keys() == theirs.keys() and all(close(ours[k], theirs[k]) for k in ours)
-        )
-    if isinstance(ours, list):
-        return isinstance(theirs, list) and len(ours) == len(theirs) and all(map(close, ours, theirs))
-    if isinstance(ours, float):
-        return abs(ours - theirs) <= 1e-4
-    return bool(ours == theirs)
+close = hf_models.answers_close
 
 
 def decode(body: dict[str, Any]) -> hf_requests.TaskRequest:
