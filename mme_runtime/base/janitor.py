@@ -21,6 +21,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 MARKER_LIFETIME_SECONDS = 30.0
+# The marker is written before the worker answers, so the first sweeps may still see the failing LOAD's own worker:
+# a model with workers is judged "loaded properly since" only once its marker is older than this.
+SETTLE_SECONDS = 5.0
 FOLLOW_SECONDS = 2.0
 FOLLOW_INTERVAL_SECONDS = 0.02
 REQUEST_TIMEOUT_SECONDS = 2.0
@@ -90,7 +93,7 @@ class Janitor:
             return True
         leftover = not description.get("workers") and description.get("maxWorkers") == 0
         if not leftover:
-            return True  # loaded again, properly, since: not ours to touch
+            return age > SETTLE_SECONDS  # still failing, or loaded again properly since: not ours to touch
         try:
             urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=REQUEST_TIMEOUT_SECONDS)
         except (urllib.error.URLError, OSError) as exc:
