@@ -279,6 +279,9 @@ def start_server(home: Path, env: Mapping[str, str] | None = None) -> Iterator[R
         "MME_RUNTIME_DIR": str(home / "run"),
         "MME_MODEL_ROOT": str(models),
         "TMPDIR": str(home),
+        # Tests that count forward passes burst at a batching model as soon as it loads: they get the connections
+        # of its whole batch at LOAD. test_batching checks the default, connections opened as requests overlap.
+        "MME_BATCH_CONNECTIONS_AT_LOAD": "1024",
         **(env or {}),
         "MME_METRICS_PORT": str(metrics_port),
     }

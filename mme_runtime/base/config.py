@@ -51,6 +51,7 @@ class Config:
     memory_headroom_mb: int = 256
     batch_size: int = 1
     max_batch_delay_ms: int = 10
+    batch_connections_at_load: int = 2
     max_concurrency: int | None = None
     share_device: bool = True
     share_weights: bool = True
@@ -143,6 +144,7 @@ class Config:
             "MME_MODEL_CACHE_MB": str(self.model_cache_mb),
             "MME_BATCH_SIZE": str(self.batch_size),
             "MME_MAX_BATCH_DELAY_MS": str(self.max_batch_delay_ms),
+            "MME_BATCH_CONNECTIONS_AT_LOAD": str(self.batch_connections_at_load),
             "MME_PIP_TIMEOUT_SECONDS": str(self.pip_timeout_seconds),
             "PYTORCH_NVML_BASED_CUDA_CHECK": self.nvml_cuda_check,
             "OMP_WAIT_POLICY": self.omp_wait_policy,

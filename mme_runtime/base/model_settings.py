@@ -112,6 +112,14 @@ BATCHING: tuple[Setting, ...] = (
         "Longest a batch waits for more requests after a forward pass, for models that set no `max_batch_delay`.",
     ),
     Setting(
+        "MME_BATCH_CONNECTIONS_AT_LOAD",
+        "batch_connections_at_load",
+        integer(2, MAX_BATCH_SIZE),
+        "2",
+        "Frontend connections per device a batching model opens at LOAD; the rest of its `batch_size` open the first "
+        "time all of them are busy at once (see Batching).",
+    ),
+    Setting(
         "MME_MAX_CONCURRENCY",
         "max_concurrency",
         integer(1, MAX_CONCURRENCY),

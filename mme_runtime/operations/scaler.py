@@ -2,16 +2,18 @@
 
 MMS sends a backend at most one request per worker connection at a time, so a batch of ``batch_size`` needs that
 many connections per device. They cost a frontend thread and an executor thread each, not a process or a copy of
-the weights. A model whose ``serving.properties`` asks for batching therefore asks for ``batch_size`` workers per
-device: its executor leaves a request in the runtime directory, and the entrypoint's supervisor, which knows the
-management port, raises the model's worker count with MMS's scale call (``PUT /models/{name}?min_worker=N``) once its
-LOAD has completed, and half a second more: MMS answers a LOAD after its worker is READY, comparing its workers with the
-model's minimum then, so a minimum raised in between would turn that LOAD's 200 into 210 "Workers scaling in
-progress...". It never lowers a count someone set higher. Neither side imports torch.
+the weights. A batching model's executor asks for them in two steps (``serving/connection_demand.py``): a few at
+LOAD, the whole batch once its requests overlap. Each ask is a request file in the runtime directory; the
+entrypoint's supervisor, which knows the management port, raises the model's worker count with MMS's scale call
+(``PUT /models/{name}?min_worker=N``). The LOAD's ask waits until the LOAD has completed, and half a second more: MMS
+answers a LOAD after its worker is READY, comparing its workers with the model's minimum then, so a minimum raised in
+between would turn that LOAD's 200 into 210 "Workers scaling in progress...". An ask from a model that serves is
+acted on at once. It never lowers a count someone set higher. Neither side imports torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -32,9 +34,10 @@ def requests_dir(runtime_dir: Path) -> Path:
     return runtime_dir / "worker-requests"
 
 
-def request_workers(runtime_dir: Path, model_name: str, per_device: int) -> None:
-    """Written by an executor: ``model_name`` wants ``per_device`` frontend connections on each device."""
-    write_marker(requests_dir(runtime_dir), model_name, {"per_device": per_device})
+def request_workers(runtime_dir: Path, model_name: str, per_device: int, serving: bool = False) -> None:
+    """Written by an executor: ``model_name`` wants ``per_device`` frontend connections on each device. ``serving``:
+    asked by a model that answers requests, so its LOAD has answered and the scaler need not wait."""
+    write_marker(requests_dir(runtime_dir), model_name, {"per_device": per_device, "serving": serving})
 
 
 class Scaler:
@@ -53,16 +56,19 @@ class Scaler:
             if request.name.startswith("."):
                 continue
             try:
+                written = request.stat()
                 wanted = json.loads(request.read_text())
-                age = time.time() - request.stat().st_mtime
             except (OSError, ValueError):
                 continue
             model = str(wanted["model"])
-            if self._settle(model, int(wanted["per_device"]) * self.devices, age):
-                request.unlink(missing_ok=True)
+            workers = int(wanted["per_device"]) * self.devices
+            if self._settle(model, workers, time.time() - written.st_mtime, bool(wanted.get("serving"))):
                 self._ready_since.pop(model, None)
+                with contextlib.suppress(OSError):
+                    if request.stat().st_ino == written.st_ino:  # else a newer request replaced it meanwhile
+                        request.unlink()
 
-    def _settle(self, model: str, workers: int, age: float) -> bool:
+    def _settle(self, model: str, workers: int, age: float, serving: bool) -> bool:
         """True once nothing is left to do for this request."""
         url = self.base + urllib.parse.quote(model, safe="")
         description = get_json(url)
@@ -78,7 +84,7 @@ class Scaler:
             return expired
         if int(description.get("minWorkers") or 0) >= workers:
             return True
-        if time.monotonic() - self._ready_since.setdefault(model, time.monotonic()) < READY_SECONDS:
+        if not serving and time.monotonic() - self._ready_since.setdefault(model, time.monotonic()) < READY_SECONDS:
             return False  # its LOAD may not have answered yet
         maximum = max(workers, int(description.get("maxWorkers") or 0))  # never lower a maximum set higher
         query = urllib.parse.urlencode({"min_worker": workers, "max_worker": maximum, "synchronous": "false"})

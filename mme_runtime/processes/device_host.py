@@ -139,7 +139,7 @@ class DeviceHost:
                 handler.attach(context)
             if self.shared is not None:
                 handler.transformer.after_forward = lambda: self.shared.check_writes(spec.name)
-            start_batching(spec, self.config, loaded)
+            model.demand = start_batching(spec, self.config, loaded)
             for thread in handler.transformer.batcher_threads:
                 self.board.work_for(model.slot, thread.ident)
             self._record_memory(model, handler.transformer)
@@ -227,7 +227,8 @@ class DeviceHost:
         metrics.bind(model.series)
         self.board.work_for(model.slot)
         try:
-            serve_connection(connection, model.spec, model.loaded, lambda: self.board.running(model.slot))
+            running = lambda: self.board.running(model.slot)  # noqa: E731
+            serve_connection(connection, model.spec, model.loaded, running, model.demand)
         finally:
             model.connections.discard(connection)
             self.board.done()

@@ -42,6 +42,7 @@ from mme_runtime.operations import metrics
 from mme_runtime.operations.scaler import request_workers
 from mme_runtime.processes import fork_safety
 from mme_runtime.serving.connection import serve_connection
+from mme_runtime.serving.connection_demand import ConnectionDemand
 
 # What an executor writes on its control socket once it has loaded the model: the server then counts it as served.
 READY = b"READY"
@@ -149,7 +150,7 @@ def serve_executor(
             refuse_load(connection, failure, spec, config)
         sys.stdout.flush()
         os._exit(WORKER_BOOT_ERROR)
-    start_batching(spec, config, loaded)
+    demand = start_batching(spec, config, loaded)
     if load_started is not None:
         metrics.record_load(True, time.time() - load_started)
     if assignment.gpu is not None and devices.cuda_initialized():
@@ -159,7 +160,8 @@ def serve_executor(
     logger.info("model=%s executor pid=%d gpu=%s serving", spec.name, os.getpid(), assignment.gpu)
     while (received := _receive(control)) is not None:
         for connection, _ in received:
-            threading.Thread(target=serve_connection, args=(connection, spec, loaded), daemon=True).start()
+            arguments = (connection, spec, loaded, contextlib.nullcontext, demand)
+            threading.Thread(target=serve_connection, args=arguments, daemon=True).start()
     logger.info("model=%s executor pid=%d: server gone, stopping", spec.name, os.getpid())
     sys.stdout.flush()
     os._exit(0)
@@ -184,14 +186,22 @@ def _load_in_executor(
     return preloaded
 
 
-def start_batching(spec: ModelSpec, config: Config, loaded: LoadedModel) -> None:
-    """From here on the handler is called from many threads; our handler then batches their forward passes."""
+def start_batching(spec: ModelSpec, config: Config, loaded: LoadedModel) -> ConnectionDemand | None:
+    """From here on the handler is called from many threads; our handler then batches their forward passes. A
+    batching model asks for the frontend connections that fill its batches as it comes to need them: the returned
+    ``ConnectionDemand`` watches its connections (``serving/connection_demand.py``)."""
     if not hasattr(loaded.module, "start_batcher"):
-        return  # another handler (MMS's ``module:function``): it is called from the connections' threads as it is
+        return None  # another handler (MMS's ``module:function``): it is called from the connections' threads as it is
     settings = loaded.module.start_batcher()
-    if settings.batching and settings.source != "LOAD":
-        # Enough frontend connections to fill a batch; MMS's own batching (LOAD's batch_size) fills them itself.
+    if not settings.batching or settings.source == "LOAD":
+        return None  # MMS's own batching (LOAD's batch_size) fills its batches itself
+
+    def ask_for(per_device: int, serving: bool = True) -> None:
         try:
-            request_workers(config.runtime_dir, spec.name, per_device=settings.batch_size)
+            request_workers(config.runtime_dir, spec.name, per_device, serving)
         except OSError as exc:
-            logger.warning("model=%s could not ask for %d workers per device: %s", spec.name, settings.batch_size, exc)
+            logger.warning("model=%s could not ask for %d workers per device: %s", spec.name, per_device, exc)
+
+    at_load = min(config.batch_connections_at_load, settings.batch_size)
+    ask_for(at_load, serving=False)
+    return ConnectionDemand(ask_for, at_load, settings.batch_size)

@@ -20,6 +20,7 @@ from mme_runtime.models.hf_loading import HuggingFaceModel
 from mme_runtime.models.loading import LoadedModel, LoadFailure, ModelSpec
 from mme_runtime.operations.metric_series import Series
 from mme_runtime.processes.executor import Assignment
+from mme_runtime.serving.connection_demand import ConnectionDemand
 
 
 @dataclass
@@ -33,6 +34,7 @@ class HostedModel:
     failure: LoadFailure | None = None
     waiting: list[tuple[socket.socket, Assignment]] = field(default_factory=list)
     connections: set[socket.socket] = field(default_factory=set)
+    demand: ConnectionDemand | None = None  # a batching model's busy connections, to open more (connection_demand.py)
     lock: threading.Lock = field(default_factory=threading.Lock)
     loading: threading.Thread | None = None
     borrowed_host_bytes: int = 0  # its tensors in host memory that another model brought (held once, theirs)

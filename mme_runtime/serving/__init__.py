@@ -1,5 +1,6 @@
 """One request, from the socket to ``predict_fn`` and back, in reading order: ``connection`` (MMS's messages on a
-frontend connection, answered through ``handler_service.py``), ``transformer`` (the model's lifecycle), ``pipeline``
+frontend connection, answered through ``handler_service.py``; ``connection_demand`` opens a batching model's
+connections as its requests overlap), ``transformer`` (the model's lifecycle), ``pipeline``
 (each request through the contract), ``contract`` (the user's functions over the defaults), ``batcher`` and ``collate``
 (one forward pass for many requests), ``responses`` (statuses and error bodies), ``content`` (codecs), ``context`` (what
 user functions receive) and ``placement`` (the model on its device). A Hugging Face model served with no code swaps the

@@ -23,6 +23,7 @@ from mms.service import emit_metrics
 
 from mme_runtime.models.loading import LoadedModel, ModelSpec
 from mme_runtime.operations import metrics
+from mme_runtime.serving.connection_demand import ConnectionDemand
 
 logger = logging.getLogger(__name__)
 
@@ -32,25 +33,38 @@ def serve_connection(
     spec: ModelSpec,
     loaded: LoadedModel,
     running: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+    demand: ConnectionDemand | None = None,
 ) -> None:
     """One frontend connection: its LOAD answered, then its inference messages, one at a time, until it closes.
-    ``running`` brackets each message's handling (a device host marks whose code runs)."""
+    ``running`` brackets each message's handling (a device host marks whose code runs); a batching model's
+    ``demand`` counts its busy connections, to open more when they are all busy (``connection_demand.py``)."""
     try:
-        connection.sendall(create_load_model_response(200, f"loaded model {spec.name}. [PID]:{os.getpid()}"))
-        while True:
-            command, message = retrieve_msg(connection)
-            if command != b"I":
-                raise ValueError(f"unexpected command {command!r} after LOAD")
-            started = time.monotonic()
-            with running():
-                context, response = _answer(loaded, message)
-            connection.sendall(response)
-            # Recorded once the answer is on its way: the caller does not wait for its metrics.
-            metrics.record_requests(functools.partial(_statuses, context, response), time.monotonic() - started)
+        with demand.connection() if demand else contextlib.nullcontext():
+            connection.sendall(create_load_model_response(200, f"loaded model {spec.name}. [PID]:{os.getpid()}"))
+            _answer_messages(connection, loaded, running, demand)
     except (ValueError, OSError) as exc:  # the frontend disconnected (mms.protocol raises ValueError): a normal end
         logger.debug("model=%s connection closed: %s", spec.name, exc)
     finally:
         connection.close()
+
+
+def _answer_messages(
+    connection: socket.socket,
+    loaded: LoadedModel,
+    running: Callable[[], AbstractContextManager[Any]],
+    demand: ConnectionDemand | None,
+) -> None:
+    while True:
+        command, message = retrieve_msg(connection)
+        if command != b"I":
+            raise ValueError(f"unexpected command {command!r} after LOAD")
+        started = time.monotonic()
+        with demand.answering() if demand else contextlib.nullcontext():
+            with running():
+                context, response = _answer(loaded, message)
+            connection.sendall(response)
+        # Recorded once the answer is on its way: the caller does not wait for its metrics.
+        metrics.record_requests(functools.partial(_statuses, context, response), time.monotonic() - started)
 
 
 def _answer(loaded: LoadedModel, message: list[dict[str, Any]]) -> tuple[Any, bytes]:

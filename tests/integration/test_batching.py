@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import model_factory
 import numpy as np
@@ -73,13 +74,37 @@ def at_once(calls: list[object], function: object) -> list[requests.Response]:
 def test_batch_size_in_serving_properties_gets_the_connections_that_fill_it(server: RunningServer) -> None:
     load_batching(server, "filled", batch_size=BATCH_SIZE)
 
-    # The executor asked for batch_size workers per device; the entrypoint scaled the model once its LOAD completed.
+    # This server opens a batch's connections at LOAD (MME_BATCH_CONNECTIONS_AT_LOAD, as the tests' servers do): the
+    # executor asked for batch_size workers per device; the entrypoint scaled the model once its LOAD completed.
     assert wait_until(lambda: all_workers_ready(server, "filled", BATCH_SIZE), 30)
     assert len(server.worker_pids("filled")) == 1  # 8 connections, one process, one copy of the weights
     # Its idle OpenMP threads sleep: the setting reaches every process the entrypoint starts (MMS passes it on).
     [frontend] = [process for process in server.descendants() if process.name() == "java"]
     assert frontend.environ()["OMP_WAIT_POLICY"] == "PASSIVE"
     assert "model=filled scaled to 8 workers to fill its batches" in server.log_text()
+
+
+def test_by_default_a_batch_s_connections_open_when_its_requests_overlap(tmp_path: Path) -> None:
+    env = {"MME_TEST_PREDICT_SLEEP": "0.03", "MME_BATCH_CONNECTIONS_AT_LOAD": ""}  # the container's default: 2
+    with start_server(tmp_path, env) as fresh:
+        load_batching(fresh, "grows", batch_size=BATCH_SIZE)
+        assert wait_until(lambda: all_workers_ready(fresh, "grows", 2), 30)
+        generator = random.Random(5)
+        for _ in range(20):  # one client, one request at a time: two connections are plenty
+            rows = random_rows(generator)
+            response = fresh.invoke("grows", json.dumps(rows))
+            np.testing.assert_allclose(np.array(response.json()), expected(rows), rtol=1e-5, atol=1e-6)
+        time.sleep(1)
+        assert all_workers_ready(fresh, "grows", 2)
+
+        bodies = [random_rows(generator) for _ in range(CLIENTS * 4)]
+        responses = at_once(bodies, lambda rows: fresh.invoke("grows", json.dumps(rows)))
+        for rows, response in zip(bodies, responses, strict=True):
+            assert response.status_code == 200, response.text
+            np.testing.assert_allclose(np.array(response.json()), expected(rows), rtol=1e-5, atol=1e-6)
+        assert wait_until(lambda: all_workers_ready(fresh, "grows", BATCH_SIZE), 30)
+        assert len(fresh.worker_pids("grows")) == 1
+        assert "model=grows scaled to 8 workers to fill its batches" in fresh.log_text()
 
 
 def test_concurrent_clients_each_get_exactly_their_own_rows(server: RunningServer) -> None:

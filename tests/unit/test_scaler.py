@@ -4,6 +4,7 @@ minimum set higher."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,3 +51,27 @@ def test_a_minimum_set_higher_is_left_alone(management: FakeManagement, tmp_path
     request_workers(tmp_path, "m", 4)
     Scaler(tmp_path, management.port, devices=1).sweep()
     assert management.calls == [] and not list(scaler.requests_dir(tmp_path).iterdir())
+
+
+def test_a_request_from_a_serving_model_is_acted_on_at_once(management: FakeManagement, tmp_path: Path) -> None:
+    management.description = describe("READY", min_workers=2)
+    request_workers(tmp_path, "m", 16, serving=True)
+    Scaler(tmp_path, management.port, devices=1).sweep()
+    assert management.calls == ["PUT /models/m?min_worker=16&max_worker=16&synchronous=false"]
+
+
+def test_a_request_written_while_an_earlier_one_is_handled_is_kept(
+    management: FakeManagement, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    management.description = describe("READY", min_workers=2)
+    request_workers(tmp_path, "m", 2)  # the LOAD's ask, already met
+    sweeper = Scaler(tmp_path, management.port, devices=1)
+    settle = sweeper._settle
+
+    def settle_while_the_model_asks_again(*args: object) -> bool:
+        request_workers(tmp_path, "m", 16, serving=True)
+        return settle(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sweeper, "_settle", settle_while_the_model_asks_again)
+    sweeper.sweep()
+    assert [json.loads(path.read_text())["per_device"] for path in scaler.requests_dir(tmp_path).iterdir()] == [16]
