@@ -2,7 +2,8 @@
 costs a LOAD, and the memory left after every model is unloaded.
 
 Part of the ``sharing`` benchmark (``benchmarks/sharing.py`` prints its table). The base is a BERT-shaped classifier
-of about 100 MB (5 layers, hidden 768, random weights) saved with ``save_pretrained``; each of ``--fine-tunes``
+of about 100 MB (5 layers, hidden 768, random weights) saved with ``save_pretrained``, with a tokenizer of BERT's
+size (30,522 entries: ``hf_models.bert_sized_vocabulary``; the texts use the first 300); each of ``--fine-tunes``
 copies (real copies: other files, the same bytes) has its classifier head drawn anew. Stacks, in one run:
   sharing on    this server as it ships
   sharing off   ``MME_SHARE_WEIGHTS=false``: no tensor is hashed or held once
@@ -129,7 +130,7 @@ def measure(work: Path, args: argparse.Namespace) -> list[list[object]]:
     """The fine-tunes' rows of the sharing table: measurement, on, off, on/off, goal."""
     models = work / "fine-tune-models"
     progress(f"making a 100 MB base, {args.fine_tunes} fine-tunes and a 500 MB model")
-    base = hf_models.bert(models / "base", hidden=768, layers=5)
+    base = hf_models.bert_sized_vocabulary(hf_models.bert(models / "base", hidden=768, layers=5))
     tunes = [hf_models.fine_tune(base, models / f"tune-{index}", index) for index in range(args.fine_tunes)]
     large = hf_models.bert(models / "large", hidden=1024, layers=15)
     large_mb = sum(path.stat().st_size for path in large.glob("*.safetensors")) / 1e6

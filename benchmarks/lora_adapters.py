@@ -3,9 +3,9 @@
     .venv/bin/python -m benchmarks sharing [-- --adapters 50 --adapters-off 8 --requests 640]
 
 Part of the ``sharing`` benchmark (``benchmarks/sharing.py`` prints its table). One BERT-shaped classifier of about
-100 MB (5 layers, hidden 768, random weights) is the base; each adapter is a rank-8 PEFT LoRA adapter of its
-query and value layers with a classifier of its own (PEFT's ``modules_to_save``), about 400 KB, made here with
-PEFT. Stacks, in one run:
+100 MB (5 layers, hidden 768, random weights) with a tokenizer of BERT's size (30,522 entries) is the base; each
+adapter is a rank-8 PEFT LoRA adapter of its query and value layers with a classifier of its own (PEFT's
+``modules_to_save``), about 400 KB, made here with PEFT. Stacks, in one run:
   sharing on    this server: adapters of one base take its one package (``base_model=../base``)
   sharing off   ``MME_SHARE_WEIGHTS=false`` and ``MME_MODEL_CACHE_MB=0``: each adapter's LOAD loads and holds a base
                 of its own (what serving each adapter as a merged model costs)
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def make_models(root: Path, count: int) -> tuple[Path, list[Path], int]:
     """The base, ``count`` adapters of it and their bytes each; a copy of the base for the unbatched adapters."""
-    base = hf_models.bert(root / "base", hidden=768, layers=5)
+    base = hf_models.bert_sized_vocabulary(hf_models.bert(root / "base", hidden=768, layers=5))
     shutil.copytree(base, root / "base-unbatched")
     adapters = []
     for index in range(count):

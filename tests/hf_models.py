@@ -59,6 +59,25 @@ def tokenizer(directory: Path, max_length: int = 512) -> None:
     BertTokenizerFast(tokenizer_object=wordpiece, model_max_length=max_length).save_pretrained(directory)
 
 
+BERT_VOCABULARY = 30522  # entries in bert-base-uncased's vocabulary
+
+
+def bert_sized_vocabulary(directory: Path, size: int = BERT_VOCABULARY) -> Path:
+    """Grows the vocabulary of the tokenizer in ``directory`` (``tokenizer()``'s) to ``size`` entries with BERT's
+    kind of filler (``[unused0]``, ...), so that it costs in memory what a real BERT tokenizer costs. Texts of
+    ``corpus()`` tokenize as before (the pre-tokenizer splits off brackets: no word meets a filler) into ids below
+    the model's ``vocab_size``."""
+    import json
+
+    path = directory / "tokenizer.json"
+    data = json.loads(path.read_text())
+    vocabulary = data["model"]["vocab"]
+    for filler in range(size - len(vocabulary)):
+        vocabulary[f"[unused{filler}]"] = len(vocabulary)
+    path.write_text(json.dumps(data, ensure_ascii=False))
+    return directory
+
+
 def bert(
     directory: Path,
     task: str = "text-classification",

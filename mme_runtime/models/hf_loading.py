@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mme_runtime.base.errors import ModelLoadError
-from mme_runtime.models import hf_audio_loading, hf_sentence_loading
+from mme_runtime.models import hf_audio_loading, hf_sentence_loading, hf_shared_tokenizers
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ class HuggingFaceModel:
     score_activation: str | None = None  # sentence-ranking: the torch.nn activation of its scores (Sigmoid, ...)
     adapters: Any = None  # its LoRA adapters once one is attached in the process that serves it (``lora.py``)
     feature_extractor: Any = None  # audio tasks: turns a waveform into the model's inputs
+    tokenizer_key: str | None = None  # the same for the same tokenizer: one object per host (hf_shared_tokenizers.py)
 
     def place(self, device: torch.device) -> HuggingFaceModel:
         self.model = self.model.to(device).eval()
@@ -188,6 +189,7 @@ def load(model_dir: Path, task: str, trust_remote_code: bool, pooling: str | Non
     limit = min(limits) if limits else None
     loaded = HuggingFaceModel(task, model.eval(), tokenizer, image_processor, limit, "auto_map" in config)
     loaded.feature_extractor = feature_extractor
+    loaded.tokenizer_key = hf_shared_tokenizers.content_key(model_dir, task, tokenizer, options)
     if task == "feature-extraction" or task in hf_sentence_loading.EMBEDDING_TASKS:
         loaded.pooling, loaded.normalize = _pooling(model_dir, pooling)
         loaded.truncate_to = _max_seq_length(model_dir) if loaded.pooling else None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import threading
 from typing import Any
 
 import torch
@@ -25,7 +24,7 @@ from mme_runtime.serving import hf_padding
 from mme_runtime.serving.hf_audio import Audio, resample
 from mme_runtime.serving.hf_generation_parameters import SERVER_PARAMETERS, check_token_ids, vocabulary
 from mme_runtime.serving.hf_requests import TaskRequest
-from mme_runtime.serving.hf_tasks import thread_pipeline
+from mme_runtime.serving.hf_tokenizer_copies import lent_pipeline
 
 REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout", "decoder_kwargs", "prompt_ids", "assistant_model"})
 # A generating recognizer's parameters beyond GenerationConfig's own names, as Whisper's generate takes them.
@@ -43,7 +42,6 @@ class AudioRunner:
         transformers: Any = importlib.import_module("transformers")
         self.model = model
         self.task = model.task
-        self._local = threading.local()
         self._pipeline = transformers.pipeline(
             self.task,
             model=model.model,
@@ -61,8 +59,11 @@ class AudioRunner:
         self._end_tokens = getattr(generation_config, "eos_token_id", None)
 
     def run(self, requests: list[TaskRequest]) -> list[Any]:
-        """Each clip's answer, in order (one per input of every request)."""
-        pipeline = self._thread_pipeline()
+        """Each clip's answer, in order (one per input of every request), with a tokenizer lent for the batch."""
+        with lent_pipeline(self._pipeline) as pipeline:
+            return self._run(pipeline, requests)
+
+    def _run(self, pipeline: Any, requests: list[TaskRequest]) -> list[Any]:
         plans: list[tuple[int, int, dict[str, Any]]] = []  # (first row, rows, postprocess parameters) per clip
         rows: list[dict[str, Any]] = []
         forwards: list[dict[str, Any]] = []  # each row's forward (generation) parameters
@@ -152,9 +153,6 @@ class AudioRunner:
             {**pipeline._forward_params, **forward},
             {**pipeline._postprocess_params, **after},
         )
-
-    def _thread_pipeline(self) -> Any:
-        return thread_pipeline(self._local, self._pipeline)
 
 
 def masks_padding(model: Any) -> bool:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import importlib
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,7 @@ import torch
 
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.models.hf_loading import HuggingFaceModel
-from mme_runtime.serving.hf_tasks import thread_pipeline
+from mme_runtime.serving.hf_tokenizer_copies import lent_pipeline, lent_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +49,20 @@ def base_task(task: str) -> str:
 
 
 class TextGeneration:
-    """text-generation through transformers' pipeline: each thread prepares its inputs with its own copy (tokenizers
-    are not safe to share between threads that change their settings)."""
+    """text-generation through transformers' pipeline, with a copy of its tokenizer lent for each step
+    (``hf_tokenizer_copies.py``): tokenizers are not safe to share between threads."""
 
     def __init__(self, model: HuggingFaceModel, device: torch.device) -> None:
         transformers: Any = importlib.import_module("transformers")
         self._pipeline = transformers.pipeline(
             "text-generation", model=model.model, tokenizer=model.tokenizer, device=device
         )
-        self._local = threading.local()
 
     def prepare(self, text: str, parameters: dict[str, Any]) -> Prompt:
-        pipeline = self._thread_pipeline()
+        with lent_pipeline(self._pipeline) as pipeline:
+            return self._prepare(pipeline, text, parameters)
+
+    def _prepare(self, pipeline: Any, text: str, parameters: dict[str, Any]) -> Prompt:
         try:
             before, forward, after = pipeline._sanitize_parameters(**parameters)
             before = {**pipeline._preprocess_params, **before}
@@ -82,14 +83,12 @@ class TextGeneration:
         def answer(sequence: list[int]) -> dict[str, Any]:
             outputs = {"generated_sequence": torch.tensor([[sequence]]), "input_ids": prompt_ids, "prompt_text": text}
             try:
-                return pipeline.postprocess(outputs, **after)[0]  # type: ignore[no-any-return]
+                with lent_pipeline(self._pipeline) as own:  # made later, maybe on another thread
+                    return own.postprocess(outputs, **after)[0]  # type: ignore[no-any-return]
             except (ValueError, TypeError, KeyError) as exc:
                 raise InvalidInput(f"the answer could not be made with these parameters: {exc}") from exc
 
         return Prompt(ids, arguments, answer)
-
-    def _thread_pipeline(self) -> Any:
-        return thread_pipeline(self._local, self._pipeline)
 
 
 class TextToText:
@@ -107,13 +106,15 @@ class TextToText:
         self._languages = (parts[1], parts[3]) if len(parts) == 4 and parts[0] == "translation" else (None, None)
         self.generation_config, prefix = _pipeline_generation_config(model, specific.get(task) or {})
         self._prefix = prefix if prefix is not None else getattr(config, "prefix", None) or ""
-        self._local = threading.local()
 
     def prepare(self, text: str, parameters: dict[str, Any]) -> Prompt:
         unknown = {"return_tensors", "return_text", "return_type", "return_full_text"} & set(parameters)
         if unknown:
             raise InvalidInput(f"{sorted(unknown)} are not parameters of {self.task}")
-        tokenizer = self._tokenizer()
+        with lent_tokenizer(self._model.tokenizer) as tokenizer:
+            return self._prepare(tokenizer, text, parameters)
+
+    def _prepare(self, tokenizer: Any, text: str, parameters: dict[str, Any]) -> Prompt:
         truncation = parameters.get("truncation", False)
         source, target = parameters.get("src_lang", self._languages[0]), parameters.get("tgt_lang", self._languages[1])
         try:
@@ -134,18 +135,13 @@ class TextToText:
         key = f"{self._name}_text"
 
         def answer(sequence: list[int]) -> dict[str, Any]:
-            text = tokenizer.decode(sequence, skip_special_tokens=True, clean_up_tokenization_spaces=clean)
+            with lent_tokenizer(self._model.tokenizer) as own:  # made later, maybe on another thread
+                text = own.decode(sequence, skip_special_tokens=True, clean_up_tokenization_spaces=clean)
             return {key: text}
 
         return Prompt(
             inputs["input_ids"][0].tolist(), {"generation_config": self.generation_config, **arguments}, answer
         )
-
-    def _tokenizer(self) -> Any:
-        tokenizer = getattr(self._local, "tokenizer", None)
-        if tokenizer is None:
-            tokenizer = self._local.tokenizer = copy.deepcopy(self._model.tokenizer)
-        return tokenizer
 
 
 def _pipeline_generation_config(loaded: HuggingFaceModel, specific: dict[str, Any]) -> tuple[Any, str | None]:

@@ -9,9 +9,7 @@ tasks (``hf_sentences.py``) run as pooled feature-extraction, or score pairs the
 
 from __future__ import annotations
 
-import copy
 import importlib
-import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -22,6 +20,7 @@ from mme_runtime.base.errors import InvalidInput
 from mme_runtime.models.hf_loading import HuggingFaceModel
 from mme_runtime.serving import hf_padding, hf_question_answering, hf_sentences, hf_tables, hf_vision
 from mme_runtime.serving.hf_requests import TaskRequest
+from mme_runtime.serving.hf_tokenizer_copies import lent_pipeline, lent_tokenizer
 
 # The tasks whose pipelines take "truncation": a text longer than the model takes may be cut to fit.
 TRUNCATING_TASKS = frozenset({"text-classification", "feature-extraction"})
@@ -30,15 +29,13 @@ REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout"})
 
 
 class TaskRunner:
-    """One placed model's task. Tokenizers are not safe to share between threads that change their truncation
-    and padding (tokenizers 0.23 hands one thread another's settings, older ones raised "Already borrowed"): each
-    thread that prepares inputs gets a copy of its own."""
+    """One placed model's task. A batch is prepared with a copy of the tokenizer lent for it
+    (``hf_tokenizer_copies.py``): tokenizers are not safe to share between threads."""
 
     def __init__(self, model: HuggingFaceModel, device: torch.device) -> None:
         transformers: Any = importlib.import_module("transformers")
         self.model = model
         self.task = model.task
-        self._local = threading.local()
         self._pipeline: Any = None
         if self.task not in ("question-answering", "sentence-ranking"):  # written by hand
             self._pipeline = transformers.pipeline(
@@ -50,16 +47,20 @@ class TaskRunner:
             )
 
     def run(self, requests: list[TaskRequest]) -> list[Any]:
-        """Each input's answer, in order (one per row of every request)."""
-        if self.task == "sentence-ranking":
-            return hf_sentences.scores(self._tokenizer(), self.model, requests, self._forward)
+        """Each input's answer, in order (one per row of every request), with a tokenizer lent for the batch."""
         if self._pipeline is None:
-            return hf_question_answering.run(self._tokenizer(), self.model, requests, self._forward)
-        if self.task == hf_tables.TASK:
-            return hf_tables.run(self._thread_pipeline(), self.model, requests, self._forward)
-        pipeline = self._thread_pipeline()
-        if self.task in hf_vision.TASKS:  # images batched per shape, masks as PNG
-            return hf_vision.run(pipeline, requests)
+            with lent_tokenizer(self.model.tokenizer) as tokenizer:
+                if self.task == "sentence-ranking":
+                    return hf_sentences.scores(tokenizer, self.model, requests, self._forward)
+                return hf_question_answering.run(tokenizer, self.model, requests, self._forward)
+        with lent_pipeline(self._pipeline) as pipeline:
+            if self.task == hf_tables.TASK:
+                return hf_tables.run(pipeline, self.model, requests, self._forward)
+            if self.task in hf_vision.TASKS:  # images batched per shape, masks as PNG
+                return hf_vision.run(pipeline, requests)
+            return self._run_texts(pipeline, requests)
+
+    def _run_texts(self, pipeline: Any, requests: list[TaskRequest]) -> list[Any]:
         plans: list[tuple[int, int, dict[str, Any]]] = []  # (first row, rows, postprocess parameters) per input
         rows: list[dict[str, Any]] = []
         adapters: list[str | None] = []  # the LoRA adapter of each row (its request's)
@@ -121,26 +122,6 @@ class TaskRunner:
         if limit is not None and length is not None and length > limit:
             advice = ', or send "parameters": {"truncation": true}' if self.task in TRUNCATING_TASKS else ""
             raise InvalidInput(f"an input has {length} tokens and the model takes at most {limit}: shorten it{advice}")
-
-    def _thread_pipeline(self) -> Any:
-        return thread_pipeline(self._local, self._pipeline)
-
-    def _tokenizer(self) -> Any:
-        tokenizer = getattr(self._local, "tokenizer", None)
-        if tokenizer is None:
-            tokenizer = self._local.tokenizer = copy.deepcopy(self.model.tokenizer)
-        return tokenizer
-
-
-def thread_pipeline(local: threading.local, pipeline: Any) -> Any:
-    """This thread's copy of ``pipeline``, with a tokenizer of its own (see ``TaskRunner``)."""
-    own = getattr(local, "pipeline", None)
-    if own is None:
-        own = copy.copy(pipeline)
-        if own.tokenizer is not None:
-            own.tokenizer = copy.deepcopy(own.tokenizer)
-        local.pipeline = own
-    return own
 
 
 def _parameters(

@@ -41,7 +41,7 @@ def _pipeline(directory: Path, task: str) -> Any:
 def test_ctc_logits_of_padded_rows_equal_each_clips_pass_alone(tmp_path: Path) -> None:
     directory = hf_audio_models.wav2vec2_ctc(tmp_path / "ctc")
     runner = _runner(directory, ASR)
-    pipeline = runner._thread_pipeline()
+    pipeline = runner._pipeline
     rows = [list(pipeline.preprocess(_clip(seconds, seed).samples))[0] for seed, seconds in enumerate(SECONDS)]
     model = runner.model.model
     with torch.inference_mode():

@@ -45,8 +45,8 @@ def reference(path: Path, task: str) -> Any:
 
 
 def counting_passes(runner: TaskRunner, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The images in each forward pass the runner's pipeline (this thread's) runs."""
-    pipeline = runner._thread_pipeline()
+    """The images in each forward pass the runner's pipeline runs (its lent copies share the counted forward)."""
+    pipeline = runner._pipeline
     forward, sizes = pipeline.forward, []
 
     def counted(inputs: Any, **kwargs: Any) -> Any:
@@ -130,7 +130,7 @@ def test_zero_shot_images_and_all_their_labels_share_one_pass(
 def test_each_distinct_label_text_is_computed_once(
     runners: dict[str, TaskRunner], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pipeline = runners["zero-shot-image-classification"]._thread_pipeline()
+    pipeline = runners["zero-shot-image-classification"]._pipeline
     image = hf_vision_models.image(1)
     rows = [
         hf_vision._prepare(pipeline, image, {"candidate_labels": labels})
