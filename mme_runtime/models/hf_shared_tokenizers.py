@@ -47,15 +47,17 @@ def content_key(model_dir: Path, task: str, tokenizer: Any, options: dict[str, A
     return digest.hexdigest()
 
 
-def one_per_content(model: Any) -> None:
-    """Gives a Hugging Face model the tokenizer another model here holds for the same key, or registers its own."""
+def one_per_content(model: Any) -> bool:
+    """Gives a Hugging Face model the tokenizer another model here holds for the same key (True), or registers its
+    own."""
     key = getattr(model, "tokenizer_key", None)
     tokenizer = getattr(model, "tokenizer", None)
     if key is None or tokenizer is None:
-        return
+        return False
     with _lock:
         held = _by_key.get(key)
         if held is None:
             _by_key[key] = tokenizer
-        else:
-            model.tokenizer = held
+            return False
+        model.tokenizer = held
+        return True

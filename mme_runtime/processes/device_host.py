@@ -178,7 +178,8 @@ class DeviceHost:
             return model
         unpacked = unpack(package)
         model, module = unpacked.model, module_of(unpacked.model)
-        one_per_content(model)  # a tokenizer another model here holds already serves this one too
+        if one_per_content(model):
+            logger.info("model=%s takes the tokenizer a model here holds already (the same files)", name)
         if self.shared is not None and module is not None and unpacked.locations:
             hosted.borrowed_device_bytes = self.shared.place(module, unpacked.locations, name)
         with self._control_lock, contextlib.suppress(TypeError):  # what cannot be weakly referenced is not shared

@@ -89,6 +89,12 @@ def test_a_fine_tune_holds_only_what_differs_from_the_base(server: RunningServer
         assert memory[f"tune-{index}"] < 0.1 * whole, memory  # its head and the tensors under 1 KiB
 
 
+def test_fine_tunes_with_the_base_s_tokenizer_files_share_one_tokenizer_per_host(server: RunningServer) -> None:
+    # Five models with the same tokenizer files over the CPU's two device hosts: the first on each brings one.
+    hosts = 2
+    assert server.log_text().count("takes the tokenizer a model here holds already") >= FINE_TUNES + 1 - hosts
+
+
 def test_unloading_the_model_that_brought_the_base_leaves_the_others_whole(server: RunningServer) -> None:
     before = {text: label_scores(server, "tune-1", text) for text in TEXTS}
     assert server.unload("tune-0").status_code == 200

@@ -49,14 +49,14 @@ def test_a_host_keeps_one_tokenizer_per_key_while_a_model_holds_it(tmp_path: Pat
     first, second = tokenizer_dirs(tmp_path)
     one = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(first)), tokenizer_key=key_of(first))
     two = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(second)), tokenizer_key=key_of(second))
-    one_per_content(one)
-    one_per_content(two)
+    assert not one_per_content(one)
+    assert one_per_content(two)
     assert two.tokenizer is one.tokenizer
     del one, two
     gc.collect()
     three = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(second)), tokenizer_key=key_of(second))
     own = three.tokenizer
-    one_per_content(three)  # the others are gone: it keeps its own
+    assert not one_per_content(three)  # the others are gone: it keeps its own
     assert three.tokenizer is own
 
 
