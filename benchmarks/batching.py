@@ -38,7 +38,7 @@ import numpy as np
 import requests
 import torch
 
-from benchmarks.benchlib import Server, our_server, percentile, table
+from benchmarks.benchlib import BATCH_CONNECTIONS_AT_LOAD, Server, our_server, percentile, table
 from benchmarks.peers.stock_stack import ensure_venv as ensure_stock_venv
 from benchmarks.peers.stock_stack import serve_isolated, stock_model_dir, stock_server
 from benchmarks.peers.torchserve_stack import TorchServe, archive_model, serve_torchserve
@@ -263,7 +263,7 @@ def main(argv: Sequence[str] = ()) -> int:
         root = Path(resources.enter_context(tempfile.TemporaryDirectory(prefix="bench-batching-", dir="/tmp")))
         cases = build_cases(root / "models", args.size_mb, args.scale)
         one_worker = {"SAGEMAKER_MODEL_SERVER_WORKERS": "1"}  # ours batched scales itself to --batch-size
-        ours_command, ours_env, ours_port = our_server(root / "ours", one_worker)
+        ours_command, ours_env, ours_port = our_server(root / "ours", {**one_worker, **BATCH_CONNECTIONS_AT_LOAD})
         stock_command, stock_env, stock_port, _ = stock_server(root / "stock", env=one_worker)
         ours = resources.enter_context(serve_isolated("ours", ours_command, ours_env, root / "ours", ours_port))
         stock = resources.enter_context(serve_isolated("stock", stock_command, stock_env, root / "stock", stock_port))

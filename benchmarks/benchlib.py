@@ -39,6 +39,9 @@ SETTLE_SECONDS = 2.0  # before each memory reading: let exits, frees and the dev
 # Unrelated tiny models loaded before any memory is measured: one per CPU device host (MME_CPU_HOSTS, 2 by default),
 # since a shareable model goes to the host with the fewest models and each host is forked on first use.
 BASELINE_MODELS = 2
+# Throughput benchmarks compare steady states: a batching model of ours opens its batch's connections at LOAD, as a
+# peer starts its workers, instead of the first time its requests overlap (docs/batching.md#enough-connections).
+BATCH_CONNECTIONS_AT_LOAD = {"MME_BATCH_CONNECTIONS_AT_LOAD": "1024"}
 
 
 @dataclass

@@ -38,7 +38,7 @@ import hf_models
 from serving import pss_mib
 
 from benchmarks import benchlib
-from benchmarks.benchlib import Server, our_server, percentile, serve, table
+from benchmarks.benchlib import BATCH_CONNECTIONS_AT_LOAD, Server, our_server, percentile, serve, table
 from benchmarks.peers.stock_stack import serve_isolated, stock_server
 
 HF_VENV = benchlib.REPO / ".hf-bench-venv"
@@ -218,7 +218,7 @@ def main(argv: Sequence[str] = ()) -> int:
         source = hf_models.bert(root / "source", "text-classification", layers=4, hidden=256)
         rows: dict[str, dict[str, float]] = {}
         memory: dict[str, float] = {}
-        command, env, port = our_server(root / "ours")
+        command, env, port = our_server(root / "ours", BATCH_CONNECTIONS_AT_LOAD)
         with serve(command, env, root / "ours", port) as ours:
             batched = link_model(
                 source, root / "batched", {"serving.properties": "batch_size=16\nmax_batch_delay=10\n"}

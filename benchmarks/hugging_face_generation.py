@@ -29,7 +29,7 @@ from typing import Any
 import hf_models
 import requests
 
-from benchmarks.benchlib import Server, our_server, percentile, serve, table
+from benchmarks.benchlib import BATCH_CONNECTIONS_AT_LOAD, Server, our_server, percentile, serve, table
 from benchmarks.peers.stock_stack import serve_isolated, stock_server
 
 # name -> (builder, task, extra parameters of every request)
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace, root: Path, with_aws: bool) -> str:
 
     sources = {name: builder(root / f"gen-{name}", layers=4, hidden=256) for name, (builder, _, _) in MODELS.items()}
     rows: dict[tuple[str, str], dict[str, Any]] = {}
-    command, env, port = our_server(root / "gen-ours")
+    command, env, port = our_server(root / "gen-ours", BATCH_CONNECTIONS_AT_LOAD)
     with serve(command, env, root / "gen-ours", port) as ours:
         for name, (_, task, _) in MODELS.items():
             properties = {"serving.properties": f"task={task}\nbatch_size={args.clients}\n"}

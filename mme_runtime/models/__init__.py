@@ -4,6 +4,6 @@
 ``device_tensors`` for holding equal tensors once, ``lora`` and ``lora_layers`` for PEFT LoRA adapters over one
 base, ``sharing`` (which models share a device host), and ``hf_loading`` for Hugging Face directories served with
 no code (``hf_audio_loading`` for speech models, ``hf_sentence_loading`` for sentence-transformers ones,
-``hf_shared_tokenizers`` for one tokenizer per content).
+``hf_shared_tokenizers`` for one tokenizer object per content).
 It may import: ``base``, ``operations``.
 """

@@ -111,7 +111,20 @@ class HuggingFaceModel:
     score_activation: str | None = None  # sentence-ranking: the torch.nn activation of its scores (Sigmoid, ...)
     adapters: Any = None  # its LoRA adapters once one is attached in the process that serves it (``lora.py``)
     feature_extractor: Any = None  # audio tasks: turns a waveform into the model's inputs
-    tokenizer_key: str | None = None  # the same for the same tokenizer: one object per host (hf_shared_tokenizers.py)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with its tokenizer as bytes in a tensor: held once for equal ones (``hf_shared_tokenizers.py``)."""
+        state = dict(self.__dict__)
+        if self.tokenizer is not None:
+            state["tokenizer"] = hf_shared_tokenizers.packed(self.tokenizer)
+            state["tokenizer_from"] = str(getattr(self.tokenizer, "name_or_path", ""))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        source = state.pop("tokenizer_from", None)
+        if isinstance(state.get("tokenizer"), torch.Tensor):
+            state["tokenizer"] = hf_shared_tokenizers.unpacked(state["tokenizer"], state["task"], source or "")
+        self.__dict__.update(state)
 
     def place(self, device: torch.device) -> HuggingFaceModel:
         self.model = self.model.to(device).eval()
@@ -189,10 +202,9 @@ def load(model_dir: Path, task: str, trust_remote_code: bool, pooling: str | Non
     limit = min(limits) if limits else None
     loaded = HuggingFaceModel(task, model.eval(), tokenizer, image_processor, limit, "auto_map" in config)
     loaded.feature_extractor = feature_extractor
-    loaded.tokenizer_key = hf_shared_tokenizers.content_key(model_dir, task, tokenizer, options)
     if task == "feature-extraction" or task in hf_sentence_loading.EMBEDDING_TASKS:
-        loaded.pooling, loaded.normalize = _pooling(model_dir, pooling)
-        loaded.truncate_to = _max_seq_length(model_dir) if loaded.pooling else None
+        loaded.pooling, loaded.normalize = hf_sentence_loading.pooling(model_dir, pooling)
+        loaded.truncate_to = hf_sentence_loading.max_seq_length(model_dir) if loaded.pooling else None
     if task in hf_sentence_loading.TASKS:
         hf_sentence_loading.configure(model_dir, loaded)
     return loaded
@@ -246,41 +258,12 @@ def _check_head(model_dir: Path, task: str, config: dict[str, Any], info: dict[s
         )
 
 
-def _max_seq_length(model_dir: Path) -> int | None:
-    try:
-        value = json.loads((model_dir / "sentence_bert_config.json").read_text(encoding="utf-8"))["max_seq_length"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return value if isinstance(value, int) and value > 0 else None
-
-
 def _transformers() -> Any:
     """transformers, imported on first use (the warm process imports it once, before forking such a model's
     loader). Typed ``Any``: its Auto classes are not annotated."""
     module = importlib.import_module("transformers")
     module.utils.logging.disable_progress_bar()  # one "Loading weights" bar per LOAD is noise in the model's log
     return module
-
-
-def _pooling(model_dir: Path, configured: str | None) -> tuple[str | None, bool]:
-    """``pooling=`` from serving.properties (``none`` for every token's vector), else what a sentence-transformers
-    directory says (``1_Pooling/config.json``, a ``Normalize`` module in ``modules.json``), else none."""
-    normalize = False
-    try:
-        modules = json.loads((model_dir / "modules.json").read_text(encoding="utf-8"))
-        normalize = any("Normalize" in str(module.get("type", "")) for module in modules)
-    except (OSError, ValueError, AttributeError):
-        pass
-    if configured is not None:
-        return (None if configured == "none" else configured), normalize
-    try:
-        settings = json.loads((model_dir / "1_Pooling" / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None, False
-    mode = hf_sentence_loading.pooling_mode(settings)
-    if mode in ("cls", "mean"):
-        return mode, normalize
-    raise ModelLoadError(f"1_Pooling/config.json asks for a pooling this server does not do: {settings}; set pooling=")
 
 
 def _read_config(model_dir: Path) -> dict[str, Any] | None:

@@ -138,3 +138,32 @@ def _read(path: Path, default: Any = None) -> Any:
         return {} if default is None else default
     except ValueError as exc:
         raise ModelLoadError(f"{path.parent.name}/{path.name} is not JSON: {exc}") from exc
+
+
+def max_seq_length(model_dir: Path) -> int | None:
+    try:
+        value = json.loads((model_dir / "sentence_bert_config.json").read_text(encoding="utf-8"))["max_seq_length"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def pooling(model_dir: Path, configured: str | None) -> tuple[str | None, bool]:
+    """``pooling=`` from serving.properties (``none`` for every token's vector), else what a sentence-transformers
+    directory says (``1_Pooling/config.json``, a ``Normalize`` module in ``modules.json``), else none."""
+    normalize = False
+    try:
+        modules = json.loads((model_dir / "modules.json").read_text(encoding="utf-8"))
+        normalize = any("Normalize" in str(module.get("type", "")) for module in modules)
+    except (OSError, ValueError, AttributeError):
+        pass
+    if configured is not None:
+        return (None if configured == "none" else configured), normalize
+    try:
+        settings = json.loads((model_dir / "1_Pooling" / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None, False
+    mode = pooling_mode(settings)
+    if mode in ("cls", "mean"):
+        return mode, normalize
+    raise ModelLoadError(f"1_Pooling/config.json asks for a pooling this server does not do: {settings}; set pooling=")

@@ -1,63 +1,56 @@
 """One tokenizer object for the models of a process whose tokenizers are the same.
 
-Fine-tunes of one base ship the base's tokenizer files, byte for byte, and each LOAD unpickles a tokenizer of its
-own: about 8 MiB for BERT's 30,522 entries, more than the rest of what a fine-tune adds beyond its head. The loader
-gives each tokenizer a content key (``content_key``: its class, the model's task, the options it was loaded with and
-the bytes of every file it reads), and a device host keeps one tokenizer per key while any model uses it
-(``one_per_content``): a later model with the same key takes that one, and its own is dropped. A tokenizer is only
-read once loaded; the threads that tokenize use lent copies of it (``serving/hf_tokenizer_copies.py``).
+Fine-tunes of one base ship the base's tokenizer files byte for byte, and each model's package carried a pickle of
+its tokenizer that the host unpickled for it alone: for BERT's 30,522 entries, 1.2 MB of pickle and more once
+unpickled, more than the rest of what a fine-tune adds beyond its head. So a Hugging Face model travels with its
+tokenizer pickled into a tensor of bytes (``packed``), without the directory it was loaded from: equal tokenizers
+give equal tensors, which a package holds once like any equal tensor (``tensor_store.py``). A host unpickles each
+content once (``unpacked``), keyed by its digest and the model's task (a pipeline may set what its task needs), and
+every later model with the same key takes that object while any model uses it. A tokenizer is only read once
+loaded; the threads that tokenize use lent copies of it (``serving/hf_tokenizer_copies.py``).
 """
 
 from __future__ import annotations
 
+import copy
+import logging
+import pickle
 import threading
 import weakref
-from pathlib import Path
 from typing import Any
 
+import torch
 import xxhash
 
-# What every tokenizer may read besides the files its class names in ``vocab_files_names``.
-COMMON_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-)
+logger = logging.getLogger(__name__)
+
+PROTOCOL = 5
 
 _lock = threading.Lock()
 _by_key: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
-def content_key(model_dir: Path, task: str, tokenizer: Any, options: dict[str, Any]) -> str | None:
-    """The key of ``tokenizer``, loaded from ``model_dir`` for ``task`` with ``options``; None without one."""
-    if tokenizer is None:
-        return None
-    names = set(COMMON_FILES) | {str(name) for name in (getattr(tokenizer, "vocab_files_names", None) or {}).values()}
-    digest = xxhash.xxh3_128()
-    digest.update(
-        f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}\0{task}\0{sorted(options.items())}".encode()
-    )
-    for name in sorted(names):
-        path = model_dir / name
-        if path.is_file():
-            digest.update(f"\0{name}\0{path.stat().st_size}\0".encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
+def packed(tokenizer: Any) -> torch.Tensor:
+    """The tokenizer's pickle as a tensor of bytes, the same for tokenizers loaded from equal files anywhere."""
+    neutral = copy.copy(tokenizer)  # shallow: the original keeps its directory
+    neutral.name_or_path = ""
+    init_kwargs = getattr(tokenizer, "init_kwargs", None)
+    if isinstance(init_kwargs, dict):
+        neutral.init_kwargs = {key: value for key, value in init_kwargs.items() if key != "name_or_path"}
+    return torch.frombuffer(bytearray(pickle.dumps(neutral, protocol=PROTOCOL)), dtype=torch.uint8)
 
 
-def one_per_content(model: Any) -> bool:
-    """Gives a Hugging Face model the tokenizer another model here holds for the same key (True), or registers its
-    own."""
-    key = getattr(model, "tokenizer_key", None)
-    tokenizer = getattr(model, "tokenizer", None)
-    if key is None or tokenizer is None:
-        return False
+def unpacked(data: torch.Tensor, task: str, name_or_path: str) -> Any:
+    """The tokenizer in ``data`` (``packed``'s): the one this process holds for the same bytes and task, or a new
+    one, which then named after ``name_or_path``, the directory of the first model that brought it."""
+    view = memoryview(data.numpy().data)  # the package's pages, not a copy
+    key = f"{task}:{xxhash.xxh3_128_hexdigest(view)}"
     with _lock:
         held = _by_key.get(key)
-        if held is None:
-            _by_key[key] = tokenizer
-            return False
-        model.tokenizer = held
-        return True
+    if held is not None:
+        logger.info("a tokenizer equal to one a model here holds (%d bytes pickled): taken, not unpickled", view.nbytes)
+        return held
+    tokenizer = pickle.loads(view)
+    tokenizer.name_or_path = name_or_path
+    with _lock:
+        return _by_key.setdefault(key, tokenizer)

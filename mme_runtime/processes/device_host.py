@@ -34,7 +34,6 @@ from mme_runtime.base.child_processes import become_child
 from mme_runtime.base.config import Config
 from mme_runtime.base.logs import configure_logging
 from mme_runtime.models.device_tensors import DeviceTensors, module_of
-from mme_runtime.models.hf_shared_tokenizers import one_per_content
 from mme_runtime.models.loading import ModelSpec, check_memory, fail_load, refuse_load
 from mme_runtime.models.model_package import Package, unpack
 from mme_runtime.models.tensor_store import MAX_SEGMENTS
@@ -178,8 +177,6 @@ class DeviceHost:
             return model
         unpacked = unpack(package)
         model, module = unpacked.model, module_of(unpacked.model)
-        if one_per_content(model):
-            logger.info("model=%s takes the tokenizer a model here holds already (the same files)", name)
         if self.shared is not None and module is not None and unpacked.locations:
             hosted.borrowed_device_bytes = self.shared.place(module, unpacked.locations, name)
         with self._control_lock, contextlib.suppress(TypeError):  # what cannot be weakly referenced is not shared

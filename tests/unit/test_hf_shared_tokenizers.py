@@ -1,68 +1,57 @@
-"""Tokenizers loaded from the same files, for the same task and with the same options, share a key, and a host
-keeps one object per key while a model uses it; a byte of difference, another task or other options, another key."""
+"""A Hugging Face model travels with its tokenizer pickled into a tensor of bytes that is the same for tokenizers
+loaded from equal files anywhere (so a package holds it once), and a process unpickles each such tokenizer once per
+task while a model holds it; a byte of difference or another task gives a tokenizer of its own."""
 
 from __future__ import annotations
 
 import gc
 import json
-import shutil
+import pickle
 from pathlib import Path
-from types import SimpleNamespace
 
 import hf_models
-from transformers import AutoTokenizer
+import torch
 
-from mme_runtime.models.hf_shared_tokenizers import content_key, one_per_content
+from mme_runtime.models import hf_loading
+from mme_runtime.models.hf_shared_tokenizers import packed
 
-OPTIONS = {"local_files_only": True, "trust_remote_code": False}
-
-
-def tokenizer_dirs(tmp_path: Path) -> tuple[Path, Path]:
-    first = tmp_path / "first"
-    hf_models.tokenizer(first)
-    second = tmp_path / "second"
-    shutil.copytree(first, second)
-    (second / "config.json").write_text(json.dumps({"id2label": {"0": "another head"}}))  # not a tokenizer file
-    return first, second
+TEXT = "a good movie about paris"
 
 
-def key_of(directory: Path, task: str = "text-classification", options: dict[str, object] = OPTIONS) -> str | None:
-    return content_key(directory, task, AutoTokenizer.from_pretrained(str(directory)), options)
+def fine_tunes(tmp_path: Path, count: int = 2) -> list[Path]:
+    base = hf_models.bert_sized_vocabulary(hf_models.bert(tmp_path / "base"))
+    return [hf_models.fine_tune(base, tmp_path / f"tune-{index}", index) for index in range(count)]
 
 
-def test_the_same_files_task_and_options_give_the_same_key(tmp_path: Path) -> None:
-    first, second = tokenizer_dirs(tmp_path)
-    assert key_of(first) == key_of(second) is not None
+def loaded(directory: Path, task: str = "text-classification") -> hf_loading.HuggingFaceModel:
+    return hf_loading.load(directory, task, trust_remote_code=False)
 
 
-def test_a_byte_of_difference_another_task_or_other_options_give_another_key(tmp_path: Path) -> None:
-    first, second = tokenizer_dirs(tmp_path)
+def test_tokenizers_from_equal_files_in_two_directories_pack_to_equal_bytes(tmp_path: Path) -> None:
+    first, second = fine_tunes(tmp_path)
+    one, two = packed(loaded(first).tokenizer), packed(loaded(second).tokenizer)
+    assert torch.equal(one, two) and one.numel() > 100_000  # BERT's vocabulary: a blob of its own pages
+
+
+def test_a_byte_of_difference_packs_to_other_bytes(tmp_path: Path) -> None:
+    first, second = fine_tunes(tmp_path)
     config = json.loads((second / "tokenizer_config.json").read_text())
     config["model_max_length"] = 511
     (second / "tokenizer_config.json").write_text(json.dumps(config))
-    assert key_of(first) != key_of(second)
-    assert key_of(first) != key_of(first, task="token-classification")
-    assert key_of(first) != key_of(first, options={**OPTIONS, "trust_remote_code": True})
+    assert not torch.equal(packed(loaded(first).tokenizer), packed(loaded(second).tokenizer))
 
 
-def test_a_host_keeps_one_tokenizer_per_key_while_a_model_holds_it(tmp_path: Path) -> None:
-    first, second = tokenizer_dirs(tmp_path)
-    one = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(first)), tokenizer_key=key_of(first))
-    two = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(second)), tokenizer_key=key_of(second))
-    assert not one_per_content(one)
-    assert one_per_content(two)
+def test_equal_tokenizers_unpickle_once_per_task_while_a_model_holds_one(tmp_path: Path) -> None:
+    first, second = fine_tunes(tmp_path)
+    one, two = pickle.loads(pickle.dumps(loaded(first))), pickle.loads(pickle.dumps(loaded(second)))
     assert two.tokenizer is one.tokenizer
+    assert one.tokenizer.name_or_path == str(first)  # named after the model that brought it
+    assert one.tokenizer(TEXT)["input_ids"] == loaded(first).tokenizer(TEXT)["input_ids"]
+    other_task = pickle.loads(pickle.dumps(loaded(first, "feature-extraction")))
+    assert other_task.tokenizer is not one.tokenizer  # a pipeline may set what its task needs on its tokenizer
+    held = id(one.tokenizer)
     del one, two
     gc.collect()
-    three = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(second)), tokenizer_key=key_of(second))
-    own = three.tokenizer
-    assert not one_per_content(three)  # the others are gone: it keeps its own
-    assert three.tokenizer is own
-
-
-def test_a_model_without_a_key_keeps_its_tokenizer(tmp_path: Path) -> None:
-    first, _ = tokenizer_dirs(tmp_path)
-    model = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(first)), tokenizer_key=None)
-    own = model.tokenizer
-    one_per_content(model)
-    assert model.tokenizer is own
+    again = pickle.loads(pickle.dumps(loaded(second)))
+    assert again.tokenizer(TEXT)["input_ids"] == other_task.tokenizer(TEXT)["input_ids"]
+    assert again.tokenizer.name_or_path == str(second), held  # the first ones were gone: a new one, named anew
