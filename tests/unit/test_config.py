@@ -128,3 +128,9 @@ def test_the_configuration_page_is_the_generated_one() -> None:
     assert page == configuration_page(), (
         "regenerate with: .venv/bin/python -m mme_runtime.base.config_page > docs/configuration.md"
     )
+
+
+def test_mkl_gives_its_buffers_back_unless_the_user_chose_otherwise() -> None:
+    # Kept per thread, they cost each model of a device host about 1 MiB (its passes run on threads of its own).
+    assert Config.from_env({}).to_env()["MKL_DISABLE_FAST_MM"] == "1"
+    assert Config.from_env({"MKL_DISABLE_FAST_MM": "0"}).to_env()["MKL_DISABLE_FAST_MM"] == "0"
