@@ -42,7 +42,7 @@ def packed(tokenizer: Any) -> torch.Tensor:
 
 def unpacked(data: torch.Tensor, task: str, name_or_path: str) -> Any:
     """The tokenizer in ``data`` (``packed``'s): the one this process holds for the same bytes and task, or a new
-    one, which then named after ``name_or_path``, the directory of the first model that brought it."""
+    one, named after ``name_or_path``, the directory of the model that brought it first."""
     view = memoryview(data.numpy().data)  # the package's pages, not a copy
     key = f"{task}:{xxhash.xxh3_128_hexdigest(view)}"
     with _lock:

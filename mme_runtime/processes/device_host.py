@@ -17,6 +17,7 @@ On a GPU, tensors that several models hold at one place in host memory are one t
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -227,7 +228,7 @@ class DeviceHost:
         metrics.bind(model.series)
         self.board.work_for(model.slot)
         try:
-            running = lambda: self.board.running(model.slot)  # noqa: E731
+            running = functools.partial(self.board.running, model.slot)
             serve_connection(connection, model.spec, model.loaded, running, model.demand)
         finally:
             model.connections.discard(connection)

@@ -11,6 +11,7 @@ So worker count buys concurrency, not copies of the weights.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -160,8 +161,8 @@ def serve_executor(
     logger.info("model=%s executor pid=%d gpu=%s serving", spec.name, os.getpid(), assignment.gpu)
     while (received := _receive(control)) is not None:
         for connection, _ in received:
-            arguments = (connection, spec, loaded, contextlib.nullcontext, demand)
-            threading.Thread(target=serve_connection, args=arguments, daemon=True).start()
+            serve = functools.partial(serve_connection, connection, spec, loaded, demand=demand)
+            threading.Thread(target=serve, daemon=True).start()
     logger.info("model=%s executor pid=%d: server gone, stopping", spec.name, os.getpid())
     sys.stdout.flush()
     os._exit(0)
