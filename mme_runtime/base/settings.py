@@ -179,6 +179,15 @@ PROCESSES: tuple[Setting, ...] = (
         "Passed to the model processes: MKL gives its matrix buffers back after each call instead of keeping them "
         "for each thread that ran one (about 1 MiB per model in a device host; no slower, measured on BERT).",
     ),
+    Setting(
+        "MALLOC_ARENA_MAX",
+        "malloc_arena_max",
+        text,
+        "2",
+        "Passed to MMS and the model processes: glibc's malloc arenas at most (its default is 8 per core, each keeping "
+        "what its threads freed; in a device host that was about 0.7 MiB per model). Raise it if a profile shows "
+        "threads waiting in malloc.",
+    ),
 )
 METRICS: tuple[Setting, ...] = (
     Setting(

@@ -8,6 +8,8 @@ process that does not fork), so each model's files land in its own directory and
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import threading
 from collections.abc import Iterator
@@ -15,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram, values
+from prometheus_client import Counter, Gauge, Histogram, mmap_dict, values
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -24,6 +26,11 @@ MAX_EXACT_BATCH_BUCKETS = 64
 DIRECTORY_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 # Held while a hosted model's values are made: the value class and the directory are process-wide.
 _MAKING_VALUES = threading.Lock()
+
+# prometheus_client makes each value file 64 KiB at once, and the pages mapped with its first value stay resident:
+# 192 KiB for each model of a device host (three files), where one model's values take about 11 KiB. Started at a
+# page, a file doubles as values are added (``MmapedDict`` grows it itself).
+mmap_dict._INITIAL_MMAP_SIZE = mmap.PAGESIZE
 
 
 def batch_size_buckets(batch_size: int) -> list[float]:
@@ -134,6 +141,10 @@ class Series:
         """Closes a hosted model's files (its directory is handed to the exporter next)."""
         if self._close_files is not None:
             self._close_files()
+            # The cleanup would stay in prometheus_client's list (and its value class with it) for good.
+            with contextlib.suppress(ValueError):
+                values._multi_process_cleanups.remove(self._close_files)
+            self._close_files = None
 
     @contextmanager
     def _making_values(self) -> Iterator[None]:

@@ -81,6 +81,7 @@ def test_batch_size_in_serving_properties_gets_the_connections_that_fill_it(serv
     # Its idle OpenMP threads sleep: the setting reaches every process the entrypoint starts (MMS passes it on).
     [frontend] = [process for process in server.descendants() if process.name() == "java"]
     assert frontend.environ()["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert frontend.environ()["MALLOC_ARENA_MAX"] == "2"  # each arena keeps what its threads freed
     assert "model=filled scaled to 8 workers to fill its batches" in server.log_text()
 
 

@@ -295,3 +295,32 @@ def test_an_ended_executor_folds_into_its_server_and_its_gauges_go(config: Confi
         assert names == [f"counter_{pid}.db", "counter_exited.db", "histogram_exited.db"]  # the server's own, and one
     finally:
         server.stop()
+
+
+def test_a_hosted_model_s_files_grow_from_a_page_and_go_with_it(config: Config, exporter: Exporter) -> None:
+    # prometheus_client would make each file 64 KiB, resident once mapped: 192 KiB for every model of a device host.
+    from prometheus_client import values
+
+    def host() -> None:
+        metrics.start_container(config)
+        cleanups = len(values._multi_process_cleanups)
+        for model, requests in (("small", 1), ("wide", 60)):
+            series = metrics.start_hosted(config, model)
+            assert series is not None
+            metrics.bind(series)
+            metrics.record_requests(lambda requests=requests: [200] * requests, 0.01)  # type: ignore[misc]
+            metrics.record_pass([0.001] * requests, 0.005, batch_size=64)  # 64 buckets: its file has to grow
+            metrics.bind(None)
+            if model == "small":
+                sizes = {path.name: path.stat().st_size for path in series.directory.glob("*.db")}
+                assert sizes and all(size < 65536 for size in sizes.values()), sizes  # 32 KiB for 64 buckets
+                series.close()
+                assert len(values._multi_process_cleanups) == cleanups  # nothing of it stays in the process
+                metrics.stop_hosted(config, series)
+
+    in_child(host)
+    samples = scrape(exporter())
+    assert value(samples, "mme_requests_total", model="wide", code="200") == 60
+    assert value(samples, "mme_batch_size_bucket", model="wide", le="60.0") == 1
+    assert value(samples, "mme_batch_size_bucket", model="wide", le="59.0") == 0
+    assert value(samples, "mme_requests_total", model="small", code="200") is None
