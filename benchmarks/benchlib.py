@@ -70,6 +70,18 @@ class Server:
         processes = self.tree()
         return pss_mib(processes) + unmapped_shared_memory_mib(processes)
 
+    def frontend_memory_mib(self) -> float:
+        """The PSS of MMS's frontend (its Java process), MiB: the part of ``tree_memory_mib`` that MMS itself costs
+        (read right after it)."""
+        frontend = []
+        for process in self.tree():
+            try:
+                if process.name() == "java":
+                    frontend.append(process)
+            except psutil.Error:
+                continue
+        return pss_mib(frontend)
+
     def model_processes(self, name: str) -> list[psutil.Process]:
         """The processes whose command line names the model (``--model-name NAME``): MMS's process for it (a stock
         worker, our stub or our isolated model's server) and, for our isolated model, its executors."""

@@ -103,15 +103,21 @@ def fine_tunes_memory(
         server.unload_and_wait(f"warm-up-{index}")
     empty = server.tree_memory_mib()
     load_until_first_answer(server, names[0], tunes[0], body)
-    first = server.tree_memory_mib()
+    first, first_frontend = server.tree_memory_mib(), server.frontend_memory_mib()
     for name, tune in zip(names[1:], tunes[1:], strict=True):
         load_until_first_answer(server, name, tune, body)
-    everything = server.tree_memory_mib()
+    everything, frontend = server.tree_memory_mib(), server.frontend_memory_mib()
     check_answers(server, names, expected)
     for name in names:
         server.unload_and_wait(name)
     after = server.tree_memory_mib()
-    return {"per_tune": (everything - first) / (len(tunes) - 1), "empty": empty, "after": after}
+    extra = len(tunes) - 1
+    return {
+        "per_tune": (everything - first) / extra,
+        "frontend_per_tune": (frontend - first_frontend) / extra,
+        "empty": empty,
+        "after": after,
+    }
 
 
 def large_loads(servers: dict[str, Server], large: Path, models: Path, count: int, body: bytes) -> dict[str, float]:
@@ -165,6 +171,13 @@ def measure(work: Path, args: argparse.Namespace) -> list[list[object]]:
             f"{off['per_tune']:.1f}",
             f"{on['per_tune'] / off['per_tune']:.3f}",
             f"<= {head_mib + 2:.2f} (head + 2 MiB)",
+        ],
+        [
+            "  of which MMS's frontend (its Java process), MiB",
+            f"{on['frontend_per_tune']:.2f}",
+            f"{off['frontend_per_tune']:.2f}",
+            "",
+            "",
         ],
         [
             f"LOAD to first answer, {large_mb:.0f} MB model, median of {args.large_loads}, ms",

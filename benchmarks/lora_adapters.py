@@ -66,14 +66,16 @@ def texts(count: int) -> list[bytes]:
     return [json.dumps({"inputs": hf_models.text_of_tokens(24, seed)}).encode() for seed in range(count)]
 
 
-def adapters_memory(server: Server, adapters: list[Path], count: int, body: bytes) -> tuple[float, list[float]]:
-    """PSS per extra adapter (``count`` loaded, each answering once) and each LOAD's time to its first answer."""
+def adapters_memory(server: Server, adapters: list[Path], count: int, body: bytes) -> tuple[float, float, list[float]]:
+    """PSS per extra adapter (``count`` loaded, each answering once), the frontend's part of it, and each LOAD's time
+    to its first answer."""
     loads = [load_until_first_answer(server, "adapter-0", adapters[0], body)]
-    before = server.tree_memory_mib()
+    before, frontend_before = server.tree_memory_mib(), server.frontend_memory_mib()
     for index in range(1, count):
         loads.append(load_until_first_answer(server, f"adapter-{index}", adapters[index], body))
-    after = server.tree_memory_mib()
-    return (after - before) / max(1, count - 1), loads
+    after, frontend_after = server.tree_memory_mib(), server.frontend_memory_mib()
+    extra = max(1, count - 1)
+    return (after - before) / extra, (frontend_after - frontend_before) / extra, loads
 
 
 def clients(server: Server, names: list[str], bodies: list[bytes], total: int) -> float:
@@ -115,8 +117,8 @@ def measure(work: Path, args: argparse.Namespace) -> list[list[object]]:
         command, full_env, port = our_server(work / f"lora-{label}", env)
         with serve(command, full_env, work / f"lora-{label}", port) as server:
             progress(f"sharing {label}: {loaded} adapters")
-            per_adapter, loads = adapters_memory(server, adapters, loaded, bodies[0])
-            row = {"memory": per_adapter, "load_p50": statistics.median(loads[1:]) * 1000}
+            per_adapter, frontend, loads = adapters_memory(server, adapters, loaded, bodies[0])
+            row = {"memory": per_adapter, "frontend": frontend, "load_p50": statistics.median(loads[1:]) * 1000}
             row.update(early=statistics.median(loads[1:6]), late=statistics.median(loads[-5:]))
             if label == "on":
                 progress("16 clients: one adapter, 8 adapters, 8 adapters unbatched")
@@ -140,6 +142,13 @@ def measure(work: Path, args: argparse.Namespace) -> list[list[object]]:
             f"{off['memory']:.1f}",
             f"{on['memory'] / off['memory']:.3f}",
             f"<= {1.1 * own_mib + 1:.2f} (1.1x own + 1 MiB)",
+        ],
+        [
+            "  of which MMS's frontend (its Java process), MiB",
+            f"{on['frontend']:.2f}",
+            f"{off['frontend']:.2f}",
+            "",
+            "",
         ],
         [
             "LOAD to first answer, adapters after the first, p50, ms",

@@ -140,6 +140,7 @@ class DeviceHost:
                 handler.attach(context)
             if self.shared is not None:
                 handler.transformer.after_forward = lambda: self.shared.check_writes(spec.name)
+            handler.transformer.thread_started = functools.partial(self.board.work_for, model.slot)
             model.demand = start_batching(spec, self.config, loaded)
             for thread in handler.transformer.batcher_threads:
                 self.board.work_for(model.slot, thread.ident)

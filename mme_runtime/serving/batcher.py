@@ -113,27 +113,39 @@ def run_by_first(jobs: list[Job]) -> None:
 
 class Batcher:
     """The queue in front of one model's forward passes on one device, and the threads that run them: at most
-    ``concurrency`` passes at once (stock MMS runs one request per worker at once; a model that batches needs one)."""
+    ``concurrency`` passes at once (stock MMS runs one request per worker at once; a model that batches needs one).
+
+    One dispatching thread starts with it; another starts only when a request finds every one busy, up to
+    ``concurrency``: a device host serves hundreds of models, most of them never asked twice at once, and each thread
+    costs memory (its stack, its OpenMP team). ``thread_started`` runs first in each (the host marks it its model's).
+    """
 
     def __init__(
-        self, run: Callable[[list[Job]], None], batch_size: int, max_delay_ms: float, name: str, concurrency: int = 1
+        self,
+        run: Callable[[list[Job]], None],
+        batch_size: int,
+        max_delay_ms: float,
+        name: str,
+        concurrency: int = 1,
+        thread_started: Callable[[], None] = lambda: None,
     ) -> None:
         self._run = run
         self.batch_size = batch_size
         self.max_delay = max_delay_ms / 1000.0
+        self._name = name
+        self._concurrency = max(1, concurrency)
+        self._thread_started = thread_started
         self._queue: deque[Job] = deque()
         self._ready = threading.Condition()
         self._closed = False
         # Requests answered by the last pass and not yet followed by new ones, and when that pass ended.
         self._awaited = 0
         self._pass_ended = 0.0
+        self._running = 0  # dispatchers in a pass; the others wait for work
         self._series = metrics.current()  # a device host's threads each record for their own model
-        self.threads = [
-            threading.Thread(target=self._dispatch_forever, name=f"batcher-{name}-{index}", daemon=True)
-            for index in range(max(1, concurrency))
-        ]
-        for thread in self.threads:
-            thread.start()
+        self.threads: list[threading.Thread] = []
+        with self._ready:
+            self._start_dispatcher()
 
     def close(self) -> None:
         """Ends the dispatching threads once the queue is empty (the model is unloaded: nothing new arrives)."""
@@ -169,6 +181,8 @@ class Batcher:
                 return
             self._queue.extend(jobs)
             self._awaited = max(0, self._awaited - len(jobs))
+            while len(self.threads) - self._running < len(self._queue) and len(self.threads) < self._concurrency:
+                self._start_dispatcher()  # every dispatcher busy: one more, as the model's concurrency allows
             self._ready.notify()
         for job in jobs:
             if job.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
@@ -181,8 +195,16 @@ class Batcher:
                     self._queue.remove(job)
             job.late = "queued" if queued else "running"
 
+    def _start_dispatcher(self) -> None:
+        """Called holding ``_ready``."""
+        index = len(self.threads)
+        thread = threading.Thread(target=self._dispatch_forever, name=f"batcher-{self._name}-{index}", daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
     def _dispatch_forever(self) -> None:
         metrics.bind(self._series)
+        self._thread_started()
         while (batch := self._next_batch()) is not None:
             started = time.monotonic()
             try:
@@ -193,6 +215,7 @@ class Batcher:
                     if job.result is None and job.error is None:
                         job.error = exc
             with self._ready:
+                self._running -= 1
                 self._awaited = len(batch)
                 self._pass_ended = time.monotonic()
             for job in batch:  # after _awaited is set: an answered client may be back at once
@@ -217,6 +240,7 @@ class Batcher:
                         self._ready.wait(remaining)
                         continue
                     self._awaited = 0  # those clients are not coming back soon: stop holding anyone for them
+                self._running += 1
                 return self._take()
 
     def _full(self) -> bool:

@@ -59,6 +59,8 @@ class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
         self._grad_enabled: bool | None = None
         # Called after each forward pass; what it raises fails the pass's requests (a write to shared weights).
         self.after_forward: Callable[[], None] | None = None
+        # Runs first in each thread its batcher starts, now or later (a device host marks it its model's: crash_board).
+        self.thread_started: Callable[[], None] = lambda: None
         # LoRA adapters over a plain module (``lora_layers.py``): each job's rows use its own model's adapter.
         self.row_adapters: Any = None
 

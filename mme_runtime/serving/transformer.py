@@ -8,6 +8,7 @@ compile it, answers its warm-up sample, and ``start_batcher`` then lets many thr
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -202,14 +203,20 @@ class Transformer(RequestPipeline):
             self._scheduling.start(self._model, self._settings.batch_size, self._context.model_name)
             return self._settings
         if self._batcher is None:
-            settings, name = self._settings, self._context.model_name
+            settings, name, started = self._settings, self._context.model_name, self.thread_started
             adapters = getattr(self._model, "adapters", None)
             if adapters is not None:  # one queue for every adapter of the base: their requests share its passes
-                make = lambda: Batcher(run_by_first, settings.batch_size, settings.max_batch_delay_ms, name)  # noqa: E731
+                size, delay = settings.batch_size, settings.max_batch_delay_ms
+                make = functools.partial(Batcher, run_by_first, size, delay, name, thread_started=started)
                 self._batcher = adapters.batcher(name, make)
             else:
                 self._batcher = Batcher(
-                    self._run_jobs, settings.batch_size, settings.max_batch_delay_ms, name, settings.concurrency
+                    self._run_jobs,
+                    settings.batch_size,
+                    settings.max_batch_delay_ms,
+                    name,
+                    settings.concurrency,
+                    thread_started=started,
                 )
         return self._settings
 

@@ -192,6 +192,38 @@ def test_an_unbatched_model_runs_up_to_its_concurrency_of_passes_at_once() -> No
     assert time.monotonic() - started < 0.45  # 6 passes of 0.1 s, 3 at a time: about 0.2 s, not 0.6
 
 
+def test_dispatchers_start_as_passes_overlap_and_each_runs_the_hook_first() -> None:
+    # A device host serves hundreds of models: one asked one request at a time keeps one thread, not its concurrency.
+    marked: list[int] = []
+    release = threading.Event()
+
+    def blocking(jobs: list[Job]) -> None:
+        release.wait(5)
+        for one in jobs:
+            one.result = one.data
+
+    batcher = Batcher(
+        blocking, 1, 10, name="lazy", concurrency=4, thread_started=lambda: marked.append(threading.get_ident())
+    )
+    release.set()
+    for index in range(5):  # one at a time
+        request = Job(index, None, None, 1)
+        batcher.submit([request])
+        assert request.result == index
+    assert len(batcher.threads) == 1
+
+    release.clear()
+    clients = [submit_in_thread(batcher, [Job(index, None, None, 1)]) for index in range(7)]
+    time.sleep(0.3)
+    assert len(batcher.threads) == 4  # every one busy: more started, up to its concurrency and no further
+    release.set()
+    for thread in clients:
+        thread.join(5)
+    assert len(batcher.threads) == 4
+    assert sorted(marked) == sorted(thread.ident for thread in batcher.threads)  # the hook ran in each, once
+    batcher.close()
+
+
 def test_closing_ends_the_dispatchers_once_the_queue_is_done() -> None:
     batcher = Batcher(Recorder(), batch_size=4, max_delay_ms=10, name="closing", concurrency=2)
     request = job(torch.ones(1, 2))
