@@ -141,6 +141,7 @@ class DeviceHost:
             if self.shared is not None:
                 handler.transformer.after_forward = lambda: self.shared.check_writes(spec.name)
             handler.transformer.thread_started = functools.partial(self.board.work_for, model.slot)
+            handler.transformer.thread_ended = self.board.done
             model.demand = start_batching(spec, self.config, loaded)
             for thread in handler.transformer.batcher_threads:
                 self.board.work_for(model.slot, thread.ident)

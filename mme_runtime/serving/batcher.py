@@ -29,6 +29,10 @@ from mme_runtime.serving.collate import Signature, SplitError, collate, split
 
 logger = logging.getLogger(__name__)
 
+# A dispatching thread with nothing to do for this long ends, and the OpenMP team its passes started ends with it
+# (GNU OpenMP keeps a team per thread that runs a parallel op: a thread per core). The next request starts one again.
+IDLE_SECONDS = 60.0
+
 
 @dataclass(eq=False)
 class Job:
@@ -116,8 +120,9 @@ class Batcher:
     ``concurrency`` passes at once (stock MMS runs one request per worker at once; a model that batches needs one).
 
     One dispatching thread starts with it; another starts only when a request finds every one busy, up to
-    ``concurrency``: a device host serves hundreds of models, most of them never asked twice at once, and each thread
-    costs memory (its stack, its OpenMP team). ``thread_started`` runs first in each (the host marks it its model's).
+    ``concurrency``, and one idle for ``idle_seconds`` ends: a device host serves hundreds of models, most of them
+    idle or asked one request at a time, and each thread costs memory (its stack, its OpenMP team).
+    ``thread_started`` runs first in each thread and ``thread_ended`` last (the host marks it its model's).
     """
 
     def __init__(
@@ -128,13 +133,16 @@ class Batcher:
         name: str,
         concurrency: int = 1,
         thread_started: Callable[[], None] = lambda: None,
+        thread_ended: Callable[[], None] = lambda: None,
+        idle_seconds: float = IDLE_SECONDS,
     ) -> None:
         self._run = run
         self.batch_size = batch_size
         self.max_delay = max_delay_ms / 1000.0
         self._name = name
         self._concurrency = max(1, concurrency)
-        self._thread_started = thread_started
+        self._thread_started, self._thread_ended = thread_started, thread_ended
+        self._idle_seconds = idle_seconds
         self._queue: deque[Job] = deque()
         self._ready = threading.Condition()
         self._closed = False
@@ -152,7 +160,7 @@ class Batcher:
         with self._ready:
             self._closed = True
             self._ready.notify_all()
-        for thread in self.threads:
+        for thread in list(self.threads):
             if thread is not threading.current_thread():
                 thread.join()
 
@@ -222,17 +230,20 @@ class Batcher:
                 job.done.set()
             waits = [started - job.queued_at for job in batch]
             metrics.record_pass(waits, self._pass_ended - started, self.batch_size)
+        self._thread_ended()
 
     def _next_batch(self) -> list[Job] | None:
-        """The next batch, once one is due; None once closed and empty. Every wait lets go of the lock, and meanwhile
-        another dispatcher, a timed-out client or a model leaving may empty the queue: it is looked at anew after
-        each one."""
+        """The next batch, once one is due; None once closed and empty, or idle too long. Every wait lets go of the
+        lock, and meanwhile another dispatcher, a timed-out client or a model leaving may empty the queue: it is
+        looked at anew after each one."""
         with self._ready:
             while True:
                 if not self._queue:
                     if self._closed:
                         return None
-                    self._ready.wait()
+                    if not self._ready.wait(self._idle_seconds) and not self._queue and not self._closed:
+                        self.threads.remove(threading.current_thread())  # a request from now on starts another
+                        return None
                     continue
                 if self._awaited and not self._full():
                     remaining = self._pass_ended + self.max_delay - time.monotonic()

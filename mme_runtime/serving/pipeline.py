@@ -59,8 +59,10 @@ class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
         self._grad_enabled: bool | None = None
         # Called after each forward pass; what it raises fails the pass's requests (a write to shared weights).
         self.after_forward: Callable[[], None] | None = None
-        # Runs first in each thread its batcher starts, now or later (a device host marks it its model's: crash_board).
+        # Run first and last in each thread its batcher starts and ends, now or later (a device host marks the thread
+        # its model's: crash_board.py).
         self.thread_started: Callable[[], None] = lambda: None
+        self.thread_ended: Callable[[], None] = lambda: None
         # LoRA adapters over a plain module (``lora_layers.py``): each job's rows use its own model's adapter.
         self.row_adapters: Any = None
 

@@ -203,21 +203,13 @@ class Transformer(RequestPipeline):
             self._scheduling.start(self._model, self._settings.batch_size, self._context.model_name)
             return self._settings
         if self._batcher is None:
-            settings, name, started = self._settings, self._context.model_name, self.thread_started
+            size, delay, name = self._settings.batch_size, self._settings.max_batch_delay_ms, self._context.model_name
+            batcher = functools.partial(Batcher, thread_started=self.thread_started, thread_ended=self.thread_ended)
             adapters = getattr(self._model, "adapters", None)
             if adapters is not None:  # one queue for every adapter of the base: their requests share its passes
-                size, delay = settings.batch_size, settings.max_batch_delay_ms
-                make = functools.partial(Batcher, run_by_first, size, delay, name, thread_started=started)
-                self._batcher = adapters.batcher(name, make)
+                self._batcher = adapters.batcher(name, functools.partial(batcher, run_by_first, size, delay, name))
             else:
-                self._batcher = Batcher(
-                    self._run_jobs,
-                    settings.batch_size,
-                    settings.max_batch_delay_ms,
-                    name,
-                    settings.concurrency,
-                    thread_started=started,
-                )
+                self._batcher = batcher(self._run_jobs, size, delay, name, self._settings.concurrency)
         return self._settings
 
     @property

@@ -224,6 +224,24 @@ def test_dispatchers_start_as_passes_overlap_and_each_runs_the_hook_first() -> N
     batcher.close()
 
 
+def test_an_idle_dispatcher_ends_and_the_next_request_starts_another() -> None:
+    # Its OpenMP team (a thread per core, kept per thread that ran a parallel op) ends with it.
+    ended: list[int] = []
+    batcher = Batcher(
+        Recorder(), 1, 10, name="idle", concurrency=2, idle_seconds=0.2, thread_ended=lambda: ended.append(1)
+    )
+    first = job(torch.ones(1, 2))
+    batcher.submit([first])
+    [thread] = batcher.threads
+    thread.join(2)
+    assert not thread.is_alive() and batcher.threads == [] and ended == [1]
+    second = job(torch.ones(1, 2))
+    batcher.submit([second], deadline=time.monotonic() + 5)
+    assert torch.equal(second.result, torch.full((1, 2), 2.0)) and len(batcher.threads) == 1
+    batcher.close()
+    assert ended == [1, 1]
+
+
 def test_closing_ends_the_dispatchers_once_the_queue_is_done() -> None:
     batcher = Batcher(Recorder(), batch_size=4, max_delay_ms=10, name="closing", concurrency=2)
     request = job(torch.ones(1, 2))
