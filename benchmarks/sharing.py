@@ -26,9 +26,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     fine_tunes.add_arguments(parser)
     lora_adapters.add_arguments(parser)
     args = parser.parse_args(argv)
-    if args.fine_tunes < 2 or args.large_loads < 1 or args.adapters < 8 or args.adapters_off < 2:
+    if args.fine_tunes < 3 or args.large_loads < 1 or args.adapters < 8 or args.adapters_off < 2:
         parser.error(
-            "needs --fine-tunes >= 2, --large-loads >= 1, --adapters >= 8 (16 clients over 8), --adapters-off >= 2"
+            "needs --fine-tunes >= 3, --large-loads >= 1, --adapters >= 8 (16 clients over 8), --adapters-off >= 2"
         )
     with tempfile.TemporaryDirectory(prefix="bench-sharing-") as work:
         rows = fine_tunes.measure(Path(work), args)

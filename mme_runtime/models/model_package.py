@@ -16,8 +16,8 @@ import mmap
 import os
 import pickle
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,9 @@ PAGE = mmap.PAGESIZE
 # Smaller ones (a bias of a few classes) are packed at ALIGNMENT, never shared: padding them would cost more.
 OWN_PAGES_BYTES = 1024
 _hashing = ThreadPoolExecutor(1, thread_name_prefix="mme-hash")  # started on first use: a loader's, never the warm one
+# A storage this large is hashed on that thread while the packer goes on; a smaller one right away (xxh3 takes about
+# 30 us for 1 MiB, less than handing it over).
+HASHED_ASIDE_BYTES = 1 << 20
 PROTOCOL = 5
 _FILE = object()  # stands for a TorchScript archive packed as it is
 
@@ -101,6 +104,7 @@ class _Writer:
         self.hashed = hashed
         self.blobs: list[Blob] = []
         self._storages: dict[tuple[int, int], int] = {}  # (address, bytes) -> index in blobs
+        self._digests: dict[int, Future[str]] = {}  # blob index -> its digest, still being taken aside
 
     def append(self, data: memoryview | bytes) -> int:
         view = memoryview(data).cast("B")
@@ -133,12 +137,23 @@ class _Writer:
             if storage.device.type != "cpu":
                 raise NotPackable(f"a tensor is on {storage.device}: model_fn must leave the model in host memory")
             array: Any = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()  # a view, no copy
-            # Hashed on another core while this one writes (both release the GIL): the digest costs no extra time.
-            digest = _hashing.submit(xxhash.xxh3_128_hexdigest, array) if self.hashed and array.nbytes else None
+            index, digest = len(self.blobs), ""
+            if self.hashed and array.nbytes >= HASHED_ASIDE_BYTES:
+                # Hashed on another core while this one packs on (both release the GIL): it costs no extra time.
+                self._digests[index] = _hashing.submit(xxhash.xxh3_128_hexdigest, array)
+            elif self.hashed and array.nbytes:
+                digest = xxhash.xxh3_128_hexdigest(array)
             offset = self.append(memoryview(array))
-            self._storages[key] = len(self.blobs)
-            self.blobs.append(Blob(0, offset, array.nbytes, "" if digest is None else digest.result()))
+            self._storages[key] = index
+            self.blobs.append(Blob(0, offset, array.nbytes, digest))
         return self._storages[key]
+
+    def finished_blobs(self) -> tuple[Blob, ...]:
+        """Every blob, with the digests taken aside."""
+        for index, digest in self._digests.items():
+            self.blobs[index] = replace(self.blobs[index], digest=digest.result())
+        self._digests.clear()
+        return tuple(self.blobs)
 
 
 class _Pickler(pickle.Pickler):
@@ -198,7 +213,7 @@ def pack(model: Any, name: str, hashed: bool = True) -> Package:
         os.close(writer.fd)
         raise NotPackable(f"{type(model).__name__} cannot be pickled: {type(exc).__name__}: {exc}") from exc
     offset = writer.append(buffer.getbuffer())
-    return Package(writer.fd, offset, buffer.getbuffer().nbytes, tuple(writer.blobs))
+    return Package(writer.fd, offset, buffer.getbuffer().nbytes, writer.finished_blobs())
 
 
 class _Unpickler(pickle.Unpickler):

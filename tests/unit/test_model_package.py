@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from mme_runtime.models.model_package import NotPackable, is_torchscript, pack, pack_torchscript_file, unpack
 
@@ -143,6 +144,21 @@ def test_the_file_holds_each_storage_once() -> None:
     size = os.fstat(package.fd).st_size
     assert size < 2 * 512 * 512 * 4  # one copy of the weight, not three
     package.close()
+
+
+def test_each_storage_carries_the_digest_of_its_bytes_small_or_hashed_aside() -> None:
+    model = torch.nn.Linear(1024, 512)  # a 2 MiB weight (hashed on another thread) and a 2 KiB bias (at once)
+    package = pack(model, "digests")
+    with open(f"/proc/self/fd/{package.fd}", "rb") as file:
+        contents = file.read()
+    digests = {blob.nbytes: blob.digest for blob in package.blobs}
+    for blob in package.blobs:
+        assert blob.digest == xxhash.xxh3_128_hexdigest(contents[blob.offset : blob.offset + blob.nbytes])
+    assert set(digests) == {1024 * 512 * 4, 512 * 4}
+    package.close()
+    unhashed = pack(model, "plain", hashed=False)
+    assert [blob.digest for blob in unhashed.blobs] == ["", ""]
+    unhashed.close()
 
 
 def test_a_torchscript_file_travels_as_it_is_and_a_checkpoint_is_told_apart(tmp_path: Path) -> None:
