@@ -28,7 +28,7 @@ class SharedModel:
     spec: ModelSpec
     request: dict[str, Any]  # the stub's command line, environment and directory: for an isolated server later
     stub: socket.socket  # closes when MMS ends the model's process (UNLOAD)
-    stdio: list[int]  # the stub's stdin, stdout and stderr: the model's log
+    stdio: list[int]  # the stub's stdin, stdout and stderr: the model's log (-1: closed once it was ready)
     listener: socket.socket
     slot: int
     started: float
@@ -74,6 +74,15 @@ class SharedModel:
         except OSError:
             pass  # the stub is gone: its unload follows
 
+    def stop_logging(self) -> None:
+        """Lets go of the stub's stdout and stderr once the model is served: its loader has written all it will (a
+        host logs to the container's own output), and the stub (``cat`` now) holds /dev/null instead. MMS reads each
+        of the two pipes with a thread of its own, about 90 KiB each, which ends at the pipe's end."""
+        for index in (1, 2):
+            if self.stdio[index] >= 0:
+                os.close(self.stdio[index])
+                self.stdio[index] = -1
+
     def close(self) -> None:
         """Closes the model's socket (and removes its path), its stub and the stub's stdio."""
         path = self.listener.getsockname()
@@ -85,7 +94,9 @@ class SharedModel:
                 pass
         self.stub.close()
         for fd in self.stdio:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
+        self.stdio = [-1, -1, -1]
 
 
 def cpu_host_for(model: SharedModel, models: Iterable[SharedModel], cpu_hosts: int) -> str:

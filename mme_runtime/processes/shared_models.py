@@ -74,7 +74,7 @@ class SharedModels:
         """What a forked child must close: every socket and package of ours (a copy would keep them alive)."""
         fds = [sock.fileno() for sock in self._handlers]
         for model in self.models.values():
-            fds += [model.listener.fileno(), model.stub.fileno(), *model.stdio]
+            fds += [model.listener.fileno(), model.stub.fileno(), *(fd for fd in model.stdio if fd >= 0)]
         fds += self.hosts.descriptors() + self.store.descriptors()
         return sorted({fd for fd in fds if fd >= 0})
 
@@ -191,6 +191,9 @@ class SharedModels:
             connection, _ = model.listener.accept()
         except (BlockingIOError, InterruptedError, OSError):
             return
+        # A frontend connection comes once MMS has read "MMS worker started." and counted the model's process
+        # started: an end of its pipes before that would fail the LOAD ("Backend stream closed").
+        model.stop_logging()
         assignment = read_assignment(connection, model.spec.name, LOAD_MESSAGE_SECONDS)
         if assignment is None:
             return

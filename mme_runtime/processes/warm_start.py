@@ -148,7 +148,7 @@ class WarmProcess:
         """A shared model moved to a server of its own, which takes over its socket (the frontend reconnects)."""
         listen_fd = model.listener.fileno()
         request = {**model.request, "env": {**model.request["env"], INHERITED_LISTEN_FD: str(listen_fd)}}
-        stdio = [os.dup(fd) for fd in model.stdio]
+        stdio = [os.dup(fd if fd >= 0 else own) for own, fd in enumerate(model.stdio)]  # else the container's log
         try:
             return self._fork_server(model.stub, request, stdio, keep=(listen_fd,))
         finally:

@@ -65,5 +65,10 @@ def _become_cat(client: socket.socket, argv: list[str]) -> None:
     ``argv[0]``, which it only prints in errors) names the model, as the Python stub's command line did."""
     sys.stdout.flush()
     os.dup2(client.fileno(), 0)
+    # Nothing more is logged through the stub: MMS's threads reading its pipes end once the warm process lets go too.
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1)
+    os.dup2(quiet, 2)
+    os.close(quiet)
     model = argv[argv.index("--model-name") + 1] if "--model-name" in argv else "?"
     os.execvp("cat", [f"{STUB_TITLE} --model-name {model}"])

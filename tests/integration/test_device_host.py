@@ -8,12 +8,14 @@ model that kills the host costs the others a few seconds, and after a second tim
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
+from pathlib import Path
 
 import fake_nvidia_smi
 import model_factory
@@ -142,6 +144,15 @@ def test_twenty_models_are_served_by_one_process_each_with_its_own_answers(serve
         [stub] = model_processes(server, name)  # MMS's process for the model, and nothing else of its own
         assert is_stub(stub)
         assert stub.memory_info().rss < 8 * 2**20  # cat, not Python
+    # Nor does the frontend keep a thread reading each stub's stdout and stderr (W-<port>-<model>-stdout, 15
+    # characters of it in /proc): once a model is served, nothing more is logged through its stub.
+    [frontend] = [process for process in server.descendants() if process.name() == "java"]
+
+    def pipe_readers() -> list[str]:
+        names = [Path(f"/proc/{frontend.pid}/task/{thread.id}/comm") for thread in frontend.threads()]
+        return [comm for path in names if path.exists() and re.match(r"W-\d+-many\d+-s", comm := path.read_text())]
+
+    assert wait_until(lambda: not pipe_readers(), 10), pipe_readers()
     for name in names:
         assert server.unload(name).status_code == 200
 
