@@ -74,6 +74,17 @@ class SharedModel:
         except OSError:
             pass  # the stub is gone: its unload follows
 
+    def accept(self) -> socket.socket | None:
+        """A frontend connection waiting on the model's socket (None if there is none after all). MMS connects once it
+        has read "MMS worker started." and counted the model's process started: from then on the stub's pipes may end
+        (earlier, MMS would fail the LOAD: "Backend stream closed")."""
+        try:
+            connection, _ = self.listener.accept()
+        except OSError:  # BlockingIOError (none waits after all), InterruptedError, a socket closing
+            return None
+        self.stop_logging()
+        return connection
+
     def stop_logging(self) -> None:
         """Lets go of the stub's stdout and stderr once the model is served: its loader has written all it will (a
         host logs to the container's own output), and the stub (``cat`` now) holds /dev/null instead. MMS reads each

@@ -187,13 +187,9 @@ class SharedModels:
         self.isolated[self.isolate(model, reason)] = model
 
     def _connection_waiting(self, model: SharedModel) -> None:
-        try:
-            connection, _ = model.listener.accept()
-        except (BlockingIOError, InterruptedError, OSError):
+        connection = model.accept()
+        if connection is None:
             return
-        # A frontend connection comes once MMS has read "MMS worker started." and counted the model's process
-        # started: an end of its pipes before that would fail the LOAD ("Backend stream closed").
-        model.stop_logging()
         assignment = read_assignment(connection, model.spec.name, LOAD_MESSAGE_SECONDS)
         if assignment is None:
             return

@@ -204,12 +204,15 @@ class Transformer(RequestPipeline):
             return self._settings
         if self._batcher is None:
             size, delay, name = self._settings.batch_size, self._settings.max_batch_delay_ms, self._context.model_name
-            batcher = functools.partial(Batcher, thread_started=self.thread_started, thread_ended=self.thread_ended)
             adapters = getattr(self._model, "adapters", None)
             if adapters is not None:  # one queue for every adapter of the base: their requests share its passes
-                self._batcher = adapters.batcher(name, functools.partial(batcher, run_by_first, size, delay, name))
+                # It outlives the adapter that made it, so it takes none of that adapter's hooks: a thread it started
+                # after that adapter left would be marked with a slot another model may have taken since.
+                self._batcher = adapters.batcher(name, functools.partial(Batcher, run_by_first, size, delay, name))
             else:
-                self._batcher = batcher(self._run_jobs, size, delay, name, self._settings.concurrency)
+                started, ended = self.thread_started, self.thread_ended
+                concurrency = self._settings.concurrency
+                self._batcher = Batcher(self._run_jobs, size, delay, name, concurrency, started, ended)
         return self._settings
 
     @property
