@@ -28,7 +28,7 @@ class SharedModel:
     spec: ModelSpec
     request: dict[str, Any]  # the stub's command line, environment and directory: for an isolated server later
     stub: socket.socket  # closes when MMS ends the model's process (UNLOAD)
-    stdio: list[int]  # the stub's stdin, stdout and stderr: the model's log (-1: closed once it was ready)
+    stdio: list[int]  # the stub's stdin, stdout and stderr: the model's log (-1: closed once it was served)
     listener: socket.socket
     slot: int
     started: float
