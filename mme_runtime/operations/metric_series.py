@@ -51,9 +51,10 @@ class Series:
         self._value_class: Any = None
         self._close_files: Any = None
         if home is not None:
-            self._value_class = values.MultiProcessValue()
-            # prometheus_client keeps each value class's cleanup (it closes the class's files) last in this list.
-            self._close_files = values._multi_process_cleanups[-1]
+            with _MAKING_VALUES:  # no other series' class between the two lines
+                self._value_class = values.MultiProcessValue()
+                # prometheus_client keeps each value class's cleanup (it closes the class's files) last in this list.
+                self._close_files = values._multi_process_cleanups[-1]
         self._children: dict[tuple[int, tuple[Any, ...]], Any] = {}
         self.device_bytes: int | None = None  # a hosted model's own tensors on its GPU (not the process's pool)
         self.gpu: str | None = None  # the executor's card, once it reports its GPU memory

@@ -150,6 +150,7 @@ class Batcher:
         self._awaited = 0
         self._pass_ended = 0.0
         self._running = 0  # dispatchers in a pass; the others wait for work
+        self._started = 0  # dispatchers started so far: each thread's name is its number
         self._series = metrics.current()  # a device host's threads each record for their own model
         self.threads: list[threading.Thread] = []
         with self._ready:
@@ -205,14 +206,21 @@ class Batcher:
 
     def _start_dispatcher(self) -> None:
         """Called holding ``_ready``."""
-        index = len(self.threads)
-        thread = threading.Thread(target=self._dispatch_forever, name=f"batcher-{self._name}-{index}", daemon=True)
+        self._started += 1
+        name = f"batcher-{self._name}-{self._started}"
+        thread = threading.Thread(target=self._dispatch_forever, name=name, daemon=True)
         self.threads.append(thread)
         thread.start()
 
     def _dispatch_forever(self) -> None:
         metrics.bind(self._series)
         self._thread_started()
+        try:
+            self._dispatch()
+        finally:  # its ident may soon be another thread's: nothing may stay marked with it
+            self._thread_ended()
+
+    def _dispatch(self) -> None:
         while (batch := self._next_batch()) is not None:
             started = time.monotonic()
             try:
@@ -230,7 +238,6 @@ class Batcher:
                 job.done.set()
             waits = [started - job.queued_at for job in batch]
             metrics.record_pass(waits, self._pass_ended - started, self.batch_size)
-        self._thread_ended()
 
     def _next_batch(self) -> list[Job] | None:
         """The next batch, once one is due; None once closed and empty, or idle too long. Every wait lets go of the

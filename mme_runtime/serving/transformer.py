@@ -206,9 +206,10 @@ class Transformer(RequestPipeline):
             size, delay, name = self._settings.batch_size, self._settings.max_batch_delay_ms, self._context.model_name
             adapters = getattr(self._model, "adapters", None)
             if adapters is not None:  # one queue for every adapter of the base: their requests share its passes
-                # It outlives the adapter that made it, so it takes none of that adapter's hooks: a thread it started
-                # after that adapter left would be marked with a slot another model may have taken since.
-                self._batcher = adapters.batcher(name, functools.partial(Batcher, run_by_first, size, delay, name))
+                # Its threads are no one adapter's (none is marked the culprit of a crash in a pass over them all),
+                # and it outlives the adapter that made it: of that adapter's hooks it takes the unmarking alone.
+                make = functools.partial(Batcher, run_by_first, size, delay, name, thread_ended=self.thread_ended)
+                self._batcher = adapters.batcher(name, make)
             else:
                 started, ended = self.thread_started, self.thread_ended
                 concurrency = self._settings.concurrency
@@ -217,8 +218,10 @@ class Transformer(RequestPipeline):
 
     @property
     def batcher_threads(self) -> list[threading.Thread]:
+        """The threads that run this model's passes alone (not those of a batcher its adapters share)."""
         scheduling = [] if self._scheduling is None else list(self._scheduling.threads)
-        return scheduling + ([] if self._batcher is None else list(self._batcher.threads))
+        shared = getattr(self._model, "adapters", None) is not None
+        return scheduling + ([] if self._batcher is None or shared else list(self._batcher.threads))
 
     def close(self) -> None:
         """Lets go of the model (its UNLOAD in a device host): the batcher's threads end, the user module goes."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 
 from mme_runtime.base.errors import InvalidInput
+from mme_runtime.processes.crash_board import CrashBoard
 from mme_runtime.serving.batcher import Batcher, Job, group, run_batch
 from mme_runtime.serving.collate import signature
 
@@ -240,6 +242,27 @@ def test_an_idle_dispatcher_ends_and_the_next_request_starts_another() -> None:
     assert torch.equal(second.result, torch.full((1, 2), 2.0)) and len(batcher.threads) == 1
     batcher.close()
     assert ended == [1, 1]
+
+
+def test_a_dispatcher_marked_on_the_crash_board_leaves_no_mark_when_it_ends() -> None:
+    # Thread idents are reused at once: a mark left behind would blame its slot's next model for another's crash.
+    board = CrashBoard()
+    batcher = Batcher(
+        Recorder(),
+        1,
+        10,
+        name="marked",
+        idle_seconds=0.2,
+        thread_started=functools.partial(board.work_for, 7),
+        thread_ended=board.done,
+    )
+    batcher.submit([job(torch.ones(1, 2))])
+    [thread] = batcher.threads
+    assert board.culprit(f"Current thread {thread.ident:#018x} (most recent call first):") == 7
+    thread.join(2)
+    assert board.culprit(f"Current thread {thread.ident:#018x} (most recent call first):") is None
+    batcher.close()
+    board.close()
 
 
 def test_closing_ends_the_dispatchers_once_the_queue_is_done() -> None:

@@ -206,3 +206,22 @@ def test_what_a_users_input_fn_cannot_decode_is_the_clients_error(
     error = json.loads(answer)
     assert error["code"] == status and f"input_fn raised {cause}" in error["message"]
     assert "\n" not in error["message"] or status == 500
+
+
+def test_the_batcher_an_adapter_shares_runs_no_thread_marked_as_that_adapter_s(tmp_path: Path) -> None:
+    # A device host marks a model's threads with its slot (crash_board.py). The adapters of a base share one batcher
+    # that outlives the adapter that made it: a thread of it marked with that adapter's slot could, once the slot
+    # went to another model, blame that model for a crash in a pass over every adapter.
+    import hf_models
+    import lora_models
+
+    adapter = lora_models.adapter(hf_models.bert(tmp_path / "base"), tmp_path / "adapter", seed=1)
+    (adapter / "serving.properties").write_text("base_model=../base\nbatch_size=4\n")
+    service = HandlerService(Config.from_env({"MME_MODEL_ROOT": str(tmp_path)}))
+    service.initialize(mms_context(adapter, []))
+    marked: list[int] = []
+    service.transformer.thread_started = lambda: marked.append(threading.get_ident())
+    service.start_batcher()
+    results = service.handle([{"body": b'{"inputs": "a good movie"}'}], mms_context(adapter, [{}]))
+    assert json.loads(results[0])[0]["label"], results
+    assert service.transformer.batcher_threads == [] and marked == []
