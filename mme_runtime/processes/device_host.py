@@ -143,7 +143,7 @@ class DeviceHost:
             handler.transformer.thread_started = functools.partial(self.board.work_for, model.slot)
             handler.transformer.thread_ended = self.board.done
             model.demand = start_batching(spec, self.config, loaded)
-            for thread in handler.transformer.batcher_threads:
+            for thread in handler.transformer.scheduler_threads:
                 self.board.work_for(model.slot, thread.ident)
             self._record_memory(model, handler.transformer)
         except BaseException as exc:  # noqa: BLE001 - boundary: user code's sys.exit too fails this LOAD alone
@@ -251,7 +251,7 @@ class DeviceHost:
                 pass
         started = time.monotonic()
         if model.loaded is not None:
-            for thread in model.loaded.module.transformer.batcher_threads:
+            for thread in model.loaded.module.transformer.scheduler_threads:
                 self.board.done(thread.ident)
             model.loaded.module.transformer.close()
         model.loaded = None

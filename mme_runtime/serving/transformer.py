@@ -217,11 +217,10 @@ class Transformer(RequestPipeline):
         return self._settings
 
     @property
-    def batcher_threads(self) -> list[threading.Thread]:
-        """The threads that run this model's passes alone (not those of a batcher its adapters share)."""
-        scheduling = [] if self._scheduling is None else list(self._scheduling.threads)
-        shared = getattr(self._model, "adapters", None) is not None
-        return scheduling + ([] if self._batcher is None or shared else list(self._batcher.threads))
+    def scheduler_threads(self) -> list[threading.Thread]:
+        """The generation scheduler's thread, which lives as long as the model (a batcher's threads run
+        ``thread_started`` and ``thread_ended`` themselves)."""
+        return [] if self._scheduling is None else list(self._scheduling.threads)
 
     def close(self) -> None:
         """Lets go of the model (its UNLOAD in a device host): the batcher's threads end, the user module goes."""

@@ -224,4 +224,4 @@ def test_the_batcher_an_adapter_shares_runs_no_thread_marked_as_that_adapter_s(t
     service.start_batcher()
     results = service.handle([{"body": b'{"inputs": "a good movie"}'}], mms_context(adapter, [{}]))
     assert json.loads(results[0])[0]["label"], results
-    assert service.transformer.batcher_threads == [] and marked == []
+    assert service.transformer.scheduler_threads == [] and marked == []
