@@ -13,10 +13,10 @@ transformers computes in this process for their directories (logits, to 1e-4); o
 
 Measured per stack: the server tree's PSS (with the shared-memory files it holds unmapped) once each CPU device host
 holds a fine-tune and after the others, per extra fine-tune (the part of it in MMS's Java frontend too); the memory
-with none loaded (after two fine-tunes' LOAD and
-UNLOAD, so both CPU device hosts run and transformers is imported) against after the LOAD and UNLOAD of all of them;
-and LOAD to the first answer of a model of about 500 MB (15 layers, hidden 1024), the median of 5 fresh copies, each
-unloaded before the next (nothing held that its tensors could match), the two stacks taking turns.
+with none loaded (after two fine-tunes' LOAD and UNLOAD, so both CPU device hosts run and transformers is imported)
+against after the LOAD and UNLOAD of all of them; and LOAD to the first answer of a model of about 500 MB (15
+layers, hidden 1024), the median of 5 fresh copies, each unloaded before the next (nothing held that its tensors
+could match), the two stacks taking turns.
 """
 
 from __future__ import annotations
