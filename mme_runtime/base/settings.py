@@ -122,6 +122,14 @@ PROCESSES: tuple[Setting, ...] = (
         "has one Python interpreter lock, so two let Python-bound models run side by side.",
     ),
     Setting(
+        "MME_GPU_PASS_THREADS",
+        "gpu_pass_threads",
+        integer(1, 64),
+        "4",
+        "Threads that run the forward passes of every model on one GPU, however many models it holds: each thread "
+        "that runs CUDA ops keeps a cuBLAS handle and workspace on the card (about 100 MiB on an H100).",
+    ),
+    Setting(
         "MME_PRELOAD_MODEL_GPU",
         "preload_model_gpu",
         parse_bool,

@@ -35,6 +35,9 @@ class CrashBoard:
         self._lock = threading.Lock()
         for cell in range(THREADS):
             OWNER.pack_into(self.memory, self._owner_offset(cell), 0, NO_MODEL)
+        # The host's own index of its cells: a GPU's pass threads are marked and unmarked at every pass.
+        self._cells: dict[int, int] = {}
+        self._free = list(range(THREADS - 1, -1, -1))
 
     # -- written by the host -------------------------------------------------------------------------------
 
@@ -51,24 +54,21 @@ class CrashBoard:
         """Marks the thread ``ident`` (this one by default) as working for the model in ``slot``."""
         ident = ident or threading.get_ident()
         with self._lock:
-            free = None
-            for cell in range(THREADS):
-                owner, _ = OWNER.unpack_from(self.memory, self._owner_offset(cell))
-                if owner == ident or (owner == 0 and free is None):
-                    free = cell
-                    if owner == ident:
-                        break
-            if free is not None:  # a host with more threads than cells names fewer culprits, nothing worse
-                OWNER.pack_into(self.memory, self._owner_offset(free), ident, slot)
+            cell = self._cells.get(ident)
+            if cell is None:
+                if not self._free:  # a host with more threads than cells names fewer culprits, nothing worse
+                    return
+                cell = self._cells[ident] = self._free.pop()
+            OWNER.pack_into(self.memory, self._owner_offset(cell), ident, slot)
 
     def done(self, ident: int | None = None) -> None:
-        """The thread ends (its ident may be reused by a thread for another model)."""
+        """The thread ends (its ident may be reused by a thread for another model), or is done with its model."""
         ident = ident or threading.get_ident()
         with self._lock:
-            for cell in range(THREADS):
-                offset = self._owner_offset(cell)
-                if OWNER.unpack_from(self.memory, offset)[0] == ident:
-                    OWNER.pack_into(self.memory, offset, 0, NO_MODEL)
+            cell = self._cells.pop(ident, None)
+            if cell is not None:
+                OWNER.pack_into(self.memory, self._owner_offset(cell), 0, NO_MODEL)
+                self._free.append(cell)
 
     # -- read by the warm process after the host died --------------------------------------------------------
 

@@ -28,8 +28,6 @@ import time
 import weakref
 from typing import Any
 
-import torch
-
 from mme_runtime.base import devices
 from mme_runtime.base.child_processes import become_child
 from mme_runtime.base.config import Config
@@ -44,6 +42,7 @@ from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, rep
 from mme_runtime.processes.executor import Assignment, start_batching
 from mme_runtime.processes.hosted_model import HostedModel, model_handler, release_memory, tensor_bytes
 from mme_runtime.processes.warm_protocol import receive, send
+from mme_runtime.serving.batcher import PassThreads
 from mme_runtime.serving.connection import serve_connection
 
 logger = logging.getLogger(__name__)
@@ -63,11 +62,15 @@ class DeviceHost:
         self._control_lock = threading.Lock()
         self._unpacked: weakref.WeakValueDictionary[tuple[int, int, int], Any] = weakref.WeakValueDictionary()
         self.shared: DeviceTensors | None = None  # on a GPU, with MME_SHARE_WEIGHTS
+        self.passes: PassThreads | None = None  # on a GPU: the threads that run every model's passes
 
     def serve(self) -> None:
         self.ordinal = devices.bind_gpu(self.gpu, self.config.cuda_visible_devices)
-        if self.ordinal is not None and self.config.share_weights:
-            self.shared = DeviceTensors(torch.device("cuda", self.ordinal))
+        device = devices.worker_device(self.ordinal)  # the CPU where torch has no CUDA, whatever nvidia-smi says
+        if device.type == "cuda" and self.config.share_weights:
+            self.shared = DeviceTensors(device)
+        if self.gpu is not None:  # on a card nvidia-smi lists (the tests' fake ones too): the same path
+            self.passes = PassThreads(self.config.gpu_pass_threads, f"gpu{self.gpu}")
         logger.info("device host pid=%d gpu=%s serving", os.getpid(), self.gpu)
         while True:
             try:
@@ -142,6 +145,7 @@ class DeviceHost:
                 handler.transformer.after_forward = lambda: self.shared.check_writes(spec.name)
             handler.transformer.thread_started = functools.partial(self.board.work_for, model.slot)
             handler.transformer.thread_ended = self.board.done
+            handler.transformer.pass_threads = self.passes
             model.demand = start_batching(spec, self.config, loaded)
             for thread in handler.transformer.scheduler_threads:
                 self.board.work_for(model.slot, thread.ident)

@@ -11,11 +11,15 @@ goes next.
 
 A batch that fails with a retryable error (out of memory, or a client error that one request may have caused) is
 split in halves and retried, so the error lands on the request that caused it, alone.
+
+On a GPU the passes themselves run on the device host's few ``PassThreads``, shared by all its models.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mme_runtime.operations import metrics
+from mme_runtime.operations.metric_series import Series
 from mme_runtime.serving.collate import Signature, SplitError, collate, split
 
 logger = logging.getLogger(__name__)
@@ -32,6 +37,8 @@ logger = logging.getLogger(__name__)
 # A dispatching thread with nothing to do for this long ends, and the OpenMP team its passes started ends with it
 # (GNU OpenMP keeps a team per thread that runs a parallel op: a thread per core). The next request starts one again.
 IDLE_SECONDS = 60.0
+# A pass that waits this long for one of a GPU's pass threads starts another: the others are held by long passes.
+HELD_SECONDS = 1.0
 
 
 @dataclass(eq=False)
@@ -109,6 +116,91 @@ def run_batch(
     run_batch(jobs[half:], predict, batch_context, retry_in_halves, before_retry, around)
 
 
+RunPass = Callable[[Callable[[], Any]], Any]  # runs a pass (a function) somewhere and returns what it returned
+
+
+def run_here(function: Callable[[], Any]) -> Any:
+    """The ``RunPass`` of a model with no pass threads: on the calling thread."""
+    return function()
+
+
+class PassThreads:
+    """The threads that run the forward passes of every model on one GPU: a few, however many models.
+
+    A thread that runs a CUDA op keeps a cuBLAS handle and its workspace on the card for as long as it lives (about
+    100 MiB on an H100 with torch 2.11, measured by scripts/gpu-proof), so a thread per model cost the card that
+    per model. Threads start as passes overlap, up to ``count``; a pass that waited ``held_seconds`` for one starts
+    one more, so a pass that hangs in user code holds its own thread, never the other models of the card.
+    """
+
+    def __init__(self, count: int, name: str, held_seconds: float = HELD_SECONDS) -> None:
+        self._count = max(1, count)
+        self._name = name
+        self._held_seconds = held_seconds
+        self._work: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads not running a pass
+        self._pending = 0  # passes handed over and not started yet
+        self.threads: list[threading.Thread] = []
+
+    def run(
+        self,
+        function: Callable[[], Any],
+        series: Series | None,
+        started: Callable[[], None] = lambda: None,
+        ended: Callable[[], None] = lambda: None,
+    ) -> Any:
+        """``function()`` on one of the threads, recording into ``series`` and bracketed by ``started`` and
+        ``ended`` there (the host marks the thread its model's meanwhile); returns or raises what it did."""
+        picked, done = threading.Event(), threading.Event()
+        outcome: list[Any] = [None, None]
+
+        def work() -> None:
+            with self._lock:
+                self._idle -= 1
+                self._pending -= 1
+            picked.set()
+            metrics.bind(series)
+            started()
+            try:
+                outcome[0] = function()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                outcome[1] = exc
+            finally:
+                ended()
+                metrics.bind(None)
+                with self._lock:  # idle before its caller wakes: the caller's next pass finds this thread free
+                    self._idle += 1
+                done.set()
+
+        with self._lock:
+            self._pending += 1
+            if self._idle < self._pending and len(self.threads) < self._count:
+                self._start()
+        self._work.put(work)
+        # Woken at the end of the pass alone: a wake-up while it runs would take the interpreter lock from it.
+        if not done.wait(self._held_seconds):
+            with self._lock:
+                if not picked.is_set() and self._idle < self._pending:
+                    self._start()  # past count: every thread is held by a long pass
+            done.wait()
+        if outcome[1] is not None:
+            raise outcome[1]
+        return outcome[0]
+
+    def _start(self) -> None:
+        """Called holding ``_lock``."""
+        self._idle += 1
+        thread = threading.Thread(target=self._serve, name=f"passes-{self._name}-{len(self.threads) + 1}")
+        thread.daemon = True
+        self.threads.append(thread)
+        thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            self._work.get()()
+
+
 def run_by_first(jobs: list[Job]) -> None:
     """A pass run by the model of its first job: what a batcher several models share runs (``lora_layers.py``)."""
     assert jobs[0].run_by is not None
@@ -123,6 +215,7 @@ class Batcher:
     ``concurrency``, and one idle for ``idle_seconds`` ends: a device host serves hundreds of models, most of them
     idle or asked one request at a time, and each thread costs memory (its stack, its OpenMP team).
     ``thread_started`` runs first in each thread and ``thread_ended`` last (the host marks it its model's).
+    ``run_pass``, where given, runs each pass elsewhere (on a GPU's ``PassThreads``) and returns when it is done.
     """
 
     def __init__(
@@ -135,8 +228,10 @@ class Batcher:
         thread_started: Callable[[], None] = lambda: None,
         thread_ended: Callable[[], None] = lambda: None,
         idle_seconds: float = IDLE_SECONDS,
+        run_pass: RunPass | None = None,
     ) -> None:
         self._run = run
+        self._run_pass = run_pass
         self.batch_size = batch_size
         self.max_delay = max_delay_ms / 1000.0
         self._name = name
@@ -224,7 +319,10 @@ class Batcher:
         while (batch := self._next_batch()) is not None:
             started = time.monotonic()
             try:
-                self._run(batch)
+                if self._run_pass is None:
+                    self._run(batch)
+                else:
+                    self._run_pass(functools.partial(self._run, batch))
             except BaseException as exc:  # noqa: BLE001 - the runner answers its own errors; this is a last guard
                 logger.exception("batch runner failed")
                 for job in batch:

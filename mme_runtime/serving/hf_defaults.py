@@ -24,6 +24,7 @@ from mme_runtime.base.errors import ModelLoadError
 from mme_runtime.models import hf_audio_loading, hf_loading, lora, model_cache, pt2
 from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.serving import hf_generation, hf_requests, hf_vision
+from mme_runtime.serving.batcher import RunPass, run_here
 from mme_runtime.serving.hf_audio_tasks import AudioRunner
 from mme_runtime.serving.hf_generation import GenerationLimits, GenerationRunner
 from mme_runtime.serving.hf_requests import TaskBatch, TaskRequest
@@ -68,12 +69,14 @@ class HuggingFaceDefaults:
         """A generative task: its scheduler, not the batcher, puts the rows of many requests into one step."""
         return hf_loading.base_task(self.task) in hf_loading.GENERATIVE_TASKS
 
-    def start(self, model: hf_loading.HuggingFaceModel, max_rows: int, name: str) -> None:
-        """Starts the model's scheduler, for up to ``max_rows`` rows per step (its batch size), once it is placed."""
+    def start(self, model: hf_loading.HuggingFaceModel, max_rows: int, name: str, run_pass: RunPass = run_here) -> None:
+        """Starts the model's scheduler, for up to ``max_rows`` rows per step (its batch size), once it is placed;
+        its steps run through ``run_pass`` (on a GPU's pass threads)."""
         with self._lock:
             self.close()
             device = next(model.model.parameters(), torch.empty(0)).device
-            self._generator = GenerationRunner(model, device, replace(self._limits, max_rows=max_rows), name)
+            limits = replace(self._limits, max_rows=max_rows)
+            self._generator = GenerationRunner(model, device, limits, name, run_pass)
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -103,7 +106,7 @@ class HuggingFaceDefaults:
         requests = data.requests if isinstance(data, TaskBatch) else [data]
         if self.schedules_itself:
             if self._generator is None:  # the warm-up request, before the scheduler starts
-                self.start(model, self._limits.max_rows, "warm-up")
+                self.start(model, self._limits.max_rows, "warm-up", run_here)
             assert self._generator is not None
             generated = self._generator.run(requests)
             owners = [request for request in requests for _ in request.inputs]

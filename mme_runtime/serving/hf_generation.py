@@ -12,6 +12,7 @@ generation still running at the time limit is cut: its answer is what it has, wi
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.models.hf_loading import HuggingFaceModel
+from mme_runtime.serving.batcher import RunPass, run_here
 from mme_runtime.serving.hf_decoding import DecodingBatch
 from mme_runtime.serving.hf_generation_parameters import SERVER_PARAMETERS, check_token_ids, vocabulary
 from mme_runtime.serving.hf_generation_tasks import Prompt, TextGeneration, TextToText
@@ -58,14 +60,22 @@ class GenerationLimits:
 class GenerationRunner:
     """One placed model's generative task, its scheduler, and what runs ``generate`` alone."""
 
-    def __init__(self, model: HuggingFaceModel, device: torch.device, limits: GenerationLimits, name: str) -> None:
+    def __init__(
+        self,
+        model: HuggingFaceModel,
+        device: torch.device,
+        limits: GenerationLimits,
+        name: str,
+        run_pass: RunPass = run_here,
+    ) -> None:
         self.model = model
         self.limits = limits
         self._device = device
+        self._run_pass = run_pass
         self._task: TextGeneration | TextToText = (
             TextGeneration(model, device) if model.task == "text-generation" else TextToText(model, model.task)
         )
-        self._scheduler = Scheduler(DecodingBatch(model.model), limits.max_rows, name)
+        self._scheduler = Scheduler(DecodingBatch(model.model), limits.max_rows, name, run_pass)
         self._vocabulary = vocabulary(model.model)
         self._stop_tokenizer = copy.deepcopy(model.tokenizer)  # the scheduler thread's, for stop sequences
         self._alone = threading.Lock()  # generate alone: one at a time
@@ -195,11 +205,21 @@ class GenerationRunner:
     def _generate_alone(
         self, prompt: Prompt, config: Any, stops: tuple[str, ...], deadline: float
     ) -> tuple[list[list[int]], bool]:
-        """``generate`` for one input alone (beam search, say), stopped at the deadline."""
+        """``generate`` for one input alone (beam search, say), stopped at the deadline: one at a time, on a pass
+        thread of a GPU's."""
+        with self._alone:
+            generated: tuple[list[list[int]], bool] = self._run_pass(
+                functools.partial(self._generate, prompt, config, stops, deadline)
+            )
+        return generated
+
+    def _generate(
+        self, prompt: Prompt, config: Any, stops: tuple[str, ...], deadline: float
+    ) -> tuple[list[list[int]], bool]:
         model: Any = self.model.model
         arguments = {key: value for key, value in prompt.generate.items() if key != "generation_config"}
         arguments["max_new_tokens"] = config.max_new_tokens
-        with self._alone, torch.inference_mode():
+        with torch.inference_mode():
             remaining = deadline - time.monotonic()
             if stops:
                 arguments.update(stop_strings=list(stops), tokenizer=self._alone_tokenizer)

@@ -10,6 +10,7 @@ rows submitted after it, with its cause: no caller waits forever. Each step is r
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -18,6 +19,7 @@ from collections import deque
 import torch
 
 from mme_runtime.operations import metrics
+from mme_runtime.serving.batcher import RunPass, run_here
 from mme_runtime.serving.hf_decoding import DecodingBatch
 from mme_runtime.serving.hf_rows import STOP, TIME, Row
 
@@ -35,8 +37,9 @@ class ModelUnloaded(RuntimeError):
 class Scheduler:
     """The queue in front of one model's generations and the thread that decodes them."""
 
-    def __init__(self, batch: DecodingBatch, max_rows: int, name: str) -> None:
+    def __init__(self, batch: DecodingBatch, max_rows: int, name: str, run_pass: RunPass = run_here) -> None:
         self.batch = batch
+        self._run_pass = run_pass  # where each step runs: a GPU's pass threads, or this thread
         self.max_rows = max(1, max_rows)
         self._waiting: deque[Row] = deque()
         self._events: dict[int, threading.Event] = {}
@@ -77,7 +80,7 @@ class Scheduler:
         try:
             with torch.inference_mode():
                 while (joining := self._next_rows()) is not None:
-                    self._iterate(joining)
+                    self._run_pass(functools.partial(self._iterate, joining))
         except Exception as exc:  # noqa: BLE001 - a fault of the loop itself: its callers must not wait forever
             logger.exception("the generation scheduler stopped")
             error = RuntimeError(f"the generation scheduler stopped: {exc}")
@@ -91,6 +94,7 @@ class Scheduler:
             for row in waiting:
                 self._done(row, error)
 
+    @torch.inference_mode()
     def _iterate(self, joining: list[Row]) -> None:
         """The joining rows prefilled, then one step of the batch; recorded as one pass of the rows in it."""
         started = time.monotonic()

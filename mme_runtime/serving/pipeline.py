@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from sagemaker_inference.transformer import Transformer as ToolkitTransformer
@@ -21,8 +21,9 @@ from mme_runtime.base import failures
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import PayloadTooLarge, RequestTimeout
 from mme_runtime.models.serving_properties import ServingSettings
+from mme_runtime.operations import metrics
 from mme_runtime.serving import collate, content
-from mme_runtime.serving.batcher import Batcher, Job, group, run_batch
+from mme_runtime.serving.batcher import Batcher, Job, PassThreads, group, run_batch
 from mme_runtime.serving.context import InferenceContext
 from mme_runtime.serving.contract import Contract
 from mme_runtime.serving.responses import (
@@ -41,6 +42,7 @@ from mme_runtime.serving.responses import (
 # MMS times each request too, and past its timer answers 500 "Worker died." and drops the connection: ours answers
 # a moment before, in words (its timer is SAGEMAKER_MODEL_SERVER_TIMEOUT or longer, started a moment before ours).
 TIMEOUT_MARGIN_SECONDS = 1.0
+T = TypeVar("T")
 
 
 class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
@@ -63,8 +65,18 @@ class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
         # its model's: crash_board.py).
         self.thread_started: Callable[[], None] = lambda: None
         self.thread_ended: Callable[[], None] = lambda: None
+        # A GPU device host's threads for every model's passes (``batcher.PassThreads``); None: each model's own.
+        self.pass_threads: PassThreads | None = None
         # LoRA adapters over a plain module (``lora_layers.py``): each job's rows use its own model's adapter.
         self.row_adapters: Any = None
+
+    def on_pass_thread(self, function: Callable[[], T], mark: bool = True) -> T:
+        """``function()`` on the device's pass threads, marked as this model's there (unless ``mark`` is false: a
+        pass over several models), or on this thread where there are none."""
+        if self.pass_threads is None:
+            return function()
+        started = self.thread_started if mark else (lambda: None)
+        return cast(T, self.pass_threads.run(function, metrics.current(), started, self.thread_ended))
 
     def transform(self, data: list[Any], context: Any) -> list[bytes]:
         """Answers one message's requests (MMS's ``context`` is this message's own); safe from many threads."""

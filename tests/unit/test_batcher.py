@@ -5,13 +5,15 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.processes.crash_board import CrashBoard
-from mme_runtime.serving.batcher import Batcher, Job, group, run_batch
+from mme_runtime.serving.batcher import Batcher, Job, PassThreads, group, run_batch
 from mme_runtime.serving.collate import signature
 
 
@@ -387,3 +389,69 @@ def test_two_dispatchers_batching_never_take_from_an_empty_queue() -> None:
     assert sorted(answers) == list(range(150))  # type: ignore[type-var]
     assert all(thread.is_alive() for thread in batcher.threads)
     batcher.close()
+
+
+def test_the_passes_of_many_models_run_on_a_few_pass_threads_and_each_answers_its_own() -> None:
+    # On a GPU each thread that runs a pass keeps a cuBLAS workspace on the card: threads must not grow with models.
+    passes = PassThreads(2, "gpu0")
+    ran_on: set[int] = set()
+
+    def runner(jobs: list[Job]) -> None:
+        ran_on.add(threading.get_ident())
+        run_batch(jobs, doubling, None, never_retry)
+
+    def run_pass(function: Callable[[], Any]) -> Any:
+        return passes.run(function, None)
+
+    batchers = [Batcher(runner, 4, 1, name=f"model{index}", run_pass=run_pass) for index in range(20)]
+    jobs = [[job(torch.full((1, 2), float(index)))] for index in range(20)]
+    threads = [submit_in_thread(batcher, own) for batcher, own in zip(batchers, jobs, strict=True)]
+    for thread in threads:
+        thread.join(5)
+    for index, (own,) in enumerate(jobs):
+        assert torch.equal(own.result, torch.full((1, 2), 2.0 * index))
+    assert ran_on <= {thread.ident for thread in passes.threads} and len(passes.threads) <= 2
+    for batcher in batchers:
+        batcher.close()
+
+
+def test_a_pass_thread_is_marked_as_its_model_s_during_its_pass_alone() -> None:
+    board = CrashBoard()
+    passes = PassThreads(1, "gpu0")
+    seen: list[int | None] = []
+
+    def culprit() -> int | None:
+        return board.culprit(f"Current thread {threading.get_ident():#018x} (most recent call first):")
+
+    for slot in (3, 9):
+        started = functools.partial(board.work_for, slot)
+        assert passes.run(lambda: seen.append(culprit()), None, started, board.done) is None
+    [thread] = passes.threads
+    assert seen == [3, 9]
+    assert board.culprit(f"Current thread {thread.ident:#018x} (most recent call first):") is None
+    board.close()
+
+
+def test_what_a_pass_raises_reaches_its_caller_and_the_thread_serves_on() -> None:
+    passes = PassThreads(1, "gpu0")
+
+    def failing() -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        passes.run(failing, None)
+    assert passes.run(lambda: 42, None) == 42
+    assert len(passes.threads) == 1
+
+
+def test_a_pass_that_hangs_holds_its_own_thread_and_the_next_pass_gets_another() -> None:
+    passes = PassThreads(1, "gpu0", held_seconds=0.1)
+    release = threading.Event()
+    hung = threading.Thread(target=passes.run, args=(release.wait, None))
+    hung.start()
+    started = time.monotonic()
+    assert passes.run(lambda: "answered", None) == "answered"
+    assert time.monotonic() - started < 2 and len(passes.threads) == 2
+    release.set()
+    hung.join(5)
+    assert passes.run(lambda: "again", None) == "again" and len(passes.threads) == 2  # no third: two are free
