@@ -22,6 +22,9 @@ from mme_runtime.base.nvidia import gpu_count
 
 CONNECTIONS_PER_GPU = 8
 WIDTH = 2048  # a 2048x2048 float32 layer: 16 MiB of weights, easy to tell from eight copies of it
+# torch's allocator holds cuBLAS's workspace too (32 MiB on an H100 with torch 2.11), one per thread that ran a
+# product: the loading thread's and a pass thread's.
+CUBLAS_WORKSPACES = 64 << 20
 
 
 def compute_apps() -> dict[int, int]:
@@ -84,6 +87,6 @@ def test_eight_connections_per_gpu_share_one_copy_of_the_weights_and_forward_pas
         allocated = max(p.cuda_bytes for p in passes if p.pid == executor)
         mib, weights_mib = allocated / 2**20, weights / 2**20
         print(f"executor {executor}: torch.cuda.memory_allocated {mib:.1f} MiB, weights {weights_mib:.1f} MiB")
-        assert allocated < 2 * weights  # one copy (plus activations), not eight
+        assert allocated < 2 * weights + CUBLAS_WORKSPACES  # one copy (plus activations), not eight
     assert max(p.rows for p in passes) > 3  # requests shared forward passes
     assert sum(p.rows for p in passes) == sum(len(rows) for rows in bodies)
