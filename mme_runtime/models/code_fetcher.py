@@ -14,15 +14,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-import boto3
-from botocore.config import Config as BotoConfig
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    ConnectTimeoutError,
-    EndpointConnectionError,
-    ReadTimeoutError,
-)
+try:  # the AWS SDK: only a model whose code lives in S3 needs it (the GPU proof's kit carries none)
+    import boto3
+    from botocore.config import Config as BotoConfig
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        ReadTimeoutError,
+    )
+except ImportError:  # every name above is used only after ``CodeFetcher.client`` made a client
+    boto3 = None
 
 from mme_runtime.base import failures
 from mme_runtime.base.errors import ModelLoadError
@@ -76,6 +79,8 @@ class CodeFetcher:
     @property
     def client(self) -> Any:
         if self._client is None:
+            if boto3 is None:
+                raise CodeFetchError("fetching code from S3 needs boto3, which this Python does not have")
             # boto3 finds credentials and a custom endpoint (AWS_ENDPOINT_URL_S3) by itself.
             config = BotoConfig(
                 connect_timeout=min(5, self._timeout),
@@ -91,7 +96,7 @@ class CodeFetcher:
         try:
             return self._fetch(uri)
         except CodeFetchError as exc:
-            if not isinstance(exc.__cause__, (ReadTimeoutError, ConnectTimeoutError)):
+            if boto3 is None or not isinstance(exc.__cause__, (ReadTimeoutError, ConnectTimeoutError)):
                 raise
             setting = f"MME_S3_TIMEOUT_SECONDS={self._timeout} per call, {ATTEMPTS} attempts"
             message = failures.timed_out(time.monotonic() - started, setting, f"fetching {uri}")
@@ -110,16 +115,18 @@ class CodeFetcher:
         return entry
 
     def _etag(self, uri: str, bucket: str, key: str) -> str:
+        client = self.client
         try:
-            head = self.client.head_object(Bucket=bucket, Key=key)
+            head = client.head_object(Bucket=bucket, Key=key)
         except (ClientError, BotoCoreError) as exc:
             raise CodeFetchError(f"{uri}: {_describe(exc)}") from exc
         return str(head["ETag"]).strip('"')
 
     def _download_and_extract(self, uri: str, bucket: str, key: str, etag: str, staging: Path) -> Path:
         archive = staging / "archive"
+        client = self.client
         try:
-            body = self.client.get_object(Bucket=bucket, Key=key, IfMatch=etag)["Body"]
+            body = client.get_object(Bucket=bucket, Key=key, IfMatch=etag)["Body"]
             with open(archive, "wb") as out:
                 for chunk in iter(lambda: body.read(READ_CHUNK), b""):
                     out.write(chunk)

@@ -9,6 +9,7 @@ hosts the same way. User code is imported only after a fork.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import logging
@@ -41,7 +42,6 @@ REQUEST_TIMEOUT_SECONDS = 5.0
 WARM_MODULES = (
     "numpy",
     "torch",
-    "boto3",
     "mms.service",
     "mms.protocol.otf_message_handler",
     "sagemaker_inference.transformer",
@@ -50,6 +50,8 @@ WARM_MODULES = (
     "mme_runtime.processes.backend",
     "mme_runtime.serving.transformer",
 )
+# Imported where installed: the AWS SDK, which only code in S3 needs (the GPU proof's kit carries none).
+OPTIONAL_WARM_MODULES = ("boto3",)
 
 
 class WarmProcess:
@@ -276,6 +278,9 @@ def main() -> int:
     configure_logging(config.log_level)
     for module in WARM_MODULES:
         __import__(module)
+    for module in OPTIONAL_WARM_MODULES:
+        with contextlib.suppress(ImportError):
+            __import__(module)
     from mme_runtime.operations import metrics
     from mme_runtime.processes import fork_safety
 

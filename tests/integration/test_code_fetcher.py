@@ -126,3 +126,13 @@ def test_unreachable_endpoint_fails_within_bounded_time(tmp_path: Path, monkeypa
     with pytest.raises(CodeFetchError, match="cannot reach the S3 endpoint"):
         CodeFetcher(tmp_path, timeout_seconds=5).fetch(f"s3://{BUCKET}/k.tar.gz")
     assert time.monotonic() - started < 30
+
+
+def test_code_in_s3_without_the_aws_sdk_fails_its_load_saying_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mme_runtime.models import code_fetcher
+
+    monkeypatch.setattr(code_fetcher, "boto3", None)  # a Python without it, as the GPU proof's kit leaves it
+    with pytest.raises(CodeFetchError, match="fetching code from S3 needs boto3, which this Python does not have"):
+        CodeFetcher(tmp_path).fetch("s3://bucket/code.tar.gz")
