@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8080
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint check-java test-image bench clean
+.PHONY: install serve test lint check-java test-image bench gpu-proof-kit clean
 
 # What serving needs (requirements.txt and torch), then what developing adds (requirements-dev.txt), in one venv.
 SERVE_INSTALLED := $(VENV)/.installed-serve
@@ -63,8 +63,13 @@ BENCH_ARGS ?=
 bench: install
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
+# What an air-gapped GPU host lacks to run scripts/gpu-proof (docs/where-it-runs.md#proving-a-gpu-host): wheels and a
+# trimmed Java 17 in .gpu-proof-kit/, checked to fit beside the tree in the 56 MiB such a host is sent. Needs a JDK.
+gpu-proof-kit:
+	$(PYTHON) scripts/gpu-proof-kit
+
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy mme_runtime
 
 clean:
-	rm -rf $(VENV) $(SDK_V2_VENV) .demo .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SDK_V2_VENV) .demo .pytest_cache .mypy_cache .ruff_cache .gpu-proof-kit gpu-proof-report

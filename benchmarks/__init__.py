@@ -8,6 +8,7 @@
 ``sharing``      weights shared across models: fine-tunes of one base and LoRA adapters, sharing on and off
 ``reload``       a re-LOAD after UNLOAD: the model's package kept in host memory against none kept
 ``handler``      one invoke through MMS's ``Service.predict`` around ours and the AWS handler, no Java frontend
+``gpu``          the README's GPU claims on a card, a part at a time (run by scripts/gpu-proof, only when named)
 ``benchlib``     what they share: start a server on a free port, drive it, measure its process tree, print a table
 ``peers``        the stacks we compare against, each installed into a virtual environment of its own
 

@@ -8,8 +8,9 @@
     .venv/bin/python -m benchmarks stock -- --help             # those options
     .venv/bin/python -m benchmarks pt2 --write-docs            # and its section of docs/benchmarks.md
 
-NAME is one of device_host, stock, batching, pt2, preload, hugging_face, sharing, reload, handler (none: all of them, in
-that order). Options after ``--`` go to the one benchmark named. The benchmarks run in this process, one after another;
+NAME is one of device_host, stock, batching, pt2, preload, hugging_face, sharing, reload, handler (none: all of these,
+in that order), or gpu (run only when named: what scripts/gpu-proof measures on a card). Options after ``--`` go to
+the one benchmark named. The benchmarks run in this process, one after another;
 each one's stdout (its results: tables and the lines that say what they measured) is echoed and kept, its progress
 goes to stderr.
 
@@ -49,7 +50,10 @@ BENCHMARKS: dict[str, str] = {
     "sharing": "benchmarks.sharing",
     "reload": "benchmarks.reload",
     "handler": "benchmarks.handler",
+    "gpu": "benchmarks.gpu",
 }
+# Run only when named: the GPU proof's rows (scripts/gpu-proof), which mean something on a card alone.
+WHEN_NAMED = ("gpu",)
 DEFAULT_DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
 
@@ -205,7 +209,7 @@ def parse(argv: Sequence[str]) -> tuple[list[str], Path | None, list[str]]:
         parser.error(f"no benchmark named {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
     if args.write_docs is not None and str(args.write_docs) in BENCHMARKS:
         parser.error(f"--write-docs took {args.write_docs} for its PATH: name the benchmarks before --write-docs")
-    names = list(dict.fromkeys(args.names)) or list(BENCHMARKS)
+    names = list(dict.fromkeys(args.names)) or [name for name in BENCHMARKS if name not in WHEN_NAMED]
     if extra and len(names) != 1:
         parser.error("options after -- go to one benchmark: name exactly one")
     return names, args.write_docs, extra

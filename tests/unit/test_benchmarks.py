@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # benchmarks/ is a package at the repository root, never installed
     sys.path.insert(0, str(REPO))
 
-NAMES = ["device_host", "stock", "batching", "pt2", "preload", "hugging_face", "sharing", "reload", "handler"]
+NAMES = ["device_host", "stock", "batching", "pt2", "preload", "hugging_face", "sharing", "reload", "handler", "gpu"]
 # Prose around and between two marker pairs: a CRLF line, non-ASCII text and no final newline must all survive.
 BEFORE = "# Benchmarks\r\n\nWhat these numbers mean \u2014 and what they do not.\n\n"
 BETWEEN = "\n\nProse between the two sections.\n\n"
@@ -144,8 +144,10 @@ def test_help_lists_every_benchmark() -> None:
     assert all(name in listed for name in NAMES), listed
 
 
-def test_the_registry_runs_the_nine_in_a_fixed_order(entry: types.ModuleType) -> None:
+def test_the_registry_runs_the_nine_in_a_fixed_order_and_the_gpu_rows_only_when_named(entry: types.ModuleType) -> None:
     assert list(entry.BENCHMARKS) == NAMES
+    assert entry.parse([])[0] == NAMES[:-1]
+    assert entry.parse(["gpu"])[0] == ["gpu"]
 
 
 @pytest.mark.parametrize("module", [*NAMES, "benchlib", "peers.stock_stack", "peers.torchserve_stack"])
