@@ -129,18 +129,24 @@ class PassThreads:
 
     A thread that runs a CUDA op keeps a cuBLAS handle and its workspace on the card for as long as it lives (about
     100 MiB on an H100 with torch 2.11, measured by scripts/gpu-proof), so a thread per model cost the card that
-    per model. Threads start as passes overlap, up to ``count``; a pass that waited ``held_seconds`` for one starts
-    one more, so a pass that hangs in user code holds its own thread, never the other models of the card.
+    per model. Threads start as passes overlap, up to ``count``. Only when every one has been in the same pass for
+    ``held_seconds`` (a pass hung in user code, a long beam search) does a waiting pass start one more, which ends
+    after ``idle_seconds`` without work: a hung pass holds its own thread, never the other models of the card.
     """
 
-    def __init__(self, count: int, name: str, held_seconds: float = HELD_SECONDS) -> None:
+    def __init__(
+        self, count: int, name: str, held_seconds: float = HELD_SECONDS, idle_seconds: float = IDLE_SECONDS
+    ) -> None:
         self._count = max(1, count)
         self._name = name
-        self._held_seconds = held_seconds
+        self._held_seconds, self._idle_seconds = held_seconds, idle_seconds
         self._work: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0  # threads not running a pass
         self._pending = 0  # passes handed over and not started yet
+        self._passes_since: dict[int, float] = {}  # thread ident -> when its current pass started
+        self._mine = threading.local()  # set on the pool's threads: a pass that runs a pass runs it in place
+        self._started = 0
         self.threads: list[threading.Thread] = []
 
     def run(
@@ -152,6 +158,8 @@ class PassThreads:
     ) -> Any:
         """``function()`` on one of the threads, recording into ``series`` and bracketed by ``started`` and
         ``ended`` there (the host marks the thread its model's meanwhile); returns or raises what it did."""
+        if getattr(self._mine, "pool", False):
+            return function()
         picked, done = threading.Event(), threading.Event()
         outcome: list[Any] = [None, None]
 
@@ -159,18 +167,22 @@ class PassThreads:
             with self._lock:
                 self._idle -= 1
                 self._pending -= 1
+                self._passes_since[threading.get_ident()] = time.monotonic()
             picked.set()
-            metrics.bind(series)
-            started()
             try:
-                outcome[0] = function()
+                metrics.bind(series)
+                started()
+                try:
+                    outcome[0] = function()
+                finally:
+                    ended()
+                    metrics.bind(None)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
                 outcome[1] = exc
             finally:
-                ended()
-                metrics.bind(None)
                 with self._lock:  # idle before its caller wakes: the caller's next pass finds this thread free
                     self._idle += 1
+                    del self._passes_since[threading.get_ident()]
                 done.set()
 
         with self._lock:
@@ -179,26 +191,41 @@ class PassThreads:
                 self._start()
         self._work.put(work)
         # Woken at the end of the pass alone: a wake-up while it runs would take the interpreter lock from it.
-        if not done.wait(self._held_seconds):
+        while not done.wait(self._held_seconds):
             with self._lock:
-                if not picked.is_set() and self._idle < self._pending:
-                    self._start()  # past count: every thread is held by a long pass
-            done.wait()
+                if not picked.is_set() and self._idle < self._pending and self._all_held():
+                    self._start()  # past count: every thread is held by one long pass
         if outcome[1] is not None:
             raise outcome[1]
         return outcome[0]
 
+    def _all_held(self) -> bool:
+        """Called holding ``_lock``: whether every thread is in a pass it started ``held_seconds`` ago or more."""
+        oldest_allowed = time.monotonic() - self._held_seconds
+        held = sum(1 for since in self._passes_since.values() if since <= oldest_allowed)
+        return held == len(self.threads)
+
     def _start(self) -> None:
         """Called holding ``_lock``."""
         self._idle += 1
-        thread = threading.Thread(target=self._serve, name=f"passes-{self._name}-{len(self.threads) + 1}")
-        thread.daemon = True
+        self._started += 1
+        thread = threading.Thread(target=self._serve, name=f"passes-{self._name}-{self._started}", daemon=True)
         self.threads.append(thread)
         thread.start()
 
     def _serve(self) -> None:
+        self._mine.pool = True
         while True:
-            self._work.get()()
+            try:
+                work = self._work.get(timeout=self._idle_seconds)
+            except queue.Empty:
+                with self._lock:  # one past count ends, leaving a thread for each pass handed over
+                    if len(self.threads) > self._count and self._idle > self._pending:
+                        self._idle -= 1
+                        self.threads.remove(threading.current_thread())
+                        return
+                continue
+            work()
 
 
 def run_by_first(jobs: list[Job]) -> None:
@@ -321,8 +348,8 @@ class Batcher:
             try:
                 if self._run_pass is None:
                     self._run(batch)
-                else:
-                    self._run_pass(functools.partial(self._run, batch))
+                else:  # timed from when a pass thread took it
+                    started = self._run_pass(functools.partial(self._timed_run, batch))
             except BaseException as exc:  # noqa: BLE001 - the runner answers its own errors; this is a last guard
                 logger.exception("batch runner failed")
                 for job in batch:
@@ -336,6 +363,12 @@ class Batcher:
                 job.done.set()
             waits = [started - job.queued_at for job in batch]
             metrics.record_pass(waits, self._pass_ended - started, self.batch_size)
+
+    def _timed_run(self, batch: list[Job]) -> float:
+        """Runs the pass; returns when it started."""
+        started = time.monotonic()
+        self._run(batch)
+        return started
 
     def _next_batch(self) -> list[Job] | None:
         """The next batch, once one is due; None once closed and empty, or idle too long. Every wait lets go of the

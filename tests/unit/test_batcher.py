@@ -444,8 +444,8 @@ def test_what_a_pass_raises_reaches_its_caller_and_the_thread_serves_on() -> Non
     assert len(passes.threads) == 1
 
 
-def test_a_pass_that_hangs_holds_its_own_thread_and_the_next_pass_gets_another() -> None:
-    passes = PassThreads(1, "gpu0", held_seconds=0.1)
+def test_a_pass_that_hangs_holds_its_own_thread_and_the_next_pass_gets_another_that_ends_idle() -> None:
+    passes = PassThreads(1, "gpu0", held_seconds=0.1, idle_seconds=0.3)
     release = threading.Event()
     hung = threading.Thread(target=passes.run, args=(release.wait, None))
     hung.start()
@@ -455,3 +455,49 @@ def test_a_pass_that_hangs_holds_its_own_thread_and_the_next_pass_gets_another()
     release.set()
     hung.join(5)
     assert passes.run(lambda: "again", None) == "again" and len(passes.threads) == 2  # no third: two are free
+    deadline = time.monotonic() + 5
+    while len(passes.threads) > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(passes.threads) == 1  # the one past count ended once idle
+    assert passes.run(lambda: "still", None) == "still"
+
+
+def test_a_busy_card_keeps_its_count_of_pass_threads() -> None:
+    # Passes that merely queue behind a saturated device are no reason for more threads (each costs the card).
+    passes = PassThreads(2, "gpu0", held_seconds=0.2)
+    device = threading.Lock()
+
+    def step() -> None:
+        with device:
+            time.sleep(0.02)
+
+    def model() -> None:
+        for _ in range(15):
+            passes.run(step, None)
+
+    callers = [threading.Thread(target=model) for _ in range(12)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(30)
+    assert len(passes.threads) == 2
+
+
+def test_a_hook_that_raises_fails_its_pass_alone_and_the_thread_serves_on() -> None:
+    passes = PassThreads(1, "gpu0")
+
+    def broken_hook() -> None:
+        raise RuntimeError("board")
+
+    with pytest.raises(RuntimeError, match="board"):
+        passes.run(lambda: None, None, started=broken_hook)
+    with pytest.raises(RuntimeError, match="board"):
+        passes.run(lambda: None, None, ended=broken_hook)
+    assert passes.run(lambda: "fine", None) == "fine" and len(passes.threads) == 1
+
+
+def test_a_pass_that_runs_a_pass_runs_it_in_place() -> None:
+    passes = PassThreads(1, "gpu0", held_seconds=5)
+    started = time.monotonic()
+    assert passes.run(lambda: passes.run(threading.get_ident, None), None) == passes.threads[0].ident
+    assert time.monotonic() - started < 1 and len(passes.threads) == 1
