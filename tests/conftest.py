@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marker = MARKED_DIRECTORIES.get(parts[0]) if parts else None
         if marker is not None:
             item.add_marker(getattr(pytest.mark, marker))
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # not a keyword: a parameter may be named gpu
             gpus = gpu_count() if gpus is None else gpus  # nvidia-smi: never torch.cuda at collection
             if gpus == 0:
                 item.add_marker(pytest.mark.skip(reason="no CUDA device (nvidia-smi -L lists none)"))

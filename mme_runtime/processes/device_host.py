@@ -42,8 +42,8 @@ from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, rep
 from mme_runtime.processes.executor import Assignment, start_batching
 from mme_runtime.processes.hosted_model import HostedModel, model_handler, release_memory, tensor_bytes
 from mme_runtime.processes.warm_protocol import receive, send
-from mme_runtime.serving.batcher import PassThreads
 from mme_runtime.serving.connection import serve_connection
+from mme_runtime.serving.pass_threads import PassThreads
 
 logger = logging.getLogger(__name__)
 

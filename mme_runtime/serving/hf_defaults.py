@@ -24,11 +24,11 @@ from mme_runtime.base.errors import ModelLoadError
 from mme_runtime.models import hf_audio_loading, hf_loading, lora, model_cache, pt2
 from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.serving import hf_generation, hf_requests, hf_vision
-from mme_runtime.serving.batcher import RunPass, run_here
 from mme_runtime.serving.hf_audio_tasks import AudioRunner
 from mme_runtime.serving.hf_generation import GenerationLimits, GenerationRunner
 from mme_runtime.serving.hf_requests import TaskBatch, TaskRequest
 from mme_runtime.serving.hf_tasks import TaskRunner, shape
+from mme_runtime.serving.pass_threads import RunPass, run_here
 
 
 def serves(model_dir: Path) -> bool:

@@ -24,13 +24,13 @@ import torch
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.models.hf_loading import HuggingFaceModel
-from mme_runtime.serving.batcher import RunPass, run_here
 from mme_runtime.serving.hf_decoding import DecodingBatch
 from mme_runtime.serving.hf_generation_parameters import SERVER_PARAMETERS, check_token_ids, vocabulary
 from mme_runtime.serving.hf_generation_tasks import Prompt, TextGeneration, TextToText
 from mme_runtime.serving.hf_requests import TaskRequest
 from mme_runtime.serving.hf_rows import TIME, Row
 from mme_runtime.serving.hf_scheduler import Scheduler
+from mme_runtime.serving.pass_threads import RunPass, run_here
 
 # A generation is cut this long before SAGEMAKER_MODEL_SERVER_TIMEOUT, so that its answer leaves in time.
 TIME_MARGIN_SECONDS = 10.0

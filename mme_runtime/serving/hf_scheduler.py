@@ -19,9 +19,9 @@ from collections import deque
 import torch
 
 from mme_runtime.operations import metrics
-from mme_runtime.serving.batcher import RunPass, run_here
 from mme_runtime.serving.hf_decoding import DecodingBatch
 from mme_runtime.serving.hf_rows import STOP, TIME, Row
+from mme_runtime.serving.pass_threads import RunPass, run_here
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,10 @@ from mme_runtime.base.errors import PayloadTooLarge, RequestTimeout
 from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.operations import metrics
 from mme_runtime.serving import collate, content
-from mme_runtime.serving.batcher import Batcher, Job, PassThreads, group, run_batch
+from mme_runtime.serving.batcher import Batcher, Job, group, run_batch
 from mme_runtime.serving.context import InferenceContext
 from mme_runtime.serving.contract import Contract
+from mme_runtime.serving.pass_threads import PassThreads
 from mme_runtime.serving.responses import (
     Request,
     error_response,

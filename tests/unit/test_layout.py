@@ -15,7 +15,7 @@ PACKAGE = REPO / "mme_runtime"
 # Bottom to top. The handler MMS names (and its defaults) sits between the request path and the process tree.
 LAYERS = ("base", "operations", "models", "serving", "handler", "processes")
 HANDLER_MODULES = ("handler_service", "inference_handler")
-MAX_MODULE_LINES = 300
+MAX_MODULE_LINES = 500  # one job a module: sized by what it holds (issue #34), never split for a count
 
 
 def _modules() -> dict[str, Path]:
@@ -103,7 +103,7 @@ def test_no_import_cycle() -> None:
             visit(module, [module])
 
 
-def test_no_module_is_over_300_lines() -> None:
+def test_no_module_is_over_500_lines() -> None:
     long = {p.name: n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert long == {}, "split these by what they do"
 
