@@ -42,7 +42,7 @@ check-java:
 
 serve: $(SERVE_INSTALLED)
 	$(BIN)/python scripts/make-test-models --demo .demo/models
-	SAGEMAKER_BIND_TO_PORT=$(PORT) MME_RUNTIME_DIR=$(CURDIR)/.demo/run MME_MODEL_ROOT=$(CURDIR)/.demo/models \
+	SAGEMAKER_BIND_TO_PORT=$(PORT) MME_RUNTIME_DIR=$(CURDIR)/.demo/run-$(PORT) MME_MODEL_ROOT=$(CURDIR)/.demo/models \
 	MME_LOAD_MODELS=demo=$(CURDIR)/.demo/models/demo \
 	$(BIN)/python dockerd-entrypoint.py serve
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import EXIT_CONFIG, ConfigError
+from mme_runtime.base.locks import hold_runtime_dir
 from mme_runtime.base.logs import ENTRYPOINT_FORMAT, configure_logging
 from mme_runtime.base.nvidia import gpu_count
 from mme_runtime.operations.cloudwatch_metrics import start as start_cloudwatch
@@ -35,6 +36,7 @@ def serve() -> int:
     configure_logging(logging.INFO, ENTRYPOINT_FORMAT)
     try:
         config = Config.from_process_env()
+        hold_runtime_dir(config.runtime_dir, config.port)  # held until this process ends
         mme = ensure_mme_properties(config.effective_properties_file, TEMPLATE)
         config = config.with_properties(mme)
     except ConfigError as exc:

@@ -1,4 +1,5 @@
-"""Cache directories built once across processes, however many workers and models ask for them at once."""
+"""Cache directories built once across processes, however many workers and models ask for them at once; a runtime
+directory held by one server at a time."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from mme_runtime.base.errors import ConfigError
+
+RUNTIME_LOCK = "server.lock"
 
 
 @contextmanager
@@ -58,3 +63,23 @@ def discard(entry: Path) -> None:
         except OSError:
             return  # another process discarded it first
     shutil.rmtree(stale, ignore_errors=True)
+
+
+def hold_runtime_dir(runtime_dir: Path, port: int) -> int:
+    """Takes ``runtime_dir`` for this server for as long as this process lives (the kernel lets go if it dies), and
+    returns the descriptor that holds it. Two servers in one directory would share the warm process's socket and its
+    pending requests, each serving the other's models: a second one is refused, naming the first."""
+    runtime_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(runtime_dir / RUNTIME_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a server"
+        os.close(fd)
+        raise ConfigError(
+            f"MME_RUNTIME_DIR={runtime_dir} is in use by another server ({holder}): give each server a runtime "
+            "directory of its own"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}, port {port}\n".encode(), 0)
+    return fd

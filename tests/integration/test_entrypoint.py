@@ -132,3 +132,22 @@ def test_single_model_mode_serves_invocations(tmp_path: Path) -> None:
         )
         assert response.status_code == 200, response.text
         assert len(response.json()[0]) == 3
+
+
+def test_a_second_server_in_the_same_runtime_directory_is_refused_and_the_first_serves_on(tmp_path: Path) -> None:
+    # Both would use one warm process socket: each would then serve the other's models (seen with /tmp/mme).
+    with start_server(tmp_path) as first:
+        model_factory.torchscript_model(first.model_dir("mine"))
+        second = subprocess.run(
+            [sys.executable, str(ENTRYPOINT), "serve"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "MME_RUNTIME_DIR": str(tmp_path / "run"), "SAGEMAKER_BIND_TO_PORT": str(free_port())},
+        )
+        assert second.returncode == 2
+        port = first.url.rsplit(":", 1)[1]
+        assert f"in use by another server (pid {first.process.pid}, port {port})" in second.stdout
+        assert first.load("mine").status_code == 200
+        assert first.invoke("mine", json.dumps([[1, 2, 3, 4]])).status_code == 200
+        assert "shares its device host" in first.log_text()  # served by the first server's own processes
