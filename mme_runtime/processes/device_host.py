@@ -284,6 +284,9 @@ def run_host(
     try:
         become_child(f"mme-device-host {label}", close_fds, environment)
         configure_logging(config.log_level)
+        # MMS's per-request "[METRICS]" lines: the frontend files a model server's away, but a host's stdout is the
+        # container's (a CloudWatch Logs line per request on SageMaker). Our own metrics count every request.
+        logging.getLogger("mms.service").setLevel(logging.WARNING)
         fork_safety.set_threads(fork_safety.DEFAULT_THREADS)
         metrics.start_container(config)  # the host's own directory; each model gets one of its own too
         crash_report = report_crashes(crash_report_path(config.runtime_dir, os.getpid()))

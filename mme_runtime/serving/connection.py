@@ -26,6 +26,7 @@ from mme_runtime.operations import metrics
 from mme_runtime.serving.connection_demand import ConnectionDemand
 
 logger = logging.getLogger(__name__)
+SERVICE_LOG = logging.getLogger("mms.service")  # where emit_metrics writes its per-request lines
 
 
 def serve_connection(
@@ -75,7 +76,7 @@ def _answer(loaded: LoadedModel, message: list[dict[str, Any]]) -> tuple[Any, by
     # Service keeps its context in ``_context`` (MMS 1.1.11, pinned); the copy shares system_properties, not requests.
     service._context = copy.copy(loaded.service.context)
     response = service.predict(message)
-    if service.context.metrics is not None:
+    if service.context.metrics is not None and SERVICE_LOG.isEnabledFor(logging.INFO):  # off in a device host
         emit_metrics(service.context.metrics.store)
     return service.context, bytes(response)
 

@@ -157,6 +157,17 @@ def test_twenty_models_are_served_by_one_process_each_with_its_own_answers(serve
         assert server.unload(name).status_code == 200
 
 
+def test_requests_to_a_hosted_model_print_no_line_each(server: RunningServer) -> None:
+    # docs/api.md#logs: per-request lines are off (on SageMaker each is a CloudWatch Logs line the customer pays for).
+    model_factory.torchscript_model(server.model_dir("quiet"))
+    assert server.load("quiet").status_code == 200
+    for _ in range(5):
+        assert server.invoke("quiet", json.dumps(ROWS)).status_code == 200
+    assert server.shares_device_host("quiet")
+    assert "[METRICS]" not in server.log_text() and "ModelName:quiet" not in server.log_text()
+    assert server.unload("quiet").status_code == 200
+
+
 def test_unload_gives_the_host_memory_back(server: RunningServer) -> None:
     model_factory.wide_model(server.model_dir("wide"))  # 4 MB of weights, and a model_fn that runs them
     model_factory.torchscript_model(server.model_dir("resident"))
