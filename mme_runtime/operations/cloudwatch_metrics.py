@@ -110,6 +110,8 @@ class EmfLines:
         self._load_seconds = {model: seconds for model, seconds in self._load_seconds.items() if model in gauges}
         lines = [self._container_line(deltas.get(CONTAINER, {}), gauges.get(CONTAINER, {}), timestamp_ms)]
         for model in sorted((deltas.keys() | gauges.keys()) - {CONTAINER}):
+            if model not in counts and model not in gauges and not any(deltas[model].values()):
+                continue  # gone with nothing to report: a LOAD that failed is no model of CloudWatch's
             if model.isascii() and len(model) <= MAX_DIMENSION_VALUE:
                 lines.append(self._model_line(model, deltas.get(model, {}), gauges.get(model, {}), timestamp_ms))
             elif model not in self._refused:

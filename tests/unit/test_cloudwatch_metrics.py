@@ -142,6 +142,14 @@ def test_what_a_model_counted_before_its_unload_is_reported_once_and_a_reload_st
     assert invocations(emf, [requests({"a": {"200": 2}})]) == {"a": 0}
 
 
+def test_a_load_that_failed_makes_no_line_and_an_idle_loaded_model_reports_zero() -> None:
+    # The failed LOAD's server stopped with its series empty: no CloudWatch metrics for a model that never loaded.
+    emf = EmfLines("ns")
+    never = [latency("broken", (0, 0, 0, 0), 0.0)]
+    assert invocations(emf, [requests({"a": {"200": 1}})], stopped=never) == {"a": 1}
+    assert invocations(emf, [requests({"a": {"200": 1}})]) == {"a": 0}
+
+
 def test_a_count_that_steps_back_without_a_stop_is_not_reported_again() -> None:
     emf = EmfLines("ns")
     assert invocations(emf, [requests({"a": {"200": 5}})]) == {"a": 5}
