@@ -136,9 +136,10 @@ def generation_limits(settings: ServingSettings, config: Config) -> GenerationLi
     limit of a generation (``serving.properties``, else cut ``TIME_MARGIN_SECONDS`` before
     ``SAGEMAKER_MODEL_SERVER_TIMEOUT``, so that it answers in time)."""
     cap = settings.max_new_tokens or config.max_new_tokens
+    source = "max_new_tokens in serving.properties" if settings.max_new_tokens else "MME_MAX_NEW_TOKENS"
     latest = max(1.0, config.response_timeout_seconds - hf_generation.TIME_MARGIN_SECONDS)
     seconds = min(settings.max_generation_seconds or latest, latest)
-    return GenerationLimits(cap, seconds, settings.batch_size)
+    return GenerationLimits(cap, source, seconds, settings.batch_size)
 
 
 class _Answer:

@@ -53,6 +53,7 @@ LOOP_MODES = frozenset({"greedy_search", "sample"})
 @dataclass(frozen=True)
 class GenerationLimits:
     max_new_tokens: int = Config.max_new_tokens  # a request asking more answers 400
+    max_new_tokens_from: str = "MME_MAX_NEW_TOKENS"  # where that cap was set, for the answer that names it
     seconds: float = 60.0 - TIME_MARGIN_SECONDS
     max_rows: int = 1  # rows decoded together at most: the model's batch_size
 
@@ -174,7 +175,7 @@ class GenerationRunner:
         cap = self.limits.max_new_tokens
         if wanted > cap and asked:
             raise InvalidInput(
-                f"max_new_tokens={wanted} is over this model's limit of {cap} (max_new_tokens in serving.properties)"
+                f"max_new_tokens={wanted} is over this model's limit of {cap} ({self.limits.max_new_tokens_from})"
             )
         model, settings = self.model, getattr(self.model.model, "config", None)
         if getattr(settings, "is_encoder_decoder", False):

@@ -124,7 +124,8 @@ def test_bad_parameters_answer_400_for_the_request_at_fault_only(server: Running
             assert response.result().status_code == 400, response.result().text
             assert "Traceback" not in response.result().text and response.result().json()["message"]
         assert all(response.result().status_code == 200 for response in good)
-    assert "over this model's limit of 1024" in generate(server, "writer", "a", max_new_tokens=5000).json()["message"]
+    refused = generate(server, "writer", "a", max_new_tokens=5000).json()["message"]
+    assert "over this model's limit of 1024 (MME_MAX_NEW_TOKENS)" in refused  # the container's default, named so
 
 
 def test_a_generation_past_its_time_limit_answers_what_it_has_with_a_warning(server: RunningServer) -> None:
@@ -132,7 +133,8 @@ def test_a_generation_past_its_time_limit_answers_what_it_has_with_a_warning(ser
     assert response.status_code == 200, response.text
     [answer] = response.json()
     assert "time limit" in answer["warning"] and answer["generated_text"]
-    assert generate(server, "hasty", "the model", max_new_tokens=401).status_code == 400  # its own cap: 400
+    own = generate(server, "hasty", "the model", max_new_tokens=401)
+    assert own.status_code == 400 and "limit of 400 (max_new_tokens in serving.properties)" in own.json()["message"]
 
 
 def test_answers_have_the_aws_containers_shapes(server: RunningServer) -> None:
