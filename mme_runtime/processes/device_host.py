@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import logging
 import os
 import socket
@@ -40,7 +39,13 @@ from mme_runtime.operations import metrics
 from mme_runtime.processes import fork_safety
 from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, report_crashes
 from mme_runtime.processes.executor import Assignment, start_batching
-from mme_runtime.processes.hosted_model import HostedModel, model_handler, release_memory, tensor_bytes
+from mme_runtime.processes.hosted_model import (
+    HostedModel,
+    MemoryRelease,
+    model_handler,
+    release_memory,
+    tensor_bytes,
+)
 from mme_runtime.processes.warm_protocol import receive, send
 from mme_runtime.serving.connection import serve_connection
 from mme_runtime.serving.pass_threads import PassThreads
@@ -63,12 +68,14 @@ class DeviceHost:
         self._unpacked: weakref.WeakValueDictionary[tuple[int, int, int], Any] = weakref.WeakValueDictionary()
         self.shared: DeviceTensors | None = None  # on a GPU, with MME_SHARE_WEIGHTS
         self.passes: PassThreads | None = None  # on a GPU: the threads that run every model's passes
+        self.release: MemoryRelease  # made once the GPU is bound
 
     def serve(self) -> None:
         self.ordinal = devices.bind_gpu(self.gpu, self.config.cuda_visible_devices)
         device = devices.worker_device(self.ordinal)  # the CPU where torch has no CUDA, whatever nvidia-smi says
         if device.type == "cuda" and self.config.share_weights:
             self.shared = DeviceTensors(device)
+        self.release = MemoryRelease(self.ordinal)
         if self.gpu is not None:  # on a card nvidia-smi lists (the tests' fake ones too): the same path
             self.passes = PassThreads(self.config.gpu_pass_threads, f"gpu{self.gpu}")
         logger.info("device host pid=%d gpu=%s serving", os.getpid(), self.gpu)
@@ -261,8 +268,7 @@ class DeviceHost:
         model.loaded = None
         if self.shared is not None:
             self.shared.release(model.spec.name)
-        gc.collect()
-        release_memory(self.ordinal)
+        self.release.request()  # soon, once for every UNLOAD of a burst
         if model.series is not None:
             model.series.close()
         metrics.bind(None)  # the container's count: the host's own series
