@@ -6,6 +6,7 @@ the process stops, and marked with its owner's start time so that a reused pid i
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import time
@@ -23,6 +24,12 @@ MKDIR_ATTEMPTS = 3
 
 def models_dir(metrics_dir: Path) -> Path:
     return metrics_dir / "models"
+
+
+def scan(directory: Path, pattern: str) -> list[Path]:
+    """The paths under ``directory`` that match ``pattern``, sorted. Processes remove directories at any time (a host
+    lets a model go): one that goes mid-scan is skipped, where ``Path.glob`` raises FileNotFoundError."""
+    return sorted(Path(path) for path in glob.glob(os.path.join(glob.escape(str(directory)), pattern)))
 
 
 def unloaded_dir(metrics_dir: Path) -> Path:
@@ -73,7 +80,7 @@ def carry_over(directory: Path) -> None:
             continue
         if not (sibling / HOST_BYTES_FILE).exists():
             continue  # a loader's or a server's: nothing of the model's own to keep
-        for path in sibling.glob("*.db"):
+        for path in scan(sibling, "*.db"):
             with contextlib.suppress(OSError):
                 path.rename(directory / path.name)
 

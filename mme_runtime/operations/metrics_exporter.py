@@ -40,6 +40,7 @@ from mme_runtime.operations.metric_directories import (
     models_dir,
     move_to_unloaded,
     process_started,
+    scan,
     server_alive,
     unloaded_dir,
 )
@@ -99,7 +100,7 @@ class ModelMetrics:
             self._fold_unloaded()
 
     def _server_dirs(self) -> list[Path]:
-        return [path for path in models_dir(self.metrics_dir).glob("*/*") if path.name.isdigit()]
+        return [path for path in scan(models_dir(self.metrics_dir), "*/*") if path.name.isdigit()]
 
     def _merge(self, files: list[str]) -> list[Metric]:
         """The files merged; one another process moved or cut short is left out."""
@@ -116,19 +117,19 @@ class ModelMetrics:
 
     def _live_files(self) -> list[str]:
         paths = [
-            *self.metrics_dir.glob("models/*/*/*.db"),
-            *self.metrics_dir.glob("container/*/*.db"),
-            *self.metrics_dir.glob("retired/*.db"),
+            *scan(self.metrics_dir, "models/*/*/*.db"),
+            *scan(self.metrics_dir, "container/*/*.db"),
+            *scan(self.metrics_dir, "retired/*.db"),
         ]
         return sorted(str(path) for path in paths if not _of_ended_process(path))
 
     def _fold_unloaded(self) -> None:
         """Adds the container's counters of each stopped server to retired/, then deletes its directory."""
-        for directory in sorted(unloaded_dir(self.metrics_dir).glob("*")):
+        for directory in scan(unloaded_dir(self.metrics_dir), "*"):
             if directory.name.endswith(FOLDING_SUFFIX):
                 shutil.rmtree(directory, ignore_errors=True)  # added already, by a fold that then failed to delete
                 continue
-            files = list(directory.glob("*.db"))
+            files = scan(directory, "*.db")
             values = _read_values(files, keep=lambda labels: "model" not in labels)
             stopped = [] if self._folded is None else self._merge(sorted(map(str, files)))
             folding = directory.with_name(directory.name + FOLDING_SUFFIX)
@@ -145,7 +146,7 @@ class ModelMetrics:
     def _fold_exited_executors(self, server_dir: Path) -> None:
         """Adds the counts of the server's executors that ended to the server's ``exited`` files, removing theirs:
         an executor crashing again and again adds nothing to scrape."""
-        ended = [path for path in server_dir.glob("*.db") if _of_ended_process(path, gauges_only=False)]
+        ended = [path for path in scan(server_dir, "*.db") if _of_ended_process(path, gauges_only=False)]
         if not ended:
             return
         values = _read_values(ended, keep=lambda labels: True)

@@ -324,3 +324,24 @@ def test_a_hosted_model_s_files_grow_from_a_page_and_go_with_it(config: Config, 
     assert value(samples, "mme_batch_size_bucket", model="wide", le="60.0") == 1
     assert value(samples, "mme_batch_size_bucket", model="wide", le="59.0") == 0
     assert value(samples, "mme_requests_total", model="small", code="200") is None
+
+
+def test_a_model_directory_removed_mid_scan_is_skipped_and_the_rest_merged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A host removes an unloaded model's directory whenever it likes; a scrape or sweep listing it meanwhile raised
+    # FileNotFoundError, and every model's values were lost for that interval (issue #37).
+    collector = ModelMetrics(tmp_path, port=1)
+    for model, pid in (("gone", "101"), ("kept", "202")):
+        (tmp_path / "models" / model / pid).mkdir(parents=True)
+        (tmp_path / "models" / model / pid / "counter_202.db").write_bytes(b"")
+    real = os.scandir
+
+    def vanishing(path: Any = ".") -> Any:
+        if "models/gone" in str(path):
+            raise FileNotFoundError(path)
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", vanishing)
+    assert collector._live_files() == [str(tmp_path / "models" / "kept" / "202" / "counter_202.db")]
+    assert [path.parent.name for path in collector._server_dirs()] == ["kept"]
