@@ -13,8 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
+from mme_runtime.base.failures import cgroup_memory
 from mme_runtime.base.parsing import MIB, StartMethod, parse_bool
 from mme_runtime.base.settings import SETTINGS
+
+KEEP_UNLOADED_MB = 2048  # the most kept packages may hold by default, and their share of the container's memory:
+KEEP_UNLOADED_SHARE = 16
 
 SAGEMAKER_CLOUDWATCH_SECONDS = 60
 
@@ -47,7 +53,7 @@ class Config:
     cache_dir: Path = Path("/tmp/mme/cache")
     s3_timeout_seconds: int = 30
     model_cache_mb: int = 2048
-    keep_unloaded_mb: int = 2048
+    keep_unloaded_mb: int = KEEP_UNLOADED_MB  # from the environment: default_keep_unloaded_mb() unless set
     memory_headroom_mb: int = 256
     batch_size: int = 1
     max_batch_delay_ms: int = 10
@@ -105,6 +111,7 @@ class Config:
                 values[setting.field] = setting.parse(setting.name, raw)
         if env.get("SAGEMAKER_MULTI_MODEL", "").strip():
             values.setdefault("cloudwatch_metrics_seconds", SAGEMAKER_CLOUDWATCH_SECONDS)
+        values.setdefault("keep_unloaded_mb", default_keep_unloaded_mb())
         return cls(**values)  # type: ignore[arg-type]
 
     @classmethod
@@ -186,3 +193,12 @@ class Config:
                 value = logging.getLevelName(value)
             parts.append(f"{field.name}={value}")
         return " ".join(parts)
+
+
+def default_keep_unloaded_mb() -> int:
+    """``MME_KEEP_UNLOADED_MB``'s default: 2048, or a sixteenth of the container's memory (its cgroup's limit, else
+    the machine's) where that is less. Kept packages are memory SageMaker counts as used when it decides to unload
+    models: 2 GiB was half of a 4 GiB instance."""
+    limited = cgroup_memory()
+    total = limited[1] if limited is not None else psutil.virtual_memory().total
+    return min(KEEP_UNLOADED_MB, total // MIB // KEEP_UNLOADED_SHARE)

@@ -70,7 +70,7 @@ MODELS: tuple[Setting, ...] = (
         "MME_KEEP_UNLOADED_MB",
         "keep_unloaded_mb",
         integer(0),
-        "2048",
+        "2048, or 1/16 of the container's memory where that is less",
         "Host memory the packages of unloaded models may keep, least recently used out first and never while a LOAD "
         "needs it: a re-LOAD of the same files then skips `model_fn` (0: none kept).",
     ),

@@ -134,3 +134,14 @@ def test_mkl_gives_its_buffers_back_unless_the_user_chose_otherwise() -> None:
     # Kept per thread, they cost each model of a device host about 1 MiB (its passes run on threads of its own).
     assert Config.from_env({}).to_env()["MKL_DISABLE_FAST_MM"] == "1"
     assert Config.from_env({"MKL_DISABLE_FAST_MM": "0"}).to_env()["MKL_DISABLE_FAST_MM"] == "0"
+
+
+def test_kept_packages_default_to_a_sixteenth_of_the_container_s_memory_at_most_2_gib(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mme_runtime.base import config as config_module
+
+    for limit_mib, kept in ((4096, 256), (16384, 1024), (65536, 2048)):
+        monkeypatch.setattr(config_module, "cgroup_memory", lambda limit=limit_mib: (0, limit * 2**20))
+        assert Config.from_env({}).keep_unloaded_mb == kept
+    assert Config.from_env({"MME_KEEP_UNLOADED_MB": "3000"}).keep_unloaded_mb == 3000  # as set, whatever the memory
