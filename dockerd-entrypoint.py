@@ -21,6 +21,7 @@ from mme_runtime.operations.metrics_exporter import start as start_metrics
 from mme_runtime.processes.frontend import (
     ensure_mme_properties,
     frontend_command,
+    jvm_arguments,
     mms_properties,
     prepare_mms_home,
     write_properties,
@@ -51,7 +52,7 @@ def serve() -> int:
     home = prepare_mms_home(config.runtime_dir)
     logger.info("effective configuration: %s workers_per_model_effective=%d", config.describe(), workers)
 
-    command = frontend_command(config, properties_file, home, properties.get("vmargs", ""))
+    command = frontend_command(config, properties_file, home, jvm_arguments(config, mme))
     env = config.child_environment({"MODEL_SERVER_HOME": str(home), "PYTHONUNBUFFERED": "1"})
     warm_command = [sys.executable, "-m", "mme_runtime.processes.warm_start"] if config.warm_start else None
     model_metrics = start_metrics(config)

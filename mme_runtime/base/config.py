@@ -71,6 +71,7 @@ class Config:
     start_attempts: int = 3
     stop_grace_seconds: int = 20
     java_home: str | None = None
+    vmargs: str | None = None  # the frontend's JVM arguments; None: the properties file's, else DEFAULT_VMARGS
     # Read, not set, by us: the GPUs this container may use; workers pick theirs among them.
     cuda_visible_devices: str | None = None
     # Internal: a backend server that re-executed itself passes its listening socket on.

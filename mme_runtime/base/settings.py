@@ -72,6 +72,14 @@ SAGEMAKER: tuple[Setting, ...] = (
         "Largest request body in bytes (`max_request_size`); `SAGEMAKER_MAX_PAYLOAD_IN_MB` is accepted too.",
     ),
     Setting(
+        "SAGEMAKER_MODEL_SERVER_VMARGS",
+        "vmargs",
+        text,
+        "`vmargs` of the MME properties file, else `-XX:+UseContainerSupport -XX:MaxRAMPercentage=10.0`",
+        "Arguments of the frontend's JVM. The default caps its heap at a tenth of the container's memory (the JVM's "
+        "own default is a quarter).",
+    ),
+    Setting(
         "SAGEMAKER_CONTAINER_LOG_LEVEL",
         "log_level",
         parse_log_level,

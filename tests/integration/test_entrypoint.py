@@ -61,6 +61,8 @@ def test_preload_property_is_written_exactly_once(tmp_path: Path) -> None:
 def test_effective_configuration_is_logged_once(tmp_path: Path) -> None:
     with start_server(tmp_path, {"SAGEMAKER_MODEL_SERVER_TIMEOUT": "77"}) as server:
         lines = [line for line in server.log_text().splitlines() if "effective configuration" in line]
+        [java] = [process for process in server.descendants() if process.name() == "java"]
+        assert "-XX:MaxRAMPercentage=10.0" in java.cmdline()  # the frontend's heap, capped
     assert len(lines) == 1
     assert "response_timeout_seconds=77" in lines[0] and "preload_model_gpu=True" in lines[0]
 

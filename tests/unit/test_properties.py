@@ -7,6 +7,7 @@ from mme_runtime.base.parsing import read_properties
 from mme_runtime.processes.frontend import (
     ensure_mme_properties,
     frontend_command,
+    jvm_arguments,
     mms_properties,
     prepare_mms_home,
     write_properties,
@@ -68,3 +69,12 @@ def test_frontend_command_starts_java_with_our_properties_and_python(tmp_path: P
     assert "-Xmx1g" in command and "com.amazonaws.ml.mms.ModelServer" in command
     assert command[-2:] == ["-f", str(tmp_path / "mms.properties")]
     assert f"-Djava.io.tmpdir={tmp_path / 'tmp'}" in command
+
+
+def test_the_frontend_s_heap_is_capped_unless_the_user_says_otherwise() -> None:
+    assert jvm_arguments(Config(), {}) == "-XX:+UseContainerSupport -XX:MaxRAMPercentage=10.0"
+    assert jvm_arguments(Config(), {"vmargs": "-Xmx512m"}) == "-Xmx512m"  # the MME properties file's
+    assert (
+        jvm_arguments(Config.from_env({"SAGEMAKER_MODEL_SERVER_VMARGS": " -Xmx2g "}), {"vmargs": "-Xmx512m"})
+        == "-Xmx2g"
+    )
