@@ -62,7 +62,10 @@ def test_a_part_past_its_budget_is_reported_as_such_and_its_whole_tree_killed(tm
     part = proof.Part("slow", "sleeps", 1, command, tmp_path / "work")
     proof.run_part(part, {}, log)
     assert part.status == "ran out of its 1 s" and not part.passed
-    assert not [path for path in Path("/proc").glob("[0-9]*/cmdline") if b"61.25" in read(path)]
+    deadline = time.monotonic() + 10  # a killed process takes a moment to go
+    while [path for path in Path("/proc").glob("[0-9]*/cmdline") if b"61.25" in read(path)]:
+        assert time.monotonic() < deadline, "the part's grandchild outlived it"
+        time.sleep(0.05)
     assert "the server's last words" in log.read_text()  # what a failed part's servers logged comes back
 
 
@@ -126,3 +129,14 @@ def test_the_kit_serves_a_model_from_a_venv_where_pip_reaches_nothing_else(tmp_p
     assert "| smoke | serve one model through the carried Java | passed |" in text
     assert "LOAD to first answer" in text and "stopped by SIGTERM with exit status 0" in text
     print(f"dry run: {time.monotonic() - started:.0f} s")
+
+
+def test_a_part_killed_leaves_the_processes_that_were_there_before_it(tmp_path: Path) -> None:
+    bystander = subprocess.Popen(["sleep", "30"])  # the suite's moto server, say
+    try:
+        part = proof.Part("slow", "sleeps", 1, ["sh", "-c", "sleep 60.75 & wait"], tmp_path)
+        proof.run_part(part, {}, tmp_path / "logs.txt")
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
