@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-SLOTS = 4096
+SLOTS = 1 << 16  # models: 256 KiB of counts, of which a host touches the pages of the slots it uses
 THREADS = 4096
 COUNT = struct.Struct("i")
 OWNER = struct.Struct("Qi")  # a thread's ident (threading.get_ident), the slot of the model it works for (-1: none)
@@ -74,7 +74,11 @@ class CrashBoard:
 
     def busy(self) -> list[int]:
         """Slots with a call running."""
-        return [slot for slot in range(SLOTS) if COUNT.unpack_from(self.memory, slot * COUNT.size)[0] > 0]
+        counts = memoryview(self.memory)[: SLOTS * COUNT.size].cast("i")
+        try:
+            return [slot for slot, count in enumerate(counts) if count > 0]
+        finally:
+            counts.release()
 
     def culprit(self, crash_report: str) -> int | None:
         """The slot of the model whose thread took the fatal signal, from faulthandler's report; None if unknown."""

@@ -55,6 +55,7 @@ class SharedModels:
         self.isolate = isolate
         self.close_in_children = close_in_children
         self.models: dict[str, SharedModel] = {}
+        self._free_slots: list[int] = []  # slots on the crash board given back by UNLOADs, taken first
         self.hosts = DeviceHosts(config, close_in_children)
         self.isolated: dict[int, SharedModel] = {}  # by pid: shared models' own servers (from the start, or quarantine)
         self.crash_count = CrashCount()
@@ -108,7 +109,7 @@ class SharedModels:
         if (existing := self.models.get(spec.name)) is not None:  # unloaded, and loaded again before its stub went
             self._unload(existing)
         if len(self.models) >= SLOTS:
-            raise RuntimeError(f"{SLOTS} shared models are loaded already")
+            raise RuntimeError(f"{SLOTS} shared models are loaded already: the device hosts track no more")
         listener = bind_model_socket(request["argv"])
         os.write(stdio[1], f"[PID] {request.get('pid', os.getpid())}\nMMS worker started.\n".encode())
         model = SharedModel(spec, request, stub, stdio, listener, self._free_slot(), time.time())
@@ -258,6 +259,7 @@ class SharedModels:
         if self.models.get(name) is not model:
             return
         del self.models[name]
+        self._free_slots.append(model.slot)
         for sock in (model.stub, model.listener, model.result):
             if sock is not None:
                 self._handlers.pop(sock, None)
@@ -295,5 +297,5 @@ class SharedModels:
         model.hosts.clear()
 
     def _free_slot(self) -> int:
-        used = {model.slot for model in self.models.values()}
-        return next(slot for slot in range(SLOTS) if slot not in used)
+        """A slot no loaded model holds: one an UNLOAD gave back, else the next never used (called below SLOTS)."""
+        return self._free_slots.pop() if self._free_slots else len(self.models)

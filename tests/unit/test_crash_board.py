@@ -31,3 +31,11 @@ def test_the_crashed_thread_names_its_model_and_its_stack() -> None:
     )
     assert crashed_stack("") == ""
     board.close()
+
+
+def test_a_model_past_the_four_thousandth_has_a_slot_and_a_crash_finds_it_busy() -> None:
+    board = CrashBoard()
+    with board.running(60_000):
+        assert board.busy() == [60_000]
+    assert board.busy() == []
+    board.close()
