@@ -75,7 +75,7 @@ class DeviceHost:
         device = devices.worker_device(self.ordinal)  # the CPU where torch has no CUDA, whatever nvidia-smi says
         if device.type == "cuda" and self.config.share_weights:
             self.shared = DeviceTensors(device)
-        self.release = MemoryRelease(self.ordinal)
+        self.release = MemoryRelease.of_host(self.ordinal)
         if self.gpu is not None:  # on a card nvidia-smi lists (the tests' fake ones too): the same path
             self.passes = PassThreads(self.config.gpu_pass_threads, f"gpu{self.gpu}")
         logger.info("device host pid=%d gpu=%s serving", os.getpid(), self.gpu)

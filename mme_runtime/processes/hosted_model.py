@@ -10,6 +10,7 @@ import gc
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,17 +100,25 @@ def release_memory(ordinal: int | None) -> None:
 
 
 class MemoryRelease:
-    """Gives the memory of UNLOADed models back: one full collection (a model's objects may hold reference cycles)
-    and ``release_memory`` for a burst of UNLOADs, ``settle_seconds`` after the last and at most ``most_seconds``
-    after the first. A collection per UNLOAD held the interpreter lock for every model's objects each time (110 ms
-    at 1,000 models), so draining a host was quadratic and its other models stalled meanwhile."""
+    """Gives the memory of UNLOADed models back with ``release`` (a full collection, as a model's objects may hold
+    reference cycles, then ``release_memory``) once for a burst of UNLOADs: ``settle_seconds`` after the last, at
+    most ``most_seconds`` after the first. A collection per UNLOAD held the interpreter lock over every model's
+    objects each time (110 ms at 1,000 models), so draining a host was quadratic and its other models stalled."""
 
-    def __init__(self, ordinal: int | None, settle_seconds: float = 0.2, most_seconds: float = 1.0) -> None:
-        self._ordinal = ordinal
+    def __init__(self, release: Callable[[], None], settle_seconds: float = 0.2, most_seconds: float = 1.0) -> None:
+        self._release = release
         self._settle, self._most = settle_seconds, most_seconds
         self._wanted = threading.Event()
         self.releases = 0  # done so far
         threading.Thread(target=self._run, name="memory-release", daemon=True).start()
+
+    @staticmethod
+    def of_host(ordinal: int | None) -> MemoryRelease:
+        def release() -> None:
+            gc.collect()
+            release_memory(ordinal)
+
+        return MemoryRelease(release)
 
     def request(self) -> None:
         self._wanted.set()
@@ -121,6 +130,5 @@ class MemoryRelease:
             self._wanted.clear()
             while time.monotonic() - first < self._most and self._wanted.wait(self._settle):
                 self._wanted.clear()  # another UNLOAD of the burst: wait for the last
-            gc.collect()
-            release_memory(self._ordinal)
+            self._release()
             self.releases += 1
