@@ -28,7 +28,7 @@ from typing import Any
 
 from mme_runtime.operations import metrics
 from mme_runtime.serving.collate import Signature, SplitError, collate, split
-from mme_runtime.serving.pass_threads import RunPass
+from mme_runtime.serving.pass_threads import RunPass, run_here
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class Batcher:
     ``concurrency``, and one idle for ``idle_seconds`` ends: a device host serves hundreds of models, most of them
     idle or asked one request at a time, and each thread costs memory (its stack, its OpenMP team).
     ``thread_started`` runs first in each thread and ``thread_ended`` last (the host marks it its model's).
-    ``run_pass``, where given, runs each pass elsewhere (on a GPU's ``PassThreads``) and returns when it is done.
+    ``run_pass`` runs each pass (here, or on a GPU's ``PassThreads``) and returns when it is done.
     """
 
     def __init__(
@@ -139,7 +139,7 @@ class Batcher:
         thread_started: Callable[[], None] = lambda: None,
         thread_ended: Callable[[], None] = lambda: None,
         idle_seconds: float = IDLE_SECONDS,
-        run_pass: RunPass | None = None,
+        run_pass: RunPass = run_here,
     ) -> None:
         self._run = run
         self._run_pass = run_pass
@@ -229,11 +229,8 @@ class Batcher:
     def _dispatch(self) -> None:
         while (batch := self._next_batch()) is not None:
             started = time.monotonic()
-            try:
-                if self._run_pass is None:
-                    self._run(batch)
-                else:  # timed from when a pass thread took it
-                    started = self._run_pass(functools.partial(self._timed_run, batch))
+            try:  # timed from when the pass started (a GPU's pass threads may hold it back a moment)
+                started = self._run_pass(functools.partial(self._timed_run, batch))
             except BaseException as exc:  # noqa: BLE001 - the runner answers its own errors; this is a last guard
                 logger.exception("batch runner failed")
                 for job in batch:

@@ -106,7 +106,7 @@ class HuggingFaceDefaults:
         requests = data.requests if isinstance(data, TaskBatch) else [data]
         if self.schedules_itself:
             if self._generator is None:  # the warm-up request, before the scheduler starts
-                self.start(model, self._limits.max_rows, "warm-up", run_here)
+                self.start(model, self._limits.max_rows, "warm-up")
             assert self._generator is not None
             generated = self._generator.run(requests)
             owners = [request for request in requests for _ in request.inputs]

@@ -199,7 +199,6 @@ class Transformer(RequestPipeline):
         if self._context is None:
             raise RuntimeError("attach the model before starting its batcher")
         self._grad_enabled = torch.is_grad_enabled()
-        run_pass = None if self.pass_threads is None else self.on_pass_thread
         if self._scheduling is not None:  # its rows share steps in its scheduler (hf_scheduler.py): no batcher
             name = self._context.model_name
             self._scheduling.start(self._model, self._settings.batch_size, name, self.on_pass_thread)
@@ -210,7 +209,7 @@ class Transformer(RequestPipeline):
             if adapters is not None:  # one queue for every adapter of the base: their requests share its passes
                 # Its threads are no one adapter's (none is marked the culprit of a crash in a pass over them all),
                 # and it outlives the adapter that made it: of that adapter's hooks it takes the unmarking alone.
-                unmarked = None if run_pass is None else functools.partial(self.on_pass_thread, mark=False)
+                unmarked = functools.partial(self.on_pass_thread, mark=False)
                 make = functools.partial(
                     Batcher, run_by_first, size, delay, name, thread_ended=self.thread_ended, run_pass=unmarked
                 )
@@ -219,7 +218,7 @@ class Transformer(RequestPipeline):
                 started, ended = self.thread_started, self.thread_ended
                 concurrency = self._settings.concurrency
                 self._batcher = Batcher(
-                    self._run_jobs, size, delay, name, concurrency, started, ended, run_pass=run_pass
+                    self._run_jobs, size, delay, name, concurrency, started, ended, run_pass=self.on_pass_thread
                 )
         return self._settings
 
