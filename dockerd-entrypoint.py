@@ -54,7 +54,7 @@ def serve() -> int:
 
     command = frontend_command(config, properties_file, home, jvm_arguments(config, mme))
     env = config.child_environment({"MODEL_SERVER_HOME": str(home), "PYTHONUNBUFFERED": "1"})
-    warm_command = [sys.executable, "-m", "mme_runtime.processes.warm_start"] if config.warm_start else None
+    warm_command = [sys.executable, "-m", "mme_runtime.processes.warm_start"]
     model_metrics = start_metrics(config)
     cloudwatch = start_cloudwatch(config, model_metrics)
     supervisor = Supervisor(

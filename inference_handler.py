@@ -1,6 +1,6 @@
 """PyTorch defaults for the SageMaker inference contract, behaving like the AWS PyTorch handler 1.5.1.
 
-Differences that matter: the model is loaded to host memory and placed on the executor's device once (not per
+Differences that matter: the model is loaded to host memory and placed on its device host's device once (not per
 request), inference runs under ``torch.inference_mode``, and errors carry HTTP statuses.
 """
 
@@ -23,8 +23,8 @@ class DefaultPytorchInferenceHandler(DefaultInferenceHandler):  # type: ignore[m
     """Defaults used for any contract function the user's ``code/inference.py`` does not define."""
 
     def default_model_fn(self, model_dir: str, context: Any = None) -> Any:
-        """Loads ``model.pt2`` (an exported program, or an AOTInductor package that each executor loads on its
-        device), else ``model.pt``/``model.pth`` as TorchScript, to host memory; the executor places it."""
+        """Loads ``model.pt2`` (an exported program, or an AOTInductor package that each device host loads on
+        its device), else ``model.pt``/``model.pth`` as TorchScript, to host memory; the host places it."""
         exported = pt2.pt2_file(Path(model_dir))
         if exported is not None:
             return pt2.load(exported)
@@ -34,9 +34,6 @@ class DefaultPytorchInferenceHandler(DefaultInferenceHandler):  # type: ignore[m
                 f"no {' or '.join((pt2.PT2_FILE, *MODEL_FILES))} in {model_dir}: save a model there "
                 "(torch.export, AOTInductor or TorchScript), or supply model_fn in code/inference.py"
             )
-        cached = model_cache.cache.lookup(path)
-        if cached is not None:
-            return cached  # loaded once by the warm process, shared with every server forked since
         try:
             return torch.jit.load(str(path), map_location="cpu")  # type: ignore[no-untyped-call,unused-ignore]
         except RuntimeError as jit_error:
@@ -47,7 +44,7 @@ class DefaultPytorchInferenceHandler(DefaultInferenceHandler):  # type: ignore[m
         return content.decode(input_data, content_type)
 
     def default_predict_fn(self, data: Any, model: Any, context: Any = None) -> Any:
-        """Runs the model under inference mode on the executor's device (the model is already there)."""
+        """Runs the model under inference mode on its device (the model is already there)."""
         device = getattr(context, "device", None) or torch.device("cpu")
         with torch.inference_mode():
             if isinstance(data, torch.Tensor):

@@ -1,5 +1,6 @@
-"""Preload on versus off: LOAD-to-ready time and the memory a model adds to the server's process tree, by devices
-and workers.
+"""A model in the shared device hosts versus in a device host of its own (``MME_SHARE_DEVICE=false``, what
+``isolation=process`` gives one model): LOAD-to-ready time and the memory a model adds to the server's process tree,
+by devices and workers.
 
     .venv/bin/python -m benchmarks preload [-- --size-mb 300 --setups 1x1 1x8 2x2 4x4 --repeat 2]
 
@@ -7,28 +8,24 @@ A setup ``DxW`` serves the model on D devices with W workers. This machine has n
 the test double of nvidia-smi (tests/fake_nvidia_smi.py): the frontend hands out GPU ids and each worker binds one,
 and torch, finding no CUDA, runs them on the CPU; D = 1 is the CPU itself.
 
-With preload on (the default) the model shares the device hosts: a CUDA-free loader runs ``model_fn`` once and hands
-the weights over in a shared-memory file, and the host of each device the model's workers are bound to serves it
-(one host per card; on the CPU a pool of two, the model on one), mapping those pages. Preload off
-(MME_PRELOAD_MODEL_GPU=false) cannot share a host, so every model is isolated: a backend server of its own and one
-executor per device, whatever the worker count, each executor loading the model itself. (To compare preload within
-isolated servers, where the backend server preloads and forks its executors, both would have to run with
-MME_SHARE_DEVICE=false; this benchmark compares what the two settings do by default.)
+Either way a CUDA-free loader runs ``model_fn`` once and hands the weights over in a shared-memory file, and one host
+per device the model's workers are bound to serves it, mapping those pages: the shared hosts (one per card; on the
+CPU a pool of two, the model on one), or hosts of the model's own, one per device, whatever the worker count. What a
+host of its own costs is that process.
 
 The default ``state_dict`` style saves the weights as a state dict with a ``code/inference.py`` that rebuilds the
 network and calls ``load_state_dict``, as scripts written for the AWS containers do. ``torchscript`` is served by the
-default ``model_fn``, which the package cache (on) or the warm process's model cache (off) loads once.
+default ``model_fn``, whose file the loader packs as it is.
 
 Memory is measured the same way in both modes (benchlib): the memory of the server's whole process tree, that is the
 PSS of its processes from /proc/PID/smaps_rollup, summed, plus the shared-memory files they hold open but do not map
-(the package of a TorchScript model, which the warm process keeps), read before the LOAD and again after the model
-has answered 2 x W invokes, each after a 2 s pause; the table shows the difference, so a model is charged for what
-it adds wherever it lives (the device hosts, or processes of its own; copy-on-write pages counted once). Each server
-first loads two unrelated tiny models with D workers each (kept loaded), so the "before" reading already includes
-every device host the measured model can use. After each measurement the model is unloaded and its processes waited
-for.
+(the package of a model, which the warm process keeps), read before the LOAD and again after the model has answered
+2 x W invokes, each after a 2 s pause; the table shows the difference, so a model is charged for what it adds
+wherever it lives (copy-on-write pages counted once). Each server first loads two unrelated tiny models with D
+workers each (kept loaded), so the "before" reading already includes every shared host the measured model can use.
+After each measurement the model is unloaded and its processes waited for.
 
-Both servers of a setup run at once on the same machine; the table reports medians and on/off ratios.
+Both servers of a setup run at once on the same machine; the table reports medians and shared/own ratios.
 """
 
 from __future__ import annotations
@@ -140,16 +137,16 @@ def main(argv: Sequence[str] = ()) -> int:
         baseline_body = json.dumps([[1.0] * 4]).encode()
         for devices, workers in args.setups:
             gpus = fake_gpus(root / f"gpus-{devices}", devices) if devices > 1 else {}
-            results: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
+            results: dict[str, list[tuple[float, float]]] = {"shared": [], "own": []}
             with ExitStack() as stack:
                 servers = {}
-                for mode, flag in (("on", "true"), ("off", "false")):
+                for mode, flag in (("shared", "true"), ("own", "false")):
                     work = root / f"{mode}-{devices}x{workers}"
-                    command, env, port = our_server(work, {"MME_PRELOAD_MODEL_GPU": flag, **gpus})
+                    command, env, port = our_server(work, {"MME_SHARE_DEVICE": flag, **gpus})
                     servers[mode] = stack.enter_context(serve(command, env, work, port))
                     baseline = load_baseline(servers[mode], baseline_dirs, baseline_body, workers=devices)
                     print(
-                        f"{devices}x{workers} preload {mode}: baseline tree memory {baseline:.0f} MiB, "
+                        f"{devices}x{workers} {mode} host: baseline tree memory {baseline:.0f} MiB, "
                         f"{len(servers[mode].tree())} processes, {device_host_count(servers[mode])} device hosts",
                         file=sys.stderr,
                         flush=True,
@@ -158,8 +155,8 @@ def main(argv: Sequence[str] = ()) -> int:
                     for mode, server in servers.items():
                         name = f"big_{mode}_{round_index}"
                         results[mode].append(measure(server, name, model_dir, workers))
-            on_load, off_load = (statistics.median(r[0] for r in results[mode]) for mode in ("on", "off"))
-            on_mem, off_mem = (statistics.median(r[1] for r in results[mode]) for mode in ("on", "off"))
+            on_load, off_load = (statistics.median(r[0] for r in results[mode]) for mode in ("shared", "own"))
+            on_mem, off_mem = (statistics.median(r[1] for r in results[mode]) for mode in ("shared", "own"))
             rows.append(
                 [
                     devices,
@@ -173,7 +170,7 @@ def main(argv: Sequence[str] = ()) -> int:
                 ]
             )
     style = "TorchScript" if args.style == "torchscript" else "state dict + load_state_dict script,"
-    print(f"model: {style} MLP, {size:.0f} MiB on disk; median of {args.repeat} runs; executors on the CPU")
+    print(f"model: {style} MLP, {size:.0f} MiB on disk; median of {args.repeat} runs; hosts on the CPU")
     print(
         "MiB added: PSS of every process under the server plus the shared-memory files they hold but do not map, "
         "after the model's 2 x W answers minus before its LOAD "
@@ -184,12 +181,12 @@ def main(argv: Sequence[str] = ()) -> int:
     headers = [
         "devices",
         "workers",
-        "LOAD s (on)",
-        "LOAD s (off)",
-        "on/off",
-        "MiB added (on)",
-        "MiB added (off)",
-        "on/off",
+        "LOAD s (shared)",
+        "LOAD s (own host)",
+        "shared/own",
+        "MiB added (shared)",
+        "MiB added (own host)",
+        "shared/own",
     ]
     print(table(headers, rows))
     return 0

@@ -239,14 +239,9 @@ def model_fn(model_dir, context):
         log.write(f"{os.getpid()}\\n")
     if os.path.exists(os.path.join(model_dir, "fake_cuda_init")):
         # Test double of the CUDA probe: on a CPU-only machine this simulates a model_fn that moved the
-        # model to "cuda" and so initialised CUDA in the preload server.
+        # model to "cuda" and so initialised CUDA in the loader.
         import mme_runtime.base.devices
         mme_runtime.base.devices.cuda_initialized = lambda: True
-    if os.path.exists(os.path.join(model_dir, "fake_poisoned_fork")):
-        # Test double of torch's bad-fork flag, read by the forked probe child: simulates a model_fn that asked the
-        # CUDA runtime for the device count, which poisons forks without initialising CUDA.
-        import mme_runtime.processes.fork_safety
-        mme_runtime.processes.fork_safety._in_bad_fork = lambda: True
     return torch.jit.load(os.path.join(model_dir, "model.pt"), map_location="cpu")
 
 
@@ -271,28 +266,18 @@ def output_fn(prediction, accept, context):
 """
 
 
-def counting_model(model_dir: Path, fake_cuda_init: bool = False, fake_poisoned_fork: bool = False) -> Path:
-    """TorchScript weights whose model_fn logs each call (and can simulate initialising CUDA or poisoning forks)."""
+def counting_model(model_dir: Path, fake_cuda_init: bool = False) -> Path:
+    """TorchScript weights whose model_fn logs each call (and can simulate initialising CUDA)."""
     torchscript_model(model_dir)
     write_code(model_dir, COUNTING_SCRIPT)
     if fake_cuda_init:
         (model_dir / "fake_cuda_init").touch()
-    if fake_poisoned_fork:
-        (model_dir / "fake_poisoned_fork").touch()
     return model_dir
 
 
 def model_fn_calls(model_dir: Path) -> list[int]:
     log = model_dir / "model_fn_calls.log"
     return [int(line) for line in log.read_text().split()] if log.exists() else []
-
-
-def loaded_in_each_executor(model_dir: Path, answers: list[dict[str, object]], executors: int) -> bool:
-    """Whether preload fell back: ``executors`` distinct pids (one per device) answered, and each ran ``model_fn``
-    after the server's own attempt."""
-    pids = {int(str(answer["pid"])) for answer in answers}
-    calls = model_fn_calls(model_dir)
-    return len(pids) == executors and len(calls) == 1 + executors and pids <= set(calls)
 
 
 # A state dict big enough that torch's CPU ops run in parallel (OpenMP) when model_fn loads it and warms it up.

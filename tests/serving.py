@@ -6,6 +6,7 @@ As in gunicorn's signal tests: its own session, output to a file (never a PIPE t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -94,21 +95,18 @@ class RunningServer:
             return []
 
     def backend_server(self, model_name: str) -> psutil.Process | None:
-        """The model's own server; for a model that shares the device hosts, its stub (the process MMS started)."""
+        """The process MMS started for the model: its stub."""
         return find_backend_server(self.descendants(), model_name)
 
     def shares_device_host(self, model_name: str) -> bool:
-        backend = self.backend_server(model_name)
-        return backend is not None and is_stub(backend)
+        """Whether the model is served by the shared hosts: it has no device host of its own."""
+        processes = self.backend_processes(model_name)
+        return len(processes) == 1 and is_stub(processes[0])
 
     def worker_pids(self, model_name: str) -> set[int]:
-        """The pids of the processes that serve the model: its executors (its own server's children), or for a
-        model that shares them, the device hosts. The model must be loaded."""
-        backend = self.backend_server(model_name)
-        assert backend is not None, f"no process for {model_name}"
-        if is_stub(backend):
-            return self.hosts_of(model_name)
-        return {child.pid for child in backend.children()}
+        """The pids of the processes that serve the model: its device hosts. The model must be loaded."""
+        assert self.backend_server(model_name) is not None, f"no process for {model_name}"
+        return self.hosts_of(model_name)
 
     def hosts_of(self, model_name: str) -> set[int]:
         """The device hosts serving ``model_name``: each keeps the model's metrics in a directory named by its pid."""
@@ -118,8 +116,15 @@ class RunningServer:
         return hosts & named
 
     def backend_processes(self, model_name: str) -> list[psutil.Process]:
-        """The processes the model has of its own: its server and all its executors, or its stub alone."""
-        return model_tree(self.descendants(), model_name)
+        """The processes the model has of its own: its stub, and its device host if it has one of its own (whose
+        title names the model as the stub's does)."""
+        found = []
+        for process in alive(self.descendants()):
+            with contextlib.suppress(psutil.Error):
+                words = " ".join(process.cmdline()).split()
+                if "--model-name" in words and words[words.index("--model-name") + 1] == model_name:
+                    found.append(process)
+        return found
 
 
 def label_scores(server: RunningServer, name: str, text: str) -> list[float]:
@@ -181,25 +186,19 @@ def invoke_many(server: RunningServer, name: str, body: str, count: int, clients
 
 
 def find_backend_server(processes: list[psutil.Process], model_name: str) -> psutil.Process | None:
-    """The model's backend server among ``processes``. With warm start it is forked from the warm process (MMS's
-    own child is then a stub that mirrors it); forked workers share its command line, so the topmost match wins."""
-    stub = None
+    """The process MMS started for the model among ``processes``: its stub (``cat`` once the warm process took the
+    model), which MMS kills to UNLOAD."""
     for process in processes:
         try:
             words = " ".join(process.cmdline()).split()
             parent = process.parent()
-            parent_words = " ".join(parent.cmdline()).split() if parent is not None else []
         except psutil.Error:
             continue
         if "--model-name" not in words or words[words.index("--model-name") + 1] != model_name:
             continue
-        if "--model-name" in parent_words:
-            continue  # a worker
         if parent is not None and parent.name() == "java":
-            stub = process
-            continue
-        return process
-    return stub
+            return process
+    return None
 
 
 def is_stub(process: psutil.Process) -> bool:
@@ -219,17 +218,6 @@ def device_hosts(processes: list[psutil.Process]) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return hosts
-
-
-def model_tree(processes: list[psutil.Process], model_name: str) -> list[psutil.Process]:
-    """The model's backend server among ``processes`` and everything under it."""
-    server = find_backend_server(processes, model_name)
-    if server is None:
-        return []
-    try:
-        return [server, *server.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
 
 
 def alive(processes: list[psutil.Process]) -> list[psutil.Process]:

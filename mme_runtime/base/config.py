@@ -15,9 +15,10 @@ from pathlib import Path
 
 import psutil
 
+from mme_runtime.base.errors import ConfigError
 from mme_runtime.base.failures import cgroup_memory
-from mme_runtime.base.parsing import MIB, StartMethod, parse_bool
-from mme_runtime.base.settings import SETTINGS
+from mme_runtime.base.parsing import MIB, parse_bool
+from mme_runtime.base.settings import RETIRED, SETTINGS
 
 KEEP_UNLOADED_MB = 2048  # the most kept packages may hold by default, and their share of the container's memory:
 KEEP_UNLOADED_SHARE = 16
@@ -46,9 +47,6 @@ class Config:
     max_new_tokens: int = 1024
     submit_directory: str | None = None
     default_accept: str = "application/json"
-    preload_model_gpu: bool | None = None
-    start_method: StartMethod = "fork"
-    warm_start: bool = True
     runtime_dir: Path = Path("/tmp/mme")
     cache_dir: Path = Path("/tmp/mme/cache")
     s3_timeout_seconds: int = 30
@@ -74,12 +72,7 @@ class Config:
     vmargs: str | None = None  # the frontend's JVM arguments; None: the properties file's, else DEFAULT_VMARGS
     # Read, not set, by us: the GPUs this container may use; workers pick theirs among them.
     cuda_visible_devices: str | None = None
-    # Internal: a backend server that re-executed itself passes its listening socket on.
-    inherited_listen_fd: int | None = None
-    inherited_lifeline_fd: int | None = None
-    inherited_pending_fd: int | None = None
-    inherited_load_started: float | None = None  # the LOAD's start (wall clock), kept across that re-execution
-    # torch's is_available() must ask NVML, not the CUDA driver, or the preload server poisons its forks.
+    # torch's is_available() must ask NVML, not the CUDA driver, or a process that asks poisons its forks.
     nvml_cuda_check: str = "1"
     # GNU OpenMP spins its idle threads by default: measured here, that burned 40% of a batching executor's CPU time,
     # which the frontend and the other models on the host need. Read when torch loads, so it is set for the processes
@@ -106,6 +99,10 @@ class Config:
     def from_env(cls, env: Mapping[str, str]) -> Config:
         """Builds the configuration; raises ``ConfigError`` naming the variable and value that are wrong."""
         values: dict[str, object] = {}
+        for name, replacement in RETIRED.items():
+            if value := env.get(name, "").strip():
+                where = "docs/configuration.md#retired-settings"
+                raise ConfigError(f"{name}={value} is no longer read: {replacement} ({where})")
         for setting in SETTINGS:
             raw = env.get(setting.name)
             if raw is not None and raw.strip() != "":
@@ -138,11 +135,14 @@ class Config:
         return self.properties_file or self.runtime_dir / "mme-mms.properties"
 
     def with_properties(self, properties: Mapping[str, str]) -> Config:
-        """Fills settings the environment left open from the MME properties file (environment wins)."""
-        if self.preload_model_gpu is not None:
-            return self
-        raw = properties.get("preload_model_gpu", "true")
-        return dataclasses.replace(self, preload_model_gpu=parse_bool("preload_model_gpu (properties)", raw))
+        """Checks the MME properties file: its ``preload_model_gpu`` (written ``true`` once at start) must not say
+        ``false``, which asked earlier designs to load each model in every worker."""
+        if not parse_bool("preload_model_gpu (properties)", properties.get("preload_model_gpu", "true")):
+            raise ConfigError(
+                f"preload_model_gpu=false in {self.effective_properties_file} is no longer read: "
+                f"{RETIRED['MME_PRELOAD_MODEL_GPU']} (docs/configuration.md#retired-settings)"
+            )
+        return self
 
     def to_env(self) -> dict[str, str]:
         """The variables that carry this configuration to the backend processes MMS starts."""
@@ -150,8 +150,6 @@ class Config:
             "SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT": self.default_accept,
             "SAGEMAKER_PROGRAM": self.program,
             "SAGEMAKER_CONTAINER_LOG_LEVEL": str(self.log_level),
-            "MME_START_METHOD": self.start_method,
-            "MME_WARM_START": "true" if self.warm_start else "false",
             "MME_RUNTIME_DIR": str(self.runtime_dir),
             "MME_CACHE_DIR": str(self.cache_dir),
             "MME_MODEL_ROOT": str(self.model_root),
@@ -181,8 +179,6 @@ class Config:
             env["HF_TASK"] = self.hf_task
         if self.submit_directory is not None:
             env["SAGEMAKER_SUBMIT_DIRECTORY"] = self.submit_directory
-        if self.preload_model_gpu is not None:
-            env["MME_PRELOAD_MODEL_GPU"] = "true" if self.preload_model_gpu else "false"
         return env
 
     def describe(self) -> str:

@@ -7,7 +7,7 @@ code: a test compares the page with ``configuration_page()``. Regenerate it with
 from __future__ import annotations
 
 from mme_runtime.base.parsing import Setting
-from mme_runtime.base.settings import SECTIONS
+from mme_runtime.base.settings import RETIRED, SECTIONS
 
 INTRODUCTION = """\
 # Configuration
@@ -27,10 +27,26 @@ def markdown_table(settings: tuple[Setting, ...]) -> str:
     return "\n".join(lines)
 
 
+RETIRED_INTRODUCTION = """\
+## Retired settings
+
+These chose between process designs that no longer exist: since every model is served by a device host (one per
+device, or one of its own), the container refuses to start with one of them set, naming what replaced it. So does
+`preload_model_gpu=false` in the MME properties file (`MME_PROPERTIES_FILE`), which the entrypoint writes `true`.
+"""
+
+
+def retired_table() -> str:
+    lines = ["| Variable | What replaced it |", "|---|---|"]
+    lines += [f"| `{name}` | {replacement[0].upper()}{replacement[1:]}. |" for name, replacement in RETIRED.items()]
+    return "\n".join(lines)
+
+
 def configuration_page() -> str:
     parts = [INTRODUCTION]
     for title, settings in SECTIONS:
         parts.append(f"## {title}\n\n{markdown_table(settings)}\n")
+    parts.append(f"{RETIRED_INTRODUCTION}\n{retired_table()}\n")
     return "\n".join(parts)
 
 

@@ -1,7 +1,11 @@
-"""Which device an executor uses, and the CUDA probe the CUDA-free processes we fork from rely on.
+"""Which device a device host uses, the CUDA probe the CUDA-free processes we fork from rely on, and the CPU threads
+each process runs with.
 
-``bind_gpu`` runs in an executor right after fork and before any CUDA call, so that code saying ``cuda`` or
-``cuda:0`` lands on the GPU the frontend assigned. Nothing here initialises CUDA.
+``bind_gpu`` runs in a device host right after fork and before any CUDA call, so that code saying ``cuda`` or
+``cuda:0`` lands on the GPU the frontend assigned. Nothing here initialises CUDA. The processes we fork from (the
+warm process) run with one intra-op thread: a parallel CPU op leaves GNU OpenMP's thread pool behind, and a forked
+child believes those threads exist and waits for them forever at its own first parallel op. Each host sets torch's
+default back.
 """
 
 from __future__ import annotations
@@ -17,6 +21,19 @@ CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 # CUDA ordinal that names the same card inside it (0): scripts written for the AWS containers build
 # ``cuda:{gpu_id}`` from "gpu_id", and that must stay a valid device in a process that sees one GPU.
 ASSIGNED_GPU_ID = "assigned_gpu_id"
+# torch's own choice for a fresh process (OMP_NUM_THREADS or the CPUs it may use), read at import before anything
+# here lowers it; forked children inherit it with the module.
+DEFAULT_THREADS = torch.get_num_threads()
+
+
+def single_threaded() -> None:
+    """One intra-op thread in this process, so that it leaves no OpenMP pool for its forks to inherit."""
+    torch.set_num_threads(1)
+
+
+def set_threads(threads: int) -> None:
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def visible_gpu(gpu_id: int, visible_devices: str | None) -> str:

@@ -64,7 +64,8 @@ MODELS: tuple[Setting, ...] = (
         "model_cache_mb",
         integer(0),
         "2048",
-        "Host memory the warm process may hold for loaded TorchScript models shared by servers (0: no cache).",
+        "`0` runs a loader for every name that names the same artifacts (a package each); any other value lets the "
+        "names share one package (its size is bounded by the models that use it, not by this number).",
     ),
     Setting(
         "MME_KEEP_UNLOADED_MB",

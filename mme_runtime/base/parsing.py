@@ -9,11 +9,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from mme_runtime.base.errors import ConfigError
 
-StartMethod = Literal["fork", "spawn"]
 Parser = Callable[[str, str], object]
 
 MIB = 1024 * 1024
@@ -117,14 +115,6 @@ def parse_load_models(name: str, value: str) -> tuple[tuple[str, str], ...]:
             raise ConfigError(f"{name}: {entry!r} is not of the form name=/path/to/model")
         models.append((model_name, model_path))
     return tuple(models)
-
-
-def parse_start_method(name: str, value: str) -> StartMethod:
-    if value == "fork":
-        return "fork"
-    if value == "spawn":
-        return "spawn"
-    raise ConfigError(f"{name}={value!r} must be fork or spawn")
 
 
 def read_properties(file: Path) -> dict[str, str]:

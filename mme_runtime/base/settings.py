@@ -16,17 +16,20 @@ from mme_runtime.base.parsing import (
     parse_bool,
     parse_log_level,
     parse_port,
-    parse_seconds,
-    parse_start_method,
     path,
     text,
 )
 
-# What a backend server hands to the process that stands in for it (``backend.py``): not for users.
-INHERITED_LISTEN_FD = "MME_BACKEND_LISTEN_FD"
-INHERITED_LIFELINE_FD = "MME_BACKEND_LIFELINE_FD"
-INHERITED_PENDING_FD = "MME_BACKEND_PENDING_FD"
-INHERITED_LOAD_STARTED = "MME_BACKEND_LOAD_STARTED"
+# Settings of earlier designs that no longer mean anything, and what replaced each: the entrypoint refuses to start
+# with one set (``Config.from_env``), rather than ignore what a user asked for.
+RETIRED: dict[str, str] = {
+    "MME_PRELOAD_MODEL_GPU": "every model is loaded once, CUDA-free, in a loader; a model_fn that needs CUDA runs "
+    "in its device host by itself",
+    "MME_START_METHOD": "every model process is forked from the warm process; isolation=process in a model's "
+    "serving.properties gives it a device host of its own",
+    "MME_WARM_START": "the warm process serves every model; isolation=process in a model's serving.properties gives "
+    "it a device host of its own",
+}
 
 # When two variables set the same field, the later one in this order wins.
 SAGEMAKER: tuple[Setting, ...] = (
@@ -111,7 +114,7 @@ PROCESSES: tuple[Setting, ...] = (
         parse_bool,
         "true",
         "Serve every model that can share one in one device host per device (one CUDA context per GPU); `false` gives "
-        "every model processes of its own, as `isolation=process` does for one model.",
+        "every model a device host of its own, as `isolation=process` does for one model.",
     ),
     Setting(
         "MME_SHARE_WEIGHTS",
@@ -137,17 +140,6 @@ PROCESSES: tuple[Setting, ...] = (
         "Threads that run the forward passes of every model on one GPU, however many models it holds: each thread "
         "that runs CUDA ops keeps a cuBLAS handle and workspace on the card (about 100 MiB on an H100).",
     ),
-    Setting(
-        "MME_PRELOAD_MODEL_GPU",
-        "preload_model_gpu",
-        parse_bool,
-        "from `mme-mms.properties` (`true`)",
-        "Load each model once in a CUDA-free server and fork its workers; `false` loads in every worker.",
-    ),
-    Setting(
-        "MME_START_METHOD", "start_method", parse_start_method, "fork", "How servers start workers: `fork`, `spawn`."
-    ),
-    Setting("MME_WARM_START", "warm_start", parse_bool),
     Setting("MME_RUNTIME_DIR", "runtime_dir", path, "/tmp/mme", "Writable directory: MMS properties, home and logs."),
     Setting(
         "MME_PROPERTIES_FILE",
@@ -226,10 +218,6 @@ METRICS: tuple[Setting, ...] = (
 INHERITED: tuple[Setting, ...] = (
     Setting("JAVA_HOME", "java_home", text),
     Setting("CUDA_VISIBLE_DEVICES", "cuda_visible_devices", text),
-    Setting(INHERITED_LISTEN_FD, "inherited_listen_fd", integer(0)),
-    Setting(INHERITED_LIFELINE_FD, "inherited_lifeline_fd", integer(0)),
-    Setting(INHERITED_PENDING_FD, "inherited_pending_fd", integer(0)),
-    Setting(INHERITED_LOAD_STARTED, "inherited_load_started", parse_seconds),
 )
 
 SECTIONS: tuple[tuple[str, tuple[Setting, ...]], ...] = (

@@ -1,6 +1,7 @@
-"""What the backend server and its executors share: the model's spec, the checks before a load, and the load itself.
+"""What a loader and a device host share: the model's spec, the checks before a load, the load itself, and how a
+failed LOAD is answered.
 
-Runs in the preload server before fork as well as in executors: it never touches CUDA itself (user code may).
+Runs in the CUDA-free loader as well as in device hosts: it never touches CUDA itself (user code may).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from mms.protocol.otf_message_handler import create_load_model_response
 from mms.service import Service
 
 from mme_runtime.base import devices, failures
-from mme_runtime.base.child_processes import PR_SET_PDEATHSIG, prctl
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import InsufficientMemory
 from mme_runtime.base.janitor import mark_failed_load
@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 # SageMaker's model names are opaque hashes; anything path-like is refused before it reaches a log, a module name
 # or a file name.
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
-WORKER_BOOT_ERROR = 3
 LOG_DRAIN_SECONDS = 0.3
 # MMS 1.1.11 interrupts a worker thread when its connection closes (WorkerThread.connect's closeFuture listener): one
 # interrupted before it took our LOAD reply from its queue answers 500 "Worker died." instead of our status.
@@ -39,6 +38,7 @@ REPLY_LINGER_SECONDS = 0.05
 # LOAD failures answered with their own status: 403 (outside the model root) and 507 (SageMaker evicts and
 # retries). A bad name is not among them: the janitor could not address a name holding "/" to clean it up.
 REPLIED_STATUSES = frozenset({403, 507})
+OUR_HANDLER = "handler_service"  # the module MMS names for this container's handler
 
 
 @dataclass(frozen=True)
@@ -53,9 +53,11 @@ class ModelSpec:
 
 @dataclass
 class LoadedModel:
-    """A model's handler module and MMS service, as loaded in the server (preload) or in an executor."""
+    """A model's handler and MMS service, as loaded in a loader (``preload``) or a device host."""
 
-    module: Any  # the handler module MMS names (``handler_service``), or a device host's handler of the model's own
+    # A device host's ``HandlerService`` of the model's own, the loader's module-level ``handler_service``, or the
+    # module of a handler that is not ours (MMS's ``module:function``): each has what MMS calls.
+    module: Any
     service: Service
 
 
@@ -106,12 +108,18 @@ def check_location(spec: ModelSpec, config: Config) -> LoadFailure | None:
 def load_model(
     spec: ModelSpec, batch_size: int, phase: str, gpu: int | None = None, cuda_ordinal: int | None = None
 ) -> LoadedModel:
-    """Imports the handler and runs its load step (``preload`` on the server, ``attach`` or ``handle`` in an executor).
+    """Imports the handler and runs its load step: ``preload`` in a loader; in a device host, ``attach``, or
+    ``handle(None, context)`` for a handler that is not ours (found, as MMS's worker finds it, beside the model or in
+    the directory its name gives).
 
     ``gpu`` is the frontend's assignment, ``cuda_ordinal`` the device naming that GPU in this process.
     """
     try:
         module_name, _, function_name = spec.handler.partition(":")
+        if Path(module_name).stem != OUR_HANDLER:  # only ever in a host of its own (``sharing.py``)
+            for directory in (spec.model_dir, str(Path(module_name).parent)):
+                if directory not in (".", "") and directory not in sys.path:
+                    sys.path.append(directory)
         module = importlib.import_module(Path(module_name).stem)
         entry_point: Callable[..., Any] = getattr(module, function_name or "handle")
         service = Service(spec.name, spec.model_dir, None, entry_point, cuda_ordinal, batch_size)
@@ -169,8 +177,3 @@ def refuse_load(
         logger.info("model=%s frontend gone before its LOAD was refused: %s", spec.name, exc)
     finally:
         connection.close()
-
-
-def die_with_parent(signum: int) -> None:
-    """Asks the kernel to send ``signum`` when our parent dies, so no process outlives its model."""
-    prctl(PR_SET_PDEATHSIG, int(signum), "PR_SET_PDEATHSIG")

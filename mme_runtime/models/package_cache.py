@@ -12,8 +12,8 @@ Two uses of one mechanism:
   same name over the same files skips its loader, ``model_fn``, the S3 code fetch and the packing. A file rewritten,
   added or removed is another key.
 
-The warm process's side of the model cache for models that share a device host (``model_cache.py`` is the isolated
-servers'); ``MME_MODEL_CACHE_MB=0`` turns sharing across names off, ``MME_KEEP_UNLOADED_MB=0`` keeping.
+The warm process keeps it for every model, shared or in a host of its own (a package remembers which: ``placement``);
+``MME_MODEL_CACHE_MB=0`` turns sharing across names off, ``MME_KEEP_UNLOADED_MB=0`` keeping.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 class _Entry:
     package: Package
     users: set[str] = field(default_factory=set)
+    private: str | None = None  # why its models need a device host of their own (their loader said), if they do
+    threads: int | None = None  # the intra-op threads its model_fn chose, for such a host
 
     @property
     def held_bytes(self) -> int:
@@ -88,12 +90,21 @@ class PackageCache:
         logger.info("model cache hit %s: model=%s %s", key[0], name, how)
         return entry.package
 
-    def add(self, key: Key, name: str, package: Package) -> Package:
+    def placement(self, key: Key) -> tuple[str | None, int | None]:
+        """What the loader that made the package said of where its models run: why they need a host of their own
+        (None: they share) and the threads their ``model_fn`` chose. The same files, so the same answer."""
+        entry = self.entries[key]
+        return entry.private, entry.threads
+
+    def add(
+        self, key: Key, name: str, package: Package, private: str | None = None, threads: int | None = None
+    ) -> Package:
         """The package ``name`` uses from now on: ``package``, or the one another name's loader made first (two
-        loads of the same artifacts at once), in which case ``package`` is closed."""
+        loads of the same artifacts at once), in which case ``package`` is closed. ``private`` and ``threads``: what
+        its loader said of where its models run (``placement``)."""
         entry = self.entries.get(key)
         if entry is None:
-            self.entries[key] = _Entry(package, {name})
+            self.entries[key] = _Entry(package, {name}, private, threads)
             return package
         entry.users.add(name)
         self.entries.move_to_end(key)

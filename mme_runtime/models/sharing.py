@@ -1,13 +1,13 @@
-"""Which models share their device's host and which get processes of their own (today's backend server and
-executors), and why: the answer is logged with the model's LOAD.
+"""Which models share their device's host and which get a device host of their own, and why: the answer is logged
+with the model's LOAD.
 
-A model is isolated when the container turns sharing off (``MME_SHARE_DEVICE=false``), when it runs in a way the
-host does not (preload off, spawned workers, a handler other than ours), when its ``serving.properties`` says
-``isolation=process``, when its ``requirements.txt`` asks for anything the image does not already satisfy (what pip
-installs for one model must not change the modules every other model in the host imports), or when its own
-``code/`` holds Python modules beside its script: a host imports them by their plain names (``import utils``), which
-one interpreter holds once, so another model's ``utils`` would be taken for its own. ``isolation=shared`` says the
-names are unique and shares such a model all the same.
+A model gets a host of its own when the container turns sharing off (``MME_SHARE_DEVICE=false``), when its handler
+is not ours (MMS's ``module:function``), when its ``serving.properties`` says ``isolation=process``, when its
+``requirements.txt`` asks for anything the image does not already satisfy (what pip installs for one model must not
+change the modules every other model in the host imports), or when its own ``code/`` holds Python modules beside its
+script: a host imports them by their plain names (``import utils``), which one interpreter holds once, so another
+model's ``utils`` would be taken for its own. ``isolation=shared`` says the names are unique and shares such a model
+all the same.
 """
 
 from __future__ import annotations
@@ -22,28 +22,28 @@ from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
 from mme_runtime.models.code_fetcher import CodeFetcher, locate_code
 from mme_runtime.models.dependencies import REQUIREMENTS
+from mme_runtime.models.loading import OUR_HANDLER
 from mme_runtime.models.serving_properties import read_settings
 
 logger = logging.getLogger(__name__)
 
-OUR_HANDLER = "handler_service"
+
+def is_our_handler(handler: str) -> bool:
+    """Whether MMS names this container's handler (``handler_service``, with or without ``:handle``)."""
+    return Path(handler.partition(":")[0]).stem == OUR_HANDLER
 
 
 def container_reason(handler: str, config: Config) -> str | None:
     """Why no model of this container (or with this handler) can share a host; None when it can."""
     if not config.share_device:
         return "MME_SHARE_DEVICE=false"
-    if config.preload_model_gpu is False:
-        return "preload is off (MME_PRELOAD_MODEL_GPU=false): every executor loads the model itself"
-    if config.start_method != "fork":
-        return f"MME_START_METHOD={config.start_method}"
-    if Path(handler.partition(":")[0]).stem != OUR_HANDLER:
+    if not is_our_handler(handler):
         return f"its handler {handler} is not this container's"
     return None
 
 
 def model_reason(model_dir: Path, config: Config) -> str | None:
-    """Why this model needs processes of its own; None when it can share. Fetches code from S3 if the model uses it
+    """Why this model needs a host of its own; None when it can share. Fetches code from S3 if the model uses it
     (cached for its load). A setting or code that cannot be read is the load's to report: it shares."""
     try:
         isolation = read_settings(model_dir, config).isolation

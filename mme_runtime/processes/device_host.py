@@ -1,11 +1,12 @@
-"""A device host: the one process that serves every shareable model on one device (a GPU, or the CPU).
+"""A device host: the one process that serves every shareable model on one device (a GPU, or the CPU), or a model
+that needs isolation on it (a private host: the same process, with one tenant).
 
 The warm process forks it, CUDA-free, for the first connection assigned to its device; the host binds its GPU before
 its first CUDA call, so a GPU holds one CUDA context and one caching allocator however many models it serves. The
 warm process sends it, over the control socket, each model once (``load``, with the model packed by the loader, or
 with no package when ``model_fn`` must run here) and then each frontend connection for it (``connect``). Each model
 keeps its own handler (user module, batcher, settings, context), loaded on a thread of its own; each connection is
-served from a thread, as in an executor. ``unload`` lets a model go and gives its memory back.
+served from a thread of its own. ``unload`` lets a model go and gives its memory back.
 
 Every thread the host runs for a model is marked as that model's on the crash board (``crash_board.py``), and a fatal
 signal writes the threads' stacks to a file: if user code kills the host, the warm process can tell whose it was.
@@ -32,27 +33,28 @@ from mme_runtime.base.child_processes import become_child
 from mme_runtime.base.config import Config
 from mme_runtime.base.logs import configure_logging
 from mme_runtime.models.device_tensors import DeviceTensors, module_of
-from mme_runtime.models.loading import ModelSpec, check_memory, fail_load, refuse_load
+from mme_runtime.models.loading import LoadedModel, ModelSpec, check_memory, fail_load, load_model, refuse_load
 from mme_runtime.models.model_package import Package, unpack
+from mme_runtime.models.sharing import is_our_handler
 from mme_runtime.models.tensor_store import MAX_SEGMENTS
 from mme_runtime.operations import metrics
-from mme_runtime.processes import fork_safety
 from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, report_crashes
-from mme_runtime.processes.executor import Assignment, start_batching
 from mme_runtime.processes.hosted_model import (
     HostedModel,
     MemoryRelease,
     model_handler,
     release_memory,
+    start_batching,
     tensor_bytes,
 )
 from mme_runtime.processes.warm_protocol import receive, send
-from mme_runtime.serving.connection import serve_connection
+from mme_runtime.serving.connection import Assignment, serve_connection
 from mme_runtime.serving.pass_threads import PassThreads
 
 logger = logging.getLogger(__name__)
 
 MAX_FDS = MAX_SEGMENTS + 1  # a model's own file and the files of the tensors it shares
+UNLOAD_SECONDS = 5.0  # how long a host that is told to end waits for the UNLOADs still under way
 
 
 class DeviceHost:
@@ -90,13 +92,18 @@ class DeviceHost:
                 self._dispatch(message, fds)
             except Exception:  # noqa: BLE001 - one bad message must not take every model of the host down
                 logger.exception("device host pid=%d: message %s not handled", os.getpid(), message.get("op"))
-        logger.info("device host pid=%d: warm process gone, stopping", os.getpid())
+        for unloading in list(self.unloading.values()):  # a private host's last model, say: its UNLOAD counted
+            unloading.join(UNLOAD_SECONDS)
+        logger.info("device host pid=%d: the warm process let go, stopping", os.getpid())
 
     def _dispatch(self, message: dict[str, Any], fds: list[int]) -> None:
         op = message["op"]
         name = message["model"]
         if op == "load":
             spec = ModelSpec(**message["spec"])
+            if message.get("threads"):  # a private host: the count its model's model_fn chose in the loader
+                devices.set_threads(int(message["threads"]))
+                logger.info("model=%s threads=%d, as its model_fn chose", name, int(message["threads"]))
             series = metrics.start_hosted(self.config, name, restart=bool(message.get("restart")))
             model = self.models[name] = HostedModel(spec, int(message["slot"]), series, started=message["started"])
             model.after = self.unloading.pop(name, None)  # the same name's UNLOAD, maybe still letting go
@@ -138,25 +145,11 @@ class DeviceHost:
             metrics.record_executor_restart()
         try:
             check_memory(spec, self.config, self.gpu, host=package is None, device_bytes=self._new_bytes(package))
-            loaded = model_handler(spec, self.config, self.gpu, self.ordinal, batch_size)
-            handler = loaded.module
-            context = loaded.service.context
-            with self.board.running(model.slot):
-                adopted = package is not None and handler.transformer.adopt(
-                    context, lambda: self._unpack(model, package), made_with_code=package.code
-                )
-                if package is not None and not adopted:  # its code changed: model_fn ran here instead
-                    model.borrowed_host_bytes, model.package_unused = 0, True
-                handler.attach(context)
-            if self.shared is not None:
-                handler.transformer.after_forward = lambda: self.shared.check_writes(spec.name)
-            handler.transformer.thread_started = functools.partial(self.board.work_for, model.slot)
-            handler.transformer.thread_ended = self.board.done
-            handler.transformer.pass_threads = self.passes
-            model.demand = start_batching(spec, self.config, loaded)
-            for thread in handler.transformer.scheduler_threads:
-                self.board.work_for(model.slot, thread.ident)
-            self._record_memory(model, handler.transformer)
+            if is_our_handler(spec.handler):
+                loaded = self._our_handler(model, package, batch_size)
+            else:  # MMS's ``module:function``: initialised and called as MMS would, on this host's device
+                with self.board.running(model.slot):
+                    loaded = load_model(spec, batch_size, "host", self.gpu, self.ordinal)
         except BaseException as exc:  # noqa: BLE001 - boundary: user code's sys.exit too fails this LOAD alone
             model.failure = fail_load(spec, self.gpu, exc)
         else:
@@ -174,6 +167,32 @@ class DeviceHost:
             waiting, model.waiting = model.waiting, []
         for connection, assignment in waiting:
             self._connect(model, connection, assignment)
+
+    def _our_handler(self, model: HostedModel, package: Package | None, batch_size: int) -> LoadedModel:
+        """The model's own ``HandlerService``: the package adopted (or ``model_fn`` run), placed, its threads marked
+        as the model's on the crash board, its batching started."""
+        spec = model.spec
+        loaded = model_handler(spec, self.config, self.gpu, self.ordinal, batch_size)
+        handler = loaded.module
+        context = loaded.service.context
+        with self.board.running(model.slot):
+            adopted = package is not None and handler.transformer.adopt(
+                context, lambda: self._unpack(model, package), made_with_code=package.code
+            )
+            if package is not None and not adopted:  # its code changed: model_fn ran here instead
+                model.borrowed_host_bytes, model.package_unused = 0, True
+            handler.attach(context)
+        if self.shared is not None:
+            shared = self.shared
+            handler.transformer.after_forward = lambda: shared.check_writes(spec.name)
+        handler.transformer.thread_started = functools.partial(self.board.work_for, model.slot)
+        handler.transformer.thread_ended = self.board.done
+        handler.transformer.pass_threads = self.passes
+        model.demand = start_batching(spec, self.config, loaded)
+        for thread in handler.transformer.scheduler_threads:
+            self.board.work_for(model.slot, thread.ident)
+        self._record_memory(model, handler.transformer)
+        return loaded
 
     def _unpack(self, hosted: HostedModel, package: Package) -> Any:
         """The model in the package; a package that another model here unpacked already (the same artifacts under
@@ -261,10 +280,12 @@ class DeviceHost:
             except OSError:
                 pass
         started = time.monotonic()
-        if model.loaded is not None:
-            for thread in model.loaded.module.transformer.scheduler_threads:
+        served = model.loaded is not None  # a LOAD that failed here is no UNLOAD
+        transformer = None if model.loaded is None else getattr(model.loaded.module, "transformer", None)
+        if transformer is not None:  # our handler (one that is not ours has nothing to end)
+            for thread in transformer.scheduler_threads:
                 self.board.done(thread.ident)
-            model.loaded.module.transformer.close()
+            transformer.close()
         model.loaded = None
         if self.shared is not None:
             self.shared.release(model.spec.name)
@@ -272,7 +293,8 @@ class DeviceHost:
         if model.series is not None:
             model.series.close()
         metrics.bind(None)  # the container's count: the host's own series
-        metrics.record_unload(True, time.monotonic() - started)
+        if served:
+            metrics.record_unload(True, time.monotonic() - started)
         logger.info("model=%s unloaded from the device host", model.spec.name)
 
 
@@ -293,7 +315,7 @@ def run_host(
         # MMS's per-request "[METRICS]" lines: the frontend files a model server's away, but a host's stdout is the
         # container's (a CloudWatch Logs line per request on SageMaker). Our own metrics count every request.
         logging.getLogger("mms.service").setLevel(logging.WARNING)
-        fork_safety.set_threads(fork_safety.DEFAULT_THREADS)
+        devices.set_threads(devices.DEFAULT_THREADS)
         metrics.start_container(config)  # the host's own directory; each model gets one of its own too
         crash_report = report_crashes(crash_report_path(config.runtime_dir, os.getpid()))
         DeviceHost(control, config, gpu, board).serve()

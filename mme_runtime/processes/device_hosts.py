@@ -1,5 +1,6 @@
-"""The warm process's device hosts: one per device (a card, or the CPU), forked CUDA-free on first use, each with
-the crash board that says, once it has died, whose code killed it (``crash_board.py``).
+"""The warm process's device hosts, keyed by device and tenant: one per device (a card, or one of the CPU's pool) for
+every model that shares, and one per device for each model that needs isolation (tenant: its name). Each is forked
+CUDA-free on first use, with the crash board that says, once it has died, whose code killed it (``crash_board.py``).
 
 ``shared_models.py`` decides what goes to which host and what a crash costs a model; this module starts hosts, talks
 to them and reads what a dead one left behind.
@@ -26,12 +27,28 @@ logger = logging.getLogger(__name__)
 
 CONTROL_SECONDS = 10.0
 CRASHES_BEFORE_QUARANTINE = 2
-DeviceKey = str  # the card's name within CUDA_VISIBLE_DEVICES, or "cpu=N": one of the CPU's hosts
+SHARED = "shared"  # the tenant of every model that shares its device's host
+
+
+@dataclass(frozen=True)
+class HostKey:
+    """Which host: its device (the card's name within CUDA_VISIBLE_DEVICES, ``cpu=N`` for one of the CPU's pool of
+    shared hosts, ``cpu`` for a private one) and its tenant (``SHARED``, or the one model a private host serves)."""
+
+    device: str
+    tenant: str = SHARED
+
+    @property
+    def private(self) -> bool:
+        return self.tenant != SHARED
+
+    def __str__(self) -> str:
+        return f"{self.device} model={self.tenant}" if self.private else self.device
 
 
 @dataclass
 class Host:
-    key: DeviceKey
+    key: HostKey
     pid: int
     control: socket.socket
     board: CrashBoard
@@ -87,10 +104,10 @@ class DeviceHosts:
     def __init__(self, config: Config, close_in_children: Callable[[], list[int]]) -> None:
         self.config = config
         self.close_in_children = close_in_children
-        self.hosts: dict[DeviceKey, Host] = {}
+        self.hosts: dict[HostKey, Host] = {}
 
-    def get(self, key: DeviceKey, gpu: int | None, env: dict[str, str], in_hand: socket.socket) -> Host:
-        """The device's host, forked now if there is none, with the environment MMS gives its model processes (it
+    def get(self, key: HostKey, gpu: int | None, env: dict[str, str], in_hand: socket.socket) -> Host:
+        """The host of ``key``, forked now if there is none, with the environment MMS gives its model processes (it
         reads some of it, such as ``MMS_DECODE_INPUT_REQUEST``, while answering). ``in_hand``: the connection being
         routed, which a new host must not keep a copy of (the frontend would never see it close)."""
         host = self.hosts.get(key)
@@ -102,7 +119,9 @@ class DeviceHosts:
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
-            label = f"gpu={gpu}" if gpu is not None else key
+            label = f"gpu={gpu}" if gpu is not None else key.device
+            if key.private:  # named as the model's stub is, so that ps tells whose it is
+                label += f" --model-name {key.tenant}"
             run_host(theirs, self.config, gpu, label, board, close, env)  # never returns
         theirs.close()
         ours.settimeout(CONTROL_SECONDS)
@@ -139,6 +158,15 @@ class DeviceHosts:
         crash = Crash(host, cause, host.board.culprit(report), frozenset(host.board.busy()), crashed_stack(report))
         host.board.close()
         return crash
+
+    def retire(self, host: Host) -> None:
+        """Ends a private host whose model has gone: with its control socket closed it lets its models go and exits
+        (its exit is no crash: it is no host of ours any more)."""
+        if self.hosts.get(host.key) is host:
+            del self.hosts[host.key]
+            host.control.close()
+            host.board.close()
+            logger.info("device host pid=%d gpu=%s retired: its model is gone", host.pid, host.key)
 
     def descriptors(self) -> list[int]:
         return [host.control.fileno() for host in self.hosts.values()]

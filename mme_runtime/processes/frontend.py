@@ -39,20 +39,13 @@ import sys
 _here = os.path.dirname(os.path.realpath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != _here]
 
-# The guard matters: a spawned worker re-imports this file as __mp_main__ and must not start a second server.
 if __name__ == "__main__":
-    # Read here, not through mme_runtime.base.config: importing it would cost every model 13 MiB in this process.
-    if os.environ.get("MME_WARM_START", "true").strip().lower() not in ("0", "false", "no", "off"):
-        from mme_runtime.processes import warm_stub
+    from mme_runtime.processes import warm_stub
 
-        # The warm process serves the model (torch already imported there); None if it is not there.
-        runtime_dir = os.path.abspath(os.environ.get("MME_RUNTIME_DIR") or "/tmp/mme")
-        status = warm_stub.run_via_warm_process(os.path.join(runtime_dir, "warm.sock"), dict(os.environ))
-        if status is not None:
-            sys.exit(status)
-    from mme_runtime.processes.backend import main
-
-    sys.exit(main())
+    # The warm process serves the model (torch already imported there). Read here, not through
+    # mme_runtime.base.config: importing it would cost every model 13 MiB in this process.
+    runtime_dir = os.path.abspath(os.environ.get("MME_RUNTIME_DIR") or "/tmp/mme")
+    sys.exit(warm_stub.run_via_warm_process(os.path.join(runtime_dir, "warm.sock"), dict(os.environ)))
 '''
 
 

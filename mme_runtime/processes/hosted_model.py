@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import logging
 import socket
 import threading
 import time
@@ -22,8 +23,11 @@ from mme_runtime.base.config import Config
 from mme_runtime.models.hf_loading import HuggingFaceModel
 from mme_runtime.models.loading import LoadedModel, LoadFailure, ModelSpec
 from mme_runtime.operations.metric_series import Series
-from mme_runtime.processes.executor import Assignment
+from mme_runtime.operations.scaler import request_workers
+from mme_runtime.serving.connection import Assignment
 from mme_runtime.serving.connection_demand import ConnectionDemand
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,6 +70,27 @@ def model_handler(
     service = Service(spec.name, spec.model_dir, None, entry_point, ordinal, batch_size)
     devices.record_gpu(service.context.system_properties, gpu, ordinal)
     return LoadedModel(handler, service)
+
+
+def start_batching(spec: ModelSpec, config: Config, loaded: LoadedModel) -> ConnectionDemand | None:
+    """From here on the handler is called from many threads; our handler then batches their forward passes. A
+    batching model asks for the frontend connections that fill its batches as it comes to need them: the returned
+    ``ConnectionDemand`` watches its connections (``serving/connection_demand.py``)."""
+    if not hasattr(loaded.module, "start_batcher"):
+        return None  # another handler (MMS's ``module:function``): it is called from the connections' threads as it is
+    settings = loaded.module.start_batcher()
+    if not settings.batching or settings.source == "LOAD":
+        return None  # MMS's own batching (LOAD's batch_size) fills its batches itself
+
+    def ask_for(per_device: int, serving: bool = True) -> None:
+        try:
+            request_workers(config.runtime_dir, spec.name, per_device, serving)
+        except OSError as exc:
+            logger.warning("model=%s could not ask for %d workers per device: %s", spec.name, per_device, exc)
+
+    at_load = min(config.batch_connections_at_load, settings.batch_size)
+    ask_for(at_load, serving=False)
+    return ConnectionDemand(ask_for, at_load, settings.batch_size)
 
 
 def tensor_bytes(model: Any) -> tuple[int, int]:

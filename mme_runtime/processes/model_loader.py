@@ -1,9 +1,10 @@
-"""The loader: a short-lived child of the warm process that runs one shareable model's ``model_fn``, CUDA-free, and
-packs the result for the device hosts (``model_package``), then exits: the package outlives it in the warm process.
+"""The loader: a short-lived child of the warm process that runs one model's ``model_fn``, CUDA-free, and packs the
+result for its device hosts (``model_package``), then exits: the package outlives it in the warm process.
 
 It reports one message to the warm process: ``package`` (with the shared-memory file), ``host_loads`` (the model
-cannot leave this process: the host runs ``model_fn`` itself, and the reason is logged), ``isolate`` (the model needs
-processes of its own) or ``failure`` (the LOAD fails with this status and message). Its output is the model's log.
+cannot leave this process: the host runs ``model_fn`` itself, and the reason is logged) or ``failure`` (the LOAD
+fails with this status and message); with ``private`` when the model needs a device host of its own (and why). What
+a model's requirements install and its code imports here ends with this process. Its output is the model's log.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from mme_runtime.base import devices
 from mme_runtime.base.child_processes import become_child
@@ -83,9 +86,19 @@ def _load(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
     refused = check_location(spec, config)
     if refused is not None:
         return _failure(refused), []
-    reason = sharing.model_reason(Path(spec.model_dir), config)
-    if reason is not None:
-        return {"isolate": reason}, []
+    private = sharing.container_reason(spec.handler, config) or sharing.model_reason(Path(spec.model_dir), config)
+    report, fds = _load_here(spec, config)
+    if private is not None and "failure" not in report:
+        report["private"] = private
+        if "package" in report and torch.get_num_threads() != 1:  # model_fn chose it: its own host runs with it
+            report["threads"] = torch.get_num_threads()
+    return report, fds
+
+
+def _load_here(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
+    """``model_fn`` run here, its model packed; or why the host must run it, or why the LOAD fails."""
+    if not sharing.is_our_handler(spec.handler):
+        return {"host_loads": f"its handler {spec.handler} is MMS's module:function, which the host initialises"}, []
     try:
         check_memory(spec, config, gpu=None)
         archive = _plain_torchscript(Path(spec.model_dir), config)

@@ -17,7 +17,7 @@ from mme_runtime.base import failures
 from mme_runtime.models.loading import LoadFailure, ModelSpec
 from mme_runtime.models.model_cache import Key
 from mme_runtime.models.model_package import Package
-from mme_runtime.processes.device_hosts import DeviceKey
+from mme_runtime.processes.device_hosts import SHARED, HostKey
 from mme_runtime.processes.warm_protocol import receive, send
 
 
@@ -26,7 +26,7 @@ class SharedModel:
     """One model MMS started, in the warm process: its stub, its socket, its loader, its package, its hosts."""
 
     spec: ModelSpec
-    request: dict[str, Any]  # the stub's command line, environment and directory: for an isolated server later
+    request: dict[str, Any]  # the stub's command line, environment and directory: its hosts' environment
     stub: socket.socket  # closes when MMS ends the model's process (UNLOAD)
     stdio: list[int]  # the stub's stdin, stdout and stderr: the model's log (-1: closed once it was served)
     listener: socket.socket
@@ -37,7 +37,9 @@ class SharedModel:
     package: Package | None = None  # None while loading, or where the host runs model_fn
     ready: bool = False  # connections are routed from now on
     failure: LoadFailure | None = None
-    hosts: set[DeviceKey] = field(default_factory=set)
+    hosts: set[HostKey] = field(default_factory=set)
+    tenant: str = SHARED  # or its own name: it needs a host of its own (the loader said why, or it crashed twice)
+    threads: int | None = None  # the intra-op threads its model_fn chose, for a host of its own
     cache_key: Key | None = None  # its package's in the package cache (package_cache.py)
     cpu_host: str | None = None  # which of the CPU's hosts serves it
     served: bool = False  # a host has had it
@@ -45,6 +47,13 @@ class SharedModel:
     oom_kills: dict[str, int] = field(default_factory=dict)  # the kernel's OOM kill counts as its loader started
     loader_silent: bool = False  # its loader died before it reported
     artifact_bytes: int = 0  # its files' size: what its loader's memory check counts
+
+    def host_key(self, device: str | None, models: Iterable[SharedModel], cpu_hosts: int) -> HostKey:
+        """The host of a connection assigned ``device`` (a card's name; None for the CPU): on the CPU, a shared model
+        goes to one of the pool (``cpu_host_for``), a private one to its own."""
+        if self.tenant != SHARED:
+            return HostKey(device or "cpu", self.tenant)
+        return HostKey(device or cpu_host_for(self, models, cpu_hosts))
 
     def load_message(self, batch_size: int) -> dict[str, Any]:
         """The model as a host takes it (its package's descriptors go beside), before its first connection there."""
@@ -57,6 +66,7 @@ class SharedModel:
             "batch_size": batch_size,
             "restart": self.served,  # served before, by a host that has died since
             "started": time.time() if self.served else self.started,  # its load time counts from this
+            "threads": None if self.tenant == SHARED else self.threads,  # a shared host keeps torch's default
         }
 
     def loader_failure(self, exit_code: int | None) -> LoadFailure:

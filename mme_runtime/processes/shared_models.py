@@ -1,14 +1,16 @@
-"""The warm process's side of the device hosts: the shareable models, their loads, their connections, their hosts.
+"""The warm process's side of the device hosts: every model, its load, its connections, its hosts.
 
 For each model MMS starts, the warm process binds the model's socket and forks a loader (``model_loader``), which
-runs ``model_fn`` once, CUDA-free, and hands back a package (or says why the host must load it, why the model needs
-processes of its own, or why the LOAD fails). Meanwhile the frontend's connections wait in the socket's backlog.
-Once the model is ready, each connection's LOAD message is read here and the connection goes to the host of its
-device, forked on first use; the model is sent to that host once, before its first connection.
+runs ``model_fn`` once, CUDA-free, and hands back a package (or says why the host must load it, or why the LOAD
+fails), and whether the model needs a host of its own. Meanwhile the frontend's connections wait in the socket's
+backlog. Once the model is ready, each connection's LOAD message is read here and the connection goes to the host of
+its device and tenant (``device_hosts.py``), forked on first use; the model is sent to that host once, before its
+first connection.
 
-When the stub goes (UNLOAD), every host lets the model go (its package may be kept for a re-LOAD). When a host dies,
-the model whose code killed it is named (``crash_board.py``); one named in two crashes moves to processes of its own;
-the others are loaded again from their packages into a new host as the frontend reconnects.
+When the stub goes (UNLOAD), every host lets the model go (its package may be kept for a re-LOAD), and a private
+host ends. When a host dies, the model whose code killed it is named (``crash_board.py``); one named in two crashes of
+a shared host moves to a host of its own; the others are loaded again from their packages into a new host as the
+frontend reconnects.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ from mme_runtime.models.package_cache import PackageCache
 from mme_runtime.models.tensor_store import TensorStore
 from mme_runtime.operations import metrics
 from mme_runtime.processes.crash_board import SLOTS
-from mme_runtime.processes.device_hosts import Crash, CrashCount, DeviceHosts, Host
-from mme_runtime.processes.executor import device_of, read_assignment
+from mme_runtime.processes.device_hosts import SHARED, Crash, CrashCount, DeviceHosts, Host
 from mme_runtime.processes.model_loader import start_loader
-from mme_runtime.processes.shared_model import SharedModel, bind_model_socket, cpu_host_for, drain, kill
+from mme_runtime.processes.shared_model import SharedModel, bind_model_socket, drain, kill
 from mme_runtime.processes.warm_protocol import receive
+from mme_runtime.serving.connection import device_of, read_assignment
 
 logger = logging.getLogger(__name__)
 
@@ -44,20 +46,15 @@ RESULT_SECONDS = 1.0
 
 
 class SharedModels:
-    """Every shared model and device host of the warm process. ``isolate(model, reason)`` forks a model's own server
-    (the warm process's usual fork, keeping the model's socket) and returns its pid. The methods follow a model's
-    life: what the warm process's loop asks, a model arrives, its connections, a host dies, a model goes."""
+    """Every model and device host of the warm process. The methods follow a model's life: what the warm process's
+    loop asks, a model arrives, its connections, a host dies, a model goes."""
 
-    def __init__(
-        self, config: Config, isolate: Callable[[SharedModel, str], int], close_in_children: Callable[[], list[int]]
-    ) -> None:
+    def __init__(self, config: Config, close_in_children: Callable[[], list[int]]) -> None:
         self.config = config
-        self.isolate = isolate
         self.close_in_children = close_in_children
         self.models: dict[str, SharedModel] = {}
         self._free_slots: list[int] = []  # slots on the crash board given back by UNLOADs, taken first
         self.hosts = DeviceHosts(config, close_in_children)
-        self.isolated: dict[int, SharedModel] = {}  # by pid: shared models' own servers (from the start, or quarantine)
         self.crash_count = CrashCount()
         self.store = TensorStore(config.share_weights)  # every package, its tensors held once by content
         self.cache = PackageCache(config, self.store.release)
@@ -80,7 +77,7 @@ class SharedModels:
         return sorted({fd for fd in fds if fd >= 0})
 
     def child_exited(self, pid: int, code: int) -> bool:
-        """True when ``pid`` was ours (a loader, a host, or a shared model's own server)."""
+        """True when ``pid`` was ours (a loader or a host)."""
         crash = self.hosts.exited(pid, code)
         if crash is not None:
             self._host_died(crash)
@@ -91,17 +88,10 @@ class SharedModels:
                 if (model.result is not None or model.loader_silent) and not model.ready and model.failure is None:
                     self._loader_reported(model, exit_code=code)  # its report, if it sent one before it exited
                 return True
-        if pid in self.isolated:
-            ended = self.isolated.pop(pid)
-            if self.models.get(ended.spec.name) is ended:
-                self._unload(ended)  # its stub ends with it, and MMS starts the model anew
-            return True
         return False
 
     def stop(self) -> None:
         self.hosts.stop()
-        for pid in self.isolated:
-            kill(pid)
 
     def add(self, spec: ModelSpec, request: dict[str, Any], stub: socket.socket, stdio: list[int]) -> None:
         """Binds the model's socket, tells the frontend it may connect, and starts the model's loader (unless the
@@ -118,7 +108,10 @@ class SharedModels:
         if check_location(spec, self.config) is None:  # else its loader refuses it: nothing of its files is read
             model.cache_key = self.cache.key(spec)
             model.package = None if model.cache_key is None else self.cache.take(model.cache_key, spec.name)
-            if model.package is not None:
+            if model.package is not None and model.cache_key is not None:
+                private, threads = self.cache.placement(model.cache_key)
+                if private is not None:
+                    self._make_private(model, private, threads)
                 self._ready(model)
                 return
             loading = sum(other.artifact_bytes for other in self.models.values() if other.loader is not None)
@@ -154,17 +147,16 @@ class SharedModels:
             model.failure = model.loader_failure(exit_code)
         elif "failure" in report:
             model.failure = LoadFailure(report["failure"]["status"], report["failure"]["message"])
-        elif "isolate" in report:
-            self._move_to_own_process(model, report["isolate"])
-            model.tell_stub({"shared": True})
-            return
         elif "package" in report:
             package = Package.from_layout(fds, report["package"])
             model.package = self.store.add(package, share=bool(report.get("share_weights")))
             if model.cache_key is not None:
-                model.package = self.cache.add(model.cache_key, spec.name, model.package)
+                placement = report.get("private"), report.get("threads")
+                model.package = self.cache.add(model.cache_key, spec.name, model.package, *placement)
         else:
             logger.warning("model=%s model_fn runs in the device host: %s", spec.name, report["host_loads"])
+        if report is not None and report.get("private"):
+            self._make_private(model, report["private"], report.get("threads"))
         if model.failure is not None:
             metrics.record_load(False, time.time() - model.started)
             model.load_recorded = True
@@ -173,19 +165,23 @@ class SharedModels:
     def _ready(self, model: SharedModel) -> None:
         """From now on the model's connections are routed (or refused with its failure)."""
         if model.failure is None:
-            logger.info(
-                "model=%s shares its device host (loaded in %.2f s)", model.spec.name, time.time() - model.started
-            )
+            where = "shares its device host" if model.tenant == SHARED else "has its own device host"
+            logger.info("model=%s %s (loaded in %.2f s)", model.spec.name, where, time.time() - model.started)
         model.ready = True
         self._handlers[model.listener] = lambda: self._connection_waiting(model)
         model.tell_stub({"shared": True})
 
-    def _move_to_own_process(self, model: SharedModel, reason: str) -> None:
-        """A server of its own takes over the model's socket; every host lets the model go."""
-        logger.info("model=%s served by processes of its own: %s", model.spec.name, reason)
-        self._handlers.pop(model.listener, None)
+    def _make_private(self, model: SharedModel, reason: str, threads: int | None) -> None:
+        """Before its first connection: the model will be served by a device host of its own."""
+        model.tenant, model.threads = model.spec.name, threads
+        logger.info("model=%s served by a device host of its own: %s", model.spec.name, reason)
+
+    def _move_to_own_host(self, model: SharedModel, reason: str) -> None:
+        """Quarantine: every shared host lets the model go, and its connections (the frontend reconnects) go to a host
+        of its own, which loads it from its package."""
+        logger.info("model=%s served by a device host of its own: %s", model.spec.name, reason)
         self._leave_hosts(model)
-        self.isolated[self.isolate(model, reason)] = model
+        model.tenant = model.spec.name
 
     def _connection_waiting(self, model: SharedModel) -> None:
         connection = model.accept()
@@ -197,8 +193,8 @@ class SharedModels:
         if model.failure is not None:
             refuse_load(connection, model.failure, model.spec, self.config, drain=False)
             return
-        key = device_of(assignment, self.config.cuda_visible_devices)
-        key = key or cpu_host_for(model, self.models.values(), self.config.cpu_hosts)
+        device = device_of(assignment, self.config.cuda_visible_devices)
+        key = model.host_key(device, self.models.values(), self.config.cpu_hosts)
         try:
             host = self.hosts.get(key, assignment.gpu, model.request["env"], connection)
             if host.control not in self._handlers:  # a host started just now
@@ -232,8 +228,8 @@ class SharedModels:
             self._release_package(model, keep=False)  # other hosts run its model_fn too
 
     def _host_died(self, crash: Crash) -> None:
-        """Names the model whose code killed the host and counts the crash against it (a second one moves it to
-        processes of its own); the frontend's reconnections start a new host and send it the models again."""
+        """Names the model whose code killed the host and counts the crash against it (a second one in a shared host
+        moves it to a host of its own); the frontend's reconnections start a new host and send it the models again."""
         key = crash.host.key
         self._handlers.pop(crash.host.control, None)
         on_host = [model for model in self.models.values() if key in model.hosts]
@@ -242,10 +238,10 @@ class SharedModels:
             model.served = True
         name = self.crash_count.blame(crash, {model.slot: model.spec.name for model in on_host})
         culprit = None if name is None else self.models.get(name)
-        if culprit is not None and culprit not in self.isolated.values():
+        if culprit is not None and culprit.tenant == SHARED:
             metrics.record_quarantine(culprit.spec.name)
             crashes = self.crash_count.crashes[culprit.spec.name]
-            self._move_to_own_process(culprit, f"it crashed its device host {crashes} times")
+            self._move_to_own_host(culprit, f"it crashed its device host {crashes} times")
 
     def _stub_readable(self, model: SharedModel) -> None:
         with contextlib.suppress(OSError):
@@ -267,10 +263,6 @@ class SharedModels:
             kill(model.loader)
         if model.result is not None:
             drain(model.result)  # a package it sent and nobody read: its memfd goes too
-        for pid, isolated in list(self.isolated.items()):
-            if isolated is model:
-                del self.isolated[pid]  # its exit (reaped later) concerns no model of that name any more
-                kill(pid)
         self._leave_hosts(model)
         self._release_package(model, keep=True)
         model.close()
@@ -285,15 +277,20 @@ class SharedModels:
         model.package, model.cache_key = None, None
 
     def _leave_hosts(self, model: SharedModel) -> None:
-        """Every host that has the model lets it go."""
+        """Every host that has the model lets it go; a private host left with no model ends."""
         name = model.spec.name
-        for host in list(self.hosts.hosts.values()):
-            if name in host.models:
-                host.models.discard(name)
-                try:
-                    self.hosts.send(host, {"op": "unload", "model": name})
-                except OSError as exc:
-                    logger.info("model=%s device host gone before its unload: %s", name, exc)
+        for key in model.hosts:
+            host = self.hosts.hosts.get(key)
+            if host is None or name not in host.models:
+                continue
+            host.models.discard(name)
+            try:
+                self.hosts.send(host, {"op": "unload", "model": name})
+            except OSError as exc:
+                logger.info("model=%s device host gone before its unload: %s", name, exc)
+            if key.private and not host.models:
+                self._handlers.pop(host.control, None)
+                self.hosts.retire(host)
         model.hosts.clear()
 
     def _free_slot(self) -> int:

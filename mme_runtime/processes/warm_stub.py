@@ -1,63 +1,41 @@
 """The stub's side of warm start: runs in the process MMS started for a model, so it imports almost nothing (every
 model pays for this process: importing ``config`` alone would cost it 13 MiB).
 
-The stub hands its command line, environment and stdio to the warm process. For an isolated model the warm process
-answers with its server's pid: the stub forwards SIGTERM and SIGINT to it and exits with its status. For a shared
-model it answers ``shared``: the stub then becomes ``cat`` reading its connection, a process of a few hundred KiB
-that MMS can kill to UNLOAD (the warm process sees the connection close) and that exits when the warm process
-closes it (the model's server ended: MMS starts the model again).
+The stub hands its command line, environment and stdio to the warm process, which answers ``shared`` once the model
+is ready to take connections; the stub then becomes ``cat`` reading its connection, a process of a few hundred KiB
+that MMS can kill to UNLOAD (the warm process sees the connection close) and that exits when the warm process closes
+it (MMS then starts the model again).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import sys
-from types import FrameType
 
 from mme_runtime.processes.warm_protocol import receive, send
 
 STUB_TITLE = "mme-model-stub"
 
 
-def run_via_warm_process(socket_path: str, environment: dict[str, str]) -> int | None:
-    """Asks the warm process to serve our model; None if there is no warm process (the stub then serves it).
-    ``environment`` is the stub's, which the model's processes take."""
+def run_via_warm_process(socket_path: str, environment: dict[str, str]) -> int:
+    """Asks the warm process to serve our model and becomes ``cat`` once it takes it (never returns then); 1, with
+    the cause on stderr, if there is no warm process or it ends first. ``environment`` is the stub's, which the
+    model's processes take."""
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         client.connect(socket_path)
-    except OSError:
-        client.close()
-        return None
+    except OSError as exc:
+        print(f"mme-gpu: no warm process at {socket_path}: {exc}", file=sys.stderr, flush=True)
+        return 1
     request = {"argv": sys.argv, "env": environment, "cwd": os.getcwd(), "pid": os.getpid()}
     send(client, request, [0, 1, 2])
     reply, _ = receive(client)
-    if reply is None:
-        return None
-    if reply.get("shared"):
-        _become_cat(client, sys.argv)
-    if "pid" not in reply:
-        return None
-    server_pid = int(reply["pid"])
-
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        try:
-            os.kill(server_pid, signum)
-        except ProcessLookupError:
-            pass
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, forward)
-    while True:
-        try:
-            message, _ = receive(client)
-        except InterruptedError:
-            continue
-        if message is None:  # the warm process died: so did our server's supervisor, treat it as a crash
-            return 1
-        if "exit" in message:
-            return int(message["exit"])
+    if reply is None or not reply.get("shared"):
+        print("mme-gpu: the warm process ended before it took the model", file=sys.stderr, flush=True)
+        return 1
+    _become_cat(client, sys.argv)
+    return 1  # not reached: _become_cat replaces this process
 
 
 def _become_cat(client: socket.socket, argv: list[str]) -> None:

@@ -1,8 +1,10 @@
-"""One frontend connection, from the socket to the handler and back: its LOAD answered, then each inference message
-read with MMS's protocol (``mms.protocol``), answered by MMS's ``Service`` (which calls ``handler_service.handle`` and
-so the model's ``Transformer``, ``pipeline.py``), and written back, with the request metrics recorded after.
+"""One frontend connection, from the socket to the handler and back: its first message (the LOAD, which names the
+GPU the frontend assigned it) read by the warm process, which routes the connection to its device's host; there its
+LOAD is answered, then each inference message read with MMS's protocol (``mms.protocol``), answered by MMS's
+``Service`` (which calls ``handler_service.handle`` and so the model's ``Transformer``, ``pipeline.py``), and written
+back, with the request metrics recorded after.
 
-Executors and device hosts run it on a thread per connection: every connection of a model answers at once.
+A device host runs it on a thread per connection: every connection of a model answers at once.
 """
 
 from __future__ import annotations
@@ -16,17 +18,54 @@ import socket
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
-from mms.protocol.otf_message_handler import create_load_model_response, retrieve_msg
+from mms.protocol.otf_message_handler import LOAD_MSG, create_load_model_response, retrieve_msg
 from mms.service import emit_metrics
 
+from mme_runtime.base import devices
 from mme_runtime.models.loading import LoadedModel, ModelSpec
 from mme_runtime.operations import metrics
 from mme_runtime.serving.connection_demand import ConnectionDemand
 
 logger = logging.getLogger(__name__)
 SERVICE_LOG = logging.getLogger("mms.service")  # where emit_metrics writes its per-request lines
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What a connection's LOAD message says: the frontend's GPU for it and MMS's batch size."""
+
+    gpu: int | None
+    batch_size: int
+
+    @classmethod
+    def from_load_message(cls, message: dict[str, Any]) -> Assignment:
+        gpu = message.get("gpu")
+        return cls(None if gpu is None else int(gpu), max(1, int(message.get("batchSize") or 1)))
+
+
+def read_assignment(connection: socket.socket, model_name: str, timeout: float) -> Assignment | None:
+    """Reads a frontend connection's first message, its LOAD (the GPU the frontend assigned it); None, with the
+    connection closed and the cause logged, when something else or nothing arrives within ``timeout``."""
+    try:
+        connection.settimeout(timeout)
+        command, message = retrieve_msg(connection)
+        connection.settimeout(None)
+        if command != LOAD_MSG:
+            raise ValueError(f"expected a LOAD message first, got {command!r}")
+    except (ValueError, OSError) as exc:
+        logger.warning("model=%s dropped a frontend connection: %s", model_name, exc)
+        connection.close()
+        return None
+    return Assignment.from_load_message(message)
+
+
+def device_of(assignment: Assignment, visible_devices: str | None) -> str | None:
+    """The card a connection's device names (two frontend ids can name one card within an outer
+    ``CUDA_VISIBLE_DEVICES``); None for the CPU."""
+    return None if assignment.gpu is None else devices.visible_gpu(assignment.gpu, visible_devices)
 
 
 def serve_connection(

@@ -81,10 +81,10 @@ def test_aws_style_model_fn_that_moves_to_cuda_runs_in_the_device_host(server: R
 
 
 def test_toolkit_style_script_that_picks_cuda_gpu_id_serves_on_every_gpu(tmp_path: Path) -> None:
-    """The AWS toolkit's own pattern, ``cuda:{gpu_id}`` in model_fn, with preload off so it runs in every executor
-    with a GPU id: on a multi-GPU host, the frontend's id would name a card that a bound executor cannot see."""
+    """The AWS toolkit's own pattern, ``cuda:{gpu_id}`` in model_fn, in a host of its own on each card (it runs
+    there with a GPU id): on a multi-GPU host, the frontend's id would name a card that a bound host cannot see."""
     workers = 2 * gpu_count()
-    env = {"SAGEMAKER_MODEL_SERVER_WORKERS": str(workers), "MME_PRELOAD_MODEL_GPU": "false"}
+    env = {"SAGEMAKER_MODEL_SERVER_WORKERS": str(workers), "MME_SHARE_DEVICE": "false"}
     with start_server(tmp_path, env) as server:
         model_factory.toolkit_style_model(server.model_dir("toolkit"))
         assert server.load("toolkit").status_code == 200

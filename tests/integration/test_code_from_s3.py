@@ -140,8 +140,8 @@ def test_three_workers_and_two_models_loading_at_once_fetch_once(s3: S3Server, t
         "SAGEMAKER_SUBMIT_DIRECTORY": f"s3://{BUCKET}/{key}",
         "MME_CACHE_DIR": str(tmp_path / "cache"),
         "SAGEMAKER_MODEL_SERVER_WORKERS": "3",
-        # Every worker loads for itself, so six processes race for the archive.
-        "MME_PRELOAD_MODEL_GPU": "false",
+        # Each model's loader and its own device host read the code: four processes race for the archive.
+        "MME_SHARE_DEVICE": "false",
     }
     with start_server(tmp_path, env) as server:
         for name in ("first", "second"):

@@ -94,8 +94,13 @@ def hosts(server: RunningServer) -> list[psutil.Process]:
     return device_hosts(alive(server.descendants()))
 
 
+def shared_hosts(server: RunningServer) -> list[psutil.Process]:
+    """The hosts of every model that shares: a private host's title names its model."""
+    return [host for host in hosts(server) if "--model-name" not in " ".join(host.cmdline())]
+
+
 def model_processes(server: RunningServer, name: str) -> list[psutil.Process]:
-    """The processes started for ``name`` alone: its stub, or its own server with its executors."""
+    """The processes started for ``name`` alone: its stub, and its own device host if it has one."""
     found = []
     for process in alive(server.descendants()):
         try:
@@ -199,7 +204,7 @@ def test_a_model_that_cannot_travel_is_loaded_in_the_host_and_the_log_says_why(s
     assert server.unload("unpicklable").status_code == 200
 
 
-def test_isolation_and_unmet_requirements_get_processes_of_their_own(server: RunningServer) -> None:
+def test_isolation_and_unmet_requirements_get_a_device_host_of_their_own(server: RunningServer) -> None:
     model_factory.torchscript_model(server.model_dir("own"))
     (server.model_dir("own") / "serving.properties").write_text("isolation=process\n")
     model_factory.state_dict_model(server.model_dir("pinned"))
@@ -210,11 +215,15 @@ def test_isolation_and_unmet_requirements_get_processes_of_their_own(server: Run
     assert server.invoke("own", json.dumps(ROWS)).status_code == 200
     assert server.invoke("pinned", json.dumps({"inputs": ROWS})).status_code == 200
 
-    assert len(model_processes(server, "own")) >= 3  # its stub, its server, its executor
+    [stub, own_host] = sorted(model_processes(server, "own"), key=lambda process: process.pid)
+    assert own_host.cmdline()[0].startswith(f"{HOST_TITLE} cpu --model-name own")  # its stub and its host
+    assert "mme_runtime.processes.warm_start" in " ".join(own_host.parent().cmdline())  # forked, as every host is
     assert len(model_processes(server, "pinned")) == 1  # what the image already has costs no process
-    assert "model=own served by processes of its own: serving.properties sets isolation=process" in server.log_text()
-    for name in ("own", "pinned"):
-        assert server.unload(name).status_code == 200
+    reason = "serving.properties sets isolation=process"
+    assert f"model=own served by a device host of its own: {reason}" in server.log_text()
+    assert server.unload("own").status_code == 200
+    assert wait_until(lambda: not psutil.pid_exists(own_host.pid) or own_host.status() == psutil.STATUS_ZOMBIE, 10)
+    assert server.unload("pinned").status_code == 200
 
 
 def test_one_model_runs_calls_from_several_workers_at_once(server: RunningServer) -> None:
@@ -305,12 +314,13 @@ def test_a_model_that_kills_the_host_costs_the_others_seconds_then_leaves(
         for name in neighbours:  # loaded again from their packages: model_fn ran once, at LOAD
             assert len(model_factory.model_fn_calls(server.model_dir(name))) == 1
 
-    assert f"model={crasher} served by processes of its own: it crashed its device host 2 times" in server.log_text()
+    moved = f"model={crasher} served by a device host of its own: it crashed its device host 2 times"
+    assert moved in server.log_text()
     assert wait_until(lambda: quarantines(server).get(crasher) == 1, 10)
     assert wait_until(lambda: server.invoke(crasher, "fine", "text/plain").status_code == 200, 10, 0.2)
-    [host] = hosts(server)
+    [host] = shared_hosts(server)
     assert server.invoke(crasher, how, "text/plain").status_code >= 500
-    assert hosts(server) == [host]  # its third crash is its own
+    assert shared_hosts(server) == [host]  # its third crash is its own host's
     for name in neighbours:
         assert server.invoke(name, body).status_code == 200
     for name in (*neighbours, crasher, slow):

@@ -22,7 +22,7 @@ from serving import ENTRYPOINT, alive, start_server
     ("share", "processes"),
     [
         ("true", 5),  # the warm process, java, a stub per model, the device host
-        ("false", 8),  # the warm process, java, a stub, a server and an executor per model
+        ("false", 6),  # the warm process, java, a stub and a device host of its own per model
     ],
 )
 def test_sigterm_stops_mms_and_every_worker_and_exits_0(tmp_path: Path, share: str, processes: int) -> None:
@@ -84,6 +84,7 @@ def test_other_commands_run_as_given() -> None:
         ("SAGEMAKER_BIND_TO_PORT", "40000", "32767"),
         ("SAGEMAKER_MODEL_SERVER_WORKERS", "0", "SAGEMAKER_MODEL_SERVER_WORKERS"),
         ("SAGEMAKER_MULTI_MODEL", "maybe", "SAGEMAKER_MULTI_MODEL"),
+        ("MME_WARM_START", "false", "MME_WARM_START=false is no longer read: the warm process serves every model"),
     ],
 )
 def test_bad_configuration_exits_with_a_clear_message(tmp_path: Path, variable: str, value: str, message: str) -> None:

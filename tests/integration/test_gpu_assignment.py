@@ -1,9 +1,9 @@
 """The GPU assignment path on a CPU-only machine, through a test double of nvidia-smi (tests/fake_nvidia_smi.py).
 
-The MMS frontend counts GPUs with nvidia-smi, so with the double listing two it hands each worker a GPU id; the
-backend server hands each worker's connection to the model's executor for that GPU, which binds
-``CUDA_VISIBLE_DEVICES`` to it and tells user code, exactly as on a GPU host. torch finds no CUDA
-here, so the models still run on the CPU: what a real card adds is in tests/gpu/.
+The MMS frontend counts GPUs with nvidia-smi, so with the double listing two it hands each worker a GPU id; the warm
+process hands each worker's connection to the device host for that GPU (here, with ``MME_SHARE_DEVICE=false``, the
+model's own host per card), which binds ``CUDA_VISIBLE_DEVICES`` to it and tells user code, exactly as on a GPU host.
+torch finds no CUDA here, so the models still run on the CPU: what a real card adds is in tests/gpu/.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, fake_gpus: Path) -> Iterato
         **fake_nvidia_smi.install(fake_gpus, GPUS),
         "SAGEMAKER_MODEL_SERVER_WORKERS": str(WORKERS),
         "MME_TEST_PREDICT_SLEEP": "0.05",
-        "MME_SHARE_DEVICE": "false",  # executors per model; the device hosts' side is in test_device_host.py
+        "MME_SHARE_DEVICE": "false",  # a host per model and card; the shared hosts' side is in test_device_host.py
     }
     with start_server(tmp_path_factory.mktemp("gpu-assignment"), env) as running:
         yield running
@@ -44,9 +44,7 @@ def invoke_many(server: RunningServer, name: str, count: int = 40) -> list[dict[
     return serving.invoke_many(server, name, ROWS, count, clients=WORKERS * 2)
 
 
-def test_one_executor_per_gpu_serves_the_workers_the_frontend_assigned_it(
-    server: RunningServer, fake_gpus: Path
-) -> None:
+def test_one_host_per_gpu_serves_the_workers_the_frontend_assigned_it(server: RunningServer, fake_gpus: Path) -> None:
     model_dir = model_factory.counting_model(server.model_dir("assigned"))
     assert server.load("assigned").status_code == 200
 
@@ -64,7 +62,7 @@ def test_one_executor_per_gpu_serves_the_workers_the_frontend_assigned_it(
     calls = fake_nvidia_smi.calls(fake_gpus)
     assert "--query-gpu=index --format=csv" in calls  # how the frontend counted the GPUs
     memory_checks = {call.split()[0] for call in calls if "--query-gpu=memory.free" in call}
-    assert memory_checks == {f"--id={gpu}" for gpu in range(GPUS)}  # each executor checked its own card
+    assert memory_checks == {f"--id={gpu}" for gpu in range(GPUS)}  # each host checked its own card
 
 
 def test_toolkit_style_script_gets_a_gpu_id_valid_inside_its_worker(server: RunningServer) -> None:
@@ -77,16 +75,3 @@ def test_toolkit_style_script_gets_a_gpu_id_valid_inside_its_worker(server: Runn
 
     assert {a["gpu_id"] for a in answers} == set(range(GPUS))
     assert {a["system_gpu_id"] for a in answers} == {0}
-
-
-def test_device_query_that_poisons_forks_falls_back_to_loading_in_each_executor(server: RunningServer) -> None:
-    """torch poisons forks when ``model_fn`` merely asks the CUDA runtime for the device count; a forked probe
-    child reads torch's bad-fork flag, replaced here by a test double that the model's own script installs."""
-    model_dir = model_factory.counting_model(server.model_dir("poisoned"), fake_poisoned_fork=True)
-    assert server.load("poisoned").status_code == 200
-
-    answers = invoke_many(server, "poisoned")
-
-    assert model_factory.loaded_in_each_executor(model_dir, answers, GPUS)
-    assert {a["gpu_id"] for a in answers} == set(range(GPUS))
-    assert "so forked workers would be refused CUDA" in server.log_text()

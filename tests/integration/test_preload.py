@@ -1,6 +1,6 @@
-"""GPU-safe preload of an isolated model (MME_SHARE_DEVICE=false: its own server), proven on the CPU through the
-same code path: one model_fn, one executor serving every worker connection of its device (here the CPU). The device
-host's side of the same promises is in test_device_host.py."""
+"""GPU-safe preload of an isolated model (MME_SHARE_DEVICE=false: a device host of its own), proven on the CPU
+through the same code path: one model_fn, in a CUDA-free loader; one host serving every worker connection of its
+device (here the CPU). The shared hosts' side of the same promises is in test_device_host.py."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import os
 import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import model_factory
 import pytest
@@ -34,28 +35,26 @@ def invoke_many(server: RunningServer, name: str, count: int = 30) -> list[dict[
     return serving.invoke_many(server, name, ROWS, count, clients=WORKERS * 2)
 
 
-def test_model_fn_runs_once_and_one_executor_serves_every_worker(server: RunningServer) -> None:
+def test_model_fn_runs_once_and_one_host_serves_every_worker(server: RunningServer) -> None:
     model_dir = model_factory.counting_model(server.model_dir("once"))
     assert server.load("once").status_code == 200
 
     answers = invoke_many(server, "once")
 
     calls = model_factory.model_fn_calls(model_dir)
-    assert len(calls) == 1
-    backend = server.backend_server("once")
-    assert backend is not None and calls == [backend.pid]  # loaded in the server, before fork
+    assert len(calls) == 1  # in the loader, which has ended
     pids = {int(str(a["pid"])) for a in answers}
-    assert pids == server.worker_pids("once")
-    assert len(pids) == 1  # 3 workers, 1 device: one executor holds the one copy of the weights
+    assert pids == server.worker_pids("once") and calls[0] not in pids
+    assert len(pids) == 1  # 3 workers, 1 device: one host holds the one copy of the weights
     assert {a["device"] for a in answers} == {"cpu"}
     assert {a["gpu_id"] for a in answers} == {None}  # no GPU here: the same path runs with the CPU
-    # The server loads single-threaded (fork_safety); its executor gets torch's default back.
+    # The loader runs single-threaded (forked from the warm process); the host gets torch's default back.
     assert {a["threads"] for a in answers} == {torch.get_num_threads()}
     description = server.describe("once").json()
-    assert len(description["workers"]) == WORKERS  # every frontend worker connected, to that one executor
+    assert len(description["workers"]) == WORKERS  # every frontend worker connected, to that one host
 
 
-def test_killed_executor_is_replaced_without_a_second_model_fn(server: RunningServer) -> None:
+def test_killed_host_is_replaced_without_a_second_model_fn(server: RunningServer) -> None:
     model_dir = model_factory.counting_model(server.model_dir("crash"))
     assert server.load("crash").status_code == 200
     [victim] = server.worker_pids("crash")
@@ -70,11 +69,28 @@ def test_killed_executor_is_replaced_without_a_second_model_fn(server: RunningSe
     assert "killed by SIGKILL" in server.log_text()
 
 
+def test_a_crash_of_an_isolated_model_touches_no_other_model(server: RunningServer) -> None:
+    for name in ("bystander", "victim"):
+        model_factory.counting_model(server.model_dir(name))
+        assert server.load(name).status_code == 200
+    [bystander] = server.worker_pids("bystander")
+    [victim] = server.worker_pids("victim")
+    assert bystander != victim
+    with ThreadPoolExecutor(4) as pool:  # the bystander is busy while its neighbour dies
+        busy = [pool.submit(server.invoke, "bystander", ROWS) for _ in range(40)]
+        os.kill(victim, signal.SIGKILL)
+        assert [future.result().status_code for future in busy] == [200] * 40
+    assert server.worker_pids("bystander") == {bystander}
+    assert wait_until(lambda: server.invoke("victim", ROWS).status_code == 200, 30)
+    for name in ("bystander", "victim"):
+        assert server.unload(name).status_code == 200
+
+
 def test_unload_leaves_no_process_of_the_model(server: RunningServer) -> None:
     model_factory.counting_model(server.model_dir("gone"))
     assert server.load("gone").status_code == 200
     processes = server.backend_processes("gone")
-    assert len(processes) == 2  # the server and its one executor
+    assert len(processes) == 2  # its stub and its host
 
     assert server.unload("gone").status_code == 200
 
@@ -82,39 +98,27 @@ def test_unload_leaves_no_process_of_the_model(server: RunningServer) -> None:
     assert server.backend_processes("gone") == []
 
 
-def test_model_fn_that_initialises_cuda_falls_back_to_loading_in_each_executor(server: RunningServer) -> None:
+def test_model_fn_that_initialises_cuda_runs_in_its_host(server: RunningServer) -> None:
     """On this CPU-only machine, CUDA initialisation is simulated by a test double of the CUDA probe that the
     model's own model_fn installs (see model_factory.COUNTING_SCRIPT); on a GPU it is a real ``.to("cuda")``."""
-    model_dir = model_factory.counting_model(server.model_dir("cuda_in_parent"), fake_cuda_init=True)
-    assert server.load("cuda_in_parent").status_code == 200
+    model_dir = model_factory.counting_model(server.model_dir("cuda_in_loader"), fake_cuda_init=True)
+    assert server.load("cuda_in_loader").status_code == 200
 
-    answers = invoke_many(server, "cuda_in_parent")
+    answers = invoke_many(server, "cuda_in_loader")
 
-    assert model_factory.loaded_in_each_executor(model_dir, answers, 1)
-    assert "preload off for this model: model_fn initialised CUDA" in server.log_text()
-
-
-def test_poisoned_forks_keep_preload_where_no_gpu_is_assigned(server: RunningServer) -> None:
-    """A CUDA build of torch on a CPU host poisons forks at any ``is_available()`` (NVML is missing too); workers
-    that are handed no GPU never touch CUDA, so the model stays preloaded. The bad-fork flag is a test double."""
-    model_dir = model_factory.counting_model(server.model_dir("cpu_host"), fake_poisoned_fork=True)
-    assert server.load("cpu_host").status_code == 200
-
-    answers = invoke_many(server, "cpu_host")
-
-    assert len({a["pid"] for a in answers}) == 1
-    assert len(model_factory.model_fn_calls(model_dir)) == 1
-    assert "refused CUDA" not in server.log_text()
+    [host] = {a["pid"] for a in answers}
+    assert model_factory.model_fn_calls(model_dir)[1:] == [host]  # the loader's attempt, then its host's
+    assert "model=cuda_in_loader model_fn runs in the device host: model_fn initialised CUDA" in server.log_text()
 
 
 def wide_rows() -> str:
     return json.dumps([[0.001 * i] * model_factory.WIDE_FEATURES for i in range(64)])
 
 
-def test_model_fn_running_parallel_cpu_ops_leaves_workers_that_can_too(server: RunningServer) -> None:
-    """GNU OpenMP's thread pool does not survive fork: a worker forked after the server ran a parallel region
-    (``load_state_dict`` copying a large tensor, a warm-up pass) would wait forever at its own first one. The
-    server runs model_fn single-threaded, so the model stays preloaded."""
+def test_model_fn_running_parallel_cpu_ops_leaves_a_host_that_can_too(server: RunningServer) -> None:
+    """GNU OpenMP's thread pool does not survive fork: a process forked after a parallel region (``load_state_dict``
+    copying a large tensor, a warm-up pass) would wait forever at its own first one. model_fn runs in a loader that
+    forks nothing; hosts are forked from the single-threaded warm process."""
     model_dir = model_factory.wide_model(server.model_dir("wide"))
     assert server.load("wide").status_code == 200
 
@@ -124,22 +128,11 @@ def test_model_fn_running_parallel_cpu_ops_leaves_workers_that_can_too(server: R
     assert len(model_factory.model_fn_calls(model_dir)) == 1
 
 
-def test_model_fn_that_sets_its_own_threads_falls_back_instead_of_hanging_workers(server: RunningServer) -> None:
+def test_the_threads_model_fn_chose_are_its_own_host_s(server: RunningServer) -> None:
     model_dir = model_factory.wide_model(server.model_dir("threads"), threads=2)
     assert server.load("threads").status_code == 200
 
     serving.invoke_many(server, "threads", wide_rows(), 4 * WORKERS, clients=WORKERS * 2)
 
-    assert len(model_factory.model_fn_calls(model_dir)) == 1 + 1  # the server's, then its executor's
-    assert "preload off for this model: a forked child hung at its first parallel CPU op" in server.log_text()
-
-
-def test_spawn_start_method_loads_in_a_fresh_executor(tmp_path_factory: pytest.TempPathFactory) -> None:
-    env = {"SAGEMAKER_MODEL_SERVER_WORKERS": "2", "MME_START_METHOD": "spawn"}
-    with start_server(tmp_path_factory.mktemp("spawn"), env) as server:
-        model_dir = model_factory.counting_model(server.model_dir("spawned"))
-        assert server.load("spawned").status_code == 200
-        answers = serving.invoke_many(server, "spawned", ROWS, 20, clients=4)
-        pids = {a["pid"] for a in answers}
-        assert len(pids) == 1
-        assert sorted(model_factory.model_fn_calls(model_dir)) == sorted(pids)  # the spawned executor loaded once
+    assert len(model_factory.model_fn_calls(model_dir)) == 1
+    assert "model=threads threads=2, as its model_fn chose" in server.log_text()  # in its own host

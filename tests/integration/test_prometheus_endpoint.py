@@ -134,10 +134,25 @@ def test_counts_are_exactly_what_the_requests_caused(server: RunningServer) -> N
     assert value(samples, "mme_model_unload_duration_seconds_count", outcome="success") is None  # none yet
 
 
-def test_a_load_that_fails_in_the_executor_is_no_unload(tmp_path: Path) -> None:
-    """With preload off the model loads in its executor; when that fails, MMS stops the server: no UNLOAD happened."""
-    with start_server(tmp_path, {"MME_PRELOAD_MODEL_GPU": "false"}) as server:
-        model_factory.failing_model(server.model_dir("broken"))
+FAILS_IN_THE_HOST = """
+import os
+
+
+def model_fn(model_dir):
+    tried = os.path.join(model_dir, "tried_in_the_loader")
+    if not os.path.exists(tried):  # in the loader: as if it had initialised CUDA, so that the host runs it again
+        open(tried, "w").close()
+        import mme_runtime.base.devices
+        mme_runtime.base.devices.cuda_initialized = lambda: True
+        raise RuntimeError("no GPU in the loader")
+    raise RuntimeError("broken in the device host too")
+"""
+
+
+def test_a_load_that_fails_in_the_device_host_is_no_unload(tmp_path: Path) -> None:
+    """A model_fn that must run in the device host, and fails there: MMS gives the model up, no UNLOAD happened."""
+    with start_server(tmp_path) as server:
+        model_factory.write_code(server.model_dir("broken"), FAILS_IN_THE_HOST)
         assert server.load("broken").status_code >= 400
         expected = {
             series("mme_model_load_duration_seconds_count", outcome="failure"): 1,

@@ -1,4 +1,4 @@
-"""Warm start: isolated models' servers are forked from a warm, CUDA-free process, and such models stay isolated
+"""Warm start: isolated models' device hosts are forked from a warm, CUDA-free process, and such models stay isolated
 from each other. What models that share a device host share, and what they do not, is in test_device_host.py."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import model_factory
 import psutil
 import pytest
-from serving import RunningServer, alive, start_server, wait_until
+from serving import HOST_TITLE, RunningServer, alive, start_server, wait_until
 
 MARKING_SCRIPT = """
 import builtins
@@ -48,15 +48,15 @@ def warm_process(server: RunningServer) -> psutil.Process:
     return warm
 
 
-def test_model_servers_are_forked_from_the_warm_process(server: RunningServer) -> None:
+def test_isolated_models_hosts_are_forked_from_the_warm_process(server: RunningServer) -> None:
     model_factory.torchscript_model(server.model_dir("warm"))
     started = time.perf_counter()
     assert server.load("warm").status_code == 200
     assert server.invoke("warm", json.dumps([[1, 2, 3, 4]])).status_code == 200
     elapsed = time.perf_counter() - started
-    backend = server.backend_server("warm")
-    assert backend is not None and backend.ppid() == warm_process(server).pid
-    assert "mme-backend" in " ".join(backend.cmdline())
+    [host] = server.worker_pids("warm")
+    assert psutil.Process(host).ppid() == warm_process(server).pid
+    assert f"{HOST_TITLE} cpu --model-name warm" in " ".join(psutil.Process(host).cmdline())
     print(f"LOAD to first response through the warm process: {elapsed:.3f} s")
 
 
@@ -81,22 +81,14 @@ def test_warm_process_holds_no_cuda(server: RunningServer) -> None:
     assert "libcuda.so" not in maps  # the driver library is loaded only when CUDA is initialised
 
 
-def test_unload_stops_the_forked_server_and_its_workers(server: RunningServer) -> None:
+def test_unload_stops_the_model_s_own_host(server: RunningServer) -> None:
     model_factory.torchscript_model(server.model_dir("brief"))
     assert server.load("brief").status_code == 200
     processes = server.backend_processes("brief")
-    assert processes
+    assert len(processes) == 2  # its stub and its host
     assert server.unload("brief").status_code == 200
     assert wait_until(lambda: not alive(processes), 10)
     assert warm_process(server).is_running()
-
-
-def test_cold_start_still_works_without_the_warm_process(tmp_path: Path) -> None:
-    with start_server(tmp_path, {"MME_WARM_START": "false"}) as server:
-        assert not [p for p in psutil.Process(server.process.pid).children() if "warm_start" in " ".join(p.cmdline())]
-        model_factory.torchscript_model(server.model_dir("cold"))
-        assert server.load("cold").status_code == 200
-        assert server.invoke("cold", json.dumps([[1, 2, 3, 4]])).status_code == 200
 
 
 WARMUP_COUNTING_SCRIPT = """

@@ -19,7 +19,6 @@ def test_defaults_match_the_sagemaker_contract() -> None:
     assert config.multi_model is True
     assert config.workers_per_model is None
     assert config.default_accept == "application/json"
-    assert config.start_method == "fork"
     assert config.effective_properties_file == Path("/tmp/mme/mme-mms.properties")
 
 
@@ -30,13 +29,11 @@ def test_values_are_parsed_from_the_environment() -> None:
             "SAGEMAKER_MODEL_SERVER_WORKERS": "3",
             "SAGEMAKER_CONTAINER_LOG_LEVEL": "debug",
             "SAGEMAKER_MAX_PAYLOAD_IN_MB": "10",
-            "MME_PRELOAD_MODEL_GPU": "false",
             "MME_LOAD_MODELS": "a=/m/a, b=/m/b",
         }
     )
     assert (config.port, config.workers_per_model, config.log_level) == (9090, 3, logging.DEBUG)
     assert config.max_request_bytes == 10 * 1024 * 1024
-    assert config.preload_model_gpu is False
     assert config.load_models == (("a", "/m/a"), ("b", "/m/b"))
 
 
@@ -59,7 +56,7 @@ def test_request_size_in_bytes_wins_over_megabytes() -> None:
         ("SAGEMAKER_MODEL_SERVER_WORKERS", "0"),
         ("SAGEMAKER_MULTI_MODEL", "sometimes"),
         ("SAGEMAKER_CONTAINER_LOG_LEVEL", "LOUD"),
-        ("MME_START_METHOD", "forkserver"),
+        ("MME_CPU_HOSTS", "0"),
         ("MME_LOAD_MODELS", "just-a-name"),
     ],
 )
@@ -69,17 +66,29 @@ def test_bad_values_raise_config_error_naming_variable_and_value(variable: str, 
     assert variable in str(error.value) and value in str(error.value)
 
 
-def test_environment_overrides_the_properties_file() -> None:
-    assert Config.from_env({}).with_properties({"preload_model_gpu": "false"}).preload_model_gpu is False
-    assert Config.from_env({}).with_properties({}).preload_model_gpu is True
-    forced = Config.from_env({"MME_PRELOAD_MODEL_GPU": "true"}).with_properties({"preload_model_gpu": "false"})
-    assert forced.preload_model_gpu is True
+@pytest.mark.parametrize("variable", ["MME_PRELOAD_MODEL_GPU", "MME_START_METHOD", "MME_WARM_START"])
+def test_a_retired_setting_is_refused_naming_what_replaced_it(variable: str) -> None:
+    for value in ("true", "false"):  # whatever it says: the process tree it chose no longer exists
+        with pytest.raises(ConfigError) as error:
+            Config.from_env({variable: value})
+        assert f"{variable}={value} is no longer read: " in str(error.value)
+        assert "retired-settings" in str(error.value)
+    assert "device host of its own" in str(pytest.raises(ConfigError, Config.from_env, {"MME_WARM_START": "0"}).value)
+    assert Config.from_env({variable: " "}) == Config.from_env({})  # set but empty: as if unset
+
+
+def test_preload_off_in_the_properties_file_is_refused() -> None:
+    assert Config.from_env({}).with_properties({}) == Config.from_env({})
+    assert Config.from_env({}).with_properties({"preload_model_gpu": "true"}) == Config.from_env({})
+    with pytest.raises(ConfigError) as error:
+        Config.from_env({}).with_properties({"preload_model_gpu": "false"})
+    assert "preload_model_gpu=false in /tmp/mme/mme-mms.properties is no longer read" in str(error.value)
 
 
 def test_to_env_round_trips_what_backends_need() -> None:
-    config = Config.from_env({"SAGEMAKER_PROGRAM": "serve.py", "MME_START_METHOD": "spawn"}).with_properties({})
+    config = Config.from_env({"SAGEMAKER_PROGRAM": "serve.py", "MME_SHARE_DEVICE": "false"}).with_properties({})
     again = Config.from_env(config.to_env())
-    assert (again.program, again.start_method, again.preload_model_gpu) == ("serve.py", "spawn", True)
+    assert (again.program, again.share_device) == ("serve.py", False)
 
 
 def test_idle_openmp_threads_sleep_unless_the_user_chose_otherwise() -> None:

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from mme_runtime.base.config import Config
@@ -58,8 +61,18 @@ def test_mms_home_runs_our_backend_and_keeps_mms_metrics(tmp_path: Path) -> None
     home = prepare_mms_home(tmp_path)
     prepare_mms_home(tmp_path)  # idempotent
     stub = (home / "mms" / "model_service_worker.py").read_text()
-    assert "from mme_runtime.processes.backend import main" in stub
+    assert "warm_stub.run_via_warm_process(" in stub
     assert (home / "mms" / "metrics" / "metric_collector.py").is_file()
+
+
+def test_a_stub_with_no_warm_process_fails_its_model_and_says_why(tmp_path: Path) -> None:
+    home = prepare_mms_home(tmp_path)
+    env = {**os.environ, "MME_RUNTIME_DIR": str(tmp_path)}  # no warm.sock there
+    arguments = ["--model-name", "m", "--model-path", str(tmp_path)]
+    script = str(home / "mms" / "model_service_worker.py")
+    stub = subprocess.run([sys.executable, script, *arguments], env=env, capture_output=True, text=True, timeout=60)
+    assert stub.returncode == 1
+    assert f"no warm process at {tmp_path / 'warm.sock'}" in stub.stderr
 
 
 def test_frontend_command_starts_java_with_our_properties_and_python(tmp_path: Path) -> None:
