@@ -1,7 +1,7 @@
 """The handler MMS calls (``handler_service:handle``): the SageMaker contract with PyTorch defaults.
 
-The backend server calls ``preload`` once per model in its CUDA-free process (model to host memory); each
-executor calls ``attach`` once its GPU is bound, then ``start_batcher``, and ``handle`` from one thread per frontend
+A loader calls ``preload`` once per model in its CUDA-free process (model to host memory); a device
+host calls ``attach`` once its GPU is bound, then ``start_batcher``, and ``handle`` from one thread per frontend
 connection. Plain MMS calls ``handle(None, context)`` to initialise, which does both in its worker.
 """
 
@@ -35,11 +35,11 @@ class HandlerService(DefaultHandlerService):  # type: ignore[misc]
         self.transformer.load(context, torch.device("cpu"))
 
     def attach(self, context: Any) -> None:
-        """Places the model on this executor's device (``gpu_id`` is its CUDA ordinal here) and warms it up."""
+        """Places the model on this device host's device (``gpu_id`` is its CUDA ordinal here) and warms it up."""
         self.transformer.attach(context, worker_device(context.system_properties.get("gpu_id")))
 
     def start_batcher(self) -> ServingSettings:
-        """The executor serves many connections from threads: forward passes go through one batcher from now on."""
+        """The host serves many connections from threads: forward passes go through one batcher from now on."""
         return self.transformer.start_batcher()
 
     def initialize(self, context: Any) -> None:

@@ -1,5 +1,11 @@
-"""Process plumbing shared by the supervising processes: collecting exited children, Linux's ``prctl``, waiting on
-many sockets, and the descriptor limit."""
+"""The one place processes are made, and the plumbing of the processes that make them: collecting exited children,
+Linux's ``prctl``, waiting on many sockets, and the descriptor limit.
+
+``start_program`` starts a program (the supervisor's MMS frontend and warm process); ``fork_child`` forks every
+model process from the warm process (loaders and device hosts) and decides what such a child inherits: the stdio it
+is given, none of the descriptors its parent named, the default SIGTERM and SIGINT, the environment it is given, and
+death with its parent.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,10 @@ import resource
 import select
 import signal
 import socket
-from collections.abc import Iterable, Iterator, Mapping
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +42,47 @@ def exited_children() -> Iterator[tuple[int, int]]:
         yield pid, os.waitstatus_to_exitcode(status)
 
 
-def become_child(title: str, close_fds: Iterable[int], environment: Mapping[str, str]) -> None:
-    """First steps of a child the warm process forked: named for ``ps``, killed with its parent, holding none of the
-    parent's descriptors it was given, with the default SIGTERM and SIGINT, and ``environment`` as its own."""
+def start_program(command: Sequence[str], env: Mapping[str, str], cwd: Path, group: int) -> subprocess.Popen[bytes]:
+    """Starts ``command`` in process group ``group`` (0: a new one, led by it): the supervisor signals a group, not
+    each process. Descriptors other than stdio are not inherited (``subprocess``'s default)."""
+    return subprocess.Popen(list(command), env=dict(env), cwd=cwd, process_group=group)
+
+
+def fork_child(
+    title: str,
+    run: Callable[[], int],
+    close: Iterable[int],
+    environment: Mapping[str, str],
+    stdio: Sequence[int] = (),
+) -> int:
+    """Forks a model process and returns its pid. The child takes ``stdio`` (if given) as its descriptors 0, 1 and 2,
+    closes ``close`` (what the parent holds for other children: a copy would keep a model's socket or package alive),
+    is named ``title`` for ``ps``, dies with its parent, gets the default SIGTERM and SIGINT and ``environment`` as
+    its own, then runs ``run`` and exits with its status: it never returns into the parent's code. A fork copies only
+    the calling thread, so the parent must hold no lock another thread could hold (the warm process runs one)."""
+    sys.stdout.flush()  # or the child would write the parent's buffered output again
+    sys.stderr.flush()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid != 0:
+        return pid
+    status = 1
+    try:
+        for target, fd in enumerate(stdio):
+            os.dup2(fd, target)
+        _become_child(title, {fd for fd in (*close, *stdio) if fd > 2}, environment)  # stdio: copied to 0-2
+        if os.getppid() != parent:  # it died before the kernel was asked to tell us: nobody waits for us
+            return status
+        status = run()
+    except BaseException:  # noqa: BLE001 - whatever happens, the child ends here
+        logging.getLogger(__name__).exception("%s failed", title)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
+def _become_child(title: str, close_fds: Iterable[int], environment: Mapping[str, str]) -> None:
     import setproctitle
 
     setproctitle.setproctitle(title)  # before the environment is replaced: it finds the argv memory through it

@@ -74,9 +74,9 @@ class Config:
     cuda_visible_devices: str | None = None
     # torch's is_available() must ask NVML, not the CUDA driver, or a process that asks poisons its forks.
     nvml_cuda_check: str = "1"
-    # GNU OpenMP spins its idle threads by default: measured here, that burned 40% of a batching executor's CPU time,
-    # which the frontend and the other models on the host need. Read when torch loads, so it is set for the processes
-    # that import it (the warm process, and backends started without it).
+    # GNU OpenMP spins its idle threads by default: measured here, that burned 40% of a batching model's process's CPU
+    # time, which the frontend and the other models on the host need. Read when torch loads, so it is set for the
+    # processes that import it (the warm process, and through it every model process).
     omp_wait_policy: str = "PASSIVE"
     # ... but not at once: a forward pass is hundreds of ops a few microseconds apart, and waking a sleeping thread for
     # each cost a lone generation 30% of its time here (GPT-2, 56 tokens: 248 ms against 158). A short spin bridges

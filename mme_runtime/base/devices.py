@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
-# The frontend's assignment (an nvidia-smi index), kept beside MMS's "gpu_id", which a bound executor rewrites to the
+# The frontend's assignment (an nvidia-smi index), kept beside MMS's "gpu_id", which a bound host rewrites to the
 # CUDA ordinal that names the same card inside it (0): scripts written for the AWS containers build
 # ``cuda:{gpu_id}`` from "gpu_id", and that must stay a valid device in a process that sees one GPU.
 ASSIGNED_GPU_ID = "assigned_gpu_id"
@@ -54,22 +54,22 @@ def bind_gpu(gpu_id: int | None, visible_devices: str | None) -> int | None:
     if gpu_id is None:
         return None
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        raise RuntimeError("CUDA was initialised before the executor bound its GPU; it cannot be isolated")
+        raise RuntimeError("CUDA was initialised before the device host bound its GPU; it cannot be isolated")
     os.environ[CUDA_VISIBLE_DEVICES] = visible_gpu(gpu_id, visible_devices)
     return 0
 
 
 def record_gpu(properties: MutableMapping[str, Any], assigned: int | None, ordinal: int | None) -> None:
-    """Writes an executor's GPU into MMS's ``system_properties``: the CUDA ordinal as "gpu_id", the assignment
+    """Writes a device host's GPU into MMS's ``system_properties``: the CUDA ordinal as "gpu_id", the assignment
     beside."""
     properties["gpu_id"] = ordinal
     properties[ASSIGNED_GPU_ID] = assigned
 
 
 def worker_device(cuda_ordinal: int | None) -> torch.device:
-    """``cuda:<ordinal>`` when the executor has a GPU and CUDA works; the CPU otherwise.
+    """``cuda:<ordinal>`` when the host has a GPU and CUDA works; the CPU otherwise.
 
-    Our executors see one GPU, so the ordinal is 0; under stock MMS a worker sees them all and the ordinal is the
+    Our hosts see one GPU, so the ordinal is 0; under stock MMS a worker sees them all and the ordinal is the
     frontend's id.
     """
     if cuda_ordinal is None or not torch.cuda.is_available():
@@ -78,5 +78,5 @@ def worker_device(cuda_ordinal: int | None) -> torch.device:
 
 
 def cuda_initialized() -> bool:
-    """Whether this process has a CUDA context. The preload server checks it before every fork."""
+    """Whether this process has a CUDA context. The warm process checks it before every fork."""
     return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]

@@ -161,7 +161,7 @@ PROCESSES: tuple[Setting, ...] = (
         "nvml_cuda_check",
         text,
         "1",
-        "Passed to workers: makes `torch.cuda.is_available()` safe in the preload server before fork.",
+        "Passed to workers: makes `torch.cuda.is_available()` safe in the processes we fork from.",
     ),
     Setting(
         "OMP_WAIT_POLICY",

@@ -1,6 +1,6 @@
 """``compile=true``: a model compiled ahead of time for its device with AOTInductor, once, and kept in the cache.
 
-Each executor exports the placed model with ``torch.export`` on the model's warm-up sample (its first dimension
+Each device host exports the placed model with ``torch.export`` on the model's warm-up sample (its first dimension
 dynamic, so any number of rows and any batch fits), compiles the program with AOTInductor and loads the package.
 The package holds code, not weights: the compiled model reads the placed module's own tensors, so compiling costs
 no second copy of the weights, and user code that asks the model for its parameters still finds them. The

@@ -1,10 +1,10 @@
 """PyTorch 2 artifacts served with no code: a ``model.pt2`` that holds a ``torch.export`` program or an AOTInductor
 package. Both are PT2 archives; they are told apart by what they hold, never by the file name.
 
-* An ``ExportedProgram`` (``torch.export.save``) loads on the host, in the CUDA-free preload server like any other
-  model, and its ``.module()`` is placed on each executor's device as usual.
+* An ``ExportedProgram`` (``torch.export.save``) loads on the host, in the CUDA-free loader like any other
+  model, and its ``.module()`` is placed on each device host's device as usual.
 * An AOTInductor package (``torch._inductor.aoti_compile_and_package``) is compiled code for one kind of device, so
-  it is loaded in each executor, on its device, once: the preload server only checks the archive.
+  it is loaded in each device host, on its device, once: the loader only checks the archive.
 
 Anything else, a corrupt file, or an archive written by an incompatible torch fails the LOAD with the cause.
 """
@@ -75,10 +75,10 @@ def input_metadata(row_shape: Sequence[int], dtype: torch.dtype) -> dict[str, st
 
 def load(path: Path) -> Any:
     """The model the defaults serve from ``path``: an exported program's module, or an AOTInductor package to be
-    loaded on each executor's device (``AOTIPackage.place``)."""
+    loaded on each device host's device (``AOTIPackage.place``)."""
     found = kind(path)
     if found == "aoti":
-        logger.info("%s: AOTInductor package, loaded on each device by its executor", path)
+        logger.info("%s: AOTInductor package, loaded on each device by its device host", path)
         return AOTIPackage(path)
     try:
         return torch.export.load(str(path)).module()
@@ -89,12 +89,12 @@ def load(path: Path) -> Any:
 
 @dataclass(frozen=True)
 class AOTIPackage:
-    """An AOTInductor package not yet loaded: compiled for one device kind, so each executor loads it on its own."""
+    """An AOTInductor package not yet loaded: compiled for one device kind, so each device host loads it on its own."""
 
     path: Path
 
     def place(self, device: torch.device) -> AOTIRunner:
-        """The package loaded on ``device`` (``cuda:0`` in an executor, which sees only its GPU, or the CPU)."""
+        """The package loaded on ``device`` (``cuda:0`` in a GPU's host, which sees only its GPU, or the CPU)."""
         try:
             return AOTIRunner(self.path, device)
         except Exception as exc:  # boundary: compiled for another device kind, or for another torch

@@ -57,7 +57,7 @@ class Series:
                 self._close_files = values._multi_process_cleanups[-1]
         self._children: dict[tuple[int, tuple[Any, ...]], Any] = {}
         self.device_bytes: int | None = None  # a hosted model's own tensors on its GPU (not the process's pool)
-        self.gpu: str | None = None  # the executor's card, once it reports its GPU memory
+        self.gpu: str | None = None  # the host's card, once it reports its GPU memory
         self.batch_sizes: Histogram | None = None
         # registry=None: the exporter reads the files; nothing in a model process exposes a registry.
         self.requests = Counter(
@@ -84,13 +84,20 @@ class Series:
             buckets=LATENCY_BUCKETS,
             registry=None,
         )
-        self.executor_restarts = Counter(
-            "mme_executor_restarts", "Executors started again after one that served ended.", ["model"], registry=None
+        self.restarts = Counter(
+            "mme_model_restarts",
+            "Times the model was loaded again after the device host that served it ended (a crash, an OOM kill).",
+            ["model"],
+            registry=None,
         )
-        # livesum: the exporter leaves out the files of processes that ended, so a dead executor's memory goes.
+        # The same count under the name of the design before device hosts: kept for one release (docs/metrics.md).
+        self.executor_restarts = Counter(
+            "mme_executor_restarts", "Deprecated: mme_model_restarts_total.", ["model"], registry=None
+        )
+        # livesum: the exporter leaves out the files of processes that ended, so a dead host's memory goes.
         self.gpu_memory = Gauge(
             "mme_model_gpu_memory_bytes",
-            "GPU memory reserved by PyTorch in the model's executor, per card (the CUDA context not included).",
+            "GPU memory the model's own tensors take on each card (the host's pool and CUDA context not included).",
             ["model", "gpu"],
             multiprocess_mode="livesum",
             registry=None,
@@ -105,21 +112,21 @@ class Series:
         )
         self.loads = Histogram(
             "mme_model_load_duration_seconds",
-            "LOADs that reached a model server, from its start to its first answer, by outcome.",
+            "LOADs that reached the warm process, from their start to the first answer, by outcome.",
             ["outcome"],
             buckets=LOAD_BUCKETS,
             registry=None,
         )
         self.unloads = Histogram(
             "mme_model_unload_duration_seconds",
-            "UNLOADs of loaded models, from the stop request to every executor ended, by outcome.",
+            "UNLOADs of loaded models, from the stop request to the model let go of, by outcome.",
             ["outcome"],
             buckets=LOAD_BUCKETS,
             registry=None,
         )
         self.quarantines = Counter(
             "mme_model_quarantines",
-            "Models moved out of their device host to processes of their own after crashing it twice.",
+            "Models moved out of their shared device host to one of their own after crashing it twice.",
             ["model"],
             registry=None,
         )
@@ -127,7 +134,8 @@ class Series:
             "mme_cache_lookups", "Cache lookups, by cache and result (hit or miss).", ["cache", "result"], registry=None
         )
         if model is not None:
-            self.child(self.executor_restarts, model)  # shown as 0 from the start, not only after the first restart
+            for restarts in (self.restarts, self.executor_restarts):  # 0 from the start, not after the first restart
+                self.child(restarts, model)
 
     def child(self, family: Any, *labels: Any) -> Any:
         """``family.labels(*labels)``, its values made in this series' directory."""

@@ -1,8 +1,8 @@
 """Prometheus values recorded in the model processes, for the entrypoint to expose (``metrics_exporter.py``).
 
 prometheus_client's multiprocess mode: each process keeps its values in files of its own under one directory, and
-the exporter merges every file at each scrape (the layout: ``metric_directories.py``). A model's backend server and
-its executors write under ``metrics/models/<model>/<server pid>/``: the series labelled with the model, and their
+the exporter merges every file at each scrape (the layout: ``metric_directories.py``). A model's loader writes under
+``metrics/models/<model>/<loader pid>/``: the series labelled with the model, and their
 share of the container's counters (LOADs, UNLOADs, caches). When the server stops (UNLOAD), it moves that directory
 to ``metrics/unloaded/``; the exporter keeps the container's counters from it and deletes the rest, so an unloaded
 model's series go away while the container's totals keep counting. The warm process writes under
@@ -49,7 +49,7 @@ _bound = threading.local()  # in a device host: the series of the model a thread
 
 
 def start_model(config: Config, model: str, server_pid: int) -> None:
-    """Sends this process's values to the model server's directory; the server and its executors call it."""
+    """Sends this process's values to the model's directory: a loader's, while it loads."""
     if _metrics is not None and _metrics.model == model:
         return  # forked from the server: its objects already write here, to files of this process's own
     directory = models_dir(config.metrics_dir) / model_dir_name(model) / str(server_pid)
@@ -59,7 +59,7 @@ def start_model(config: Config, model: str, server_pid: int) -> None:
 
 def start_hosted(config: Config, model: str, restart: bool = False) -> Series | None:
     """A device host's model: its series, writing to a directory of its own; None with metrics off. ``restart``: a
-    host that died served it, and its counts carry on here (as an executor's do in its server's directory)."""
+    host that died served it, and its counts carry on here (in this host's directory)."""
     directory = models_dir(config.metrics_dir) / model_dir_name(model) / str(os.getpid())
     if _metrics is None or not make_directory(directory):
         return None  # metrics are off (the host's own series, start_container, is made first)
@@ -169,7 +169,7 @@ def record_pass(waits: Sequence[float], seconds: float, batch_size: int) -> None
 
 @_recorder
 def watch_gpu_memory(gpu: str) -> None:
-    """Called by an executor whose model is on GPU ``gpu`` (the frontend's id): its memory is reported from now on,
+    """Called by a host whose model is on GPU ``gpu`` (the frontend's id): its memory is reported from now on,
     and after every forward pass."""
     metrics = _live()
     metrics.gpu = gpu
@@ -186,16 +186,18 @@ def record_device_bytes(gpu: str, device_bytes: int) -> None:
 
 def _record_gpu_memory(metrics: Series) -> None:
     if metrics.gpu is not None:
-        import torch  # only executors watch a GPU, and they have torch loaded
+        import torch  # only device hosts watch a GPU, and they have torch loaded
 
         used = metrics.device_bytes if metrics.device_bytes is not None else torch.cuda.memory_reserved()
         metrics.child(metrics.gpu_memory, metrics.model, metrics.gpu).set(used)
 
 
 @_recorder
-def record_executor_restart() -> None:
+def record_restart() -> None:
+    """The model is loaded again after the host that served it ended."""
     metrics = _live()
-    metrics.child(metrics.executor_restarts, metrics.model).inc()
+    for restarts in (metrics.restarts, metrics.executor_restarts):
+        metrics.child(restarts, metrics.model).inc()
 
 
 @_recorder
@@ -230,7 +232,7 @@ def record_cache_lookup(cache: str, hit: bool) -> None:
 
 
 def stop_model(config: Config) -> None:
-    """The model server stops: its model's series go away (the exporter folds the container's counters)."""
+    """The loader stops: its model's series go away (the exporter folds the container's counters)."""
     global _metrics
     if _metrics is None or _metrics.model is None:
         return

@@ -1,8 +1,8 @@
 """Gives a batching model the frontend connections that fill its batches.
 
 MMS sends a backend at most one request per worker connection at a time, so a batch of ``batch_size`` needs that
-many connections per device. They cost a frontend thread and an executor thread each, not a process or a copy of
-the weights. A batching model's executor asks for them in two steps (``serving/connection_demand.py``): a few at
+many connections per device. They cost a frontend thread and a device host thread each, not a process or a copy of
+the weights. A batching model's device host asks for them in two steps (``serving/connection_demand.py``): a few at
 LOAD, the whole batch once its requests overlap. Each ask is a request file in the runtime directory; the
 entrypoint's supervisor, which knows the management port, raises the model's worker count with MMS's scale call
 (``PUT /models/{name}?min_worker=N``). The LOAD's ask waits until the LOAD has completed, and half a second more: MMS
@@ -35,13 +35,13 @@ def requests_dir(runtime_dir: Path) -> Path:
 
 
 def request_workers(runtime_dir: Path, model_name: str, per_device: int, serving: bool = False) -> None:
-    """Written by an executor: ``model_name`` wants ``per_device`` frontend connections on each device. ``serving``:
+    """Written by a device host: ``model_name`` wants ``per_device`` frontend connections on each device. ``serving``:
     asked by a model that answers requests, so its LOAD has answered and the scaler need not wait."""
     write_marker(requests_dir(runtime_dir), model_name, {"per_device": per_device, "serving": serving})
 
 
 class Scaler:
-    """Raises models' worker counts as their executors asked, on ``devices`` devices (GPUs, or 1 for the CPU)."""
+    """Raises models' worker counts as their device hosts asked, on ``devices`` devices (GPUs, or 1 for the CPU)."""
 
     def __init__(self, runtime_dir: Path, port: int, devices: int) -> None:
         self.directory = requests_dir(runtime_dir)

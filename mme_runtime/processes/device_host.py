@@ -22,14 +22,12 @@ import functools
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 import weakref
 from typing import Any
 
 from mme_runtime.base import devices
-from mme_runtime.base.child_processes import become_child
 from mme_runtime.base.config import Config
 from mme_runtime.base.logs import configure_logging
 from mme_runtime.models.device_tensors import DeviceTensors, module_of
@@ -142,7 +140,7 @@ class DeviceHost:
         metrics.bind(model.series)
         self.board.work_for(model.slot)
         if restart:
-            metrics.record_executor_restart()
+            metrics.record_restart()
         try:
             check_memory(spec, self.config, self.gpu, host=package is None, device_bytes=self._new_bytes(package))
             if is_our_handler(spec.handler):
@@ -298,32 +296,16 @@ class DeviceHost:
         logger.info("model=%s unloaded from the device host", model.spec.name)
 
 
-def run_host(
-    control: socket.socket,
-    config: Config,
-    gpu: int | None,
-    label: str,
-    board: CrashBoard,
-    close_fds: list[int],
-    environment: dict[str, str],
-) -> None:
-    """The host's life, in the child the warm process forked (``label`` names its device); never returns."""
-    status = 1
-    try:
-        become_child(f"mme-device-host {label}", close_fds, environment)
-        configure_logging(config.log_level)
-        # MMS's per-request "[METRICS]" lines: the frontend files a model server's away, but a host's stdout is the
-        # container's (a CloudWatch Logs line per request on SageMaker). Our own metrics count every request.
-        logging.getLogger("mms.service").setLevel(logging.WARNING)
-        devices.set_threads(devices.DEFAULT_THREADS)
-        metrics.start_container(config)  # the host's own directory; each model gets one of its own too
-        crash_report = report_crashes(crash_report_path(config.runtime_dir, os.getpid()))
-        DeviceHost(control, config, gpu, board).serve()
-        crash_report.close()
-        crash_report_path(config.runtime_dir, os.getpid()).unlink(missing_ok=True)
-        status = 0
-    except BaseException:  # the child must never return into the warm process's loop
-        logger.exception("device host failed")
-    finally:
-        sys.stdout.flush()
-        os._exit(status)
+def run_host(control: socket.socket, config: Config, gpu: int | None, board: CrashBoard) -> int:
+    """The host's life, in the child the warm process forked (``fork_child``); returns its exit status."""
+    configure_logging(config.log_level)
+    # MMS's per-request "[METRICS]" lines: the frontend files a model process's away, but a host's stdout is the
+    # container's (a CloudWatch Logs line per request on SageMaker). Our own metrics count every request.
+    logging.getLogger("mms.service").setLevel(logging.WARNING)
+    devices.set_threads(devices.DEFAULT_THREADS)
+    metrics.start_container(config)  # the host's own directory; each model gets one of its own too
+    crash_report = report_crashes(crash_report_path(config.runtime_dir, os.getpid()))
+    DeviceHost(control, config, gpu, board).serve()
+    crash_report.close()
+    crash_report_path(config.runtime_dir, os.getpid()).unlink(missing_ok=True)
+    return 0

@@ -8,16 +8,17 @@ to them and reads what a dead one left behind.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
 import socket
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from mme_runtime.base import failures
+from mme_runtime.base.child_processes import fork_child
 from mme_runtime.base.config import Config
 from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, crashed_stack
 from mme_runtime.processes.device_host import run_host
@@ -25,6 +26,7 @@ from mme_runtime.processes.warm_protocol import receive, send
 
 logger = logging.getLogger(__name__)
 
+HOST_TITLE = "mme-device-host"  # what ps shows, then its device (and model, for a host of one model's own)
 CONTROL_SECONDS = 10.0
 CRASHES_BEFORE_QUARANTINE = 2
 SHARED = "shared"  # the tenant of every model that shares its device's host
@@ -116,14 +118,13 @@ class DeviceHosts:
         board = CrashBoard()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         close = [*self.close_in_children(), ours.fileno(), in_hand.fileno()]
-        sys.stdout.flush()
-        pid = os.fork()
-        if pid == 0:
-            label = f"gpu={gpu}" if gpu is not None else key.device
-            if key.private:  # named as the model's stub is, so that ps tells whose it is
-                label += f" --model-name {key.tenant}"
-            run_host(theirs, self.config, gpu, label, board, close, env)  # never returns
-        theirs.close()
+        title = f"{HOST_TITLE} gpu={gpu}" if gpu is not None else f"{HOST_TITLE} {key.device}"
+        if key.private:  # named as the model's stub is, so that ps tells whose it is
+            title += f" --model-name {key.tenant}"
+        try:
+            pid = fork_child(title, functools.partial(run_host, theirs, self.config, gpu, board), close, env)
+        finally:
+            theirs.close()
         ours.settimeout(CONTROL_SECONDS)
         host = self.hosts[key] = Host(key, pid, ours, board)
         logger.info("device host pid=%d gpu=%s started", pid, key)

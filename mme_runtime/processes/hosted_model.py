@@ -56,7 +56,7 @@ def model_handler(
     spec: ModelSpec, config: Config, gpu: int | None, ordinal: int | None, batch_size: int
 ) -> LoadedModel:
     """A handler of the model's own (the module-level ``handler_service`` one is one per process), wrapped in MMS's
-    ``Service`` as the executor's is."""
+    ``Service`` as MMS's own worker's is."""
     from handler_service import HandlerService
 
     handler = HandlerService(config)

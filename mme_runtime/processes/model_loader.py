@@ -10,6 +10,7 @@ a model's requirements install and its code imports here ends with this process.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import os
 import socket
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from mme_runtime.base import devices
-from mme_runtime.base.child_processes import become_child
+from mme_runtime.base.child_processes import fork_child
 from mme_runtime.base.config import Config
 from mme_runtime.base.logs import configure_logging
 from mme_runtime.models import sharing
@@ -45,41 +46,28 @@ def start_loader(
     """Forks the model's loader with the stub's stdio, directory and environment (``request``); returns its pid and
     the socket its report arrives on. ``close_fds``: what the forked child must not keep."""
     result, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    close = [fd for fd in close_fds if fd not in stdio] + [result.fileno()]
-    sys.stdout.flush()
-    pid = os.fork()
-    if pid == 0:
-        for target, fd in enumerate(stdio):
-            os.dup2(fd, target)
-        run_loader(theirs, spec, [fd for fd in close if fd > 2], request["env"], request["cwd"])  # never returns
-    theirs.close()
+    run = functools.partial(_run_loader, theirs, spec, request["cwd"])
+    title = f"mme-loader {spec.name}"
+    try:
+        pid = fork_child(title, run, [*close_fds, result.fileno()], request["env"], stdio)
+    finally:
+        theirs.close()
     return pid, result
 
 
-def run_loader(
-    result: socket.socket, spec: ModelSpec, close_fds: list[int], environment: dict[str, str], cwd: str
-) -> None:
-    """In the forked child, its stdio already the model's: load, report, exit. Never returns."""
-    status = 1
-    try:
-        become_child(f"mme-loader {spec.name}", close_fds, environment)
-        faulthandler.enable(all_threads=False)  # a crash in model_fn prints its stack to the model's log
-        os.chdir(cwd)
-        config = Config.from_process_env()
-        configure_logging(config.log_level)
-        metrics.start_model(config, spec.name, os.getpid())  # counted as loading until it reports
-        report, fds = _load(spec, config)
-        metrics.stop_model(config)  # what it counted for the container stays; the model's series are the host's
-        if "failure" in report:
-            _let_the_cause_be_read()
-        send(result, report, fds)
-        status = 0
-    except BaseException:  # the child must never return into the warm process's loop
-        logger.exception("model=%s loader failed", spec.name)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+def _run_loader(result: socket.socket, spec: ModelSpec, cwd: str) -> int:
+    """In the forked child, its stdio already the model's: load, report. Returns its exit status."""
+    faulthandler.enable(all_threads=False)  # a crash in model_fn prints its stack to the model's log
+    os.chdir(cwd)
+    config = Config.from_process_env()
+    configure_logging(config.log_level)
+    metrics.start_model(config, spec.name, os.getpid())  # counted as loading until it reports
+    report, fds = _load(spec, config)
+    metrics.stop_model(config)  # what it counted for the container stays; the model's series are the host's
+    if "failure" in report:
+        _let_the_cause_be_read()
+    send(result, report, fds)
+    return 0
 
 
 def _load(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:

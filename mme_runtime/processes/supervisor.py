@@ -20,7 +20,7 @@ from types import FrameType
 
 from retrying import retry
 
-from mme_runtime.base.child_processes import PR_SET_CHILD_SUBREAPER, exited_children, prctl
+from mme_runtime.base.child_processes import PR_SET_CHILD_SUBREAPER, exited_children, prctl, start_program
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import EXIT_BOOT, EXIT_OK
 from mme_runtime.base.janitor import Janitor
@@ -48,7 +48,7 @@ class Supervisor:
     command: list[str]
     env: dict[str, str]
     cwd: Path
-    warm_command: list[str] | None = None
+    warm_command: list[str]
     model_metrics: ModelMetrics | None = None
     process: subprocess.Popen[bytes] | None = None
     warm_process: subprocess.Popen[bytes] | None = None
@@ -134,23 +134,19 @@ class Supervisor:
             self._kill_group(signal.SIGKILL)
             self._wait_for_group(KILL_WAIT_SECONDS)
         self.exit_status = None
-        # One process group holds the warm process, MMS, every backend server and worker: one group to signal.
-        self.group = self._start_warm_process() if self.warm_command else None
+        # One process group holds the warm process, MMS and every model process: one group to signal.
+        self.group = self._start_warm_process()
         logger.info("starting MMS: %s", " ".join(self.command))
-        if self.group is None:
-            self.process = subprocess.Popen(self.command, env=self.env, cwd=self.cwd, process_group=0)
-            self.group = self.process.pid
-        else:
-            self.process = subprocess.Popen(self.command, env=self.env, cwd=self.cwd, process_group=self.group)
+        self.process = start_program(self.command, self.env, self.cwd, group=self.group)
         self._wait_until_ready()
 
-    def _start_warm_process(self) -> int | None:
-        """Starts the warm process and waits until it accepts; None (cold starts) if it does not come up."""
-        assert self.warm_command is not None
+    def _start_warm_process(self) -> int:
+        """Starts the warm process, which leads a new process group, and waits until it accepts; the start fails
+        (and is tried again) if it does not."""
         socket_path = self.config.warm_socket
         socket_path.unlink(missing_ok=True)
         # A new process group (not session: MMS must be able to join the group, which needs the same session).
-        self.warm_process = subprocess.Popen(self.warm_command, env=self.env, cwd=self.cwd, process_group=0)
+        self.warm_process = start_program(self.warm_command, self.env, self.cwd, group=0)
         deadline = time.monotonic() + WARM_START_TIMEOUT_SECONDS
         while time.monotonic() < deadline and not self.stopping:
             if self.warm_process.poll() is not None:
@@ -158,10 +154,9 @@ class Supervisor:
             if _accepts(socket_path):
                 return self.warm_process.pid
             time.sleep(POLL_SECONDS / 4)
-        logger.warning("warm process did not start: every model server will start Python afresh")
         if self.warm_process.poll() is None:
             self.warm_process.kill()
-        return None
+        raise StartError(f"the warm process did not accept on {socket_path} within {WARM_START_TIMEOUT_SECONDS} s")
 
     def _wait_until_ready(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_seconds
@@ -219,7 +214,7 @@ class Supervisor:
                 self.warm_process.returncode = code
                 if not self.stopping:
                     logger.warning(
-                        "warm process exited (%d): new model servers start Python afresh", self.warm_process.returncode
+                        "warm process exited (%d): models cannot load until it is back", self.warm_process.returncode
                     )
 
 

@@ -166,7 +166,7 @@ def _spec(argv: list[str]) -> ModelSpec | None:
 
 
 def _model_dir(argv: list[str]) -> Path | None:
-    """The model directory in a model server's arguments (MMS passes ``--model-path``)."""
+    """The model directory in a model process's arguments (MMS passes ``--model-path``)."""
     if "--model-path" not in argv:
         return None
     return Path(argv[argv.index("--model-path") + 1])

@@ -1,4 +1,4 @@
-"""The ``context`` user functions receive: MMS's context API plus the executor's device and the request's headers.
+"""The ``context`` user functions receive: MMS's context API plus the model's device and the request's headers.
 
 Existing scripts keep using ``context.system_properties[...]`` and ``context.get_request_header(idx, name)``;
 new code can read ``context.device``, ``context.gpu_id``, ``context.request_headers`` and the rest directly.
@@ -42,10 +42,10 @@ class InferenceContext:
 
     @property
     def gpu_id(self) -> int | None:
-        """The GPU the frontend assigned this executor (an nvidia-smi index), None on the CPU.
+        """The GPU the frontend assigned this device host (an nvidia-smi index), None on the CPU.
 
-        ``system_properties["gpu_id"]`` is the CUDA ordinal of that GPU inside this executor instead (0 in our
-        executors, which see only their GPU), so that ``cuda:{gpu_id}`` in existing scripts names the right card.
+        ``system_properties["gpu_id"]`` is the CUDA ordinal of that GPU inside this host instead (0 in our
+        hosts, which see only their GPU), so that ``cuda:{gpu_id}`` in existing scripts names the right card.
         """
         properties = self._mms.system_properties
         gpu = properties.get(ASSIGNED_GPU_ID, properties.get("gpu_id"))

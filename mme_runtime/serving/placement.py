@@ -1,7 +1,7 @@
-"""Once per executor, before its first request: the model placed on its device, and the model's sample request.
+"""Once per device host, before its first request: the model placed on its device, and the model's sample request.
 
 ``place_model`` moves a module there (or loads an artifact that only loads on its device); ``warmup_sample`` finds
-the request in the model's ``code/`` that the executor answers at LOAD (its dry run), and that ``compile=true``
+the request in the model's ``code/`` that the host answers at LOAD (its dry run), and that ``compile=true``
 traces the model with.
 """
 
@@ -16,12 +16,12 @@ from mme_runtime.models.hf_loading import HuggingFaceModel
 from mme_runtime.models.pt2 import AOTIPackage
 from mme_runtime.serving import content
 
-# An optional sample request in the model's code/, answered once per executor at LOAD (the dry run users enable).
+# An optional sample request in the model's code/, answered once per device host at LOAD (the dry run users enable).
 WARMUP_SAMPLES = {"warmup.json": content.JSON, "warmup.csv": content.CSV, "warmup.npy": content.NPY}
 
 
 def place_model(model: Any, device: torch.device) -> Any:
-    """Moves a module to ``device`` and switches it to eval mode, once per executor (not per request). An artifact
+    """Moves a module to ``device`` and switches it to eval mode, once per device host (not per request). An artifact
     that must be loaded on its device (an AOTInductor package) is loaded there."""
     if isinstance(model, (AOTIPackage, HuggingFaceModel)):
         return model.place(device)

@@ -73,7 +73,7 @@ class Transformer(RequestPipeline):
         return self._settings
 
     def load(self, mms_context: Any, device: torch.device = HOST) -> None:
-        """Imports the user's code and runs ``model_fn``: what the preload server does once per model."""
+        """Imports the user's code and runs ``model_fn``: what a loader does once per model."""
         context = InferenceContext(mms_context, device)
         started = time.monotonic()
         self._prepare(context)
@@ -154,7 +154,7 @@ class Transformer(RequestPipeline):
             raise load_failure("choosing the Hugging Face task", exc) from exc
 
     def attach(self, mms_context: Any, device: torch.device) -> None:
-        """Places the loaded model on this executor's device and warms it up; runs in the executor."""
+        """Places the loaded model on this device host's device and warms it up; runs in the host."""
         if not self._loaded:
             self.load(mms_context, device)
         properties = mms_context.system_properties
@@ -176,7 +176,7 @@ class Transformer(RequestPipeline):
                 adapters = lora_layers.attach(self._model, module, self._context.model_name, self._adapter)
                 if self._source_dir != Path(self._context.model_dir):  # a plain module: its rows picked per job
                     self.row_adapters = adapters
-        except Exception as exc:  # boundary: a model that cannot be placed fails the executor's LOAD
+        except Exception as exc:  # boundary: a model that cannot be placed fails the host's LOAD
             raise load_failure("placing the model", exc) from exc
         if self._settings.compile:
             self._compile(self._context, device)
@@ -195,7 +195,7 @@ class Transformer(RequestPipeline):
 
     def start_batcher(self) -> ServingSettings:
         """From now on ``transform`` may be called from many threads at once: their forward passes go through one
-        batcher (one at a time, gathered up to ``batch_size``). Called by the executor once the model is attached."""
+        batcher (one at a time, gathered up to ``batch_size``). Called by the host once the model is attached."""
         if self._context is None:
             raise RuntimeError("attach the model before starting its batcher")
         self._grad_enabled = torch.is_grad_enabled()
@@ -277,7 +277,7 @@ class Transformer(RequestPipeline):
         )
 
     def _dry_run(self, context: InferenceContext) -> None:
-        """Answers the model's sample request (``code/warmup.json``, ``.csv`` or ``.npy``) once per executor, so
+        """Answers the model's sample request (``code/warmup.json``, ``.csv`` or ``.npy``) once per device host, so
         TorchScript profiling and lazy initialisation are paid at LOAD, not by the first caller."""
         found = warmup_sample(self._code_dir)
         if found is None:

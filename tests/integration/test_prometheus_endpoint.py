@@ -2,7 +2,7 @@
 
 Each test parses ``/metrics`` with ``prometheus_client.parser`` and compares the values with what it did: LOADs
 (good and failing), requests answered 200, 4xx and 5xx, a batching model's forward passes (as its ``predict_fn``
-logged them), a killed executor, UNLOADs and the caches.
+logged them), a killed device host, UNLOADs and the caches.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def test_counts_are_exactly_what_the_requests_caused(server: RunningServer) -> N
         series("mme_queue_duration_seconds_count", model="plain"): 3,
         series("mme_predict_duration_seconds_count", model="errors"): 4,
         series("mme_batch_size_bucket", model="plain", le="1.0"): 3,
-        series("mme_executor_restarts_total", model="plain"): 0,
+        series("mme_model_restarts_total", model="plain"): 0,
         series("mme_model_load_duration_seconds_count", outcome="success"): loads_before + 3,
         # The failing LOAD's server is stopped by MMS; its outcome stays counted once its files are folded.
         series("mme_model_load_duration_seconds_count", outcome="failure"): 1,
@@ -195,7 +195,7 @@ def test_unloaded_model_series_go_and_container_totals_stay(server: RunningServe
     assert server.unload("short-lived").status_code == 200
 
 
-def test_killed_executor_counts_a_restart_and_keeps_its_counts(server: RunningServer) -> None:
+def test_killed_host_counts_a_restart_and_keeps_its_counts(server: RunningServer) -> None:
     model_factory.torchscript_model(server.model_dir("resilient"))
     assert server.load("resilient").status_code == 200
     assert server.invoke("resilient", ROW).status_code == 200
@@ -211,7 +211,8 @@ def test_killed_executor_counts_a_restart_and_keeps_its_counts(server: RunningSe
         served += server.invoke("resilient", ROW).status_code == 200
     assert served == 4
     expected = {
-        series("mme_executor_restarts_total", model="resilient"): 1,
+        series("mme_model_restarts_total", model="resilient"): 1,
+        series("mme_executor_restarts_total", model="resilient"): 1,  # its old name, for one release
         series("mme_requests_total", model="resilient", code="200"): served,  # the one before the kill included
         series("mme_request_duration_seconds_count", model="resilient"): served,
     }
@@ -265,7 +266,7 @@ def test_metrics_answer_while_a_model_loads(server: RunningServer) -> None:
     samples = scrape(server)
     assert time.monotonic() - started < 2
     assert loading.is_alive(), "the LOAD ended before the scrape: the test proved nothing"
-    assert value(samples, "mme_executor_restarts_total", model="slow") == 0  # its server is up, and counted
+    assert value(samples, "mme_model_restarts_total", model="slow") == 0  # its server is up, and counted
     loading.join(60)
     assert answer == {"status": 200}
 

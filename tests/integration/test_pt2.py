@@ -82,7 +82,7 @@ def test_zero_code_pt2_answers_what_eager_pytorch_answers(
         assert answer.status_code == 200, answer.text
         np.testing.assert_allclose(np.load(io.BytesIO(answer.content)), expected(model, inputs), rtol=1e-4, atol=1e-5)
     if kind == "aoti":
-        assert "AOTInductor package, loaded on each device by its executor" in server.log_text()
+        assert "AOTInductor package, loaded on each device by its device host" in server.log_text()
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -119,7 +119,7 @@ def test_values_from_every_process_of_a_model_add_up(config: Config, exporter: E
     assert value(samples, "mme_batch_size_bucket", model="a", le="2.0") == 0
     assert value(samples, "mme_model_load_duration_seconds_count", outcome="success") == 2
     assert value(samples, "mme_cache_lookups_total", cache="code", result="miss") == 2
-    assert value(samples, "mme_executor_restarts_total", model="a") == 0
+    assert value(samples, "mme_model_restarts_total", model="a") == 0
 
 
 def test_an_unloaded_model_leaves_only_the_container_counters(config: Config, exporter: Exporter) -> None:

@@ -1,0 +1,95 @@
+"""``fork_child``, the one way a model process is made: what the child inherits and what it does not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+PROBE = """
+import json, os, signal, socket, sys, time
+from mme_runtime.base.child_processes import fork_child
+
+kept, dropped = socket.socketpair()
+report, theirs = socket.socketpair()
+os.environ["PARENT_ONLY"] = "1"
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+out = open(sys.argv[1], "w")
+
+def run():
+    def is_open(fd):
+        try:
+            os.fstat(fd)
+            return True
+        except OSError:
+            return False
+    title = open("/proc/self/cmdline", "rb").read().split(b"\\0")[0].decode()
+    print("to the given stdout", flush=True)
+    theirs.sendall(json.dumps({
+        "environment": dict(os.environ),
+        "title": title,
+        "kept": is_open(kept.fileno()),
+        "dropped": is_open(dropped.fileno()),
+        "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    }).encode())
+    return 7
+
+pid = fork_child("probe-title --model-name m", run, [dropped.fileno()], {"ONLY": "this"}, [0, out.fileno(), 2])
+theirs.close()
+child = json.loads(report.recv(65536))
+_, status = os.waitpid(pid, 0)
+child["status"] = os.waitstatus_to_exitcode(status)
+print(json.dumps(child))
+"""
+
+
+def test_a_forked_child_gets_what_it_is_given_and_nothing_it_is_not(tmp_path: Path) -> None:
+    stdout = tmp_path / "stdout.txt"
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE, str(stdout)], capture_output=True, text=True, timeout=60, check=True
+    )
+    child = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert child["environment"] == {"ONLY": "this"}  # its own environment, not the parent's
+    assert child["title"] == "probe-title --model-name m"
+    assert child["kept"] and not child["dropped"]
+    assert child["sigterm_default"]  # the parent's handler is not its own
+    assert child["status"] == 7  # what run returned
+    assert stdout.read_text() == "to the given stdout\n"
+
+
+def test_a_forked_child_dies_with_its_parent(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        """
+        import os, sys, time
+        from mme_runtime.base.child_processes import fork_child
+
+        def run():
+            time.sleep(60)
+            return 0
+
+        print(fork_child("orphan", run, [], {}), flush=True)
+        time.sleep(60)
+        """
+    )
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as parent:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        parent.kill()  # at once: maybe before the child could ask the kernel to tell it
+        parent.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text() if Path(f"/proc/{pid}").exists() else ""
+    return " Z " not in stat  # a zombie has died; its new parent collects it
