@@ -64,7 +64,7 @@ def test_effective_configuration_is_logged_once(tmp_path: Path) -> None:
         [java] = [process for process in server.descendants() if process.name() == "java"]
         assert "-XX:MaxRAMPercentage=10.0" in java.cmdline()  # the frontend's heap, capped
     assert len(lines) == 1
-    assert "response_timeout_seconds=77" in lines[0] and "preload_model_gpu=True" in lines[0]
+    assert "response_timeout_seconds=77" in lines[0] and "share_device=True" in lines[0]
 
 
 def test_other_commands_run_as_given() -> None:
