@@ -1,7 +1,11 @@
-"""What a loader and a device host share: the model's spec, the checks before a load, the load itself, and how a
-failed LOAD is answered.
+"""A model's LOAD as a loader and a device host share it: the model's spec, which host it needs (shared, or one of
+its own, and why), the checks before a load, the load itself, and how a failed LOAD is answered.
 
-Runs in the CUDA-free loader as well as in device hosts: it never touches CUDA itself (user code may).
+A model gets a host of its own when the container turns sharing off (``MME_SHARE_DEVICE=false``), when its handler
+is not ours (MMS's ``module:function``), when its ``serving.properties`` says ``isolation=process``, when its
+``requirements.txt`` asks for anything the image does not already satisfy, or when its own ``code/`` holds Python
+modules beside its script (imported by plain names, which one interpreter holds once; ``isolation=shared`` says they
+are unique). Runs in the CUDA-free loader as well as in device hosts: it never touches CUDA itself (user code may).
 """
 
 from __future__ import annotations
@@ -14,16 +18,21 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from mms.protocol.otf_message_handler import create_load_model_response
 from mms.service import Service
+from packaging.requirements import InvalidRequirement, Requirement
 
 from mme_runtime.base import devices, failures
 from mme_runtime.base.config import Config
-from mme_runtime.base.errors import InsufficientMemory
+from mme_runtime.base.errors import InsufficientMemory, ModelLoadError
 from mme_runtime.base.janitor import mark_failed_load
+from mme_runtime.models.code_fetcher import CodeFetcher, locate_code
+from mme_runtime.models.serving_properties import read_settings
+from mme_runtime.models.user_code import REQUIREMENTS
 from mme_runtime.operations import memory
 
 logger = logging.getLogger(__name__)
@@ -116,7 +125,7 @@ def load_model(
     """
     try:
         module_name, _, function_name = spec.handler.partition(":")
-        if Path(module_name).stem != OUR_HANDLER:  # only ever in a host of its own (``sharing.py``)
+        if Path(module_name).stem != OUR_HANDLER:  # only ever in a host of its own (above)
             for directory in (spec.model_dir, str(Path(module_name).parent)):
                 if directory not in (".", "") and directory not in sys.path:
                     sys.path.append(directory)
@@ -177,3 +186,86 @@ def refuse_load(
         logger.info("model=%s frontend gone before its LOAD was refused: %s", spec.name, exc)
     finally:
         connection.close()
+
+
+logger = logging.getLogger(__name__)
+
+
+def is_our_handler(handler: str) -> bool:
+    """Whether MMS names this container's handler (``handler_service``, with or without ``:handle``)."""
+    return Path(handler.partition(":")[0]).stem == OUR_HANDLER
+
+
+def container_reason(handler: str, config: Config) -> str | None:
+    """Why no model of this container (or with this handler) can share a host; None when it can."""
+    if not config.share_device:
+        return "MME_SHARE_DEVICE=false"
+    if not is_our_handler(handler):
+        return f"its handler {handler} is not this container's"
+    return None
+
+
+def model_reason(model_dir: Path, config: Config) -> str | None:
+    """Why this model needs a host of its own; None when it can share. Fetches code from S3 if the model uses it
+    (cached for its load). A setting or code that cannot be read is the load's to report: it shares."""
+    try:
+        isolation = read_settings(model_dir, config).isolation
+        if isolation == "process":
+            return "serving.properties sets isolation=process"
+        fetcher = CodeFetcher(config.cache_dir / "code", config.s3_timeout_seconds)
+        code_dir, _ = locate_code(model_dir, config.submit_directory, fetcher)
+    except (ModelLoadError, OSError) as exc:
+        logger.debug("sharing check of %s deferred to its load: %s", model_dir, exc)
+        return None
+    if code_dir is None:
+        return None
+    if (code_dir / REQUIREMENTS).is_file():
+        unmet = unmet_requirements((code_dir / REQUIREMENTS).read_text(encoding="utf-8", errors="replace"))
+        if unmet:
+            return f"its {REQUIREMENTS} asks for what the image does not have: {', '.join(unmet[:3])}"
+    helpers = helper_modules(code_dir, config.program)
+    if helpers and isolation != "shared" and code_dir == model_dir / "code":
+        return (
+            f"its code/ holds modules beside {config.program} ({', '.join(helpers[:3])}), imported by names another "
+            "model of a shared host could hold (isolation=shared in serving.properties shares it all the same)"
+        )
+    return None
+
+
+def helper_modules(code_dir: Path, program: str) -> list[str]:
+    """The importable modules and packages in ``code_dir`` other than the script itself."""
+    names = []
+    for path in sorted(code_dir.iterdir()):
+        if path.suffix == ".py" and path.name != program:
+            names.append(path.name)
+        elif path.is_dir() and (path / "__init__.py").is_file():
+            names.append(f"{path.name}/")
+    return names
+
+
+def unmet_requirements(text: str) -> list[str]:
+    """The lines of a requirements file that the installed packages do not satisfy. Options, URLs and anything pip
+    alone understands count as unmet: only what can be checked here is trusted."""
+    unmet = []
+    for raw in text.splitlines():
+        line = raw.split(" #", 1)[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            requirement = Requirement(line)
+        except InvalidRequirement:
+            unmet.append(line)
+            continue
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue  # not for this platform: pip would skip it too
+        if requirement.url or requirement.extras or not _installed_satisfies(requirement):
+            unmet.append(line)
+    return unmet
+
+
+def _installed_satisfies(requirement: Requirement) -> bool:
+    try:
+        version = metadata.version(requirement.name)
+    except metadata.PackageNotFoundError:
+        return False
+    return requirement.specifier.contains(version, prereleases=True)

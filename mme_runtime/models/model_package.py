@@ -254,7 +254,7 @@ class _Unpickler(pickle.Unpickler):
 @dataclass
 class Unpacked:
     """An unpacked model, and where each of its storages came from: ``locations`` maps a storage's address to its
-    blob's place (segment id, offset), what equal tensors of two models have in common (``device_tensors.py``)."""
+    blob's place (segment id, offset), what equal tensors of two models have in common (``tensor_store.py``)."""
 
     model: Any
     locations: dict[int, tuple[int, int]]

@@ -3,7 +3,7 @@
 The keys are the ones MMS's LOAD and the AWS large-model container use: ``batch_size`` (requests per forward
 pass) and ``max_batch_delay`` (milliseconds); ``max_concurrency`` (forward passes at once); ``isolation``
 (``process``: never share the device host); ``compile`` (``true``) and ``compile_mode`` ask for an AOTInductor
-compile of the model on each device (``compiling.py``); ``task``, ``trust_remote_code`` and ``pooling`` for a
+compile of the model on each device (``pt2.py``); ``task``, ``trust_remote_code`` and ``pooling`` for a
 Hugging Face model served with no code (``hf_loading.py``); ``share_weights`` (``false``: its tensors are its own,
 never held once with another model's, ``tensor_store.py``); ``base_model`` (a LoRA adapter's base, ``lora.py``);
 ``max_new_tokens`` and ``max_generation_seconds`` (a generative model's cap on new tokens and on the time of one

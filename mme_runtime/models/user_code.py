@@ -1,8 +1,14 @@
-"""Finds a model's inference code (fetching it and installing its requirements), imports its script by file path,
-and binds its contract functions once.
+"""Finds a model's inference code (its own ``code/``, else ``SAGEMAKER_SUBMIT_DIRECTORY``, fetched from S3 by
+``code_fetcher``), installs its ``requirements.txt``, imports its script by file path, and binds its contract
+functions once.
 
 Each script is imported under a module name unique to the model, so two models whose scripts are both called
 ``inference.py`` never see each other's functions. Whether a function takes ``context`` is decided here, once.
+Requirements are installed at LOAD, before the code is imported, once per file content: into
+``<cache>/<sha256 of the file>`` (reused by later loads, serialised by a file lock) and onto this process's
+``sys.path`` only, after the server's own packages, so they add libraries and never replace torch or the serving
+stack (the server's installed versions are pip's constraints). A model whose requirements the image does not already
+satisfy gets a device host of its own (``loading.py``).
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ import importlib.util
 import inspect
 import logging
 import re
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -22,8 +30,85 @@ from typing import Any
 from mme_runtime.base import failures
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
+from mme_runtime.base.locks import build_once
 from mme_runtime.models.code_fetcher import CodeFetcher, locate_code
-from mme_runtime.models.dependencies import add_to_path, install_requirements
+from mme_runtime.operations import metrics
+
+logger = logging.getLogger(__name__)
+
+REQUIREMENTS = "requirements.txt"
+SUMMARY_LINES = 6
+
+
+class RequirementsError(ModelLoadError):
+    """pip could not install the model's requirements; the message summarises pip's error."""
+
+
+def install_requirements(code_dir: Path, cache_dir: Path, timeout_seconds: int) -> Path | None:
+    """Installs ``code_dir/requirements.txt`` if present and returns the directory to put on ``sys.path``."""
+    requirements = code_dir / REQUIREMENTS
+    if not requirements.is_file():
+        return None
+    target = cache_dir / hashlib.sha256(requirements.read_bytes()).hexdigest()[:24]
+    built = build_once(target, lambda staging: _pip_install(requirements, staging, timeout_seconds))
+    metrics.record_cache_lookup("requirements", hit=not built)
+    if built:
+        logger.info("requirements %s installed at %s", requirements, target)
+    else:
+        logger.info("requirements %s already installed at %s", requirements, target)
+    return target
+
+
+def add_to_path(directory: Path) -> None:
+    """After the server's own packages, so a requirement can add a library but never swap torch underneath us."""
+    entry = str(directory)
+    if entry not in sys.path:
+        sys.path.append(entry)
+
+
+def _pip_install(requirements: Path, staging: Path, timeout_seconds: int) -> Path:
+    constraints = staging / "constraints.txt"
+    constraints.write_text(_installed_pins())
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-input",
+        "--disable-pip-version-check",
+        "--target",
+        str(staging / "site"),
+        "--constraint",
+        str(constraints),
+        "--requirement",
+        str(requirements),
+    ]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_seconds)
+    except subprocess.TimeoutExpired as exc:
+        what = f"pip install -r {requirements}"
+        raise RequirementsError(failures.timed_out(timeout_seconds, "MME_PIP_TIMEOUT_SECONDS", what)) from exc
+    if result.returncode != 0:
+        summary = _summary(result.stderr or result.stdout)
+        raise RequirementsError(f"pip install -r {requirements} failed: {summary}")
+    return staging / "site"
+
+
+def _installed_pins() -> str:
+    pins = {}
+    for distribution in metadata.distributions():
+        name = distribution.metadata["Name"]
+        if name:
+            pins[name.lower()] = f"{name}=={distribution.version}"
+    return "\n".join(sorted(pins.values())) + "\n"
+
+
+def _summary(output: str) -> str:
+    lines = [line.strip() for line in output.splitlines() if line.strip() and "WARNING: Location" not in line]
+    errors = [line for line in lines if line.startswith("ERROR")] or lines
+    return " | ".join(errors[-SUMMARY_LINES:])[:800] or "no output"
+
 
 logger = logging.getLogger(__name__)
 

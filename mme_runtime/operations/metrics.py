@@ -1,15 +1,15 @@
-"""Prometheus values recorded in the model processes, for the entrypoint to expose (``metrics_exporter.py``).
+"""Prometheus values recorded in the model processes, for the entrypoint to expose (``metrics_exporter.py``), and
+where their files live.
 
 prometheus_client's multiprocess mode: each process keeps its values in files of its own under one directory, and
-the exporter merges every file at each scrape (the layout: ``metric_directories.py``). A model's loader writes under
-``metrics/models/<model>/<loader pid>/``: the series labelled with the model, and their
-share of the container's counters (LOADs, UNLOADs, caches). When the server stops (UNLOAD), it moves that directory
-to ``metrics/unloaded/``; the exporter keeps the container's counters from it and deletes the rest, so an unloaded
-model's series go away while the container's totals keep counting. The warm process writes under
-``metrics/container/<pid>/``.
-
-A device host serves many models: each has a directory of its own, ``metrics/models/<model>/<host pid>/``
-(``start_hosted``), and every thread the host runs for a model records into that model's series (``bind``).
+the exporter merges every file at each scrape. The warm process writes under ``metrics/container/<pid>/``. A device
+host writes its own under ``metrics/container/<host pid>/``, and each model it serves has a directory of its own,
+``metrics/models/<model>/<host pid>/`` (``start_hosted``): every thread the host runs for a model records into that
+model's series (``bind``). A loader writes under ``metrics/models/<model>/<loader pid>/`` while it loads. When a
+model goes (UNLOAD) or its loader ends, its directory moves to ``metrics/unloaded/``; the exporter keeps the
+container's counters from it and deletes the rest, so an unloaded model's series go away while the container's
+totals keep counting. Each directory is marked with its owner's start time, so that a reused pid is never taken for
+its owner.
 
 Everything here does nothing until ``start_model``, ``start_hosted`` or ``start_container`` ran (metrics are off
 with ``MME_METRICS_PORT=0``), and a value that cannot be recorded is logged, never raised into a request.
@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import logging
 import os
 import threading
+import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ParamSpec
@@ -29,16 +32,100 @@ from typing import ParamSpec
 from prometheus_client import Histogram, values
 
 from mme_runtime.base.config import Config
-from mme_runtime.operations.metric_directories import (
-    HOST_BYTES_FILE,
-    carry_over,
-    claim,
-    make_directory,
-    model_dir_name,
-    models_dir,
-    move_to_unloaded,
-)
 from mme_runtime.operations.metric_series import DIRECTORY_VARIABLE, Series, batch_size_buckets
+
+logger = logging.getLogger(__name__)
+
+# A server's directory holds this file: its process's start time, so a reused pid is not taken for the server.
+OWNER_FILE = "owner"
+# A hosted model's directory holds this file: its tensors' bytes in host memory (the host's PSS is every model's).
+HOST_BYTES_FILE = "host_bytes"
+MKDIR_ATTEMPTS = 3
+
+
+def models_dir(metrics_dir: Path) -> Path:
+    return metrics_dir / "models"
+
+
+def scan(directory: Path, pattern: str) -> list[Path]:
+    """The paths under ``directory`` that match ``pattern``, sorted. Processes remove directories at any time (a host
+    lets a model go): one that goes mid-scan is skipped, where ``Path.glob`` raises FileNotFoundError."""
+    return sorted(Path(path) for path in glob.glob(os.path.join(glob.escape(str(directory)), pattern)))
+
+
+def unloaded_dir(metrics_dir: Path) -> Path:
+    return metrics_dir / "unloaded"
+
+
+def model_dir_name(model: str) -> str:
+    return urllib.parse.quote(model, safe="")
+
+
+def move_to_unloaded(metrics_dir: Path, server_dir: Path) -> None:
+    """Hands a model server's values over to the exporter's fold (``OSError`` if another process did it first)."""
+    target = unloaded_dir(metrics_dir) / f"{server_dir.parent.name}@{server_dir.name}"
+    if target.exists():  # a host that served this model before (an UNLOAD and a re-LOAD): not folded yet
+        target = target.with_name(f"{target.name}.{time.monotonic_ns()}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    server_dir.rename(target)
+    with contextlib.suppress(OSError):  # not empty: another server of this model runs
+        server_dir.parent.rmdir()
+
+
+def process_started(pid: int) -> float | None:
+    """When process ``pid`` started, in clock ticks since boot (what ``OWNER_FILE`` holds), or None if there is no
+    such process. Read from /proc: psutil's start times add the boot time, which a VM whose clock is stepped reports
+    differently from one read to the next."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Fields after the command name (which may hold spaces and parentheses): state is the 3rd, starttime the 22nd.
+    return float(stat.rsplit(")", 1)[1].split()[19])
+
+
+def server_alive(server_dir: Path) -> bool:
+    """Whether the model server that owns ``server_dir`` still runs (not merely a process with its pid)."""
+    try:
+        recorded = float((server_dir / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return process_started(int(server_dir.name)) is not None  # being created: trust the pid
+    return process_started(int(server_dir.name)) == recorded
+
+
+def carry_over(directory: Path) -> None:
+    """Moves the files of this model's hosts that died into ``directory``: the exporter folds them as an ended
+    process's (counters and histograms kept, gauges dropped)."""
+    for sibling in directory.parent.iterdir():
+        if sibling == directory or not sibling.name.isdigit() or server_alive(sibling):
+            continue
+        if not (sibling / HOST_BYTES_FILE).exists():
+            continue  # a loader's or a server's: nothing of the model's own to keep
+        for path in scan(sibling, "*.db"):
+            with contextlib.suppress(OSError):
+                path.rename(directory / path.name)
+
+
+def claim(metrics_dir: Path, directory: Path) -> None:
+    """Marks ``directory`` as this process's. Processes of this model that died without stopping (a crash, or an
+    UNLOAD and a quick re-LOAD) end here: this one's counts start from zero, as after any restart."""
+    (directory / OWNER_FILE).write_text(str(process_started(os.getpid())))
+    for sibling in directory.parent.iterdir():
+        if sibling != directory and sibling.name.isdigit() and not server_alive(sibling):
+            with contextlib.suppress(OSError):
+                move_to_unloaded(metrics_dir, sibling)
+
+
+def make_directory(directory: Path) -> bool:
+    for attempt in range(MKDIR_ATTEMPTS):  # the exporter may remove an empty parent at the same moment
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            return True
+        except OSError as exc:
+            if attempt == MKDIR_ATTEMPTS - 1:
+                logger.warning("metrics off here: cannot create %s: %s", directory, exc)
+    return False
+
 
 logger = logging.getLogger(__name__)
 

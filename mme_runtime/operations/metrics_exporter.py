@@ -35,7 +35,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from mme_runtime.base.config import Config
 from mme_runtime.base.janitor import REQUEST_TIMEOUT_SECONDS
-from mme_runtime.operations.metric_directories import (
+from mme_runtime.operations.metrics import (
     HOST_BYTES_FILE,
     models_dir,
     move_to_unloaded,

@@ -1,14 +1,15 @@
 """Gives a batching model the frontend connections that fill its batches.
 
-MMS sends a backend at most one request per worker connection at a time, so a batch of ``batch_size`` needs that
-many connections per device. They cost a frontend thread and a device host thread each, not a process or a copy of
-the weights. A batching model's device host asks for them in two steps (``serving/connection_demand.py``): a few at
-LOAD, the whole batch once its requests overlap. Each ask is a request file in the runtime directory; the
-entrypoint's supervisor, which knows the management port, raises the model's worker count with MMS's scale call
-(``PUT /models/{name}?min_worker=N``). The LOAD's ask waits until the LOAD has completed, and half a second more: MMS
-answers a LOAD after its worker is READY, comparing its workers with the model's minimum then, so a minimum raised in
-between would turn that LOAD's 200 into 210 "Workers scaling in progress...". An ask from a model that serves is
-acted on at once. It never lowers a count someone set higher. Neither side imports torch.
+MMS sends a model at most one request per worker connection at a time, so a batch of ``batch_size`` needs that many
+connections per device. They cost a frontend thread and a device host thread each, not a process or a copy of the
+weights. A batching model's device host asks for them in two steps (``ConnectionDemand`` in
+``serving/connection.py``): a few at LOAD, the whole batch once its requests overlap. Each ask is a request file in
+the runtime directory; the entrypoint's supervisor, which knows the management port, raises the model's worker count
+with MMS's scale call (``PUT /models/{name}?min_worker=N``). The LOAD's ask waits until the LOAD has completed, and
+half a second more: MMS answers a LOAD after its worker is READY, comparing its workers with the model's minimum
+then, so a minimum raised in between would turn that LOAD's 200 into 210 "Workers scaling in progress...". An ask
+from a model that serves is acted on at once. It never lowers a count someone set higher. Neither side imports
+torch.
 """
 
 from __future__ import annotations

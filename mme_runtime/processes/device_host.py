@@ -5,48 +5,58 @@ The warm process forks it, CUDA-free, for the first connection assigned to its d
 its first CUDA call, so a GPU holds one CUDA context and one caching allocator however many models it serves. The
 warm process sends it, over the control socket, each model once (``load``, with the model packed by the loader, or
 with no package when ``model_fn`` must run here) and then each frontend connection for it (``connect``). Each model
-keeps its own handler (user module, batcher, settings, context), loaded on a thread of its own; each connection is
-served from a thread of its own. ``unload`` lets a model go and gives its memory back.
+keeps its own handler (user module, batcher, settings, context: a ``HostedModel``), loaded on a thread of its own;
+each connection is served from a thread of its own. ``unload`` lets a model go; its memory goes back to the system
+once per burst of UNLOADs (``MemoryRelease``).
 
 Every thread the host runs for a model is marked as that model's on the crash board (``crash_board.py``), and a fatal
 signal writes the threads' stacks to a file: if user code kills the host, the warm process can tell whose it was.
 
-On a GPU, tensors that several models hold at one place in host memory are one tensor on the card
-(``device_tensors.py``); on the CPU, the models' copy-on-write mappings of that place are one copy already.
+On a GPU, tensors that several models hold at one place in host memory are one tensor on the card (``DeviceTensors``
+in ``tensor_store.py``); on the CPU, the models' copy-on-write mappings of that place are one copy already.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import gc
 import logging
 import os
 import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+from mms.service import Service
 
 from mme_runtime.base import devices
 from mme_runtime.base.config import Config
 from mme_runtime.base.logs import configure_logging
-from mme_runtime.models.device_tensors import DeviceTensors, module_of
-from mme_runtime.models.loading import LoadedModel, ModelSpec, check_memory, fail_load, load_model, refuse_load
-from mme_runtime.models.model_package import Package, unpack
-from mme_runtime.models.sharing import is_our_handler
-from mme_runtime.models.tensor_store import MAX_SEGMENTS
-from mme_runtime.operations import metrics
-from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, report_crashes
-from mme_runtime.processes.hosted_model import (
-    HostedModel,
-    MemoryRelease,
-    model_handler,
-    release_memory,
-    start_batching,
-    tensor_bytes,
+from mme_runtime.models.hf_loading import HuggingFaceModel
+from mme_runtime.models.loading import (
+    LoadedModel,
+    LoadFailure,
+    ModelSpec,
+    check_memory,
+    fail_load,
+    is_our_handler,
+    load_model,
+    refuse_load,
 )
+from mme_runtime.models.model_package import Package, unpack
+from mme_runtime.models.tensor_store import MAX_SEGMENTS, DeviceTensors, module_of
+from mme_runtime.operations import metrics
+from mme_runtime.operations.metric_series import Series
+from mme_runtime.operations.scaler import request_workers
+from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, report_crashes
 from mme_runtime.processes.warm_protocol import receive, send
-from mme_runtime.serving.connection import Assignment, serve_connection
+from mme_runtime.serving.connection import Assignment, ConnectionDemand, serve_connection
 from mme_runtime.serving.pass_threads import PassThreads
 
 logger = logging.getLogger(__name__)
@@ -195,7 +205,7 @@ class DeviceHost:
     def _unpack(self, hosted: HostedModel, package: Package) -> Any:
         """The model in the package; a package that another model here unpacked already (the same artifacts under
         two names: the warm process's package cache) gives the same object, so its weights are here once. On a GPU,
-        its tensors held for other models too go to the card once (``device_tensors.py``)."""
+        its tensors held for other models too go to the card once (``DeviceTensors`` in ``tensor_store.py``)."""
         name = hosted.spec.name
         identity = (os.fstat(package.fd).st_ino, package.pickle_offset, package.pickle_bytes)
         with self._control_lock:
@@ -309,3 +319,135 @@ def run_host(control: socket.socket, config: Config, gpu: int | None, board: Cra
     crash_report.close()
     crash_report_path(config.runtime_dir, os.getpid()).unlink(missing_ok=True)
     return 0
+
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class HostedModel:
+    """One model in the host: its handler once loaded, or why it failed, and the connections that wait or run."""
+
+    spec: ModelSpec
+    slot: int
+    series: Series | None  # its metrics
+    loaded: LoadedModel | None = None
+    failure: LoadFailure | None = None
+    waiting: list[tuple[socket.socket, Assignment]] = field(default_factory=list)
+    connections: set[socket.socket] = field(default_factory=set)
+    demand: ConnectionDemand | None = None  # a batching model's busy connections, to open more (serving/connection.py)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    loading: threading.Thread | None = None
+    borrowed_host_bytes: int = 0  # its tensors in host memory that another model brought (held once, theirs)
+    borrowed_device_bytes: int = 0  # the same on its GPU
+    borrows_all: bool = False  # it took the very model another one here unpacked (one package: all of it theirs)
+    started: float = 0.0  # when its LOAD began (wall clock, the warm process's): its load time is counted from it
+    after: threading.Thread | None = None  # the UNLOAD of a model of the same name, to end before this one loads
+    package_unused: bool = False  # its package was made with other code: model_fn ran here
+
+
+def model_handler(
+    spec: ModelSpec, config: Config, gpu: int | None, ordinal: int | None, batch_size: int
+) -> LoadedModel:
+    """A handler of the model's own (the module-level ``handler_service`` one is one per process), wrapped in MMS's
+    ``Service`` as MMS's own worker's is."""
+    from handler_service import HandlerService
+
+    handler = HandlerService(config)
+
+    def entry_point(data: Any, context: Any) -> Any:
+        if data is None:
+            handler.initialize(context)
+            return None
+        return handler.handle(data, context)
+
+    service = Service(spec.name, spec.model_dir, None, entry_point, ordinal, batch_size)
+    devices.record_gpu(service.context.system_properties, gpu, ordinal)
+    return LoadedModel(handler, service)
+
+
+def start_batching(spec: ModelSpec, config: Config, loaded: LoadedModel) -> ConnectionDemand | None:
+    """From here on the handler is called from many threads; our handler then batches their forward passes. A
+    batching model asks for the frontend connections that fill its batches as it comes to need them: the returned
+    ``ConnectionDemand`` watches its connections (``serving/connection.py``)."""
+    if not hasattr(loaded.module, "start_batcher"):
+        return None  # another handler (MMS's ``module:function``): it is called from the connections' threads as it is
+    settings = loaded.module.start_batcher()
+    if not settings.batching or settings.source == "LOAD":
+        return None  # MMS's own batching (LOAD's batch_size) fills its batches itself
+
+    def ask_for(per_device: int, serving: bool = True) -> None:
+        try:
+            request_workers(config.runtime_dir, spec.name, per_device, serving)
+        except OSError as exc:
+            logger.warning("model=%s could not ask for %d workers per device: %s", spec.name, per_device, exc)
+
+    at_load = min(config.batch_connections_at_load, settings.batch_size)
+    ask_for(at_load, serving=False)
+    return ConnectionDemand(ask_for, at_load, settings.batch_size)
+
+
+def tensor_bytes(model: Any) -> tuple[int, int]:
+    """The bytes of a module's parameters and buffers in host memory and on a GPU, each storage once (tied weights
+    share one); (0, 0) for what is not a module."""
+    if isinstance(model, HuggingFaceModel):
+        model = model.model
+    if not isinstance(model, torch.nn.Module):
+        return 0, 0
+    seen: set[int] = set()
+    host = device = 0
+    for tensor in (*model.parameters(), *model.buffers()):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        if tensor.device.type == "cpu":
+            host += storage.nbytes()
+        else:
+            device += storage.nbytes()
+    return host, device
+
+
+def release_memory(ordinal: int | None) -> None:
+    """Freed tensors back to the system: glibc keeps freed heap unless asked, torch keeps freed GPU blocks cached."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    if ordinal is not None and devices.cuda_initialized():
+        torch.cuda.empty_cache()
+
+
+class MemoryRelease:
+    """Gives the memory of UNLOADed models back with ``release`` (a full collection, as a model's objects may hold
+    reference cycles, then ``release_memory``) once for a burst of UNLOADs: ``settle_seconds`` after the last, at
+    most ``most_seconds`` after the first. A collection per UNLOAD held the interpreter lock over every model's
+    objects each time (110 ms at 1,000 models), so draining a host was quadratic and its other models stalled."""
+
+    def __init__(self, release: Callable[[], None], settle_seconds: float = 0.2, most_seconds: float = 1.0) -> None:
+        self._release = release
+        self._settle, self._most = settle_seconds, most_seconds
+        self._wanted = threading.Event()
+        self.releases = 0  # done so far
+        threading.Thread(target=self._run, name="memory-release", daemon=True).start()
+
+    @staticmethod
+    def of_host(ordinal: int | None) -> MemoryRelease:
+        def release() -> None:
+            gc.collect()
+            release_memory(ordinal)
+
+        return MemoryRelease(release)
+
+    def request(self) -> None:
+        self._wanted.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wanted.wait()
+            first = time.monotonic()
+            self._wanted.clear()
+            while time.monotonic() - first < self._most and self._wanted.wait(self._settle):
+                self._wanted.clear()  # another UNLOAD of the burst: wait for the last
+            self._release()
+            self.releases += 1

@@ -25,9 +25,17 @@ from mme_runtime.base import devices
 from mme_runtime.base.child_processes import fork_child
 from mme_runtime.base.config import Config
 from mme_runtime.base.logs import configure_logging
-from mme_runtime.models import sharing
 from mme_runtime.models.hf_loading import HuggingFaceModel
-from mme_runtime.models.loading import LoadFailure, ModelSpec, check_location, check_memory, load_model
+from mme_runtime.models.loading import (
+    LoadFailure,
+    ModelSpec,
+    check_location,
+    check_memory,
+    container_reason,
+    is_our_handler,
+    load_model,
+    model_reason,
+)
 from mme_runtime.models.model_cache import model_file
 from mme_runtime.models.model_package import NotPackable, is_torchscript, pack, pack_torchscript_file, unpack
 from mme_runtime.models.pt2 import pt2_file
@@ -74,7 +82,7 @@ def _load(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
     refused = check_location(spec, config)
     if refused is not None:
         return _failure(refused), []
-    private = sharing.container_reason(spec.handler, config) or sharing.model_reason(Path(spec.model_dir), config)
+    private = container_reason(spec.handler, config) or model_reason(Path(spec.model_dir), config)
     report, fds = _load_here(spec, config)
     if private is not None and "failure" not in report:
         report["private"] = private
@@ -85,7 +93,7 @@ def _load(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
 
 def _load_here(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
     """``model_fn`` run here, its model packed; or why the host must run it, or why the LOAD fails."""
-    if not sharing.is_our_handler(spec.handler):
+    if not is_our_handler(spec.handler):
         return {"host_loads": f"its handler {spec.handler} is MMS's module:function, which the host initialises"}, []
     try:
         check_memory(spec, config, gpu=None)

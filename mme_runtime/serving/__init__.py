@@ -1,9 +1,9 @@
 """One request, from the socket to ``predict_fn`` and back, in reading order: ``connection`` (MMS's messages on a
-frontend connection, answered through ``handler_service.py``; ``connection_demand`` opens a batching model's
-connections as its requests overlap), ``transformer`` (the model's lifecycle), ``pipeline`` (each request through
-the contract), ``contract`` (the user's functions over the defaults), ``batcher`` and ``collate`` (one forward pass
-for many requests; ``pass_threads`` runs a GPU's passes on a few threads), ``responses`` (statuses and error
-bodies), ``content`` (codecs), ``context`` (what user functions receive) and ``placement`` (the model on its
+frontend connection, answered through ``handler_service.py``; a batching model's connections opened as its requests
+overlap), ``transformer`` (the model's lifecycle), ``pipeline`` (each request through
+the contract), ``contract`` (the user's functions over the defaults), ``batcher`` (one forward pass
+for many requests; ``pass_threads`` runs a GPU's passes on a few threads), ``content`` (codecs, statuses and
+error bodies), ``context`` (what user functions receive) and ``placement`` (the model on its
 device). A Hugging Face model served with no code swaps the contract's defaults for ``hf_defaults``: ``hf_requests``
 (the AWS Hugging Face container's request and answer), ``hf_tasks`` (a batch through the task's pipeline, with a
 tokenizer lent by ``hf_tokenizer_copies``), ``hf_padding`` (rows grouped by length, padded and cut back),

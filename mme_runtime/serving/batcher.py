@@ -7,7 +7,8 @@ back (busy clients send their next one at once, through whichever frontend conne
 but never longer than ``max_delay`` after that pass (then it stops expecting them: a lone request after a burst is
 not held), and a batch never holds more than ``batch_size``.
 Only requests with the same collation signature share a batch; the oldest waiting request decides which signature
-goes next.
+goes next. ``collate`` joins the inputs of a batch along their first dimension (a tensor, or a dict, list or tuple
+of tensors with one row count) and ``split`` cuts the prediction back into each request's rows.
 
 A batch that fails with a retryable error (out of memory, or a client error that one request may have caused) is
 split in halves and retried, so the error lands on the request that caused it, alone. On a GPU the passes run on
@@ -21,14 +22,126 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
+import torch
+
+from mme_runtime.base.errors import ContainerError
 from mme_runtime.operations import metrics
-from mme_runtime.serving.collate import Signature, SplitError, collate, split
 from mme_runtime.serving.pass_threads import RunPass, run_here
+
+# (structure, key or None, trailing shape, dtype) per tensor: hashable, equal for collatable inputs.
+Signature = tuple[Any, ...]
+
+
+class SplitError(ContainerError):
+    """A batched prediction that cannot be handed back row by row: 500, naming the cause."""
+
+
+@runtime_checkable
+class Collatable(Protocol):
+    """An input that knows how it batches: ``join`` makes one input of several with equal signatures; the
+    prediction for it must hold one entry per row, in order (``split`` hands each its own)."""
+
+    rows: int
+
+    def batch_signature(self) -> Signature | None: ...
+
+    @staticmethod
+    def join(inputs: Sequence[Any]) -> Any: ...
+
+
+def signature(data: Any) -> Signature | None:
+    """What a request's decoded input must share with others to be batched with them, or None when it cannot be."""
+    if isinstance(data, Collatable):
+        return data.batch_signature()
+    if isinstance(data, torch.Tensor):
+        if data.dim() == 0 or data.shape[0] == 0:
+            return None
+        return ("tensor", tuple(data.shape[1:]), data.dtype, data.device)
+    if isinstance(data, dict) and data and all(isinstance(key, str) for key in data):
+        keys = sorted(data)
+        return _structure("dict", [data[key] for key in keys], tuple(keys))
+    if isinstance(data, (list, tuple)) and data:
+        return _structure(type(data).__name__, list(data), None)
+    return None
+
+
+def _structure(kind: str, values: list[Any], keys: tuple[str, ...] | None) -> Signature | None:
+    """Several tensors with one first dimension (their rows) collate together; anything else does not."""
+    parts = [signature(value) if isinstance(value, torch.Tensor) else None for value in values]
+    if any(part is None for part in parts) or len({int(value.shape[0]) for value in values}) != 1:
+        return None
+    return (kind, keys, *parts)
+
+
+def rows(data: Any) -> int:
+    """How many rows an input with a signature holds: its first dimension."""
+    if isinstance(data, Collatable):
+        return data.rows
+    if isinstance(data, torch.Tensor):
+        return int(data.shape[0])
+    first = next(iter(data.values())) if isinstance(data, dict) else data[0]
+    return int(first.shape[0])
+
+
+def collate(inputs: Sequence[Any]) -> Any:
+    """Joins inputs of one signature along the first dimension."""
+    first = inputs[0]
+    if len(inputs) == 1:
+        return first
+    if isinstance(first, Collatable):
+        return first.join(inputs)
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(inputs))
+    if isinstance(first, dict):
+        return {key: torch.cat([item[key] for item in inputs]) for key in first}
+    joined = [torch.cat([item[index] for item in inputs]) for index in range(len(first))]
+    return tuple(joined) if isinstance(first, tuple) else joined
+
+
+def split(prediction: Any, counts: Sequence[int]) -> list[Any]:
+    """Hands a batched prediction back: one part per request, ``counts[i]`` rows each.
+
+    Raises ``SplitError`` naming the cause when the prediction's first dimension does not add up.
+    """
+    if len(counts) == 1:
+        return [prediction]
+    total = sum(counts)
+    if isinstance(prediction, torch.Tensor):
+        if prediction.dim() == 0 or prediction.shape[0] != total:
+            got = "a scalar" if prediction.dim() == 0 else f"{prediction.shape[0]} rows"
+            raise SplitError(
+                f"predict_fn returned {got} for a batch of {total} rows from {len(counts)} requests; "
+                "with batching on, predict_fn must answer one row per input row"
+            )
+        return list(torch.split(prediction, list(counts)))
+    if isinstance(prediction, dict):
+        parts = {key: split(value, counts) for key, value in prediction.items()}
+        return [{key: parts[key][index] for key in prediction} for index in range(len(counts))]
+    if isinstance(prediction, (list, tuple)):
+        batched = [isinstance(p, torch.Tensor) and p.dim() > 0 and p.shape[0] == total for p in prediction]
+        if prediction and all(batched):  # several outputs, each with the batch's rows
+            columns = [split(value, counts) for value in prediction]
+            return [type(prediction)(column[index] for column in columns) for index in range(len(counts))]
+        # One entry per row (a list made by .tolist(), say); a tuple is always several outputs, and a list holding a
+        # batched tensor is not rows either: cut by position, it would hand one request another's rows.
+        if isinstance(prediction, list) and len(prediction) == total and not any(batched):
+            offsets = [sum(counts[:index]) for index in range(len(counts) + 1)]
+            return [prediction[offsets[i] : offsets[i + 1]] for i in range(len(counts))]
+        raise SplitError(
+            f"predict_fn returned a {type(prediction).__name__} of {len(prediction)} entries for a batch of {total} "
+            f"rows from {len(counts)} requests; with batching on, it must answer one row per input row, or a tuple "
+            "of tensors with one row per input row each"
+        )
+    raise SplitError(
+        f"predict_fn returned a {type(prediction).__name__} for a batch of {len(counts)} requests; with batching on "
+        "it must return a tensor, or a dict, list or tuple of tensors, with one row per input row"
+    )
+
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +196,7 @@ def run_batch(
     headers).
     ``retry_in_halves`` says whether a batch that failed with an error is run again in two halves; ``before_retry``
     runs first (freeing cached device memory, say), once the failed pass's frames are gone. ``around(jobs)`` holds
-    each ``predict`` call (the rows of a pass over LoRA adapters, ``lora_layers.py``).
+    each ``predict`` call (the rows of a pass over LoRA adapters, ``lora.py``).
     """
     try:
         if len(jobs) == 1:
@@ -113,7 +226,7 @@ def run_batch(
 
 
 def run_by_first(jobs: list[Job]) -> None:
-    """A pass run by the model of its first job: what a batcher several models share runs (``lora_layers.py``)."""
+    """A pass run by the model of its first job: what a batcher several models share runs (``lora.py``)."""
     assert jobs[0].run_by is not None
     jobs[0].run_by(jobs)
 

@@ -4,7 +4,9 @@ LOAD is answered, then each inference message read with MMS's protocol (``mms.pr
 ``Service`` (which calls ``handler_service.handle`` and so the model's ``Transformer``, ``pipeline.py``), and written
 back, with the request metrics recorded after.
 
-A device host runs it on a thread per connection: every connection of a model answers at once.
+A device host runs it on a thread per connection: every connection of a model answers at once. A batching model's
+``ConnectionDemand`` counts its busy connections and asks for more once they are all busy (MMS sends one request per
+connection at a time, so a batch of ``batch_size`` needs that many).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import functools
 import logging
 import os
 import socket
+import threading
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +30,51 @@ from mms.service import emit_metrics
 from mme_runtime.base import devices
 from mme_runtime.models.loading import LoadedModel, ModelSpec
 from mme_runtime.operations import metrics
-from mme_runtime.serving.connection_demand import ConnectionDemand
+
+
+class ConnectionDemand:
+    """Counts one model's connections on this device and the requests they are answering; calls ``ask_for(full)``
+    once, the first time the ``at_load`` connections (or more) are all busy."""
+
+    def __init__(self, ask_for: Callable[[int], None], at_load: int, full: int) -> None:
+        self._ask_for = ask_for
+        self._at_load = at_load
+        self._full = full
+        self._lock = threading.Lock()
+        self._open = 0
+        self._busy = 0
+        self._asked = at_load >= full  # the LOAD asked for the whole batch already
+
+    @property
+    def connections(self) -> int:
+        return self._open
+
+    @contextmanager
+    def connection(self) -> Iterator[None]:
+        with self._lock:
+            self._open += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._open -= 1
+
+    @contextmanager
+    def answering(self) -> Iterator[None]:
+        """Brackets one request, from its message read to its answer sent."""
+        with self._lock:
+            self._busy += 1
+            # Not before the LOAD's connections are all open: until then one request alone fills them.
+            grow = not self._asked and self._open >= self._at_load and self._busy >= self._open
+            self._asked = self._asked or grow
+        if grow:
+            self._ask_for(self._full)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
+
 
 logger = logging.getLogger(__name__)
 SERVICE_LOG = logging.getLogger("mms.service")  # where emit_metrics writes its per-request lines
@@ -77,7 +124,7 @@ def serve_connection(
 ) -> None:
     """One frontend connection: its LOAD answered, then its inference messages, one at a time, until it closes.
     ``running`` brackets each message's handling (a device host marks whose code runs); a batching model's
-    ``demand`` counts its busy connections, to open more when they are all busy (``connection_demand.py``)."""
+    ``demand`` counts its busy connections, to open more when they are all busy (``ConnectionDemand``, below)."""
     try:
         with demand.connection() if demand else contextlib.nullcontext():
             connection.sendall(create_load_model_response(200, f"loaded model {spec.name}. [PID]:{os.getpid()}"))

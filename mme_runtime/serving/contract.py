@@ -1,7 +1,7 @@
 """A model's contract functions: the user's ``model_fn``, ``input_fn``, ``predict_fn``, ``output_fn`` or
 ``transform_fn`` over the PyTorch defaults, each bound once, and how a load step or a request step calls them.
 
-A failing request step raises ``StepError`` (its status decided in ``responses.py``; out of memory, with the numbers
+A failing request step raises ``StepError`` (its status decided in ``content.py``; out of memory, with the numbers
 as they were when it was caught); a failing load step fails the LOAD with the step named.
 """
 
@@ -15,8 +15,8 @@ from sagemaker_inference.errors import BaseInferenceToolkitError
 from mme_runtime.base import failures
 from mme_runtime.models.user_code import UserFunction
 from mme_runtime.serving import content
+from mme_runtime.serving.content import StepError, is_out_of_memory, load_failure
 from mme_runtime.serving.context import InferenceContext
-from mme_runtime.serving.responses import StepError, is_out_of_memory, load_failure
 
 
 class Contract:

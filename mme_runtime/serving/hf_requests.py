@@ -54,7 +54,7 @@ class TaskRequest:
     single: bool = True
     adapter: str | None = None  # the LoRA adapter (its model's name) its rows use; None: the model as it is
 
-    # What the batcher asks of an input it collates (``collate.py``): every request of one model can share a pass.
+    # What the batcher asks of an input it collates (``batcher.py``): every request of one model can share a pass.
     def batch_signature(self) -> tuple[Any, ...]:
         return ("hugging-face",)
 

@@ -100,7 +100,7 @@ class TaskRunner:
     ) -> list[dict[str, Any]]:
         """The model over ``rows``, handed back row by row as a pass over each alone gives it (``hf_padding.py``):
         sorted by length, in groups padded to their longest, so that a batch of texts from 4 to 200 tokens costs
-        neither sixteen texts of 200 nor sixteen passes. ``adapters``: each row's LoRA adapter (``lora_layers.py``)."""
+        neither sixteen texts of 200 nor sixteen passes. ``adapters``: each row's LoRA adapter (``lora.py``)."""
         outputs: list[Any] = [None] * len(rows)
         pad_id = getattr(self.model.tokenizer, "pad_token_id", None)
         for group in hf_padding.length_groups([hf_padding.length(row) or 0 for row in rows]):

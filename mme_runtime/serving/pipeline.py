@@ -1,7 +1,7 @@
 """One message's requests through the contract: each read on its own, ``input_fn`` for each, one ``predict_fn`` per
 batch (through the batcher, so requests from many connections share a forward pass), ``output_fn`` for each.
 
-Each request carries its own status (``responses.py``): one bad request never fails its neighbours, and tracebacks go
+Each request carries its own status (``content.py``): one bad request never fails its neighbours, and tracebacks go
 to the log, never to clients. A request whose forward pass is not done within ``SAGEMAKER_MODEL_SERVER_TIMEOUT``
 is answered 504 (the pass runs on: a thread cannot be stopped). ``Transformer`` (``transformer.py``) adds the model's
 lifecycle: load, place, close.
@@ -22,12 +22,9 @@ from mme_runtime.base.config import Config
 from mme_runtime.base.errors import PayloadTooLarge, RequestTimeout
 from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.operations import metrics
-from mme_runtime.serving import collate, content
-from mme_runtime.serving.batcher import Batcher, Job, group, run_batch
-from mme_runtime.serving.context import InferenceContext
-from mme_runtime.serving.contract import Contract
-from mme_runtime.serving.pass_threads import PassThreads
-from mme_runtime.serving.responses import (
+from mme_runtime.serving import content
+from mme_runtime.serving.batcher import Batcher, Job, group, rows, run_batch, signature
+from mme_runtime.serving.content import (
     Request,
     error_response,
     http_status,
@@ -39,6 +36,9 @@ from mme_runtime.serving.responses import (
     request_body,
     to_bytes,
 )
+from mme_runtime.serving.context import InferenceContext
+from mme_runtime.serving.contract import Contract
+from mme_runtime.serving.pass_threads import PassThreads
 
 # MMS times each request too, and past its timer answers 500 "Worker died." and drops the connection: ours answers
 # a moment before, in words (its timer is SAGEMAKER_MODEL_SERVER_TIMEOUT or longer, started a moment before ours).
@@ -68,7 +68,7 @@ class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
         self.thread_ended: Callable[[], None] = lambda: None
         # A GPU device host's threads for every model's passes (``batcher.PassThreads``); None: each model's own.
         self.pass_threads: PassThreads | None = None
-        # LoRA adapters over a plain module (``lora_layers.py``): each job's rows use its own model's adapter.
+        # LoRA adapters over a plain module (``lora.py``): each job's rows use its own model's adapter.
         self.row_adapters: Any = None
 
     def on_pass_thread(self, function: Callable[[], T], mark: bool = True) -> T:
@@ -178,9 +178,9 @@ class RequestPipeline(ToolkitTransformer):  # type: ignore[misc]
             # Decided before any work, so an Accept we cannot produce costs the caller nothing.
             request.accept = content.negotiate(request.accept, self._config.default_accept, self._contract.accepts)
         data = self._contract.call("input_fn", request.context, payload, content_type)
-        signature = collate.signature(data) if self._settings.batching else None
-        rows = collate.rows(data) if signature is not None else 1
-        return Job(data, request, signature, rows)
+        shape = signature(data) if self._settings.batching else None
+        count = rows(data) if shape is not None else 1
+        return Job(data, request, shape, count)
 
     def _grad_mode(self) -> AbstractContextManager[Any]:
         if self._grad_enabled is None:

@@ -23,17 +23,17 @@ import torch
 
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
-from mme_runtime.models import lora, lora_layers
-from mme_runtime.models.compiling import compile_model
+from mme_runtime.models import lora
+from mme_runtime.models.pt2 import compile_model
 from mme_runtime.models.serving_properties import ServingSettings, read_settings
 from mme_runtime.models.user_code import USER_MODULE_PREFIX, load_user_code
 from mme_runtime.serving import hf_defaults
 from mme_runtime.serving.batcher import Batcher, run_by_first
+from mme_runtime.serving.content import Request, StepError, load_failure
 from mme_runtime.serving.context import InferenceContext
 from mme_runtime.serving.contract import Contract
 from mme_runtime.serving.pipeline import RequestPipeline
 from mme_runtime.serving.placement import place_model, warmup_sample
-from mme_runtime.serving.responses import Request, StepError, load_failure
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class Transformer(RequestPipeline):
             self._model = place_model(self._model, device)
             if self._adapter is not None:
                 module = self._model if isinstance(self._model, torch.nn.Module) else self._model.model
-                adapters = lora_layers.attach(self._model, module, self._context.model_name, self._adapter)
+                adapters = lora.attach(self._model, module, self._context.model_name, self._adapter)
                 if self._source_dir != Path(self._context.model_dir):  # a plain module: its rows picked per job
                     self.row_adapters = adapters
         except Exception as exc:  # boundary: a model that cannot be placed fails the host's LOAD

@@ -164,7 +164,7 @@ def test_a_compiled_model_gives_inputs_it_was_not_traced_for_to_the_eager_module
 @pytest.fixture(scope="module")
 def compiled_in_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The tiny net's directory and a compile cache holding its compiled package (compiled here, once)."""
-    from mme_runtime.models.compiling import compile_model
+    from mme_runtime.models.pt2 import compile_model
 
     root = tmp_path_factory.mktemp("compiled")
     model_dir = root / "model"
@@ -184,7 +184,7 @@ def _compile_arguments(model_dir: Path, cache: Path) -> tuple[object, ...]:
 def test_a_compiled_model_converted_after_the_compile_runs_eager_and_right(
     compiled_in_process: tuple[Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    from mme_runtime.models.compiling import CompiledModule, compile_model
+    from mme_runtime.models.pt2 import CompiledModule, compile_model
 
     model_dir, cache = compiled_in_process
     compiled = compile_model(*_compile_arguments(model_dir, cache))
@@ -207,7 +207,7 @@ def test_a_compiled_model_converted_after_the_compile_runs_eager_and_right(
 def test_a_damaged_compile_cache_entry_is_compiled_again(
     compiled_in_process: tuple[Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    from mme_runtime.models.compiling import CompiledModule, compile_model
+    from mme_runtime.models.pt2 import CompiledModule, compile_model
 
     model_dir, cache = compiled_in_process
     [package] = list((cache / "compiled").glob("*/model.pt2"))

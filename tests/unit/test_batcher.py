@@ -13,8 +13,7 @@ import torch
 
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.processes.crash_board import CrashBoard
-from mme_runtime.serving.batcher import Batcher, Job, group, run_batch
-from mme_runtime.serving.collate import signature
+from mme_runtime.serving.batcher import Batcher, Job, group, run_batch, signature
 from mme_runtime.serving.pass_threads import PassThreads
 
 

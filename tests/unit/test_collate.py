@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mme_runtime.serving.collate import SplitError, collate, rows, signature, split
+from mme_runtime.serving.batcher import SplitError, collate, rows, signature, split
 
 
 def test_tensors_with_the_same_trailing_shape_and_dtype_share_a_signature() -> None:

@@ -131,11 +131,11 @@ def test_only_config_reads_the_environment() -> None:
 
 
 def test_the_configuration_page_is_the_generated_one() -> None:
-    from mme_runtime.base.config_page import configuration_page
+    from mme_runtime.base.settings import configuration_page
 
     page = (REPO / "docs" / "configuration.md").read_text()
     assert page == configuration_page(), (
-        "regenerate with: .venv/bin/python -m mme_runtime.base.config_page > docs/configuration.md"
+        "regenerate with: .venv/bin/python -m mme_runtime.base.settings > docs/configuration.md"
     )
 
 

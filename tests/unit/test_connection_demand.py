@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 
-from mme_runtime.serving.connection_demand import ConnectionDemand
+from mme_runtime.serving.connection import ConnectionDemand
 
 
 def demand_with_asks(at_load: int = 2, full: int = 16) -> tuple[ConnectionDemand, list[int]]:

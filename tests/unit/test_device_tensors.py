@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mme_runtime.models.device_tensors import DeviceTensors, SharedWeightWritten, module_of
 from mme_runtime.models.model_package import Package, pack, unpack
-from mme_runtime.models.tensor_store import TensorStore
+from mme_runtime.models.tensor_store import DeviceTensors, SharedWeightWritten, TensorStore, module_of
 
 
 def fine_tune(head_seed: int) -> torch.nn.Module:

@@ -11,7 +11,7 @@ import pytest
 
 from mme_runtime.base.errors import InvalidInput, ModelLoadError, UnsupportedContentType
 from mme_runtime.models import hf_loading
-from mme_runtime.serving import collate
+from mme_runtime.serving import batcher
 from mme_runtime.serving.hf_requests import TaskBatch, TaskRequest, decode, encode
 
 
@@ -72,11 +72,11 @@ def test_answers_are_compact_json_or_csv_records() -> None:
 
 def test_requests_collate_themselves_into_one_batch() -> None:
     requests = [TaskRequest(["a"]), TaskRequest(["b", "c"], single=False)]
-    assert collate.signature(requests[0]) == collate.signature(requests[1]) is not None
-    assert [collate.rows(request) for request in requests] == [1, 2]
-    batch = collate.collate(requests)
+    assert batcher.signature(requests[0]) == batcher.signature(requests[1]) is not None
+    assert [batcher.rows(request) for request in requests] == [1, 2]
+    batch = batcher.collate(requests)
     assert isinstance(batch, TaskBatch) and batch.requests == requests
-    assert collate.split([1, 2, 3], [1, 2]) == [[1], [2, 3]]
+    assert batcher.split([1, 2, 3], [1, 2]) == [[1], [2, 3]]
 
 
 def _config(directory: Path, architectures: list[str], **extra: Any) -> Path:

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mme_runtime.base.config import Config
-from mme_runtime.operations import metric_directories, metric_series, metrics
+from mme_runtime.operations import metric_series, metrics
 from mme_runtime.operations.metrics_exporter import ModelMetrics
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -156,12 +156,12 @@ def test_sweep_retires_a_dead_server_only_once_mms_forgot_its_model(
     samples = scrape(collector)
     assert value(samples, "mme_requests_total", model="crashed", code="200") is None
     assert value(samples, "mme_model_load_duration_seconds_count", outcome="success") == 1
-    assert not any(metric_directories.models_dir(config.metrics_dir).iterdir())
+    assert not any(metrics.models_dir(config.metrics_dir).iterdir())
 
 
 def test_live_gauges_count_models_with_a_running_server(config: Config, exporter: Exporter) -> None:
-    metric_directories.models_dir(config.metrics_dir).joinpath("dead", "999999999").mkdir(parents=True)
-    metric_directories.models_dir(config.metrics_dir).joinpath("alive%2Fone", str(os.getpid())).mkdir(parents=True)
+    metrics.models_dir(config.metrics_dir).joinpath("dead", "999999999").mkdir(parents=True)
+    metrics.models_dir(config.metrics_dir).joinpath("alive%2Fone", str(os.getpid())).mkdir(parents=True)
     samples = scrape(exporter())
     assert value(samples, "mme_models_loaded") == 1
     assert value(samples, "mme_model_host_memory_bytes", model="alive/one") > 1024 * 1024
@@ -216,12 +216,12 @@ def test_user_metrics_in_a_model_process_stay_out(config: Config, exporter: Expo
 
 def test_a_fold_that_meets_a_bad_file_counts_the_rest_once(config: Config, exporter: Exporter) -> None:
     in_child(model_server(config, "gone", requests=1, unload=True))
-    [unloaded] = list(metric_directories.unloaded_dir(config.metrics_dir).iterdir())
+    [unloaded] = list(metrics.unloaded_dir(config.metrics_dir).iterdir())
     (unloaded / "histogram_999.db").write_bytes(b"")  # a writer killed between creating and sizing its file
     collector = exporter()
     for _ in range(3):
         assert value(scrape(collector), "mme_cache_lookups_total", cache="code", result="miss") == 1
-    assert not any(metric_directories.unloaded_dir(config.metrics_dir).iterdir())
+    assert not any(metrics.unloaded_dir(config.metrics_dir).iterdir())
 
 
 class LiveServer:
@@ -285,7 +285,7 @@ def test_an_ended_executor_folds_into_its_server_and_its_gauges_go(config: Confi
         server.end_executor()
         for _ in range(3):
             server.executor(1)  # an executor that crashes again and again
-        server_dir = metric_directories.models_dir(config.metrics_dir) / "m" / str(server.process.pid)
+        server_dir = metrics.models_dir(config.metrics_dir) / "m" / str(server.process.pid)
         collector.sweep()
         samples = scrape(collector)
         assert value(samples, "mme_requests_total", model="m", code="200") == 5

@@ -1,4 +1,4 @@
-"""What a failed load step or request answers with (mme_runtime/serving/responses.py): status, the words of
+"""What a failed load step or request answers with (mme_runtime/serving/content.py): status, the words of
 base/failures.py, and a traceback for the log only."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from sagemaker_inference.errors import BaseInferenceToolkitError
 
 from mme_runtime.base.errors import ContainerError, InsufficientMemory, ModelLoadError, RequestTimeout
-from mme_runtime.serving.responses import StepError, error_response, http_status, load_failure, release_memory_of
+from mme_runtime.serving.content import StepError, error_response, http_status, load_failure, release_memory_of
 
 REQUEST = SimpleNamespace(model_name="m", request_id="r-1")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mme_runtime.base.config import Config
-from mme_runtime.models.sharing import container_reason, model_reason, unmet_requirements
+from mme_runtime.models.loading import container_reason, model_reason, unmet_requirements
 
 NUMPY = metadata.version("numpy")
 TORCH = metadata.version("torch")
