@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mme_runtime.base import failures
+from mme_runtime.base.child_processes import Watcher
 from mme_runtime.base.config import Config
 from mme_runtime.models.loading import LoadFailure, ModelSpec, check_location, refuse_load
 from mme_runtime.models.model_cache import Key
@@ -53,8 +54,9 @@ class SharedModels:
     """Every model and device host of the warm process. The methods follow a model's life: what the warm process's
     loop asks, a model arrives, its connections, a host dies, a model goes."""
 
-    def __init__(self, config: Config, close_in_children: Callable[[], list[int]]) -> None:
+    def __init__(self, config: Config, watcher: Watcher, close_in_children: Callable[[], list[int]]) -> None:
         self.config = config
+        self.watcher = watcher  # the warm process's: every socket of ours it waits on, with what to do
         self.close_in_children = close_in_children
         self.models: dict[str, SharedModel] = {}
         self._free_slots: list[int] = []  # slots on the crash board given back by UNLOADs, taken first
@@ -62,19 +64,10 @@ class SharedModels:
         self.crash_count = CrashCount()
         self.store = TensorStore(config.share_weights)  # every package, its tensors held once by content
         self.cache = PackageCache(config, self.store.release)
-        self._handlers: dict[socket.socket, Callable[[], None]] = {}
-
-    def watched(self) -> list[socket.socket]:
-        return list(self._handlers)
-
-    def readable(self, sock: socket.socket) -> None:
-        handler = self._handlers.get(sock)
-        if handler is not None:
-            handler()
 
     def descriptors(self) -> list[int]:
         """What a forked child must close: every socket and package of ours (a copy would keep them alive)."""
-        fds = [sock.fileno() for sock in self._handlers]
+        fds = [sock.fileno() for sock in self.watcher.sockets()]
         for model in self.models.values():
             fds += [model.listener.fileno(), model.stub.fileno(), *(fd for fd in model.stdio if fd >= 0)]
         fds += self.hosts.descriptors() + self.store.descriptors()
@@ -108,7 +101,7 @@ class SharedModels:
         os.write(stdio[1], f"[PID] {request.get('pid', os.getpid())}\nMMS worker started.\n".encode())
         model = SharedModel(spec, request, stub, stdio, listener, self._free_slot(), time.time())
         self.models[spec.name] = model
-        self._handlers[stub] = lambda: self._stub_readable(model)
+        self.watcher.watch(stub, lambda: self._stub_readable(model))
         if check_location(spec, self.config) is None:  # else its loader refuses it: nothing of its files is read
             model.cache_key = self.cache.key(spec)
             model.package = None if model.cache_key is None else self.cache.take(model.cache_key, spec.name)
@@ -123,7 +116,7 @@ class SharedModels:
         model.oom_kills = failures.oom_kills()  # should it die: whether the kernel's out-of-memory killer did it
         model.loader, model.result = start_loader(spec, request, stdio, self.close_in_children())
         model.result.settimeout(RESULT_SECONDS)  # a loader's child could hold the socket open after the loader died
-        self._handlers[model.result] = lambda: self._loader_reported(model)
+        self.watcher.watch(model.result, lambda: self._loader_reported(model))
 
     def forget(self, name: str) -> bool:
         """After ``add`` failed halfway: lets go of what it took; True if that included the stub and its stdio."""
@@ -140,7 +133,7 @@ class SharedModels:
         if model.result is not None:
             with contextlib.suppress(OSError, ValueError):
                 report, fds = receive(model.result, with_fds=1)
-            self._handlers.pop(model.result, None)
+            self.watcher.forget(model.result)
             model.result.close()
             model.result = None
         spec = model.spec
@@ -172,7 +165,7 @@ class SharedModels:
             where = "shares its device host" if model.tenant == SHARED else "has its own device host"
             logger.info("model=%s %s (loaded in %.2f s)", model.spec.name, where, time.time() - model.started)
         model.ready = True
-        self._handlers[model.listener] = lambda: self._connection_waiting(model)
+        self.watcher.watch(model.listener, lambda: self._connection_waiting(model))
         model.tell_stub({"shared": True})
 
     def _make_private(self, model: SharedModel, reason: str, threads: int | None) -> None:
@@ -201,8 +194,8 @@ class SharedModels:
         key = model.host_key(device, self.models.values(), self.config.cpu_hosts)
         try:
             host = self.hosts.get(key, assignment.gpu, model.request["env"], connection)
-            if host.control not in self._handlers:  # a host started just now
-                self._handlers[host.control] = lambda: self._host_reported(host)
+            if not self.watcher.watches(host.control):  # a host started just now
+                self.watcher.watch(host.control, lambda: self._host_reported(host))
             if key not in model.hosts:
                 self._send_model(host, model, assignment.batch_size)
                 model.hosts.add(key)
@@ -222,7 +215,7 @@ class SharedModels:
         """A host's word on a model's load there: the LOAD's outcome is counted once."""
         message = self.hosts.report(host)
         if message is None:
-            self._handlers.pop(host.control, None)  # it is dying: its reap names the cause
+            self.watcher.forget(host.control)  # it is dying: its reap names the cause
             return
         model = self.models.get(message.get("model", ""))
         if model is not None and not model.load_recorded:
@@ -235,7 +228,7 @@ class SharedModels:
         """Names the model whose code killed the host and counts the crash against it (a second one in a shared host
         moves it to a host of its own); the frontend's reconnections start a new host and send it the models again."""
         key = crash.host.key
-        self._handlers.pop(crash.host.control, None)
+        self.watcher.forget(crash.host.control)
         on_host = [model for model in self.models.values() if key in model.hosts]
         for model in on_host:
             model.hosts.discard(key)
@@ -262,7 +255,7 @@ class SharedModels:
         self._free_slots.append(model.slot)
         for sock in (model.stub, model.listener, model.result):
             if sock is not None:
-                self._handlers.pop(sock, None)
+                self.watcher.forget(sock)
         if model.loader is not None:
             kill(model.loader)
         if model.result is not None:
@@ -293,7 +286,7 @@ class SharedModels:
             except OSError as exc:
                 logger.info("model=%s device host gone before its unload: %s", name, exc)
             if key.private and not host.models:
-                self._handlers.pop(host.control, None)
+                self.watcher.forget(host.control)
                 self.hosts.retire(host)
         model.hosts.clear()
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import FrameType
 
 from mme_runtime.base import failures
-from mme_runtime.base.child_processes import exited_children, raise_descriptor_limit, readable
+from mme_runtime.base.child_processes import Watcher, exited_children, raise_descriptor_limit
 from mme_runtime.base.config import Config
 from mme_runtime.models import hf_loading
 from mme_runtime.models.loading import ModelSpec
@@ -57,7 +57,9 @@ class WarmProcess:
 
         self.listener = listener
         self.config = config
-        self.shared = SharedModels(config, self._descriptors)
+        self.watcher = Watcher()
+        self.watcher.watch(listener, self._accept)
+        self.shared = SharedModels(config, self.watcher, self._descriptors)
         self.deaths = failures.Deaths()  # loaders: a signal that kills one is logged with its model
         self._stopping = False
 
@@ -66,11 +68,7 @@ class WarmProcess:
         signal.signal(signal.SIGINT, self._on_stop)
         print(f"warm process ready pid={os.getpid()}", flush=True)
         while not self._stopping:
-            for sock in readable([self.listener, *self.shared.watched()], 0.5):
-                if sock is self.listener:
-                    self._accept()
-                else:
-                    self.shared.readable(sock)
+            self.watcher.run_once(0.5)
             self._reap()
         self.shared.stop()
 
@@ -112,7 +110,7 @@ class WarmProcess:
 
     def _descriptors(self) -> list[int]:
         """What this process holds that a forked child must not keep open."""
-        return [self.listener.fileno(), *self.shared.descriptors()]
+        return self.shared.descriptors()  # the listener among them
 
     def _reap(self) -> None:
         for pid, code in exited_children():

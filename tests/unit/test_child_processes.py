@@ -1,14 +1,18 @@
-"""``fork_child``, the one way a model process is made: what the child inherits and what it does not."""
+"""``fork_child``, the one way a model process is made (what the child inherits and what it does not), and the
+``Watcher`` the warm process waits on its sockets with."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+
+from mme_runtime.base.child_processes import Watcher
 
 PROBE = """
 import json, os, signal, socket, sys, time
@@ -93,3 +97,28 @@ def _alive(pid: int) -> bool:
         return False
     stat = Path(f"/proc/{pid}/stat").read_text() if Path(f"/proc/{pid}").exists() else ""
     return " Z " not in stat  # a zombie has died; its new parent collects it
+
+
+def test_the_watcher_calls_a_readable_socket_s_handler_until_it_is_forgotten() -> None:
+    watcher = Watcher()
+    calls: list[str] = []
+    a, a_peer = socket.socketpair()
+    b, b_peer = socket.socketpair()
+    watcher.watch(a, lambda: calls.append("a"))
+    watcher.watch(b, lambda: (calls.append("b"), watcher.forget(a)))  # b's handler forgets a, within one wait
+    watcher.run_once(0.1)
+    assert calls == []  # nothing to read yet
+    a_peer.send(b"x")
+    b_peer.send(b"x")
+    watcher.run_once(1)
+    assert sorted(calls) == ["a", "b"] or calls == ["b"]  # a runs unless b ran first and forgot it
+    calls.clear()
+    watcher.forget(b)
+    b.close()
+    c, c_peer = socket.socketpair()  # may take b's descriptor number
+    watcher.watch(c, lambda: calls.append("c"))
+    c_peer.send(b"x")
+    watcher.run_once(1)
+    assert calls == ["c"]  # a was forgotten, b is gone: only c
+    for sock in (a, a_peer, b_peer, c, c_peer):
+        sock.close()
