@@ -21,7 +21,7 @@ import torch
 
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
-from mme_runtime.models import hf_audio_loading, hf_loading, lora, model_cache, pt2
+from mme_runtime.models import hf_audio_loading, hf_loading, lora, model_cache, package_cache, pt2
 from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.serving import hf_generation, hf_requests, hf_vision
 from mme_runtime.serving.hf_audio_tasks import AudioRunner
@@ -29,12 +29,20 @@ from mme_runtime.serving.hf_generation import GenerationLimits, GenerationRunner
 from mme_runtime.serving.hf_requests import TaskBatch, TaskRequest
 from mme_runtime.serving.hf_tasks import TaskRunner, shape
 from mme_runtime.serving.pass_threads import RunPass, run_here
+from mme_runtime.serving.transformer import DefaultsProvider, register_defaults
 
 
 def serves(model_dir: Path) -> bool:
     """Whether a directory is a Hugging Face model for these defaults: no TorchScript or PT2 file beside it."""
     others = pt2.pt2_file(model_dir) is not None or model_cache.model_file(model_dir) is not None
     return not others and (hf_loading.is_hugging_face_directory(model_dir) or lora.is_adapter_directory(model_dir))
+
+
+def register() -> None:
+    """Offers these defaults to the serving core for the directories they serve, and tells the package cache which
+    files hold a Hugging Face base's weights."""
+    register_defaults(DefaultsProvider(serves, HuggingFaceDefaults, "choosing the Hugging Face task"))
+    package_cache.register_weight_files(hf_loading.WEIGHT_FILES)
 
 
 class HuggingFaceDefaults:
