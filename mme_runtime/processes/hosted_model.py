@@ -19,7 +19,7 @@ from mms.service import Service
 
 from mme_runtime.base import devices
 from mme_runtime.base.config import Config
-from mme_runtime.models.hf_loading import HuggingFaceModel
+from mme_runtime.huggingface.loading import HuggingFaceModel
 from mme_runtime.models.loading import LoadedModel, LoadFailure, ModelSpec
 from mme_runtime.operations.metric_series import Series
 from mme_runtime.processes.executor import Assignment

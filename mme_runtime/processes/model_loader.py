@@ -21,8 +21,8 @@ from mme_runtime.base import devices
 from mme_runtime.base.child_processes import become_child
 from mme_runtime.base.config import Config
 from mme_runtime.base.logs import configure_logging
+from mme_runtime.huggingface.loading import HuggingFaceModel
 from mme_runtime.models import sharing
-from mme_runtime.models.hf_loading import HuggingFaceModel
 from mme_runtime.models.loading import LoadFailure, ModelSpec, check_location, check_memory, load_model
 from mme_runtime.models.model_cache import model_file
 from mme_runtime.models.model_package import NotPackable, is_torchscript, pack, pack_torchscript_file, unpack

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 from mme_runtime.base.errors import InvalidInput, UnsupportedContentType
-from mme_runtime.models import hf_audio_loading, hf_loading
-from mme_runtime.serving import hf_audio, hf_requests
+from mme_runtime.huggingface import audio as hf_audio
+from mme_runtime.huggingface import audio_loading as hf_audio_loading
+from mme_runtime.huggingface import loading as hf_loading
+from mme_runtime.huggingface import requests as hf_requests
 
 ASR = "automatic-speech-recognition"
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.models import hf_loading
-from mme_runtime.serving import hf_audio_tasks
-from mme_runtime.serving.hf_audio import Audio
-from mme_runtime.serving.hf_audio_tasks import AudioRunner
-from mme_runtime.serving.hf_requests import TaskRequest
+from mme_runtime.huggingface import audio_tasks as hf_audio_tasks
+from mme_runtime.huggingface import loading as hf_loading
+from mme_runtime.huggingface.audio import Audio
+from mme_runtime.huggingface.audio_tasks import AudioRunner
+from mme_runtime.huggingface.requests import TaskRequest
 
 ASR = "automatic-speech-recognition"
 SECONDS = (0.25, 1.3, 0.6, 2.1, 0.9)
@@ -72,7 +72,7 @@ def test_ctc_and_classifier_answers_in_one_batch_equal_the_lone_pipelines(tmp_pa
 def test_npy_samples_are_taken_at_the_models_rate_as_the_pipeline_takes_a_bare_array(tmp_path: Path) -> None:
     import numpy as np
 
-    from mme_runtime.serving.hf_requests import decode
+    from mme_runtime.huggingface.requests import decode
 
     directory = hf_audio_models.wav2vec2_classifier(tmp_path / "cls")
     runner, pipeline = _runner(directory, "audio-classification"), _pipeline(directory, "audio-classification")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.serving import hf_npy
-from mme_runtime.serving.hf_requests import ACCEPTS, decode, encode
+from mme_runtime.huggingface import npy as hf_npy
+from mme_runtime.huggingface.requests import ACCEPTS, decode, encode
 
 NPY = "application/x-npy"
 

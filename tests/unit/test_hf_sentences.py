@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from mme_runtime.base.errors import InvalidInput, ModelLoadError
-from mme_runtime.models import hf_loading, hf_sentence_loading
-from mme_runtime.serving.hf_requests import TaskRequest, decode
-from mme_runtime.serving.hf_tasks import TaskRunner, shape
+from mme_runtime.huggingface import loading as hf_loading
+from mme_runtime.huggingface import sentence_loading as hf_sentence_loading
+from mme_runtime.huggingface.requests import TaskRequest, decode
+from mme_runtime.huggingface.tasks import TaskRunner, shape
 
 LONG = hf_models.text_of_tokens(80, 5)  # past the model's max_seq_length (24): cut, as sentence-transformers cuts it
 TEXTS = ["paris is", "the capital of france", LONG, "good"]

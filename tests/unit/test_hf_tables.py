@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.models import hf_loading
-from mme_runtime.serving import hf_requests
-from mme_runtime.serving.hf_tasks import TaskRunner, shape
+from mme_runtime.huggingface import loading as hf_loading
+from mme_runtime.huggingface import requests as hf_requests
+from mme_runtime.huggingface.tasks import TaskRunner, shape
 
 TASK = "table-question-answering"
 
@@ -152,7 +152,7 @@ def test_a_table_with_no_text_is_its_clients_400_and_fails_no_other_request(tapa
 def test_a_request_tokenizes_at_most_max_cells_and_characters_of_table(monkeypatch: pytest.MonkeyPatch) -> None:
     """TAPAS's tokenizer is pure Python (about 2,000 cells or 50,000 characters a second here) and reads the whole
     table once per query, inside the pass its batch waits on: a 6 MB table was minutes of it, retried in halves."""
-    from mme_runtime.serving import hf_tables
+    from mme_runtime.huggingface import tables as hf_tables
 
     monkeypatch.setattr(hf_tables, "MAX_CELLS", 16)  # a column name counts as a cell
     monkeypatch.setattr(hf_tables, "MAX_CHARACTERS", 100)

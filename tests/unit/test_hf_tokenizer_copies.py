@@ -10,8 +10,8 @@ from pathlib import Path
 import hf_models
 from transformers import AutoTokenizer
 
-from mme_runtime.serving import hf_tokenizer_copies
-from mme_runtime.serving.hf_tokenizer_copies import copies_of, lent_tokenizer
+from mme_runtime.huggingface import tokenizer_copies as hf_tokenizer_copies
+from mme_runtime.huggingface.tokenizer_copies import copies_of, lent_tokenizer
 
 
 def a_tokenizer(tmp_path: Path) -> object:

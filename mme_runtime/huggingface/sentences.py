@@ -10,7 +10,7 @@
   ``CrossEncoder.rank``'s ``[{"score", "index"}]``, best first.
 
 Every sentence (every pair) is a row of its own, so the rows of concurrent requests share padded passes: the embedding
-tasks as pooled feature-extraction (``hf_tasks.py``), ranking through ``scores`` here.
+tasks as pooled feature-extraction (``tasks.py``), ranking through ``scores`` here.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any, Protocol
 import torch
 
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.models.hf_loading import HuggingFaceModel
-from mme_runtime.models.hf_sentence_loading import IDENTITY, RANKING_TASK, TASKS
+from mme_runtime.huggingface.loading import HuggingFaceModel
+from mme_runtime.huggingface.sentence_loading import IDENTITY, RANKING_TASK, TASKS
 
 __all__ = ["TASKS", "request", "scores", "shape"]
 
@@ -34,7 +34,7 @@ Forward = Callable[[list[dict[str, Any]], Callable[[Any], Any]], list[dict[str, 
 
 
 class Request(Protocol):
-    """What is read here of a request (``hf_requests.TaskRequest``, which is built from ``request``'s answer)."""
+    """What is read here of a request (``requests.TaskRequest``, which is built from ``request``'s answer)."""
 
     inputs: list[Any]
     parameters: dict[str, Any]

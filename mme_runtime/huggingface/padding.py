@@ -1,4 +1,4 @@
-"""Rows of a batch padded into forward passes and cut back: the padding ``hf_tasks.py`` runs Hugging Face models on.
+"""Rows of a batch padded into forward passes and cut back: the padding ``tasks.py`` runs Hugging Face models on.
 
 Rows are grouped by length (``length_groups``), padded on the right whatever side the tokenizer pads (``pad``: the
 attention mask hides the padding, and cutting back keeps each row's own tokens first), and each row's outputs are

@@ -7,7 +7,7 @@ tokenizer pickled into a tensor of bytes (``packed``), without the directory it 
 give equal tensors, which a package holds once like any equal tensor (``tensor_store.py``). A host unpickles each
 content once (``unpacked``), keyed by its digest and the model's task (a pipeline may set what its task needs), and
 every later model with the same key takes that object while any model uses it. A tokenizer is only read once
-loaded; the threads that tokenize use lent copies of it (``serving/hf_tokenizer_copies.py``).
+loaded; the threads that tokenize use lent copies of it (``tokenizer_copies.py``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One row of a batched generation (``hf_decoding.py``) and how it picks its next token: as ``generate`` picks it for
+"""One row of a batched generation (``decoding.py``) and how it picks its next token: as ``generate`` picks it for
 that row alone, its own logits processors over its own tokens, then argmax, or a draw with its own
 ``torch.Generator`` (the global one if it has none, as the pipeline draws).
 """

@@ -1,5 +1,5 @@
 """What a request may ask of ``generate``, checked before its rows join a batch: the same rules for text generation
-(``hf_generation.py``) and a speech recognizer's (``hf_audio_tasks.py``).
+(``generation.py``) and a speech recognizer's (``audio_tasks.py``).
 
 Two kinds of parameter are the server's business, not the client's. How a generation is held (its cache, compiling
 it, batching it) is the server's: a static cache of ``max_cache_len`` 10**6 is allocated whole, and an offloaded one

@@ -3,8 +3,8 @@
 
 A request is ``{"inputs": ..., "parameters": {...}}`` in JSON (a string or a list of strings; for
 question-answering ``{"question", "context"}`` or a list of them), a CSV with an ``inputs`` (or ``question`` and
-``context``) header, an image (``image/png``, ``image/jpeg``, ...), or an NPY array (``hf_npy.py``). The answer is
-the pipeline's, in compact JSON, CSV or NPY; the sentence tasks read theirs in ``hf_sentences.py``. A ``TaskRequest``
+``context``) header, an image (``image/png``, ``image/jpeg``, ...), or an NPY array (``npy.py``). The answer is
+the pipeline's, in compact JSON, CSV or NPY; the sentence tasks read theirs in ``sentences.py``. A ``TaskRequest``
 is what several requests share a forward pass as: one row per input.
 """
 
@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 
 from mme_runtime.base.errors import InvalidInput, UnsupportedContentType
-from mme_runtime.models.hf_audio_loading import AUDIO_TASKS
-from mme_runtime.models.hf_loading import IMAGE_TASKS
-from mme_runtime.serving import content, hf_audio, hf_npy, hf_sentences, hf_tables, hf_zero_shot
+from mme_runtime.huggingface import audio, npy, sentences, tables, zero_shot
+from mme_runtime.huggingface.audio_loading import AUDIO_TASKS
+from mme_runtime.huggingface.loading import IMAGE_TASKS
+from mme_runtime.serving import content
 
 IMAGE_TYPES = frozenset(
     {"image/jpeg", "image/png", "image/tiff", "image/bmp", "image/gif", "image/webp", "image/x-image"}
@@ -41,7 +42,7 @@ MAX_IMAGES = 64
 # makes a 1 x 100,000 image 224 x 22,400,000 (60 GB of float32); at 100:1, 224 x 22,400.
 MAX_ASPECT_RATIO = 100
 # Tasks whose inputs or parameters nest, which a CSV cannot: the AWS container refuses CSV for them too (400).
-NO_CSV_TASKS = frozenset({hf_zero_shot.TASK, hf_tables.TASK})
+NO_CSV_TASKS = frozenset({zero_shot.TASK, tables.TASK})
 
 
 @dataclass(eq=False)
@@ -82,12 +83,12 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
         if task not in IMAGE_TASKS:  # as audio for a model that takes none: the type is refused, 415
             raise UnsupportedContentType(f"content type {content_type!r} is an image, which {task} does not take")
         return TaskRequest([_image(body)])
-    if media in hf_audio.AUDIO_TYPES:  # speech models: serving/hf_audio.py
-        return TaskRequest([hf_audio.read_body(body, content_type, task, AUDIO_TASKS)])
+    if media in audio.AUDIO_TYPES:  # speech models: serving/audio.py
+        return TaskRequest([audio.read_body(body, content_type, task, AUDIO_TASKS)])
     if isinstance(body, (bytes, bytearray)) and media != content.NPY:
         body = content.utf8_text(body)
     if media == content.NPY:
-        data = {"inputs": hf_npy.inputs(body)}  # the array is the inputs (hf_npy.py)
+        data = {"inputs": npy.inputs(body)}  # the array is the inputs (npy.py)
     elif media == content.JSON:
         try:
             data = json.loads(body)
@@ -108,20 +109,20 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
     if not isinstance(parameters, dict):
         raise InvalidInput(f'"parameters" must be an object, not {type(parameters).__name__}')
     inputs = data["inputs"]
-    if task in hf_sentences.TASKS:
-        return TaskRequest(*hf_sentences.request(inputs, parameters, task))
+    if task in sentences.TASKS:
+        return TaskRequest(*sentences.request(inputs, parameters, task))
     single = not isinstance(inputs, list)
     items = [inputs] if single else inputs
     if not items:
         raise InvalidInput('"inputs" is an empty list')
     if task in AUDIO_TASKS:
-        return TaskRequest(hf_audio.read_inputs(items, task), parameters, single)
+        return TaskRequest(audio.read_inputs(items, task), parameters, single)
     for item in items:
         _check(item, task)
-    if task == hf_zero_shot.TASK:
-        hf_zero_shot.check_parameters(parameters, items)
-    elif task == hf_tables.TASK:
-        hf_tables.check_parameters(parameters, items)
+    if task == zero_shot.TASK:
+        zero_shot.check_parameters(parameters, items)
+    elif task == tables.TASK:
+        tables.check_parameters(parameters, items)
     if task in IMAGE_TASKS:
         items = _images(items)
     return TaskRequest(items, parameters, single)
@@ -130,7 +131,7 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
 def encode(answer: Any, accept: str) -> bytes:
     """The answer in compact JSON (as the toolkit writes it), CSV for a list of records, or NPY for numbers."""
     if content.media_type(accept) == content.NPY:
-        return hf_npy.encode(answer)
+        return npy.encode(answer)
     if content.media_type(accept) == content.CSV:
         records = answer if isinstance(answer, list) else [answer]
         if not records or not all(isinstance(record, dict) for record in records):
@@ -150,8 +151,8 @@ def _check(item: Any, task: str) -> None:
     elif task in IMAGE_TASKS:
         if not isinstance(item, str):
             raise InvalidInput(f"{task} takes an image body (image/png, image/jpeg, ...) or base64 in JSON")
-    elif task == hf_tables.TASK:
-        hf_tables.check_input(item)
+    elif task == tables.TASK:
+        tables.check_input(item)
     elif task == "text-classification" and isinstance(item, dict):
         if not isinstance(item.get("text"), str) or not isinstance(item.get("text_pair", ""), str):
             raise InvalidInput('a text pair is {"text": "...", "text_pair": "..."}')

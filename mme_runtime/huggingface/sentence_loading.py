@@ -41,8 +41,8 @@ SIGMOID, IDENTITY = "Sigmoid", "Identity"
 
 
 def configure(model_dir: Path, loaded: Any) -> None:
-    """Makes a loaded model (``hf_loading.HuggingFaceModel``) compute what its sentence task answers: pooled
-    feature-extraction for the embedding tasks (its pooling and normalization read by ``hf_loading``), or scores
+    """Makes a loaded model (``loading.HuggingFaceModel``) compute what its sentence task answers: pooled
+    feature-extraction for the embedding tasks (its pooling and normalization read by ``loading``), or scores
     for ranking. Raises ``ModelLoadError`` for a directory that would answer otherwise than sentence-transformers."""
     # sentence-transformers reads sentence_bert_config.json only beside a modules.json (else it builds its default
     # modules): it always cuts, never refuses, at max_seq_length, else at what the model takes.

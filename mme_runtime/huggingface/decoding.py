@@ -4,11 +4,11 @@ done (their place kept for the next row to join, the batch compacted once half o
 
 Each row's decoder tokens sit at the right of the batch's self-attention cache (padded on the left, the attention
 mask hiding the padding) and its encoder's outputs at the left of the cross-attention cache (padded on the right);
-``hf_kv_cache.py`` keeps them so that a step copies nothing. Each row keeps its own positions: decoder-only models
+``kv_cache.py`` keeps them so that a step copies nothing. Each row keeps its own positions: decoder-only models
 take ``position_ids``; an encoder-decoder whose decoder adds absolute position embeddings (BART, Marian) gets each
 row's own through a hook on that module; T5's relative positions need nothing. A row alone is prefilled and decoded
 with the arguments ``generate`` passes, so a lone client's tokens are ``generate``'s; each row picks its tokens as
-``generate`` would for it alone (``hf_rows.py``).
+``generate`` would for it alone (``rows.py``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from mme_runtime.serving import hf_kv_cache
-from mme_runtime.serving.hf_rows import Row, pick_tokens, record
+from mme_runtime.huggingface import kv_cache
+from mme_runtime.huggingface.rows import Row, pick_tokens, record
 
 # Leading columns no row attends to any more are cut off once there are this many (a copy of the cache).
 TRIM_COLUMNS = 32
@@ -83,10 +83,10 @@ class DecodingBatch:
             encoded = encoder_mask = torch.empty(0)
         tokens = pick_tokens(list(rows), outputs.logits[:, -1].to(copy=True, dtype=torch.float32), self.device)
         cache = outputs.past_key_values
-        if not hf_kv_cache.all_plain(cache):
+        if not kv_cache.all_plain(cache):
             self.joinable = False  # sliding windows or linear attention: padding caches together is not safe
         if not self.rows:
-            hf_kv_cache.regrow(cache)
+            kv_cache.regrow(cache)
             self.rows, self.cache, self.mask, self.positions, self.next = list(rows), cache, mask, positions, tokens
             self.alive = torch.ones(len(rows), dtype=torch.bool, device=self.device)
             self.encoded, self.encoder_mask = encoded, encoder_mask
@@ -115,7 +115,7 @@ class DecodingBatch:
                 added.append(index)
                 continue
             slot = holes.pop(0)
-            hf_kv_cache.write_row(self.cache, slot, cache, index, tokens_in, length, source)
+            kv_cache.write_row(self.cache, slot, cache, index, tokens_in, length, source)
             self.mask[slot] = 0
             self.mask[slot, length - tokens_in :] = 1
             self.positions[slot], self.next[slot], self.alive[slot] = positions[index], tokens[index], True
@@ -129,8 +129,8 @@ class DecodingBatch:
         picked = torch.tensor(added, device=self.device)
         length = max(length, mask.shape[1])
         source = max(self.encoded.shape[1], encoded.shape[1]) if self.encoder_decoder else 0
-        hf_kv_cache.join(self.cache, cache, picked, length, source)
-        pad = hf_kv_cache.pad
+        kv_cache.join(self.cache, cache, picked, length, source)
+        pad = kv_cache.pad
         self.mask = torch.cat([pad(self.mask, length, 1, left=True), pad(mask[picked], length, 1, left=True)])
         if self.encoder_decoder:
             self.encoded = torch.cat([pad(self.encoded, source, 1), pad(encoded[picked], source, 1)])
@@ -251,7 +251,7 @@ class DecodingBatch:
         if self.encoder_decoder:
             end = int(torch.nonzero(self.encoder_mask[kept].sum(0))[-1]) + 1
             self.encoded, self.encoder_mask = self.encoded[kept, :end], self.encoder_mask[kept, :end]
-        hf_kv_cache.select(self.cache, kept, first, end)
+        kv_cache.select(self.cache, kept, first, end)
         self.rows = [self.rows[i] for i in kept.tolist()]
         self.mask, self.positions = self.mask[kept, first:], self.positions[kept]
         self.next, self.alive = self.next[kept], self.alive[kept]

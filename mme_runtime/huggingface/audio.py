@@ -76,7 +76,7 @@ def read_inputs(items: list[Any], task: str) -> list[Audio]:
 
 
 def samples(item: np.ndarray, task: str) -> Audio:
-    """A clip sent as its samples (an NPY body's row of numbers: ``hf_npy.py``), at the model's rate."""
+    """A clip sent as its samples (an NPY body's row of numbers: ``npy.py``), at the model's rate."""
     clip = np.asarray(item, dtype=np.float32)
     if clip.ndim != 1 or not clip.size:
         raise InvalidInput(f"{task} takes samples as one row of numbers per clip")

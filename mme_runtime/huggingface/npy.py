@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.serving import hf_audio
+from mme_runtime.huggingface import audio
 
 TEXT_KINDS = "US"  # unicode, and bytes read as UTF-8
 NUMBER_KINDS = "biuf"
@@ -54,8 +54,8 @@ def inputs(body: bytes | bytearray | str) -> Any:
     if array.dtype.kind in NUMBER_KINDS:
         if array.dtype.kind == "f" and not np.isfinite(array).all():
             raise InvalidInput("the NPY array holds NaN or infinity")
-        if array.ndim == 2 and len(array) > hf_audio.MAX_CLIPS:  # before six million rows become six million arrays
-            raise InvalidInput(f"an NPY body holds one clip a row: {len(array)} rows, at most {hf_audio.MAX_CLIPS}")
+        if array.ndim == 2 and len(array) > audio.MAX_CLIPS:  # before six million rows become six million arrays
+            raise InvalidInput(f"an NPY body holds one clip a row: {len(array)} rows, at most {audio.MAX_CLIPS}")
         return list(array) if array.ndim == 2 else array
     raise InvalidInput(f"an NPY body must hold strings or numbers, not {array.dtype}")
 

@@ -4,7 +4,7 @@ classifiers, the Auto class that loads each, and the feature extractor (and toke
 A directory is an audio one when its ``preprocessor_config.json`` names a feature extractor with a sampling rate
 (``Wav2Vec2FeatureExtractor``, ``WhisperFeatureExtractor``): its ``...ForSequenceClassification`` is then an audio
 classifier, not a text one, and its ``...ForConditionalGeneration`` (Whisper) a speech recognizer, not a text-to-text
-model. Runs where ``hf_loading`` runs: on the host, CUDA-free.
+model. Runs where ``loading`` runs: on the host, CUDA-free.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """A Hugging Face model's task, run over a batch of requests: each input is prepared on its own by the task's
 pipeline (tokenized, with the request's own parameters), the rows are grouped by length and each group padded into
-one forward pass (``hf_padding.py``), and each row, cut back to its own length, is post-processed as the pipeline
+one forward pass (``padding.py``), and each row, cut back to its own length, is post-processed as the pipeline
 does for that input alone. So each client gets what the unbatched pipeline answers for its input.
 
-transformers 5 has no question-answering pipeline: ``hf_question_answering.py`` is its stand-in here. The sentence
-tasks (``hf_sentences.py``) run as pooled feature-extraction, or score pairs there.
+transformers 5 has no question-answering pipeline: ``question_answering.py`` is its stand-in here. The sentence
+tasks (``sentences.py``) run as pooled feature-extraction, or score pairs there.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.models.hf_loading import HuggingFaceModel
-from mme_runtime.serving import hf_padding, hf_question_answering, hf_sentences, hf_tables, hf_vision
-from mme_runtime.serving.hf_requests import TaskRequest
-from mme_runtime.serving.hf_tokenizer_copies import lent_pipeline, lent_tokenizer
+from mme_runtime.huggingface import padding, question_answering, sentences, tables, vision
+from mme_runtime.huggingface.loading import HuggingFaceModel
+from mme_runtime.huggingface.requests import TaskRequest
+from mme_runtime.huggingface.tokenizer_copies import lent_pipeline, lent_tokenizer
 
 # The tasks whose pipelines take "truncation": a text longer than the model takes may be cut to fit.
 TRUNCATING_TASKS = frozenset({"text-classification", "feature-extraction"})
@@ -30,7 +30,7 @@ REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout"})
 
 class TaskRunner:
     """One placed model's task. A batch is prepared with a copy of the tokenizer lent for it
-    (``hf_tokenizer_copies.py``): tokenizers are not safe to share between threads."""
+    (``tokenizer_copies.py``): tokenizers are not safe to share between threads."""
 
     def __init__(self, model: HuggingFaceModel, device: torch.device) -> None:
         transformers: Any = importlib.import_module("transformers")
@@ -51,13 +51,13 @@ class TaskRunner:
         if self._pipeline is None:
             with lent_tokenizer(self.model.tokenizer) as tokenizer:
                 if self.task == "sentence-ranking":
-                    return hf_sentences.scores(tokenizer, self.model, requests, self._forward)
-                return hf_question_answering.run(tokenizer, self.model, requests, self._forward)
+                    return sentences.scores(tokenizer, self.model, requests, self._forward)
+                return question_answering.run(tokenizer, self.model, requests, self._forward)
         with lent_pipeline(self._pipeline) as pipeline:
-            if self.task == hf_tables.TASK:
-                return hf_tables.run(pipeline, self.model, requests, self._forward)
-            if self.task in hf_vision.TASKS:  # images batched per shape, masks as PNG
-                return hf_vision.run(pipeline, requests)
+            if self.task == tables.TASK:
+                return tables.run(pipeline, self.model, requests, self._forward)
+            if self.task in vision.TASKS:  # images batched per shape, masks as PNG
+                return vision.run(pipeline, requests)
             return self._run_texts(pipeline, requests)
 
     def _run_texts(self, pipeline: Any, requests: list[TaskRequest]) -> list[Any]:
@@ -98,17 +98,17 @@ class TaskRunner:
     def _forward(
         self, rows: list[dict[str, Any]], forward: Callable[[Any], Any], adapters: list[str | None] | None = None
     ) -> list[dict[str, Any]]:
-        """The model over ``rows``, handed back row by row as a pass over each alone gives it (``hf_padding.py``):
+        """The model over ``rows``, handed back row by row as a pass over each alone gives it (``padding.py``):
         sorted by length, in groups padded to their longest, so that a batch of texts from 4 to 200 tokens costs
         neither sixteen texts of 200 nor sixteen passes. ``adapters``: each row's LoRA adapter (``lora_layers.py``)."""
         outputs: list[Any] = [None] * len(rows)
         pad_id = getattr(self.model.tokenizer, "pad_token_id", None)
-        for group in hf_padding.length_groups([hf_padding.length(row) or 0 for row in rows]):
+        for group in padding.length_groups([padding.length(row) or 0 for row in rows]):
             members = [rows[index] for index in group]
             with self._selecting(None if adapters is None else [adapters[index] for index in group]):
-                batch = forward(members[0] if len(members) == 1 else hf_padding.pad(members, pad_id))
+                batch = forward(members[0] if len(members) == 1 else padding.pad(members, pad_id))
             for position, index in enumerate(group):
-                outputs[index] = batch if len(members) == 1 else hf_padding.row(batch, position, members[position])
+                outputs[index] = batch if len(members) == 1 else padding.row(batch, position, members[position])
         return outputs
 
     def _selecting(self, adapters: list[str | None] | None) -> AbstractContextManager[Any]:
@@ -118,7 +118,7 @@ class TaskRunner:
 
     def _check_length(self, row: dict[str, Any]) -> None:
         limit = self.model.max_length
-        length = hf_padding.length(row)
+        length = padding.length(row)
         if limit is not None and length is not None and length > limit:
             advice = ', or send "parameters": {"truncation": true}' if self.task in TRUNCATING_TASKS else ""
             raise InvalidInput(f"an input has {length} tokens and the model takes at most {limit}: shorten it{advice}")
@@ -177,11 +177,11 @@ def _is_chunked(pipeline: Any) -> bool:
 def shape(task: str, answers: list[Any], request: TaskRequest) -> Any:
     """The answers of one request as the pipeline returns them for its input: for one input, its answer (a text
     classifier's in a list unless ``top_k`` was given); for a list, the list (fill-mask unwraps a list of one)."""
-    if task in hf_sentences.TASKS:
-        return hf_sentences.shape(task, answers, request)
+    if task in sentences.TASKS:
+        return sentences.shape(task, answers, request)
     if request.single:
         wrap = task == "text-classification" and "top_k" not in request.parameters
         return [answers[0]] if wrap else answers[0]
-    if task in ("fill-mask", hf_tables.TASK) and len(answers) == 1:
+    if task in ("fill-mask", tables.TASK) and len(answers) == 1:
         return answers[0]
     return answers

@@ -1,4 +1,4 @@
-"""The KV caches of a batch of generations (``hf_decoding.py``), kept so that a step copies nothing: a decoder's
+"""The KV caches of a batch of generations (``decoding.py``), kept so that a step copies nothing: a decoder's
 self-attention keys and values sit in buffers with room to grow (``GrowingLayer``: a step writes its token in place,
 where transformers' ``DynamicLayer`` concatenates the whole cache), and a row that joins takes the place of one that
 left, written in place. Copies happen only when the batch grows past its rows, or is compacted or trimmed.

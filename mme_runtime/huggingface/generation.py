@@ -1,5 +1,5 @@
-"""Generative tasks served with no code: each input becomes rows (``hf_decoding.Row``) that the model's scheduler
-decodes together with every other client's (``hf_scheduler.py``), each picking its tokens as ``generate`` would for
+"""Generative tasks served with no code: each input becomes rows (``decoding.Row``) that the model's scheduler
+decodes together with every other client's (``scheduler.py``), each picking its tokens as ``generate`` would for
 that input alone; what the loop does not do (beam search, and the other decoding modes) runs ``generate`` alone.
 
 Parameters go to ``generate`` as the pipeline passes them, plus ``stop`` (a string or a list: the answer ends with the
@@ -23,13 +23,13 @@ import torch
 
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.models.hf_loading import HuggingFaceModel
-from mme_runtime.serving.hf_decoding import DecodingBatch
-from mme_runtime.serving.hf_generation_parameters import SERVER_PARAMETERS, check_token_ids, vocabulary
-from mme_runtime.serving.hf_generation_tasks import Prompt, TextGeneration, TextToText
-from mme_runtime.serving.hf_requests import TaskRequest
-from mme_runtime.serving.hf_rows import TIME, Row
-from mme_runtime.serving.hf_scheduler import Scheduler
+from mme_runtime.huggingface.decoding import DecodingBatch
+from mme_runtime.huggingface.generation_parameters import SERVER_PARAMETERS, check_token_ids, vocabulary
+from mme_runtime.huggingface.generation_tasks import Prompt, TextGeneration, TextToText
+from mme_runtime.huggingface.loading import HuggingFaceModel
+from mme_runtime.huggingface.requests import TaskRequest
+from mme_runtime.huggingface.rows import TIME, Row
+from mme_runtime.huggingface.scheduler import Scheduler
 from mme_runtime.serving.pass_threads import RunPass, run_here
 
 # A generation is cut this long before SAGEMAKER_MODEL_SERVER_TIMEOUT, so that its answer leaves in time.
