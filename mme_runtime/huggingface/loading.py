@@ -1,26 +1,35 @@
-"""Hugging Face models with no code: a ``save_pretrained`` directory (``config.json`` and its weights) loaded as its
-task's ``AutoModelFor...``, with its tokenizer or image processor, on the host and CUDA-free.
+"""A Hugging Face ``save_pretrained`` directory (``config.json`` and its weights) loaded as its task's
+``AutoModelFor...``, with what prepares its inputs (a tokenizer, an image processor, a speech model's feature
+extractor), on the host and CUDA-free; transformers is imported on the first such model, never at start.
 
 The task comes from ``task=`` in the model's ``serving.properties``, else ``HF_TASK`` (the AWS Hugging Face
-container's variable, container-wide), else from ``config.json``'s architecture where that names one task. Code that
-a ``config.json`` asks for (``auto_map``) runs only with ``trust_remote_code=true`` in ``serving.properties``;
-pickled weights load only through ``weights_only``. transformers is imported on the first such model, never at start.
+container's variable, container-wide), else from ``config.json``'s architecture where that names one task, read
+again for a speech directory (``audio_task``). Code that a ``config.json`` asks for (``auto_map``) runs only with
+``trust_remote_code=true`` in ``serving.properties``; pickled weights load only through ``weights_only``.
+
+A model travels to its device host with its tokenizer pickled into a tensor of bytes (``packed``): fine-tunes of one
+base ship equal tokenizer files, so their packages hold those bytes once, and a host unpickles each once per task.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import logging
+import pickle
 import re
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from mme_runtime.base.errors import ModelLoadError
-from mme_runtime.huggingface import audio_loading, sentence_loading, shared_tokenizers
+from mme_runtime.huggingface import sentence_loading
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +55,7 @@ TASKS = {
     "text2text-generation": "AutoModelForSeq2SeqLM",
     "summarization": "AutoModelForSeq2SeqLM",
     "translation": "AutoModelForSeq2SeqLM",  # also translation_xx_to_yy, as the pipelines name it
-    # Speech (models/audio_loading.py): a CTC model, or an encoder-decoder (Whisper) by generation.
+    # Speech (``audio_auto_class``): a CTC model, or an encoder-decoder (Whisper) by generation.
     "automatic-speech-recognition": "AutoModelForCTC",
     "audio-classification": "AutoModelForAudioClassification",
     # Images, batched per input shape (vision.py); a segmenter's Auto class depends on it (_auto_class).
@@ -65,6 +74,18 @@ IMAGE_TASKS = frozenset(
     {"image-classification", "object-detection", "image-segmentation", "zero-shot-image-classification"}
 )
 TEXT_AND_IMAGE_TASKS = frozenset({"zero-shot-image-classification"})  # its candidate labels are texts: a tokenizer too
+# Speech models: their tasks, and the file that names a speech directory's feature extractor (``audio_task``).
+AUDIO_TASKS = frozenset({"automatic-speech-recognition", "audio-classification"})
+PREPROCESSOR_FILE = "preprocessor_config.json"
+# What an architecture's name ends with, and the task it serves, in any directory: CTC heads and audio classifiers
+# exist for audio only.
+AUDIO_ARCHITECTURE_TASKS = {
+    "ForCTC": "automatic-speech-recognition",
+    "ForAudioClassification": "audio-classification",
+}
+# What the architecture alone would call a text task, and what it is when the directory holds an audio feature
+# extractor (a Wav2Vec2ForSequenceClassification, a WhisperForConditionalGeneration).
+AUDIO_READINGS = {"text-classification": "audio-classification", "text2text-generation": "automatic-speech-recognition"}
 # What an architecture's name ends with, and the task it serves (``BertForSequenceClassification``: a classifier).
 ARCHITECTURE_TASKS = {
     "ForSequenceClassification": "text-classification",
@@ -74,7 +95,7 @@ ARCHITECTURE_TASKS = {
     "ForImageClassification": "image-classification",
     "ForCausalLM": "text-generation",
     "LMHeadModel": "text-generation",
-    **audio_loading.ARCHITECTURE_TASKS,
+    **AUDIO_ARCHITECTURE_TASKS,
     "ForObjectDetection": "object-detection",
     "ForSemanticSegmentation": "image-segmentation",
     "ForInstanceSegmentation": "image-segmentation",
@@ -113,17 +134,17 @@ class HuggingFaceModel:
     feature_extractor: Any = None  # audio tasks: turns a waveform into the model's inputs
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled with its tokenizer as bytes in a tensor: held once for equal ones (``shared_tokenizers.py``)."""
+        """Pickled with its tokenizer as bytes in a tensor: held once for equal ones (``packed``)."""
         state = dict(self.__dict__)
         if self.tokenizer is not None:
-            state["tokenizer"] = shared_tokenizers.packed(self.tokenizer)
+            state["tokenizer"] = packed(self.tokenizer)
             state["tokenizer_from"] = str(getattr(self.tokenizer, "name_or_path", ""))
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         source = state.pop("tokenizer_from", None)
         if isinstance(state.get("tokenizer"), torch.Tensor):
-            state["tokenizer"] = shared_tokenizers.unpacked(state["tokenizer"], state["task"], source or "")
+            state["tokenizer"] = unpacked(state["tokenizer"], state["task"], source or "")
         self.__dict__.update(state)
 
     def place(self, device: torch.device) -> HuggingFaceModel:
@@ -152,9 +173,9 @@ def resolve_task(model_dir: Path, model_task: str | None, container_task: str | 
     found = {task for name in architectures for suffix, task in ARCHITECTURE_TASKS.items() if name.endswith(suffix)}
     found = {ARCHITECTURE_NAMES[name] for name in architectures if name in ARCHITECTURE_NAMES} or found
     if len(found) == 1:
-        return audio_loading.audio_task(found.pop(), model_dir)
+        return audio_task(found.pop(), model_dir)
     if config.get("is_encoder_decoder") and any(name.endswith(SEQ_TO_SEQ_SUFFIXES) for name in architectures):
-        return audio_loading.audio_task("text2text-generation", model_dir)
+        return audio_task("text2text-generation", model_dir)
     if not architectures or all(name.endswith("Model") and "For" not in name for name in architectures):
         return "feature-extraction"  # a bare encoder (BertModel): what it computes is its hidden states
     raise ModelLoadError(
@@ -182,8 +203,8 @@ def load(model_dir: Path, task: str, trust_remote_code: bool, pooling: str | Non
         tokenizer = image_processor = feature_extractor = None
         if task in IMAGE_TASKS:
             image_processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir), **options)
-        if task in audio_loading.AUDIO_TASKS:
-            feature_extractor, tokenizer = audio_loading.processors(transformers, model_dir, task, options)
+        if task in AUDIO_TASKS:
+            feature_extractor, tokenizer = audio_processors(transformers, model_dir, task, options)
         elif task not in IMAGE_TASKS or task in TEXT_AND_IMAGE_TASKS:
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), **options)
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -216,12 +237,12 @@ def base_task(task: str) -> str:
 
 
 def _auto_class(transformers: Any, task: str, config: dict[str, Any]) -> Any:
-    """The task's Auto class. A speech task's depends on the model (``audio_loading.py``); image-segmentation has
+    """The task's Auto class. A speech task's depends on the model (``audio_auto_class``); image-segmentation has
     several, as the pipeline has: the first whose mapping knows
     the model type (DETR's panoptic head, a semantic segmenter such as SegFormer, a universal one such as
     Mask2Former)."""
-    if task in audio_loading.AUDIO_TASKS:
-        return getattr(transformers, audio_loading.auto_class(task, config))
+    if task in AUDIO_TASKS:
+        return getattr(transformers, audio_auto_class(task, config))
     if task == "image-segmentation":
         mappings = transformers.models.auto.modeling_auto
         for kind in ("IMAGE", "SEMANTIC", "UNIVERSAL", "INSTANCE"):
@@ -276,3 +297,66 @@ def _read_config(model_dir: Path) -> dict[str, Any] | None:
 
 def _supported() -> str:
     return f"supported: {', '.join(TASKS)}, translation_xx_to_yy"
+
+
+def is_audio_directory(model_dir: Path) -> bool:
+    """Its preprocessor is a feature extractor of sound: it names its type and a sampling rate."""
+    try:
+        settings = json.loads((model_dir / PREPROCESSOR_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(settings, dict) and "feature_extractor_type" in settings and "sampling_rate" in settings
+
+
+def audio_task(task: str, model_dir: Path) -> str:
+    """The task an architecture's name stands for, read again for an audio directory (``AUDIO_READINGS``)."""
+    return AUDIO_READINGS.get(task, task) if is_audio_directory(model_dir) else task
+
+
+def audio_auto_class(task: str, config: dict[str, Any]) -> str:
+    """The Auto class of an audio task's model: an encoder-decoder (Whisper) recognizes speech by generation, any
+    other recognizer is a CTC model (Wav2Vec2, HuBERT), as transformers' own pipeline loads them."""
+    if task == "audio-classification":
+        return "AutoModelForAudioClassification"
+    return "AutoModelForSpeechSeq2Seq" if config.get("is_encoder_decoder") else "AutoModelForCTC"
+
+
+def audio_processors(transformers: Any, model_dir: Path, task: str, options: dict[str, Any]) -> tuple[Any, Any]:
+    """The feature extractor, and for speech recognition the tokenizer that turns its tokens into text."""
+    feature_extractor = transformers.AutoFeatureExtractor.from_pretrained(str(model_dir), **options)
+    if task == "audio-classification":
+        return feature_extractor, None
+    return feature_extractor, transformers.AutoTokenizer.from_pretrained(str(model_dir), **options)
+
+
+# One tokenizer object per content and task in a process (``unpacked``), held while a model uses it: keyed by the
+# task too, since a pipeline may set on its tokenizer what its task needs.
+PROTOCOL = 5
+_lock = threading.Lock()
+_by_key: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+
+
+def packed(tokenizer: Any) -> torch.Tensor:
+    """The tokenizer's pickle as a tensor of bytes, the same for tokenizers loaded from equal files anywhere."""
+    neutral = copy.copy(tokenizer)  # shallow: the original keeps its directory
+    neutral.name_or_path = ""
+    init_kwargs = getattr(tokenizer, "init_kwargs", None)
+    if isinstance(init_kwargs, dict):
+        neutral.init_kwargs = {key: value for key, value in init_kwargs.items() if key != "name_or_path"}
+    return torch.frombuffer(bytearray(pickle.dumps(neutral, protocol=PROTOCOL)), dtype=torch.uint8)
+
+
+def unpacked(data: torch.Tensor, task: str, name_or_path: str) -> Any:
+    """The tokenizer in ``data`` (``packed``'s): the one this process holds for the same bytes and task, or a new
+    one, named after ``name_or_path``, the directory of the model that brought it first."""
+    view = memoryview(data.numpy().data)  # the package's pages, not a copy
+    key = f"{task}:{xxhash.xxh3_128_hexdigest(view)}"
+    with _lock:
+        held = _by_key.get(key)
+    if held is not None:
+        logger.info("a tokenizer equal to one a model here holds (%d bytes pickled): taken, not unpickled", view.nbytes)
+        return held
+    tokenizer = pickle.loads(view)
+    tokenizer.name_or_path = name_or_path
+    with _lock:
+        return _by_key.setdefault(key, tokenizer)

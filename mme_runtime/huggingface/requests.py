@@ -22,8 +22,7 @@ import numpy as np
 
 from mme_runtime.base.errors import InvalidInput, UnsupportedContentType
 from mme_runtime.huggingface import audio, npy, sentences, tables, zero_shot
-from mme_runtime.huggingface.audio_loading import AUDIO_TASKS
-from mme_runtime.huggingface.loading import IMAGE_TASKS
+from mme_runtime.huggingface.loading import AUDIO_TASKS, IMAGE_TASKS
 from mme_runtime.serving import content
 
 IMAGE_TYPES = frozenset(

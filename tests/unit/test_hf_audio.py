@@ -14,7 +14,6 @@ import pytest
 
 from mme_runtime.base.errors import InvalidInput, UnsupportedContentType
 from mme_runtime.huggingface import audio as hf_audio
-from mme_runtime.huggingface import audio_loading as hf_audio_loading
 from mme_runtime.huggingface import loading as hf_loading
 from mme_runtime.huggingface import requests as hf_requests
 
@@ -113,7 +112,7 @@ def _directory(path: Path, architecture: str, preprocessor: dict[str, object] | 
     path.mkdir()
     (path / "config.json").write_text(json.dumps({"model_type": "x", "architectures": [architecture], **config}))
     if preprocessor is not None:
-        (path / hf_audio_loading.PREPROCESSOR_FILE).write_text(json.dumps(preprocessor))
+        (path / hf_loading.PREPROCESSOR_FILE).write_text(json.dumps(preprocessor))
     return path
 
 
@@ -131,7 +130,7 @@ def test_a_speech_directory_is_told_by_its_feature_extractor(
 ) -> None:
     extractor = {"feature_extractor_type": "Wav2Vec2FeatureExtractor", "sampling_rate": 16_000}
     assert hf_loading.resolve_task(_directory(tmp_path / "a", architecture, extractor, **config), None, None) == task
-    assert hf_audio_loading.auto_class(task, config).startswith("AutoModelFor")
+    assert hf_loading.audio_auto_class(task, config).startswith("AutoModelFor")
     text = _directory(tmp_path / "t", architecture, {"image_processor_type": "ViTImageProcessor"}, **config)
     assert hf_loading.resolve_task(text, None, None) in {task, "text-classification", "text2text-generation"}
     assert hf_loading.resolve_task(text, "automatic-speech-recognition", None) == ASR

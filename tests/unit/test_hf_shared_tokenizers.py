@@ -13,7 +13,7 @@ import hf_models
 import torch
 
 from mme_runtime.huggingface import loading as hf_loading
-from mme_runtime.huggingface.shared_tokenizers import packed
+from mme_runtime.huggingface.loading import packed
 
 TEXT = "a good movie about paris"
 
