@@ -29,7 +29,7 @@ import torch
 import xxhash
 
 from mme_runtime.base.errors import ModelLoadError
-from mme_runtime.huggingface import sentence_loading
+from mme_runtime.huggingface import sentences
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ TASKS = {
     "object-detection": "AutoModelForObjectDetection",
     "image-segmentation": "AutoModelForImageSegmentation",
     "zero-shot-image-classification": "AutoModelForZeroShotImageClassification",
-    # sentence-transformers directories (sentence_loading.py): pooled vectors, or a cross-encoder's scores.
+    # sentence-transformers directories (``sentences.py``): pooled vectors, or a cross-encoder's scores.
     "sentence-embeddings": "AutoModel",
     "sentence-similarity": "AutoModel",
     "sentence-ranking": "AutoModelForSequenceClassification",
@@ -223,11 +223,11 @@ def load(model_dir: Path, task: str, trust_remote_code: bool, pooling: str | Non
     limit = min(limits) if limits else None
     loaded = HuggingFaceModel(task, model.eval(), tokenizer, image_processor, limit, "auto_map" in config)
     loaded.feature_extractor = feature_extractor
-    if task == "feature-extraction" or task in sentence_loading.EMBEDDING_TASKS:
-        loaded.pooling, loaded.normalize = sentence_loading.pooling(model_dir, pooling)
-        loaded.truncate_to = sentence_loading.max_seq_length(model_dir) if loaded.pooling else None
-    if task in sentence_loading.TASKS:
-        sentence_loading.configure(model_dir, loaded)
+    if task == "feature-extraction" or task in sentences.EMBEDDING_TASKS:
+        loaded.pooling, loaded.normalize = sentences.pooling(model_dir, pooling)
+        loaded.truncate_to = sentences.max_seq_length(model_dir) if loaded.pooling else None
+    if task in sentences.TASKS:
+        sentences.configure(model_dir, loaded)
     return loaded
 
 
