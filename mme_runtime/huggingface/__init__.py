@@ -2,8 +2,8 @@
 
 ``defaults`` is the contract they are served with; ``register`` offers it to ``serving/transformer.py`` for the
 directories it serves (the handler calls it, in every process that loads a model). ``loading`` loads a directory for
-its task, speech models' included. ``requests`` reads the AWS container's request and writes its answer (``npy`` for
-NPY bodies, ``audio`` for audio ones); ``tasks`` runs a batch through the task's pipeline (a tokenizer lent by
+its task, speech models' included. ``requests`` reads the AWS container's request and writes its answer (JSON, CSV,
+images, NPY and audio bodies); ``tasks`` runs a batch through the task's pipeline (a tokenizer lent by
 ``tokenizer_copies``, rows padded by ``padding``), with ``question_answering``, ``zero_shot``, ``tables``,
 ``vision`` and ``sentences`` for their tasks. Generative tasks go through ``generation`` (with ``generation_tasks``
 and ``generation_parameters``), ``scheduler``, ``decoding``, ``kv_cache`` and ``rows``; speech tasks through

@@ -1,5 +1,5 @@
 """Speech recognition and audio classification over a batch of requests: each clip is resampled to the model's rate
-(``audio.py``) and prepared alone by the task's pipeline, with its request's own parameters; rows that can share
+(``resample``) and prepared alone by the task's pipeline, with its request's own parameters; rows that can share
 a forward pass are stacked into one, and each row's outputs, cut back to its own, are post-processed as the pipeline
 does for that clip alone.
 
@@ -20,10 +20,9 @@ import torch
 
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.huggingface import padding
-from mme_runtime.huggingface.audio import Audio, resample
 from mme_runtime.huggingface.generation_parameters import SERVER_PARAMETERS, check_token_ids, vocabulary
 from mme_runtime.huggingface.loading import HuggingFaceModel
-from mme_runtime.huggingface.requests import TaskRequest
+from mme_runtime.huggingface.requests import Audio, TaskRequest, resample
 from mme_runtime.huggingface.tokenizer_copies import lent_pipeline
 
 REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout", "decoder_kwargs", "prompt_ids", "assistant_model"})

@@ -3,14 +3,23 @@
 
 A request is ``{"inputs": ..., "parameters": {...}}`` in JSON (a string or a list of strings; for
 question-answering ``{"question", "context"}`` or a list of them), a CSV with an ``inputs`` (or ``question`` and
-``context``) header, an image (``image/png``, ``image/jpeg``, ...), or an NPY array (``npy.py``). The answer is
-the pipeline's, in compact JSON, CSV or NPY; the sentence tasks read theirs in ``sentences.py``. A ``TaskRequest``
-is what several requests share a forward pass as: one row per input.
+``context``) header, an image (``image/png``, ``image/jpeg``, ...), audio, or an NPY array. The answer is the
+pipeline's, in compact JSON, CSV or NPY; the sentence tasks read theirs in ``sentences.py``. A ``TaskRequest`` is
+what several requests share a forward pass as: one row per input.
+
+An NPY body's array is the ``inputs``, as the SageMaker SDK's ``NumpySerializer`` writes them: strings are texts,
+numbers audio samples at the model's rate (one clip a row); a pickled object array is refused, since unpickling a
+request could run any code. An NPY answer is the answer's numbers (float64); records or text have no NPY form.
+
+Audio (WAV, FLAC, OGG, MP3; the body, or base64 in JSON) is decoded by soundfile (its wheels carry libsndfile: no
+ffmpeg), mixed down to one channel and resampled by soxr to the model's rate. It is held in the process that every
+model of the device shares, so its length is capped (``MAX_AUDIO_SECONDS``), read from the header before decoding.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import csv
 import io
 import json
@@ -21,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from mme_runtime.base.errors import InvalidInput, UnsupportedContentType
-from mme_runtime.huggingface import audio, npy, sentences, tables, zero_shot
+from mme_runtime.huggingface import sentences, tables, zero_shot
 from mme_runtime.huggingface.loading import AUDIO_TASKS, IMAGE_TASKS
 from mme_runtime.serving import content
 
@@ -42,6 +51,25 @@ MAX_IMAGES = 64
 MAX_ASPECT_RATIO = 100
 # Tasks whose inputs or parameters nest, which a CSV cannot: the AWS container refuses CSV for them too (400).
 NO_CSV_TASKS = frozenset({zero_shot.TASK, tables.TASK})
+# The AWS toolkit's audio types (its content_types.AUDIO_TYPES), then the aliases browsers and tools send.
+AWS_AUDIO_TYPES = ("audio/x-flac", "audio/mpeg", "audio/wave", "audio/ogg", "audio/x-audio")
+AUDIO_TYPES = frozenset({*AWS_AUDIO_TYPES, "audio/flac", "audio/wav", "audio/x-wav", "audio/mp3", "audio/vorbis"})
+# Five minutes of sound: at most 115 MB of float32 samples before resampling (at 96 kHz; 19 MB at 16 kHz), and what
+# Whisper transcribes in ten 30 s windows. A CTC model or a classifier attends over all of it at once: send long
+# audio with "chunk_length_s", which the pipeline cuts into windows.
+MAX_AUDIO_SECONDS = 300
+# Rates above this are no sound a speech model was trained on, and would let a short clip hold many samples.
+MAX_SAMPLING_RATE = 96_000
+# Clips in one request: Whisper pads each to a 30 s window (480,000 samples, 80x3000 features) however short it is.
+MAX_CLIPS = 64
+BLOCK_FRAMES = 1 << 16  # decoded and mixed down a block at a time: never all channels of the clip at once
+# An array of samples (an NPY body) says no rate: it is taken at the model's, as the pipeline takes a bare array.
+MODELS_RATE = 0
+NOMINAL_RATE = 16_000  # what such a clip's length is counted at, against the cap: speech models' usual rate
+# The array kinds an NPY body may hold (``npy_inputs``), and what an answer with no NPY form says.
+TEXT_KINDS = "US"  # unicode, and bytes read as UTF-8
+NUMBER_KINDS = "biuf"
+NO_FORM = "this answer has no NPY form (it is not numbers in a rectangular array): ask for application/json"
 
 
 @dataclass(eq=False)
@@ -82,12 +110,12 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
         if task not in IMAGE_TASKS:  # as audio for a model that takes none: the type is refused, 415
             raise UnsupportedContentType(f"content type {content_type!r} is an image, which {task} does not take")
         return TaskRequest([_image(body)])
-    if media in audio.AUDIO_TYPES:  # speech models: serving/audio.py
-        return TaskRequest([audio.read_body(body, content_type, task, AUDIO_TASKS)])
+    if media in AUDIO_TYPES:  # speech models
+        return TaskRequest([read_body(body, content_type, task, AUDIO_TASKS)])
     if isinstance(body, (bytes, bytearray)) and media != content.NPY:
         body = content.utf8_text(body)
     if media == content.NPY:
-        data = {"inputs": npy.inputs(body)}  # the array is the inputs (npy.py)
+        data = {"inputs": npy_inputs(body)}  # the array is the inputs
     elif media == content.JSON:
         try:
             data = json.loads(body)
@@ -115,7 +143,7 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
     if not items:
         raise InvalidInput('"inputs" is an empty list')
     if task in AUDIO_TASKS:
-        return TaskRequest(audio.read_inputs(items, task), parameters, single)
+        return TaskRequest(read_inputs(items, task), parameters, single)
     for item in items:
         _check(item, task)
     if task == zero_shot.TASK:
@@ -130,7 +158,7 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
 def encode(answer: Any, accept: str) -> bytes:
     """The answer in compact JSON (as the toolkit writes it), CSV for a list of records, or NPY for numbers."""
     if content.media_type(accept) == content.NPY:
-        return npy.encode(answer)
+        return encode_npy(answer)
     if content.media_type(accept) == content.CSV:
         records = answer if isinstance(answer, list) else [answer]
         if not records or not all(isinstance(record, dict) for record in records):
@@ -210,3 +238,154 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return value.tolist()
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def npy_inputs(body: bytes | bytearray | str) -> Any:
+    """The ``inputs`` an NPY body holds. Raises ``InvalidInput`` naming what is wrong with it."""
+    if isinstance(body, str):
+        raise InvalidInput("an NPY body must be binary")
+    stream = io.BytesIO(bytes(body))
+    try:
+        version = np.lib.format.read_magic(stream)
+        header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        dtype = header(stream)[2]
+    except (ValueError, OSError, EOFError) as exc:
+        raise InvalidInput(f"the body is not an NPY array: {exc}") from exc
+    if dtype.hasobject:
+        raise InvalidInput(
+            "an NPY body holding Python objects (a pickle) is refused: send an array of strings or numbers"
+        )
+    try:
+        array = np.load(io.BytesIO(bytes(body)), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise InvalidInput(f"the body is not an NPY array: {exc}") from exc
+    if array.dtype.kind in TEXT_KINDS:
+        if array.dtype.kind == "S":
+            try:
+                array = np.char.decode(array, "utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidInput(f"an NPY array of bytes must hold UTF-8 text: {exc}") from exc
+        return array.tolist()  # a str for a 0-d array, else (nested) lists of them
+    if array.dtype.kind in NUMBER_KINDS:
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise InvalidInput("the NPY array holds NaN or infinity")
+        if array.ndim == 2 and len(array) > MAX_CLIPS:  # before six million rows become six million arrays
+            raise InvalidInput(f"an NPY body holds one clip a row: {len(array)} rows, at most {MAX_CLIPS}")
+        return list(array) if array.ndim == 2 else array
+    raise InvalidInput(f"an NPY body must hold strings or numbers, not {array.dtype}")
+
+
+def encode_npy(answer: Any) -> bytes:
+    """The answer's numbers as NPY: a numeric answer as it is, and a dict of one numeric entry (``{"embeddings":
+    ...}``) as that entry. Raises ``InvalidInput`` for an answer of records or text."""
+    if isinstance(answer, dict) and len(answer) == 1:
+        answer = next(iter(answer.values()))
+    try:
+        array = np.asarray(answer)
+    except ValueError as exc:  # ragged: vectors of texts of different lengths
+        raise InvalidInput(NO_FORM) from exc
+    if array.dtype.kind not in NUMBER_KINDS:
+        raise InvalidInput(NO_FORM)
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+@dataclass(eq=False)
+class Audio:
+    """A clip decoded to one channel of float32 samples at its own rate (resampled later, to the model's), or at
+    ``MODELS_RATE``."""
+
+    samples: np.ndarray
+    sampling_rate: int
+
+    @property
+    def seconds(self) -> float:
+        return len(self.samples) / (self.sampling_rate or NOMINAL_RATE)
+
+
+def read_body(body: Any, content_type: str | None, task: str, audio_tasks: frozenset[str]) -> Audio:
+    """An audio body, for a model whose task takes audio. Raises ``UnsupportedContentType`` (415) for another
+    model, and ``InvalidInput`` (400) for a body that is not audio soundfile reads, or that lasts too long."""
+    if task not in audio_tasks:
+        raise UnsupportedContentType(f"content type {content_type!r} is audio, which {task} does not take")
+    return decode_audio(bytes(body))
+
+
+def read_inputs(items: list[Any], task: str) -> list[Audio]:
+    """Audio files sent as base64 in JSON's ``inputs`` (or samples, in an NPY body), at most ``MAX_CLIPS``; together
+    they last at most ``MAX_AUDIO_SECONDS``."""
+    if len(items) > MAX_CLIPS:
+        raise InvalidInput(f"the request sends {len(items)} clips; at most {MAX_CLIPS} clips in one request")
+    clips = []
+    total = 0.0
+    for item in items:
+        clips.append(samples(item, task) if isinstance(item, np.ndarray) else read_base64(item, task))
+        total += clips[-1].seconds
+        if total > MAX_AUDIO_SECONDS:
+            raise InvalidInput(f"the clips of this request last {total:.1f} s or more; at most {MAX_AUDIO_SECONDS} s")
+    return clips
+
+
+def samples(item: np.ndarray, task: str) -> Audio:
+    """A clip sent as its samples (an NPY body's row of numbers: ``npy_inputs``), at the model's rate."""
+    clip = np.asarray(item, dtype=np.float32)
+    if clip.ndim != 1 or not clip.size:
+        raise InvalidInput(f"{task} takes samples as one row of numbers per clip")
+    return Audio(clip, MODELS_RATE)
+
+
+def read_base64(item: Any, task: str) -> Audio:
+    """An audio file sent as base64 (a path or a URL is refused: the pipeline would open it)."""
+    if not isinstance(item, str):
+        raise InvalidInput(
+            f'{task} takes "inputs" as an audio file in base64 (or a list of them), not {type(item).__name__}'
+        )
+    try:
+        raw = base64.b64decode(item, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidInput(
+            f"{task} takes audio as the body (audio/x-flac, audio/wave, ...) or base64 in JSON: {exc}"
+        ) from exc
+    return decode_audio(raw)
+
+
+def decode_audio(raw: bytes) -> Audio:
+    """The file's samples, channels averaged (as ffmpeg's ``-ac 1`` mixes them). The cap is checked on the header's
+    frame count before anything is decoded: soundfile reads no further than that count."""
+    import soundfile
+
+    try:
+        with soundfile.SoundFile(io.BytesIO(raw)) as sound:
+            rate, frames = int(sound.samplerate), int(sound.frames)
+            if not 0 < rate <= MAX_SAMPLING_RATE:
+                raise InvalidInput(f"the audio's sampling rate is {rate} Hz; at most {MAX_SAMPLING_RATE} here")
+            limit = MAX_AUDIO_SECONDS * rate
+            if frames > limit:
+                raise InvalidInput(_too_long(frames / rate))
+            blocks = []
+            for block in sound.blocks(BLOCK_FRAMES, dtype="float32", always_2d=True):
+                blocks.append(block.mean(axis=1, dtype=np.float32) if block.shape[1] > 1 else block[:, 0])
+    except (RuntimeError, TypeError, ValueError) as exc:  # soundfile.LibsndfileError is a RuntimeError
+        reason = getattr(exc, "error_string", None) or str(exc)  # its str() names the BytesIO object
+        raise InvalidInput(f"the body is not audio this server reads (WAV, FLAC, OGG or MP3): {reason}") from exc
+    samples = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.float32)
+    if not len(samples):
+        raise InvalidInput("the audio holds no samples")
+    if not np.isfinite(samples).all():  # a float WAV may: a classifier's scores would be NaN, which JSON cannot write
+        raise InvalidInput("the audio holds samples that are not finite numbers (NaN or infinity)")
+    return Audio(samples, rate)
+
+
+def resample(audio: Audio, sampling_rate: int) -> np.ndarray:
+    """The clip at ``sampling_rate``: soxr's high-quality resampler (transformers' pipelines resample with
+    torchaudio, which no wheel of this torch has), or the samples themselves at that rate already."""
+    if audio.sampling_rate in (sampling_rate, MODELS_RATE):
+        return audio.samples
+    import soxr
+
+    return np.asarray(soxr.resample(audio.samples, audio.sampling_rate, sampling_rate), dtype=np.float32)
+
+
+def _too_long(seconds: float) -> str:
+    return f"the audio lasts {seconds:.1f} s; at most {MAX_AUDIO_SECONDS} s here: send it in parts"

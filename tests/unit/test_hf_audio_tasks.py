@@ -15,9 +15,8 @@ import torch
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.huggingface import audio_tasks as hf_audio_tasks
 from mme_runtime.huggingface import loading as hf_loading
-from mme_runtime.huggingface.audio import Audio
 from mme_runtime.huggingface.audio_tasks import AudioRunner
-from mme_runtime.huggingface.requests import TaskRequest
+from mme_runtime.huggingface.requests import Audio, TaskRequest
 
 ASR = "automatic-speech-recognition"
 SECONDS = (0.25, 1.3, 0.6, 2.1, 0.9)

@@ -102,10 +102,7 @@ def test_an_npy_body_of_more_rows_than_clips_is_refused_before_it_is_split() -> 
     """A 6 MB NPY of shape (6,000,000, 1) int8 was split into six million row arrays (1 GB) before the clip cap."""
     import numpy as np
 
-    from mme_runtime.huggingface import audio as hf_audio
-    from mme_runtime.huggingface import npy as hf_npy
-
     buffer = io.BytesIO()
-    np.save(buffer, np.zeros((hf_audio.MAX_CLIPS + 1, 1), np.int8))
+    np.save(buffer, np.zeros((hf_requests.MAX_CLIPS + 1, 1), np.int8))
     with pytest.raises(InvalidInput, match="rows"):
-        hf_npy.inputs(buffer.getvalue())
+        hf_requests.npy_inputs(buffer.getvalue())
