@@ -19,11 +19,10 @@ from typing import Any
 import torch
 
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.huggingface import padding
 from mme_runtime.huggingface.generation_parameters import SERVER_PARAMETERS, check_token_ids, vocabulary
 from mme_runtime.huggingface.loading import HuggingFaceModel
 from mme_runtime.huggingface.requests import Audio, TaskRequest, resample
-from mme_runtime.huggingface.tokenizer_copies import lent_pipeline
+from mme_runtime.huggingface.tasks import length_groups, lent_pipeline, pad
 
 REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout", "decoder_kwargs", "prompt_ids", "assistant_model"})
 # A generating recognizer's parameters beyond GenerationConfig's own names, as Whisper's generate takes them.
@@ -163,7 +162,7 @@ def masks_padding(model: Any) -> bool:
 
 def pass_groups(rows: list[dict[str, Any]], forwards: list[dict[str, Any]], maskable: bool) -> list[list[int]]:
     """Indices of ``rows`` in groups that share a pass: the same forward parameters, and the same shape unless the
-    model masks padding; then grouped by length as text is (``padding.length_groups``), in frames of 320 samples."""
+    model masks padding; then grouped by length as text is (``tasks.length_groups``), in frames of 320 samples."""
     kinds: dict[str, list[int]] = {}
     for index, (row, forward) in enumerate(zip(rows, forwards, strict=True)):
         main = _main_input(row)
@@ -176,7 +175,7 @@ def pass_groups(rows: list[dict[str, Any]], forwards: list[dict[str, Any]], mask
             groups.append(members)
             continue
         frames = [_main_input(rows[index]).shape[-1] // 320 for index in members]
-        groups += [[members[position] for position in group] for group in padding.length_groups(frames)]
+        groups += [[members[position] for position in group] for group in length_groups(frames)]
     return groups
 
 
@@ -189,7 +188,7 @@ def pad_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if "attention_mask" not in row and main.dim() == 2:
             row = {**row, "attention_mask": torch.ones(main.shape, dtype=torch.long)}
         with_masks.append(row)
-    return padding.pad(with_masks, 0)
+    return pad(with_masks, 0)
 
 
 def _main_input(row: dict[str, Any]) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.huggingface.loading import HuggingFaceModel
-from mme_runtime.huggingface.tokenizer_copies import lent_pipeline, lent_tokenizer
+from mme_runtime.huggingface.tasks import lent_pipeline, lent_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def base_task(task: str) -> str:
 
 class TextGeneration:
     """text-generation through transformers' pipeline, with a copy of its tokenizer lent for each step
-    (``tokenizer_copies.py``): tokenizers are not safe to share between threads."""
+    (``tasks.lent_pipeline``): tokenizers are not safe to share between threads."""
 
     def __init__(self, model: HuggingFaceModel, device: torch.device) -> None:
         transformers: Any = importlib.import_module("transformers")

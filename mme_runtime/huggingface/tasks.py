@@ -1,7 +1,15 @@
 """A Hugging Face model's task, run over a batch of requests: each input is prepared on its own by the task's
 pipeline (tokenized, with the request's own parameters), the rows are grouped by length and each group padded into
-one forward pass (``padding.py``), and each row, cut back to its own length, is post-processed as the pipeline
-does for that input alone. So each client gets what the unbatched pipeline answers for its input.
+one forward pass, and each row, cut back to its own length, is post-processed as the pipeline does for that input
+alone. So each client gets what the unbatched pipeline answers for its input.
+
+Rows are grouped where a pass of its own costs less than padding the shorter rows (``length_groups``), padded on the
+right whatever side the tokenizer pads (``pad``: the attention mask hides it) and cut back (``cut_back``).
+
+A fast tokenizer is not safe to share between threads that change its truncation and padding, so a thread tokenizes
+with a copy lent for one step (``lent_tokenizer``, ``lent_pipeline``); a copy is made only when all are out, and the
+models that share a tokenizer (the adapters of one base) share its copies. Kept per thread and per model, copies
+outweighed everything else a model adds beyond its weights (about 3.7 MiB for BERT's).
 
 transformers 5 has no question-answering pipeline: ``question_answering.py`` is its stand-in here. The sentence
 tasks (``sentences.py``) run as pooled feature-extraction, or score pairs there.
@@ -9,28 +17,53 @@ tasks (``sentences.py``) run as pooled feature-extraction, or score pairs there.
 
 from __future__ import annotations
 
+import copy
 import importlib
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.huggingface import padding, question_answering, sentences, tables, vision
+from mme_runtime.huggingface import question_answering, sentences, tables, vision
 from mme_runtime.huggingface.loading import HuggingFaceModel
 from mme_runtime.huggingface.requests import TaskRequest
-from mme_runtime.huggingface.tokenizer_copies import lent_pipeline, lent_tokenizer
 
 # The tasks whose pipelines take "truncation": a text longer than the model takes may be cut to fit.
 TRUNCATING_TASKS = frozenset({"text-classification", "feature-extraction"})
 # What a request may not ask of the pipeline: tensors in the answer (not JSON), or fetching an image from a URL.
 REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout"})
+# The keys of a prepared input that hold one entry per token: cut back to each row's own length after the pass.
+TOKEN_KEYS = frozenset(
+    {
+        "input_ids",
+        "attention_mask",
+        "token_type_ids",
+        "special_tokens_mask",
+        "offset_mapping",
+        "start_logits",
+        "end_logits",
+    }
+)
+# Padding values of the keys a tokenizer or an image processor makes; anything else pads with 0.
+PAD_VALUES = {"attention_mask": 0, "token_type_ids": 0, "special_tokens_mask": 1, "p_mask": 1}
+# What one more forward pass costs, in tokens of padding: measured on the CPU for a BERT of 4 layers and hidden 256,
+# a pass costs about 2.7 ms before its first token and 0.035 ms a token, in one row or sixteen. On a GPU the fixed
+# cost weighs more still, so grouping by this figure errs towards fewer passes there.
+PASS_COST_TOKENS = 64
+MAX_ROWS_PLANNED = 256
+# The copies of each tokenizer in this process (``copies_of``).
+_registry_lock = threading.Lock()
+_copies: dict[int, TokenizerCopies] = {}  # by id() of the tokenizer; an entry leaves with its tokenizer
 
 
 class TaskRunner:
-    """One placed model's task. A batch is prepared with a copy of the tokenizer lent for it
-    (``tokenizer_copies.py``): tokenizers are not safe to share between threads."""
+    """One placed model's task. A batch is prepared with a copy of the tokenizer lent for it (``lent_tokenizer``):
+    tokenizers are not safe to share between threads."""
 
     def __init__(self, model: HuggingFaceModel, device: torch.device) -> None:
         transformers: Any = importlib.import_module("transformers")
@@ -98,17 +131,17 @@ class TaskRunner:
     def _forward(
         self, rows: list[dict[str, Any]], forward: Callable[[Any], Any], adapters: list[str | None] | None = None
     ) -> list[dict[str, Any]]:
-        """The model over ``rows``, handed back row by row as a pass over each alone gives it (``padding.py``):
+        """The model over ``rows``, handed back row by row as a pass over each alone gives it (``cut_back``):
         sorted by length, in groups padded to their longest, so that a batch of texts from 4 to 200 tokens costs
         neither sixteen texts of 200 nor sixteen passes. ``adapters``: each row's LoRA adapter (``lora_layers.py``)."""
         outputs: list[Any] = [None] * len(rows)
         pad_id = getattr(self.model.tokenizer, "pad_token_id", None)
-        for group in padding.length_groups([padding.length(row) or 0 for row in rows]):
+        for group in length_groups([length(row) or 0 for row in rows]):
             members = [rows[index] for index in group]
             with self._selecting(None if adapters is None else [adapters[index] for index in group]):
-                batch = forward(members[0] if len(members) == 1 else padding.pad(members, pad_id))
+                batch = forward(members[0] if len(members) == 1 else pad(members, pad_id))
             for position, index in enumerate(group):
-                outputs[index] = batch if len(members) == 1 else padding.row(batch, position, members[position])
+                outputs[index] = batch if len(members) == 1 else cut_back(batch, position, members[position])
         return outputs
 
     def _selecting(self, adapters: list[str | None] | None) -> AbstractContextManager[Any]:
@@ -118,10 +151,10 @@ class TaskRunner:
 
     def _check_length(self, row: dict[str, Any]) -> None:
         limit = self.model.max_length
-        length = padding.length(row)
-        if limit is not None and length is not None and length > limit:
+        tokens = length(row)
+        if limit is not None and tokens is not None and tokens > limit:
             advice = ', or send "parameters": {"truncation": true}' if self.task in TRUNCATING_TASKS else ""
-            raise InvalidInput(f"an input has {length} tokens and the model takes at most {limit}: shorten it{advice}")
+            raise InvalidInput(f"an input has {tokens} tokens and the model takes at most {limit}: shorten it{advice}")
 
 
 def _parameters(
@@ -185,3 +218,143 @@ def shape(task: str, answers: list[Any], request: TaskRequest) -> Any:
     if task in ("fill-mask", tables.TASK) and len(answers) == 1:
         return answers[0]
     return answers
+
+
+def length_groups(lengths: list[int]) -> list[list[int]]:
+    """Indices of ``lengths`` in groups that cost the fewest tokens in all: sorted by length, cut where a pass of its
+    own (``PASS_COST_TOKENS``) costs less than padding the shorter rows up to the longer ones would."""
+    order = sorted(range(len(lengths)), key=lambda index: lengths[index])
+    groups: list[list[int]] = []
+    for start in range(0, len(order), MAX_ROWS_PLANNED):  # the plan is quadratic in rows: plan long lists in windows
+        window = order[start : start + MAX_ROWS_PLANNED]
+        # best[i]: the cheapest cost of the first i rows, and where its last group starts.
+        best = [(0, 0)] + [(0, 0)] * len(window)
+        for end in range(1, len(window) + 1):
+            longest = lengths[window[end - 1]]
+            best[end] = min(
+                (best[first][0] + PASS_COST_TOKENS + (end - first) * longest, first) for first in range(end)
+            )
+        cuts, end = [], len(window)
+        while end > 0:
+            cuts.append((best[end][1], end))
+            end = best[end][1]
+        groups += [window[first:end] for first, end in reversed(cuts)]
+    return groups
+
+
+def pad(rows: list[dict[str, Any]], pad_id: int | None) -> dict[str, Any]:
+    """One batch of ``rows``: tensors padded on the right to the longest along their second dimension, and stacked
+    (images are one size already); anything else listed. A tokenizer with no pad token pads with id 0: the
+    attention mask hides it and every row is cut back before anyone reads it."""
+    batch: dict[str, Any] = {}
+    for key in rows[0]:
+        values = [row[key] for row in rows]
+        if not all(isinstance(value, torch.Tensor) for value in values):
+            batch[key] = values
+            continue
+        longest = max(value.shape[1] if value.dim() > 1 else 0 for value in values)
+        fill = (pad_id or 0) if key == "input_ids" else PAD_VALUES.get(key, 0)
+        padded = [_pad_right(value, longest, fill) for value in values]
+        batch[key] = torch.cat(padded)
+    return batch
+
+
+def _pad_right(value: torch.Tensor, longest: int, fill: int) -> torch.Tensor:
+    if value.dim() < 2 or value.shape[1] == longest:
+        return value
+    shape = (value.shape[0], longest - value.shape[1], *value.shape[2:])
+    return torch.cat([value, torch.full(shape, fill, dtype=value.dtype)], dim=1)
+
+
+def length(row: dict[str, Any]) -> int | None:
+    ids = row.get("input_ids")
+    return int(ids.shape[-1]) if isinstance(ids, torch.Tensor) else None
+
+
+def cut_back(batch: Any, index: int, prepared: dict[str, Any]) -> Any:
+    """Row ``index`` of a batch's outputs, as a pass over that row alone would give them (batch dimension 1, and
+    per-token values cut back to the row's ``length``)."""
+    tokens = length(prepared)
+    values = {key: _take(key, value, index, tokens) for key, value in batch.items()}
+    return type(batch)(values) if isinstance(batch, dict) else values
+
+
+def _take(key: str, value: Any, index: int, length: int | None) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        row = value[index : index + 1]
+        per_token = length is not None and row.dim() >= 2 and (key in TOKEN_KEYS or row.dim() >= 3)
+        return row[:, :length] if per_token else row
+    if isinstance(value, np.ndarray) and value.ndim > 0:
+        return value[index : index + 1]
+    if isinstance(value, tuple) and value and isinstance(value[0], torch.Tensor):
+        return tuple(_take(key, element, index, length) for element in value)
+    if isinstance(value, list):
+        return value[index]
+    return value
+
+
+class TokenizerCopies:
+    """The copies of one tokenizer. It holds the tokenizer weakly: the copies go when the models that hold it do."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = weakref.ref(tokenizer)
+        self._lock = threading.Lock()
+        self._free: list[Any] = []
+        self.made = 0
+
+    @contextmanager
+    def lend(self) -> Iterator[Any]:
+        with self._lock:
+            own = self._free.pop() if self._free else None
+        if own is None:
+            own = self._copy()
+        try:
+            yield own
+        finally:
+            with self._lock:
+                self._free.append(own)
+
+    def _copy(self) -> Any:
+        tokenizer = self._tokenizer()
+        if tokenizer is None:
+            raise RuntimeError("the tokenizer was released while its model still serves")
+        own = copy.deepcopy(tokenizer)
+        with self._lock:
+            self.made += 1
+        return own
+
+
+def copies_of(tokenizer: Any) -> TokenizerCopies:
+    """The one ``TokenizerCopies`` of ``tokenizer`` in this process."""
+    key = id(tokenizer)
+    with _registry_lock:
+        copies = _copies.get(key)
+        if copies is None:
+            copies = _copies[key] = TokenizerCopies(tokenizer)
+            weakref.finalize(tokenizer, _forget, key, copies)
+    return copies
+
+
+def _forget(key: int, copies: TokenizerCopies) -> None:
+    with _registry_lock:
+        if _copies.get(key) is copies:  # an id is reused only after its object is gone
+            del _copies[key]
+
+
+@contextmanager
+def lent_tokenizer(tokenizer: Any) -> Iterator[Any]:
+    """A copy of ``tokenizer`` for this step (None for a model without one)."""
+    if tokenizer is None:
+        yield None
+        return
+    with copies_of(tokenizer).lend() as own:
+        yield own
+
+
+@contextmanager
+def lent_pipeline(pipeline: Any) -> Iterator[Any]:
+    """A shallow copy of a transformers pipeline with a lent copy of its tokenizer, for this step."""
+    with lent_tokenizer(pipeline.tokenizer) as tokenizer:
+        own = copy.copy(pipeline)
+        own.tokenizer = tokenizer
+        yield own

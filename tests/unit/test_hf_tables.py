@@ -71,7 +71,7 @@ def test_pairs_share_a_pass_and_each_answer_is_the_pipelines(tapas_dir: Path) ->
     finally:
         del model.model.forward
     # The sequential input's three queries run one by one, in passes of their own; the other seven pairs share
-    # passes grouped by length (hf_padding.py: the "max_length" pair, padded to 128 tokens, runs alone).
+    # passes grouped by length (tasks.py: the "max_length" pair, padded to 128 tokens, runs alone).
     assert sum(passes) == 3 + 7 and len(passes) <= 3 + 3 and max(passes) >= 5, passes
     pipe = transformers.pipeline(TASK, model=str(tapas_dir))
     first = 0
