@@ -23,12 +23,11 @@ import torch
 
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.huggingface.decoding import DecodingBatch
+from mme_runtime.huggingface.decoding import TIME, DecodingBatch, Row
 from mme_runtime.huggingface.generation_parameters import SERVER_PARAMETERS, check_token_ids, vocabulary
 from mme_runtime.huggingface.generation_tasks import Prompt, TextGeneration, TextToText
 from mme_runtime.huggingface.loading import HuggingFaceModel
 from mme_runtime.huggingface.requests import TaskRequest
-from mme_runtime.huggingface.rows import TIME, Row
 from mme_runtime.huggingface.scheduler import Scheduler
 from mme_runtime.serving.pass_threads import RunPass, run_here
 

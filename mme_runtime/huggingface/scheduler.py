@@ -18,8 +18,7 @@ from collections import deque
 
 import torch
 
-from mme_runtime.huggingface.decoding import DecodingBatch
-from mme_runtime.huggingface.rows import STOP, TIME, Row
+from mme_runtime.huggingface.decoding import STOP, TIME, DecodingBatch, Row
 from mme_runtime.operations import metrics
 from mme_runtime.serving.pass_threads import RunPass, run_here
 

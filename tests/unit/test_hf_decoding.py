@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from mme_runtime.huggingface import decoding as hf_decoding
-from mme_runtime.huggingface.decoding import DecodingBatch
-from mme_runtime.huggingface.rows import Row
+from mme_runtime.huggingface.decoding import DecodingBatch, Row
 
 
 def _model(kind: str, directory: Path) -> torch.nn.Module:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from mme_runtime.huggingface.rows import LENGTH, TIME, Row
+from mme_runtime.huggingface.decoding import LENGTH, TIME, Row
 from mme_runtime.huggingface.scheduler import ModelUnloaded, Scheduler
 
 
