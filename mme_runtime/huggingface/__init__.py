@@ -5,7 +5,7 @@ directories it serves (the handler calls it, in every process that loads a model
 its task, speech models' included. ``requests`` reads the AWS container's request and writes its answer (JSON, CSV,
 images, NPY and audio bodies); ``tasks`` runs a batch through the task's pipeline (rows padded together, a tokenizer
 lent a step at a time), with ``question_answering``, ``zero_shot``, ``tables``, ``vision`` and ``sentences`` for
-their tasks. Generative tasks go through ``generation`` (with ``generation_tasks`` and ``generation_parameters``),
-``scheduler`` and ``decoding``; speech tasks through ``audio_tasks``.
+their tasks. Generative tasks go through ``generation``, ``scheduler`` and ``decoding``; speech tasks through
+``audio_tasks``.
 It may import: ``base``, ``operations``, ``models``, ``serving``.
 """
