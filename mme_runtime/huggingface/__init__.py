@@ -6,6 +6,6 @@ its task, speech models' included. ``requests`` reads the AWS container's reques
 images, NPY and audio bodies); ``tasks`` runs a batch through the task's pipeline (rows padded together, a tokenizer
 lent a step at a time), with ``question_answering``, ``zero_shot``, ``tables``, ``vision`` and ``sentences`` for
 their tasks. Generative tasks go through ``generation``, ``scheduler`` and ``decoding``; speech tasks through
-``audio_tasks``.
+``audio``.
 It may import: ``base``, ``operations``, ``models``, ``serving``.
 """

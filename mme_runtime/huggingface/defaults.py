@@ -22,7 +22,7 @@ import torch
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
 from mme_runtime.huggingface import generation, loading, requests, vision
-from mme_runtime.huggingface.audio_tasks import AudioRunner
+from mme_runtime.huggingface.audio import AudioRunner
 from mme_runtime.huggingface.generation import GenerationLimits, GenerationRunner
 from mme_runtime.huggingface.requests import TaskBatch, TaskRequest
 from mme_runtime.huggingface.tasks import TaskRunner, shape
@@ -134,7 +134,7 @@ class HuggingFaceDefaults:
         with self._lock:
             if self._runner is None or self._runner.model is not model:
                 device = next(model.model.parameters(), torch.empty(0)).device
-                audio = self.task in loading.AUDIO_TASKS  # speech: audio_tasks.py
+                audio = self.task in loading.AUDIO_TASKS  # speech: audio.py
                 self._runner = AudioRunner(model, device) if audio else TaskRunner(model, device)
             return self._runner
 

@@ -1,7 +1,7 @@
-"""Speech recognition and audio classification over a batch of requests: each clip is resampled to the model's rate
-(``resample``) and prepared alone by the task's pipeline, with its request's own parameters; rows that can share
-a forward pass are stacked into one, and each row's outputs, cut back to its own, are post-processed as the pipeline
-does for that clip alone.
+"""Speech recognition and audio classification over a batch of requests: each clip (decoded by ``requests.py``)
+is resampled to the model's rate and prepared alone by the task's pipeline, with its request's own parameters; rows
+that can share a forward pass are stacked into one, and each row's outputs, cut back to its own, are post-processed
+as the pipeline does for that clip alone.
 
 Which rows share a pass: rows of one shape always (Whisper's features are 30 s windows, whatever the clip), with the
 same generation parameters for a recognizer that generates; rows of different lengths only for a model that masks
@@ -33,8 +33,8 @@ INPUT_KEYS = ("input_values", "input_features")
 
 
 class AudioRunner:
-    """One placed speech model's task, with a pipeline per thread (its tokenizer is a copy of its own, as
-    ``tasks.TaskRunner`` keeps them)."""
+    """One placed speech model's task, with a copy of its tokenizer lent for each batch, as ``tasks.TaskRunner``
+    lends them."""
 
     def __init__(self, model: HuggingFaceModel, device: torch.device) -> None:
         transformers: Any = importlib.import_module("transformers")
