@@ -19,7 +19,7 @@ from mme_runtime.huggingface import defaults as hugging_face
 from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.serving.transformer import Transformer
 
-hugging_face.register()  # every process that loads a model through this handler serves Hugging Face directories
+hugging_face.register()  # so every process that loads a model with this handler serves them
 
 
 class HandlerService(DefaultHandlerService):  # type: ignore[misc]

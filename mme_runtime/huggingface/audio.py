@@ -1,13 +1,15 @@
-"""Speech recognition and audio classification over a batch of requests: each clip (decoded by ``requests.py``)
-is resampled to the model's rate and prepared alone by the task's pipeline, with its request's own parameters; rows
-that can share a forward pass are stacked into one, and each row's outputs, cut back to its own, are post-processed
-as the pipeline does for that clip alone.
+"""Speech recognition and audio classification over a batch of requests: each clip (decoded by
+``requests.py``) is resampled to the model's rate and prepared alone by the task's pipeline,
+with its request's own parameters; rows that can share a forward pass are stacked into one, and
+each row's outputs, cut back to its own, are post-processed as the pipeline does for that clip
+alone.
 
-Which rows share a pass: rows of one shape always (Whisper's features are 30 s windows, whatever the clip), with the
-same generation parameters for a recognizer that generates; rows of different lengths only for a model that masks
-padding as if it were not there (``feat_extract_norm="layer"``: Wav2Vec2 large, HuBERT, WavLM...): its convolutions
-normalize each frame alone and its attention masks the padded frames. A model whose first convolution normalizes
-over the whole clip (``"group"``, Wav2Vec2 base) would see the padding: its clips of different lengths run alone.
+Which rows share a pass: rows of one shape always (Whisper's features are 30 s windows, whatever
+the clip), with the same generation parameters for a recognizer that generates; rows of different
+lengths only for a model that masks padding as if it were not there (``feat_extract_norm="layer"``:
+Wav2Vec2 large, HuBERT, WavLM...): its convolutions normalize each frame alone and its attention
+masks the padded frames. A model whose first convolution normalizes over the whole clip
+(``"group"``, Wav2Vec2 base) would see the padding: its clips of different lengths run alone.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ INPUT_KEYS = ("input_values", "input_features")
 
 
 class AudioRunner:
-    """One placed speech model's task, with a copy of its tokenizer lent for each batch, as ``tasks.TaskRunner``
-    lends them."""
+    """One placed speech model's task, with a copy of its tokenizer lent for each batch, as
+    ``tasks.TaskRunner`` lends them."""
 
     def __init__(self, model: HuggingFaceModel, device: torch.device) -> None:
         transformers: Any = importlib.import_module("transformers")
@@ -161,8 +163,9 @@ def masks_padding(model: Any) -> bool:
 
 
 def pass_groups(rows: list[dict[str, Any]], forwards: list[dict[str, Any]], maskable: bool) -> list[list[int]]:
-    """Indices of ``rows`` in groups that share a pass: the same forward parameters, and the same shape unless the
-    model masks padding; then grouped by length as text is (``tasks.length_groups``), in frames of 320 samples."""
+    """Indices of ``rows`` in groups that share a pass: the same forward parameters, and the same
+    shape unless the model masks padding; then grouped by length as text is
+    (``tasks.length_groups``), in frames of 320 samples."""
     kinds: dict[str, list[int]] = {}
     for index, (row, forward) in enumerate(zip(rows, forwards, strict=True)):
         main = _main_input(row)

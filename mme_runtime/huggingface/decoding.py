@@ -1,17 +1,13 @@
-"""The rows of a batched generation, decoded one token per step with one KV cache: rows join between steps (their
-prompts prefilled together, each then taking the place a finished row left, or added to the batch) and leave when
-done (their place kept for the next row to join, the batch compacted once half of it is empty).
+"""The rows of a batched generation, decoded a token a step with one KV cache: rows join between
+steps (prefilled together, each taking a finished row's place or added to the batch) and leave
+when done (their place kept, the batch compacted once half of it is empty). A ``Row`` picks its
+tokens as ``generate`` would for it alone (``pick_tokens``).
 
-Each row's decoder tokens sit at the right of the batch's self-attention cache (padded on the left, the attention
-mask hiding the padding) and its encoder's outputs at the left of the cross-attention cache (padded on the right).
-The self-attention keys and values sit in buffers with room to grow (``GrowingLayer`` writes a step's token in place,
-where transformers' ``DynamicLayer`` concatenates the whole cache), and a joining row is written in place of one that
-left: a step copies nothing; copies happen only when the batch grows past its rows, or is compacted or trimmed.
-
-Each row keeps its own positions: decoder-only models take ``position_ids``; an encoder-decoder whose decoder adds
-absolute position embeddings (BART, Marian) gets each row's own through a hook on that module; T5's relative
-positions need nothing. A ``Row`` picks its tokens as ``generate`` would for it alone (``pick_tokens``), so a lone
-client's tokens are ``generate``'s.
+Decoder tokens sit at the right of the self-attention cache (padded on the left, masked) and
+encoder outputs at the left of the cross-attention cache; self-attention layers grow in place
+(``GrowingLayer``, where transformers' ``DynamicLayer`` concatenates the whole cache), so a step
+copies nothing. Each row keeps its own positions: ``position_ids`` for a decoder-only model, a
+hook on an encoder-decoder's absolute position embedding (BART, Marian); T5's need nothing.
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
-"""The contract's defaults for a Hugging Face ``save_pretrained`` directory served with no code: ``model_fn`` loads it
-for its task (``loading.py``), ``input_fn`` reads the AWS Hugging Face container's request (``requests.py``),
-``predict_fn`` runs the task over a batch of requests in one padded pass (``tasks.py``) and ``output_fn`` writes
-the pipeline's answer. A user's ``inference.py`` may still replace any of them, as with the PyTorch defaults.
+"""The contract's defaults for a Hugging Face ``save_pretrained`` directory served with no code:
+``model_fn`` loads it for its task (``loading.py``), ``input_fn`` reads the AWS Hugging Face
+container's request (``requests.py``), ``predict_fn`` runs the task over a batch of requests in
+one padded pass (``tasks.py``) and ``output_fn`` writes the pipeline's answer. A user's
+``inference.py`` may still replace any of them, as with the PyTorch defaults; ``register`` offers
+them to the serving core.
 
-A generative task (``generation.py``) is not batched by the batcher: its model's scheduler decodes the rows of
-every request together, step by step, so ``predict_fn`` returns when that request's own rows are done.
-
-A LoRA adapter's directory (``lora.py``) is served the same way: ``model_fn`` loads its base, the adapter is attached
-when the model is placed, and each request names its adapter, so that the base's pass picks it for its rows.
+A generative task (``generation.py``) is not batched by the batcher: its model's scheduler decodes
+the rows of every request together, step by step, so ``predict_fn`` returns when that request's
+own rows are done. A LoRA adapter's directory (``lora.py``) is served the same way: ``model_fn``
+loads its base, the adapter is attached when the model is placed, and each request names its
+adapter, so that the base's pass picks it for its rows.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ def serves(model_dir: Path) -> bool:
 
 
 def register() -> None:
-    """Offers these defaults to the serving core for the directories they serve, and tells the package cache which
-    files hold a Hugging Face base's weights."""
-    register_defaults(DefaultsProvider(serves, HuggingFaceDefaults, "choosing the Hugging Face task"))
+    """Offers these defaults to the serving core for the directories they serve, and tells the
+    package cache which files hold a Hugging Face base's weights."""
+    step = "choosing the Hugging Face task"  # what a LOAD that fails in HuggingFaceDefaults names
+    register_defaults(DefaultsProvider(serves, HuggingFaceDefaults, step))
     package_cache.register_weight_files(loading.WEIGHT_FILES)
 
 

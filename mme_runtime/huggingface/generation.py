@@ -1,19 +1,13 @@
-"""Generative tasks served with no code: each input becomes rows (``decoding.Row``) that the model's scheduler
-decodes together with every other client's (``scheduler.py``), each picking its tokens as ``generate`` would for
-that input alone; what the loop does not do (beam search, and the other decoding modes) runs ``generate`` alone.
+"""Generative tasks served with no code: each input becomes rows (``decoding.Row``) that the model's
+scheduler decodes with every other client's (``scheduler.py``), each picking its tokens as
+``generate`` would for it alone; other decoding modes (beam search) run ``generate`` alone.
 
-Parameters go to ``generate`` as the pipeline passes them, plus ``stop`` (a string or a list: the answer ends with the
-token that completes one) and ``seed`` (a sampled answer then depends on it alone, never on the rows beside it).
-``max_new_tokens`` (or a ``max_length`` that implies more) over the model's cap (``serving.properties``, else
-``MME_MAX_NEW_TOKENS``) answers 400; a default over it is lowered to it, and to what fits the model's positions. A
-generation still running at the time limit is cut: its answer is what it has, with a ``warning``. How a generation is
-held (its cache, compiling it) is the server's business, and a token id outside the vocabulary would fail a GPU's
-pass with a device-side assert that spoils the CUDA context of every model of its process: both answer 400 here, for
-a speech recognizer's ``generate`` too (``check_token_ids``).
-
-Each task turns an input into token ids and ``generate``'s arguments, and ids into its answer, as the AWS container's
-pipeline does: text-generation through transformers' own pipeline; text2text-generation, summarization and
-translation (dropped by transformers 5) as transformers 4.57's pipelines ran them (``TextToText``).
+Parameters go to ``generate`` as the pipeline passes them, plus ``stop`` and ``seed``; what a
+request asks over the model's cap (``max_new_tokens``) or its positions answers 400, a default
+over them is lowered, and a generation still running at its time limit is cut, with a
+``warning``. Token ids outside the vocabulary answer 400 (``check_token_ids``, for speech too):
+on a GPU they would spoil the CUDA context of every model of the process. text-generation runs
+transformers' pipeline; the text-to-text tasks, gone from transformers 5, run as 4.57 ran them.
 """
 
 from __future__ import annotations
@@ -39,8 +33,8 @@ from mme_runtime.huggingface.scheduler import Scheduler
 from mme_runtime.huggingface.tasks import lent_pipeline, lent_tokenizer
 from mme_runtime.serving.pass_threads import RunPass, run_here
 
-# How a generation is held is the server's: a static cache of max_cache_len 10**6 is allocated whole, and an
-# offloaded one fails on a CPU.
+# How a generation is held is the server's: a static cache of max_cache_len 10**6 is allocated
+# whole, and an offloaded one fails on a CPU.
 SERVER_PARAMETERS = frozenset(
     {
         "use_cache",

@@ -1,14 +1,13 @@
-"""A Hugging Face ``save_pretrained`` directory (``config.json`` and its weights) loaded as its task's
-``AutoModelFor...``, with what prepares its inputs (a tokenizer, an image processor, a speech model's feature
-extractor), on the host and CUDA-free; transformers is imported on the first such model, never at start.
+"""A Hugging Face ``save_pretrained`` directory loaded as its task's ``AutoModelFor...``, with
+what prepares its inputs (a tokenizer, an image processor, a speech model's feature extractor),
+on the host and CUDA-free; transformers is imported on the first such model, never at start.
 
-The task comes from ``task=`` in the model's ``serving.properties``, else ``HF_TASK`` (the AWS Hugging Face
-container's variable, container-wide), else from ``config.json``'s architecture where that names one task, read
-again for a speech directory (``audio_task``). Code that a ``config.json`` asks for (``auto_map``) runs only with
-``trust_remote_code=true`` in ``serving.properties``; pickled weights load only through ``weights_only``.
-
-A model travels to its device host with its tokenizer pickled into a tensor of bytes (``packed``): fine-tunes of one
-base ship equal tokenizer files, so their packages hold those bytes once, and a host unpickles each once per task.
+The task is ``task=`` in ``serving.properties``, else ``HF_TASK``, else what ``config.json``'s
+architecture names, read again for a speech directory (``audio_task``). Code a ``config.json``
+asks for (``auto_map``) runs only with ``trust_remote_code=true``; weights load ``weights_only``.
+A model travels to its device host with its tokenizer pickled into bytes (``packed``):
+fine-tunes of one base ship equal tokenizers, held once by their packages and unpickled once
+per task by a host (``unpacked``).
 """
 
 from __future__ import annotations
@@ -58,11 +57,11 @@ TASKS = {
     # Speech (``audio_auto_class``): a CTC model, or an encoder-decoder (Whisper) by generation.
     "automatic-speech-recognition": "AutoModelForCTC",
     "audio-classification": "AutoModelForAudioClassification",
-    # Images, batched per input shape (vision.py); a segmenter's Auto class depends on it (_auto_class).
+    # Images, batched per shape (vision.py); a segmenter's Auto class depends on it (_auto_class).
     "object-detection": "AutoModelForObjectDetection",
     "image-segmentation": "AutoModelForImageSegmentation",
     "zero-shot-image-classification": "AutoModelForZeroShotImageClassification",
-    # sentence-transformers directories (``sentences.py``): pooled vectors, or a cross-encoder's scores.
+    # sentence-transformers directories (sentences.py): pooled vectors, or a cross-encoder's scores.
     "sentence-embeddings": "AutoModel",
     "sentence-similarity": "AutoModel",
     "sentence-ranking": "AutoModelForSequenceClassification",
@@ -74,7 +73,7 @@ IMAGE_TASKS = frozenset(
     {"image-classification", "object-detection", "image-segmentation", "zero-shot-image-classification"}
 )
 TEXT_AND_IMAGE_TASKS = frozenset({"zero-shot-image-classification"})  # its candidate labels are texts: a tokenizer too
-# Speech models: their tasks, and the file that names a speech directory's feature extractor (``audio_task``).
+# Speech models: their tasks, and the file naming a speech directory's feature extractor.
 AUDIO_TASKS = frozenset({"automatic-speech-recognition", "audio-classification"})
 PREPROCESSOR_FILE = "preprocessor_config.json"
 # What an architecture's name ends with, and the task it serves, in any directory: CTC heads and audio classifiers
@@ -134,7 +133,7 @@ class HuggingFaceModel:
     feature_extractor: Any = None  # audio tasks: turns a waveform into the model's inputs
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled with its tokenizer as bytes in a tensor: held once for equal ones (``packed``)."""
+        """Pickled with its tokenizer as bytes in a tensor, one for equal ones (``packed``)."""
         state = dict(self.__dict__)
         if self.tokenizer is not None:
             state["tokenizer"] = packed(self.tokenizer)
@@ -237,8 +236,8 @@ def base_task(task: str) -> str:
 
 
 def _auto_class(transformers: Any, task: str, config: dict[str, Any]) -> Any:
-    """The task's Auto class. A speech task's depends on the model (``audio_auto_class``); image-segmentation has
-    several, as the pipeline has: the first whose mapping knows
+    """The task's Auto class. A speech task's depends on the model (``audio_auto_class``);
+    image-segmentation has several, as the pipeline has: the first whose mapping knows
     the model type (DETR's panoptic head, a semantic segmenter such as SegFormer, a universal one such as
     Mask2Former)."""
     if task in AUDIO_TASKS:
@@ -329,8 +328,8 @@ def audio_processors(transformers: Any, model_dir: Path, task: str, options: dic
     return feature_extractor, transformers.AutoTokenizer.from_pretrained(str(model_dir), **options)
 
 
-# One tokenizer object per content and task in a process (``unpacked``), held while a model uses it: keyed by the
-# task too, since a pipeline may set on its tokenizer what its task needs.
+# One tokenizer object per content and task in a process (``unpacked``), held while a model uses
+# it: keyed by the task too, since a pipeline may set on its tokenizer what its task needs.
 PROTOCOL = 5
 _lock = threading.Lock()
 _by_key: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()

@@ -1,19 +1,14 @@
-"""Requests and answers of a Hugging Face model served with no code, as the AWS Hugging Face container
-(``sagemaker-huggingface-inference-toolkit``) takes and gives them, so that its clients work unchanged.
+"""Requests and answers of a Hugging Face model served with no code, as the AWS Hugging Face
+container (``sagemaker-huggingface-inference-toolkit``) takes and gives them, so that its
+clients work unchanged: ``{"inputs": ..., "parameters": {...}}`` in JSON, a CSV with an
+``inputs`` (or ``question`` and ``context``) header, an image, audio or an NPY array; answers in
+compact JSON, CSV or NPY. A ``TaskRequest`` is what requests share a forward pass as.
 
-A request is ``{"inputs": ..., "parameters": {...}}`` in JSON (a string or a list of strings; for
-question-answering ``{"question", "context"}`` or a list of them), a CSV with an ``inputs`` (or ``question`` and
-``context``) header, an image (``image/png``, ``image/jpeg``, ...), audio, or an NPY array. The answer is the
-pipeline's, in compact JSON, CSV or NPY; the sentence tasks read theirs in ``sentences.py``. A ``TaskRequest`` is
-what several requests share a forward pass as: one row per input.
-
-An NPY body's array is the ``inputs``, as the SageMaker SDK's ``NumpySerializer`` writes them: strings are texts,
-numbers audio samples at the model's rate (one clip a row); a pickled object array is refused, since unpickling a
-request could run any code. An NPY answer is the answer's numbers (float64); records or text have no NPY form.
-
-Audio (WAV, FLAC, OGG, MP3; the body, or base64 in JSON) is decoded by soundfile (its wheels carry libsndfile: no
-ffmpeg), mixed down to one channel and resampled by soxr to the model's rate. It is held in the process that every
-model of the device shares, so its length is capped (``MAX_AUDIO_SECONDS``), read from the header before decoding.
+An NPY body's array is the ``inputs`` (texts, or audio samples at the model's rate); a pickled
+object array is refused, since unpickling could run any code. Audio (WAV, FLAC, OGG, MP3) is
+decoded by soundfile (no ffmpeg), mixed down to one channel and resampled by soxr; it is held in
+the process every model of the device shares, so its length is capped (``MAX_AUDIO_SECONDS``),
+read from its header before anything is decoded.
 """
 
 from __future__ import annotations
@@ -328,7 +323,7 @@ def read_inputs(items: list[Any], task: str) -> list[Audio]:
 
 
 def samples(item: np.ndarray, task: str) -> Audio:
-    """A clip sent as its samples (an NPY body's row of numbers: ``npy_inputs``), at the model's rate."""
+    """A clip sent as its samples (a row of an NPY body's numbers), at the model's rate."""
     clip = np.asarray(item, dtype=np.float32)
     if clip.ndim != 1 or not clip.size:
         raise InvalidInput(f"{task} takes samples as one row of numbers per clip")

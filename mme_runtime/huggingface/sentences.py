@@ -1,19 +1,18 @@
-"""sentence-transformers directories served with no code, and without sentence-transformers: what a
-``SentenceTransformer`` (``modules.json``: the model, ``1_Pooling``, an optional ``Normalize``) or a ``CrossEncoder``
-(a ``...ForSequenceClassification`` and the activation of its scores) computes, read from its files (``configure``),
-and their tasks read and answered as Hugging Face's inference toolkit (``sentence_transformers_utils.py``) does:
+"""sentence-transformers directories served with no code, and without sentence-transformers: what
+a ``SentenceTransformer`` (``modules.json``: the model, ``1_Pooling``, an optional
+``Normalize``) or a ``CrossEncoder`` (a classifier and the activation of its scores) computes,
+read from its files (``configure``), and their tasks read and answered as Hugging Face's
+inference toolkit (``sentence_transformers_utils.py``) does:
 
-* sentence-embeddings: ``{"inputs": "..."}`` or a list (or ``{"sentences": ...}``) answers ``{"embeddings": ...}``,
-  ``SentenceTransformer.encode``'s vectors;
-* sentence-similarity: ``{"inputs": {"source_sentence": "...", "sentences": [...]}}`` answers
-  ``{"similarities": [...]}``, the cosine of the source's vector with each sentence's;
-* sentence-ranking: ``{"inputs": [[query, passage], ...]}`` (one pair: one score) answers ``{"scores": [...]}``,
-  ``CrossEncoder.predict``'s (its activation applied); ``{"inputs": {"query", "texts", "return_documents"}}`` answers
-  ``CrossEncoder.rank``'s ``[{"score", "index"}]``, best first.
+* sentence-embeddings: ``{"inputs": "..."}``, a list, or ``{"sentences": ...}``; answers
+  ``{"embeddings": ...}``;
+* sentence-similarity: ``{"inputs": {"source_sentence": "...", "sentences": [...]}}``; answers
+  ``{"similarities": [...]}``, cosines with the source;
+* sentence-ranking: ``{"inputs": [[query, passage], ...]}`` answers ``{"scores": [...]}``;
+  ``{"inputs": {"query", "texts", "return_documents"}}``, ``CrossEncoder.rank``'s records.
 
-Every sentence (every pair) is a row of its own, so the rows of concurrent requests share padded passes: the embedding
-tasks as pooled feature-extraction (``tasks.py``, each text cut to the model's ``max_seq_length`` as
-sentence-transformers cuts it), ranking through ``scores`` here. Never touches CUDA.
+Each sentence (each pair) is a row of its own, so concurrent requests share padded passes: the
+embeddings as pooled feature-extraction (``tasks.py``), ranking through ``scores``.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ Forward = Callable[[list[dict[str, Any]], Callable[[Any], Any]], list[dict[str, 
 
 
 class Request(Protocol):
-    """What is read here of a request (``requests.TaskRequest``, which is built from ``request``'s answer)."""
+    """What is read here of a request (a ``requests.TaskRequest``, made of ``request``'s answer)."""
 
     inputs: list[Any]
     parameters: dict[str, Any]
@@ -68,9 +67,10 @@ Rows = tuple[list[Any], dict[str, Any], bool]
 
 
 def configure(model_dir: Path, loaded: Any) -> None:
-    """Makes a loaded model (``loading.HuggingFaceModel``) compute what its sentence task answers: pooled
-    feature-extraction for the embedding tasks (its pooling and normalization read by ``pooling``), or scores
-    for ranking. Raises ``ModelLoadError`` for a directory that would answer otherwise than sentence-transformers."""
+    """Makes a loaded model (``loading.HuggingFaceModel``) compute what its sentence task answers:
+    pooled feature-extraction for the embedding tasks (its pooling and normalization read by
+    ``pooling``), or scores for ranking. Raises ``ModelLoadError`` for a directory that would
+    answer otherwise than sentence-transformers."""
     # sentence-transformers reads sentence_bert_config.json only beside a modules.json (else it builds its default
     # modules): it always cuts, never refuses, at max_seq_length, else at what the model takes.
     listed = (model_dir / "modules.json").is_file()
@@ -263,8 +263,8 @@ def _texts(value: Any, name: str, single_allowed: bool = True) -> tuple[list[str
 def scores(tokenizer: Any, model: Any, requests: Sequence[Request], forward: Forward) -> list[Any]:
     """Each pair's score, in order, as ``CrossEncoder.predict`` gives it: the pair tokenized together and cut to the
     model's length (longest text first), its logits through the model's activation; one number for a model of one
-    label, a list for more. ``forward`` runs the pairs of all requests in padded passes. ``model``: a
-    ``loading.HuggingFaceModel`` (``loading`` imports this module)."""
+    label, a list for more. ``forward`` runs the pairs of all requests in padded passes.
+    ``model``: a ``loading.HuggingFaceModel`` (typed ``Any``: ``loading`` imports this module)."""
     limit = model.truncate_to
     rows = []
     for one in requests:

@@ -1,18 +1,15 @@
-"""A Hugging Face model's task, run over a batch of requests: each input is prepared on its own by the task's
-pipeline (tokenized, with the request's own parameters), the rows are grouped by length and each group padded into
-one forward pass, and each row, cut back to its own length, is post-processed as the pipeline does for that input
-alone. So each client gets what the unbatched pipeline answers for its input.
+"""A Hugging Face model's task over a batch of requests: each input prepared alone by the task's
+pipeline (with its request's parameters), rows grouped by length (``length_groups``) and each
+group padded into one pass (``pad``), each row's outputs cut back to its own (``cut_back``) and
+post-processed as the pipeline does for that input alone: each client gets what the unbatched
+pipeline answers. Question answering (``question_answering.py``: transformers 5 has no such
+pipeline), tables and sentence ranking make their own rows for these passes; images are batched
+per shape (``vision.py``).
 
-Rows are grouped where a pass of its own costs less than padding the shorter rows (``length_groups``), padded on the
-right whatever side the tokenizer pads (``pad``: the attention mask hides it) and cut back (``cut_back``).
-
-A fast tokenizer is not safe to share between threads that change its truncation and padding, so a thread tokenizes
-with a copy lent for one step (``lent_tokenizer``, ``lent_pipeline``); a copy is made only when all are out, and the
-models that share a tokenizer (the adapters of one base) share its copies. Kept per thread and per model, copies
-outweighed everything else a model adds beyond its weights (about 3.7 MiB for BERT's).
-
-transformers 5 has no question-answering pipeline: ``question_answering.py`` is its stand-in here. The sentence
-tasks (``sentences.py``) run as pooled feature-extraction, or score pairs there.
+Tokenizers are not safe to share between threads that change their truncation and padding: a
+thread tokenizes with a copy lent for one step (``lent_tokenizer``, ``lent_pipeline``), made
+only when all are out and shared by the models of one tokenizer (the adapters of a base). Copies
+kept per thread and model outweighed all else a model adds beyond its weights.
 """
 
 from __future__ import annotations
@@ -62,8 +59,8 @@ _copies: dict[int, TokenizerCopies] = {}  # by id() of the tokenizer; an entry l
 
 
 class TaskRunner:
-    """One placed model's task. A batch is prepared with a copy of the tokenizer lent for it (``lent_tokenizer``):
-    tokenizers are not safe to share between threads."""
+    """One placed model's task. A batch is prepared with a copy of the tokenizer lent for it
+    (``lent_tokenizer``): tokenizers are not safe to share between threads."""
 
     def __init__(self, model: HuggingFaceModel, device: torch.device) -> None:
         transformers: Any = importlib.import_module("transformers")
@@ -131,9 +128,10 @@ class TaskRunner:
     def _forward(
         self, rows: list[dict[str, Any]], forward: Callable[[Any], Any], adapters: list[str | None] | None = None
     ) -> list[dict[str, Any]]:
-        """The model over ``rows``, handed back row by row as a pass over each alone gives it (``cut_back``):
-        sorted by length, in groups padded to their longest, so that a batch of texts from 4 to 200 tokens costs
-        neither sixteen texts of 200 nor sixteen passes. ``adapters``: each row's LoRA adapter (``lora_layers.py``)."""
+        """The model over ``rows``, handed back row by row as a pass over each alone gives it
+        (``cut_back``): sorted by length, in groups padded to their longest, so that a batch of
+        texts from 4 to 200 tokens costs neither sixteen texts of 200 nor sixteen passes.
+        ``adapters``: each row's LoRA adapter (``lora_layers.py``)."""
         outputs: list[Any] = [None] * len(rows)
         pad_id = getattr(self.model.tokenizer, "pad_token_id", None)
         for group in length_groups([length(row) or 0 for row in rows]):

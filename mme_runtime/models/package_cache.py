@@ -41,13 +41,13 @@ from mme_runtime.operations.memory import artifact_bytes, available_bytes
 
 logger = logging.getLogger(__name__)
 
-# The files that may hold a base's weights, looked for in this order before a PyTorch model's file: registered by
-# the package that loads such bases (``mme_runtime.huggingface``: a ``save_pretrained`` directory's).
+# The files that may hold a base's weights, looked for in this order before a PyTorch model's
+# file: registered by the package that loads such bases (``mme_runtime.huggingface``).
 _weight_files: list[str] = []
 
 
 def register_weight_files(names: Iterable[str]) -> None:
-    """Adds the files that hold a kind of base's weights (each once), for ``_base_key`` to look for."""
+    """Adds the files that hold a kind of base's weights (each once), for ``_base_key``."""
     for name in names:
         if name not in _weight_files:
             _weight_files.append(name)

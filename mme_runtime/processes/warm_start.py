@@ -221,7 +221,8 @@ def _uses_pt2(model_dir: Path) -> bool:
 LAZY_IMPORTS: tuple[tuple[str, str, Callable[[Path], bool]], ...] = (
     # torch.export's archive reader (model.pt2, compile=true): it brings torch's compiler (about 1.2 s and 70 MiB).
     ("PyTorch 2 loader", "torch.export.pt2_archive._package", _uses_pt2),
-    # transformers and its pipelines, for a Hugging Face directory served with no code (``huggingface/loading.py``).
+    # transformers and its pipelines, for a Hugging Face directory served with no code
+    # (``huggingface/loading.py``).
     ("transformers", "transformers.pipelines", is_hugging_face_directory),
 )
 

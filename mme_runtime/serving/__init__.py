@@ -4,7 +4,7 @@ connections as its requests overlap), ``transformer`` (the model's lifecycle), `
 the contract), ``contract`` (the user's functions over the defaults), ``batcher`` and ``collate`` (one forward pass
 for many requests; ``pass_threads`` runs a GPU's passes on a few threads), ``responses`` (statuses and error
 bodies), ``content`` (codecs), ``context`` (what user functions receive) and ``placement`` (the model on its
-device). Defaults other than the PyTorch ones are registered with ``transformer`` by the package that brings
-them (``mme_runtime.huggingface``'s, for a Hugging Face directory served with no code).
+device). Defaults other than the PyTorch ones are registered with ``transformer`` by the
+package that brings them (``mme_runtime.huggingface``, for a Hugging Face directory).
 It may import: ``base``, ``operations``, ``models``.
 """

@@ -20,8 +20,8 @@ WARMUP_SAMPLES = {"warmup.json": content.JSON, "warmup.csv": content.CSV, "warmu
 
 @runtime_checkable
 class PlacesItself(Protocol):
-    """A model that goes to its device its own way: an AOTInductor package (``pt2.py``) is loaded there, a Hugging
-    Face model (``mme_runtime.huggingface``) moves its module."""
+    """A model that goes to its device its own way: an AOTInductor package (``pt2.py``) is
+    loaded there, a Hugging Face model (``mme_runtime.huggingface``) moves its module."""
 
     def place(self, device: torch.device) -> Any: ...
 

@@ -42,20 +42,21 @@ CONTRACT = frozenset({"model_fn", "input_fn", "predict_fn", "output_fn"})
 
 @dataclass(frozen=True)
 class DefaultsProvider:
-    """Defaults other than the PyTorch ones, for the model directories ``serves`` accepts: ``make(model_dir,
-    settings, config)`` builds a model's, or raises ``ModelLoadError``, which fails the LOAD as ``step``."""
+    """Defaults other than the PyTorch ones, for the model directories ``serves`` accepts:
+    ``make(model_dir, settings, config)`` builds a model's, or raises ``ModelLoadError``, which
+    fails the LOAD as ``step``."""
 
     serves: Callable[[Path], bool]
     make: Callable[[Path, ServingSettings, Config], Any]
     step: str
 
 
-# Registered by the packages that bring them (``mme_runtime.huggingface``, when imported): this core names none.
+# Registered by the packages that bring them (``mme_runtime.huggingface``): this core names none.
 _providers: list[DefaultsProvider] = []
 
 
 def register_defaults(provider: DefaultsProvider) -> None:
-    """Offers ``provider``'s defaults to every model loaded from now on (once, however often it is registered)."""
+    """Offers ``provider``'s defaults to every model loaded from now on (once, however often)."""
     if provider not in _providers:
         _providers.append(provider)
 
@@ -155,8 +156,8 @@ class Transformer(RequestPipeline):
 
     def _adapter_base(self, context: InferenceContext, model_dir: Path) -> tuple[Path, lora.Adapter | None]:
         """Where the model's code and ``model_fn`` come from: its own directory, or for a LoRA adapter over a plain
-        PyTorch base (a ``code/inference.py`` of its own), that base's, with the adapter (a base that registered
-        defaults serve, a Hugging Face one, is theirs to load)."""
+        PyTorch base (a ``code/inference.py`` of its own), that base's, with the adapter (a base
+        that registered defaults serve, a Hugging Face one, is theirs to load)."""
         if not lora.is_adapter_directory(model_dir):
             return model_dir, None
         try:
@@ -168,8 +169,8 @@ class Transformer(RequestPipeline):
             raise load_failure("reading the LoRA adapter", exc) from exc
 
     def _defaults_for(self, context: InferenceContext, model_dir: Path, user: Mapping[str, Any]) -> Any:
-        """The PyTorch defaults, or registered ones (a Hugging Face model's) where they serve the directory and user
-        code leaves a contract function to the defaults."""
+        """The PyTorch defaults, or registered ones (a Hugging Face model's) where they serve the
+        directory and user code leaves a contract function to the defaults."""
         provider = defaults_provider(model_dir)
         if provider is None or "transform_fn" in user or CONTRACT <= set(user):
             return self._defaults
