@@ -15,8 +15,11 @@ from sagemaker_inference.default_handler_service import DefaultHandlerService
 from inference_handler import DefaultPytorchInferenceHandler
 from mme_runtime.base.config import Config
 from mme_runtime.base.devices import worker_device
+from mme_runtime.huggingface import defaults as hugging_face
 from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.serving.transformer import Transformer
+
+hugging_face.register()  # so every process that loads a model with this handler serves them
 
 
 class HandlerService(DefaultHandlerService):  # type: ignore[misc]

@@ -13,10 +13,10 @@ import torch
 from sagemaker_inference.default_inference_handler import DefaultInferenceHandler
 
 from mme_runtime.base.errors import InvalidInput, ModelLoadError, first_line
-from mme_runtime.models import model_cache, pt2
+from mme_runtime.models import model_package, pt2
 from mme_runtime.serving import content
 
-MODEL_FILES = model_cache.MODEL_FILES
+MODEL_FILES = model_package.MODEL_FILES
 
 
 class DefaultPytorchInferenceHandler(DefaultInferenceHandler):  # type: ignore[misc]
@@ -28,7 +28,7 @@ class DefaultPytorchInferenceHandler(DefaultInferenceHandler):  # type: ignore[m
         exported = pt2.pt2_file(Path(model_dir))
         if exported is not None:
             return pt2.load(exported)
-        path = model_cache.model_file(Path(model_dir))
+        path = model_package.model_file(Path(model_dir))
         if path is None:
             raise ModelLoadError(
                 f"no {' or '.join((pt2.PT2_FILE, *MODEL_FILES))} in {model_dir}: save a model there "

@@ -188,6 +188,14 @@ def pack_torchscript_file(path: Path, name: str) -> Package:
     return Package(writer.fd, pickle_offset, buffer.getbuffer().nbytes)
 
 
+MODEL_FILES = ("model.pt", "model.pth")  # where a model directory holds its TorchScript (or a state dict)
+
+
+def model_file(model_dir: Path) -> Path | None:
+    """The model directory's ``model.pt`` or ``model.pth``, if it has one."""
+    return next((model_dir / name for name in MODEL_FILES if (model_dir / name).is_file()), None)
+
+
 def is_torchscript(path: Path) -> bool:
     """Whether ``path`` is a TorchScript archive (``torch.jit.save``: code and constants beside the data), not a
     ``torch.save`` checkpoint; read from the zip's directory only."""

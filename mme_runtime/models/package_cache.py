@@ -22,7 +22,7 @@ import json
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,15 +31,35 @@ import xxhash
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
 from mme_runtime.base.parsing import MIB
-from mme_runtime.models import hf_loading, lora
+from mme_runtime.models import lora
 from mme_runtime.models.loading import ModelSpec
-from mme_runtime.models.model_cache import MODEL_FILES, Key, key_for, model_file
-from mme_runtime.models.model_package import Package
+from mme_runtime.models.model_package import MODEL_FILES, Package, model_file
 from mme_runtime.models.serving_properties import read_settings
 from mme_runtime.operations import metrics
 from mme_runtime.operations.memory import artifact_bytes, available_bytes
 
 logger = logging.getLogger(__name__)
+
+# The files that may hold a base's weights, looked for in this order before a PyTorch model's
+# file: registered by the package that loads such bases (``mme_runtime.huggingface``).
+_weight_files: list[str] = []
+
+
+def register_weight_files(names: Iterable[str]) -> None:
+    """Adds the files that hold a kind of base's weights (each once), for ``_base_key``."""
+    for name in names:
+        if name not in _weight_files:
+            _weight_files.append(name)
+
+
+Key = tuple[str, int, int]  # a path, its size and its modification time: what names one set of artifacts
+
+
+def key_for(path: Path) -> Key:
+    """Same path, size and modification time: the same artifacts (a rewritten file is a new key)."""
+    resolved = path.resolve()
+    stat = resolved.stat()
+    return (str(resolved), stat.st_size, stat.st_mtime_ns)
 
 
 @dataclass
@@ -189,7 +209,7 @@ def _base_key(adapter_dir: Path, config: Config) -> Key | None:
         # adapters use while any is loaded; the loader fetches it anew, by ETag, after the last is gone.
         return (f"{settings.base_model}#{task}", 0, 0)
     base = lora.find_base(adapter_dir, settings.base_model, config)
-    names = (*hf_loading.WEIGHT_FILES, *MODEL_FILES)
+    names = (*_weight_files, *MODEL_FILES)
     weights = next((base / name for name in names if (base / name).is_file()), None)
     if weights is None:
         return None

@@ -4,11 +4,13 @@ The keys are the ones MMS's LOAD and the AWS large-model container use: ``batch_
 pass) and ``max_batch_delay`` (milliseconds); ``max_concurrency`` (forward passes at once); ``isolation``
 (``process``: never share the device host); ``compile`` (``true``) and ``compile_mode`` ask for an AOTInductor
 compile of the model on each device (``pt2.py``); ``task``, ``trust_remote_code`` and ``pooling`` for a
-Hugging Face model served with no code (``hf_loading.py``); ``share_weights`` (``false``: its tensors are its own,
-never held once with another model's, ``tensor_store.py``); ``base_model`` (a LoRA adapter's base, ``lora.py``);
-``max_new_tokens`` and ``max_generation_seconds`` (a generative model's cap on new tokens and on the time of one
-generation, ``serving/hf_generation.py``). A LOAD body that carries ``batch_size`` wins over both: MMS then sends
-it in every worker's LOAD message. A malformed file fails the LOAD, with the cause in the log.
+Hugging Face model served with no code (``huggingface/loading.py``); ``share_weights``
+(``false``: its tensors are its own, never held once with another model's, ``tensor_store.py``);
+``base_model`` (a LoRA adapter's base, ``lora.py``); ``max_new_tokens`` and
+``max_generation_seconds`` (a generative model's cap on new tokens and on the time of one
+generation, ``huggingface/generation.py``). A LOAD body that carries ``batch_size`` wins over
+both: MMS then sends it in every worker's LOAD message. A malformed file fails the LOAD, with the
+cause in the log.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ logger = logging.getLogger(__name__)
 FILE_NAME = "serving.properties"
 KNOWN_KEYS = (
     *("batch_size", "max_batch_delay", "compile", "compile_mode", "max_concurrency", "isolation"),
-    # A Hugging Face model served with no code (``hf_loading.py``): its task, and whether its own code may run.
+    # A Hugging Face model served with no code (``huggingface/loading.py``): its task, and
+    # whether its own code may run.
     *("task", "trust_remote_code", "pooling"),
     *("share_weights", "base_model"),
     *("max_new_tokens", "max_generation_seconds"),

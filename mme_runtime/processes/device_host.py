@@ -38,7 +38,7 @@ from mms.service import Service
 from mme_runtime.base import devices
 from mme_runtime.base.config import Config
 from mme_runtime.base.logs import configure_logging
-from mme_runtime.models.hf_loading import HuggingFaceModel
+from mme_runtime.huggingface.loading import HuggingFaceModel
 from mme_runtime.models.loading import (
     LoadedModel,
     LoadFailure,

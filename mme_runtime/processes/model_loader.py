@@ -25,7 +25,7 @@ from mme_runtime.base import devices
 from mme_runtime.base.child_processes import fork_child
 from mme_runtime.base.config import Config
 from mme_runtime.base.logs import configure_logging
-from mme_runtime.models.hf_loading import HuggingFaceModel
+from mme_runtime.huggingface.loading import HuggingFaceModel
 from mme_runtime.models.loading import (
     LoadFailure,
     ModelSpec,
@@ -36,8 +36,14 @@ from mme_runtime.models.loading import (
     load_model,
     model_reason,
 )
-from mme_runtime.models.model_cache import model_file
-from mme_runtime.models.model_package import NotPackable, is_torchscript, pack, pack_torchscript_file, unpack
+from mme_runtime.models.model_package import (
+    NotPackable,
+    is_torchscript,
+    model_file,
+    pack,
+    pack_torchscript_file,
+    unpack,
+)
 from mme_runtime.models.pt2 import pt2_file
 from mme_runtime.operations import metrics
 from mme_runtime.processes.warm_protocol import send

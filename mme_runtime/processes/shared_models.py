@@ -31,9 +31,8 @@ from mme_runtime.base import failures
 from mme_runtime.base.child_processes import Watcher
 from mme_runtime.base.config import Config
 from mme_runtime.models.loading import LoadFailure, ModelSpec, check_location, refuse_load
-from mme_runtime.models.model_cache import Key
 from mme_runtime.models.model_package import Package
-from mme_runtime.models.package_cache import PackageCache
+from mme_runtime.models.package_cache import Key, PackageCache
 from mme_runtime.models.tensor_store import TensorStore
 from mme_runtime.operations import metrics
 from mme_runtime.processes.crash_board import SLOTS

@@ -25,7 +25,7 @@ from types import FrameType
 from mme_runtime.base import failures
 from mme_runtime.base.child_processes import Watcher, exited_children, raise_descriptor_limit
 from mme_runtime.base.config import Config
-from mme_runtime.models import hf_loading
+from mme_runtime.huggingface.loading import is_hugging_face_directory
 from mme_runtime.models.loading import ModelSpec
 from mme_runtime.processes.warm_protocol import receive
 
@@ -149,8 +149,9 @@ def _uses_pt2(model_dir: Path) -> bool:
 LAZY_IMPORTS: tuple[tuple[str, str, Callable[[Path], bool]], ...] = (
     # torch.export's archive reader (model.pt2, compile=true): it brings torch's compiler (about 1.2 s and 70 MiB).
     ("PyTorch 2 loader", "torch.export.pt2_archive._package", _uses_pt2),
-    # transformers and its pipelines, for a Hugging Face directory served with no code (``hf_loading.py``).
-    ("transformers", "transformers.pipelines", hf_loading.is_hugging_face_directory),
+    # transformers and its pipelines, for a Hugging Face directory served with no code
+    # (``huggingface/loading.py``).
+    ("transformers", "transformers.pipelines", is_hugging_face_directory),
 )
 
 

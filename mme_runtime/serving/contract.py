@@ -36,8 +36,9 @@ class Contract:
 
     @classmethod
     def bind(cls, defaults: Any, user: Mapping[str, UserFunction]) -> Contract:
-        """The user's functions over the defaults' (``model_fn``, ``input_fn``, ``predict_fn``, ``output_fn``): the
-        PyTorch ones, or a Hugging Face model's (``hf_defaults.py``), which write their own media types."""
+        """The user's functions over the defaults' (``model_fn``, ``input_fn``, ``predict_fn``,
+        ``output_fn``): the PyTorch ones, or registered ones (``huggingface/defaults.py``), which
+        write their own media types."""
         functions = {
             name: UserFunction.bind(name, getattr(defaults, f"default_{name}"))
             for name in ("model_fn", "input_fn", "predict_fn", "output_fn")

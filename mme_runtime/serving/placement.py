@@ -8,22 +8,28 @@ traces the model with.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from mme_runtime.models.hf_loading import HuggingFaceModel
-from mme_runtime.models.pt2 import AOTIPackage
 from mme_runtime.serving import content
 
 # An optional sample request in the model's code/, answered once per device host at LOAD (the dry run users enable).
 WARMUP_SAMPLES = {"warmup.json": content.JSON, "warmup.csv": content.CSV, "warmup.npy": content.NPY}
 
 
+@runtime_checkable
+class PlacesItself(Protocol):
+    """A model that goes to its device its own way: an AOTInductor package (``pt2.py``) is
+    loaded there, a Hugging Face model (``mme_runtime.huggingface``) moves its module."""
+
+    def place(self, device: torch.device) -> Any: ...
+
+
 def place_model(model: Any, device: torch.device) -> Any:
     """Moves a module to ``device`` and switches it to eval mode, once per device host (not per request). An artifact
     that must be loaded on its device (an AOTInductor package) is loaded there."""
-    if isinstance(model, (AOTIPackage, HuggingFaceModel)):
+    if isinstance(model, PlacesItself):
         return model.place(device)
     if isinstance(model, torch.nn.Module):
         model = model.to(device)

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -27,7 +27,6 @@ from mme_runtime.models import lora
 from mme_runtime.models.pt2 import compile_model
 from mme_runtime.models.serving_properties import ServingSettings, read_settings
 from mme_runtime.models.user_code import USER_MODULE_PREFIX, load_user_code
-from mme_runtime.serving import hf_defaults
 from mme_runtime.serving.batcher import Batcher, run_by_first
 from mme_runtime.serving.content import Request, StepError, load_failure
 from mme_runtime.serving.context import InferenceContext
@@ -39,6 +38,32 @@ logger = logging.getLogger(__name__)
 
 HOST = torch.device("cpu")
 CONTRACT = frozenset({"model_fn", "input_fn", "predict_fn", "output_fn"})
+
+
+@dataclass(frozen=True)
+class DefaultsProvider:
+    """Defaults other than the PyTorch ones, for the model directories ``serves`` accepts:
+    ``make(model_dir, settings, config)`` builds a model's, or raises ``ModelLoadError``, which
+    fails the LOAD as ``step``."""
+
+    serves: Callable[[Path], bool]
+    make: Callable[[Path, ServingSettings, Config], Any]
+    step: str
+
+
+# Registered by the packages that bring them (``mme_runtime.huggingface``): this core names none.
+_providers: list[DefaultsProvider] = []
+
+
+def register_defaults(provider: DefaultsProvider) -> None:
+    """Offers ``provider``'s defaults to every model loaded from now on (once, however often)."""
+    if provider not in _providers:
+        _providers.append(provider)
+
+
+def defaults_provider(model_dir: Path) -> DefaultsProvider | None:
+    """The registered defaults that serve ``model_dir``; None: the PyTorch ones."""
+    return next((provider for provider in _providers if provider.serves(model_dir)), None)
 
 
 class Transformer(RequestPipeline):
@@ -131,27 +156,28 @@ class Transformer(RequestPipeline):
 
     def _adapter_base(self, context: InferenceContext, model_dir: Path) -> tuple[Path, lora.Adapter | None]:
         """Where the model's code and ``model_fn`` come from: its own directory, or for a LoRA adapter over a plain
-        PyTorch base (a ``code/inference.py`` of its own), that base's, with the adapter (a Hugging Face base is the
-        Hugging Face defaults' to load: ``hf_defaults.py``)."""
+        PyTorch base (a ``code/inference.py`` of its own), that base's, with the adapter (a base
+        that registered defaults serve, a Hugging Face one, is theirs to load)."""
         if not lora.is_adapter_directory(model_dir):
             return model_dir, None
         try:
             base = lora.find_base(model_dir, self._settings.base_model, self._config)
-            if hf_defaults.serves(base):
+            if defaults_provider(base) is not None:
                 return model_dir, None
             return base, lora.read_adapter(model_dir)
         except ModelLoadError as exc:
             raise load_failure("reading the LoRA adapter", exc) from exc
 
     def _defaults_for(self, context: InferenceContext, model_dir: Path, user: Mapping[str, Any]) -> Any:
-        """The PyTorch defaults, or a Hugging Face model's where the directory is one and user code leaves a
-        contract function to the defaults."""
-        if not hf_defaults.serves(model_dir) or "transform_fn" in user or CONTRACT <= set(user):
+        """The PyTorch defaults, or registered ones (a Hugging Face model's) where they serve the
+        directory and user code leaves a contract function to the defaults."""
+        provider = defaults_provider(model_dir)
+        if provider is None or "transform_fn" in user or CONTRACT <= set(user):
             return self._defaults
         try:
-            return hf_defaults.HuggingFaceDefaults(model_dir, self._settings, self._config)
+            return provider.make(model_dir, self._settings, self._config)
         except ModelLoadError as exc:
-            raise load_failure("choosing the Hugging Face task", exc) from exc
+            raise load_failure(provider.step, exc) from exc
 
     def attach(self, mms_context: Any, device: torch.device) -> None:
         """Places the loaded model on this device host's device and warms it up; runs in the host."""
@@ -199,7 +225,7 @@ class Transformer(RequestPipeline):
         if self._context is None:
             raise RuntimeError("attach the model before starting its batcher")
         self._grad_enabled = torch.is_grad_enabled()
-        if self._scheduling is not None:  # its rows share steps in its scheduler (hf_scheduler.py): no batcher
+        if self._scheduling is not None:  # its rows share steps in its own scheduler: no batcher
             name = self._context.model_name
             self._scheduling.start(self._model, self._settings.batch_size, name, self.on_pass_thread)
             return self._settings

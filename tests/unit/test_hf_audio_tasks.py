@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.models import hf_loading
-from mme_runtime.serving import hf_audio_tasks
-from mme_runtime.serving.hf_audio import Audio
-from mme_runtime.serving.hf_audio_tasks import AudioRunner
-from mme_runtime.serving.hf_requests import TaskRequest
+from mme_runtime.huggingface import audio as hf_audio
+from mme_runtime.huggingface import loading as hf_loading
+from mme_runtime.huggingface.audio import AudioRunner
+from mme_runtime.huggingface.requests import Audio, TaskRequest
 
 ASR = "automatic-speech-recognition"
 SECONDS = (0.25, 1.3, 0.6, 2.1, 0.9)
@@ -45,13 +44,13 @@ def test_ctc_logits_of_padded_rows_equal_each_clips_pass_alone(tmp_path: Path) -
     rows = [list(pipeline.preprocess(_clip(seconds, seed).samples))[0] for seed, seconds in enumerate(SECONDS)]
     model = runner.model.model
     with torch.inference_mode():
-        batch = hf_audio_tasks.pad_rows(rows)
+        batch = hf_audio.pad_rows(rows)
         padded = model(input_values=batch["input_values"], attention_mask=batch["attention_mask"]).logits
         for index, row in enumerate(rows):
             alone = model(input_values=row["input_values"], attention_mask=row["attention_mask"]).logits
             assert alone.shape[1] == runner._frames(row) <= padded.shape[1]
             assert torch.allclose(padded[index : index + 1, : alone.shape[1]], alone, atol=1e-4)
-    assert hf_audio_tasks.pass_groups(rows, [{}] * len(rows), maskable=True) != [[i] for i in range(len(rows))]
+    assert hf_audio.pass_groups(rows, [{}] * len(rows), maskable=True) != [[i] for i in range(len(rows))]
 
 
 def test_ctc_and_classifier_answers_in_one_batch_equal_the_lone_pipelines(tmp_path: Path) -> None:
@@ -72,7 +71,7 @@ def test_ctc_and_classifier_answers_in_one_batch_equal_the_lone_pipelines(tmp_pa
 def test_npy_samples_are_taken_at_the_models_rate_as_the_pipeline_takes_a_bare_array(tmp_path: Path) -> None:
     import numpy as np
 
-    from mme_runtime.serving.hf_requests import decode
+    from mme_runtime.huggingface.requests import decode
 
     directory = hf_audio_models.wav2vec2_classifier(tmp_path / "cls")
     runner, pipeline = _runner(directory, "audio-classification"), _pipeline(directory, "audio-classification")
@@ -97,9 +96,9 @@ def _npy(array: Any) -> bytes:
 
 def test_a_model_that_normalizes_over_the_whole_clip_never_pads() -> None:
     rows = [{"input_values": torch.zeros(1, n)} for n in (3200, 6400, 3200)]
-    assert hf_audio_tasks.pass_groups(rows, [{}] * 3, maskable=False) == [[0, 2], [1]]
+    assert hf_audio.pass_groups(rows, [{}] * 3, maskable=False) == [[0, 2], [1]]
     generations = [{"num_beams": 1}, {"num_beams": 2}, {"num_beams": 1}]
-    assert hf_audio_tasks.pass_groups(rows[:1] * 3, generations, maskable=False) == [[0, 2], [1]]
+    assert hf_audio.pass_groups(rows[:1] * 3, generations, maskable=False) == [[0, 2], [1]]
 
 
 def test_long_audio_in_chunks_answers_as_the_pipeline_does(tmp_path: Path) -> None:

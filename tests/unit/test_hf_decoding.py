@@ -11,9 +11,8 @@ import hf_models
 import pytest
 import torch
 
-from mme_runtime.serving import hf_decoding
-from mme_runtime.serving.hf_decoding import DecodingBatch
-from mme_runtime.serving.hf_rows import Row
+from mme_runtime.huggingface import decoding as hf_decoding
+from mme_runtime.huggingface.decoding import DecodingBatch, Row
 
 
 def _model(kind: str, directory: Path) -> torch.nn.Module:

@@ -15,11 +15,11 @@ import torch
 
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ConfigError, InvalidInput
-from mme_runtime.models import hf_loading
+from mme_runtime.huggingface import loading as hf_loading
+from mme_runtime.huggingface.defaults import generation_limits
+from mme_runtime.huggingface.generation import GenerationLimits, GenerationRunner, shape
+from mme_runtime.huggingface.requests import TaskRequest
 from mme_runtime.models.serving_properties import read_settings
-from mme_runtime.serving.hf_defaults import generation_limits
-from mme_runtime.serving.hf_generation import GenerationLimits, GenerationRunner, shape
-from mme_runtime.serving.hf_requests import TaskRequest
 
 # (model, task, prefix the task puts before the text, key of the answer)
 CASES = [

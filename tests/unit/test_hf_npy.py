@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.serving import hf_npy
-from mme_runtime.serving.hf_requests import ACCEPTS, decode, encode
+from mme_runtime.huggingface import requests as hf_requests
+from mme_runtime.huggingface.requests import ACCEPTS, decode, encode
 
 NPY = "application/x-npy"
 
@@ -33,9 +33,9 @@ def test_an_array_of_strings_is_the_inputs_as_a_json_body_would_give_them() -> N
 
 
 def test_an_array_of_numbers_is_audio_samples_one_input_or_one_a_row() -> None:
-    samples = hf_npy.inputs(npy(np.linspace(-1, 1, 16, dtype=np.float32)))
+    samples = hf_requests.npy_inputs(npy(np.linspace(-1, 1, 16, dtype=np.float32)))
     assert isinstance(samples, np.ndarray) and samples.shape == (16,)
-    rows = hf_npy.inputs(npy(np.zeros((3, 8), dtype=np.float32)))
+    rows = hf_requests.npy_inputs(npy(np.zeros((3, 8), dtype=np.float32)))
     assert isinstance(rows, list) and len(rows) == 3 and rows[0].shape == (8,)
     with pytest.raises(InvalidInput, match="string"):  # a text task takes no samples
         decode(npy([1.0, 2.0]), NPY, "text-classification")

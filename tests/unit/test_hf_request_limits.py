@@ -12,8 +12,9 @@ import json
 import pytest
 
 from mme_runtime.base.errors import InvalidInput, UnsupportedContentType
-from mme_runtime.serving import hf_requests, hf_zero_shot
-from mme_runtime.serving.hf_requests import decode
+from mme_runtime.huggingface import requests as hf_requests
+from mme_runtime.huggingface import zero_shot as hf_zero_shot
+from mme_runtime.huggingface.requests import decode
 
 
 def _png(width: int, height: int) -> bytes:
@@ -101,9 +102,7 @@ def test_an_npy_body_of_more_rows_than_clips_is_refused_before_it_is_split() -> 
     """A 6 MB NPY of shape (6,000,000, 1) int8 was split into six million row arrays (1 GB) before the clip cap."""
     import numpy as np
 
-    from mme_runtime.serving import hf_audio, hf_npy
-
     buffer = io.BytesIO()
-    np.save(buffer, np.zeros((hf_audio.MAX_CLIPS + 1, 1), np.int8))
+    np.save(buffer, np.zeros((hf_requests.MAX_CLIPS + 1, 1), np.int8))
     with pytest.raises(InvalidInput, match="rows"):
-        hf_npy.inputs(buffer.getvalue())
+        hf_requests.npy_inputs(buffer.getvalue())

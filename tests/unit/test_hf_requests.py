@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from mme_runtime.base.errors import InvalidInput, ModelLoadError, UnsupportedContentType
-from mme_runtime.models import hf_loading
+from mme_runtime.huggingface import loading as hf_loading
+from mme_runtime.huggingface.requests import TaskBatch, TaskRequest, decode, encode
 from mme_runtime.serving import batcher
-from mme_runtime.serving.hf_requests import TaskBatch, TaskRequest, decode, encode
 
 
 def test_a_string_is_one_input_and_a_list_is_several() -> None:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from mme_runtime.serving.hf_rows import LENGTH, TIME, Row
-from mme_runtime.serving.hf_scheduler import ModelUnloaded, Scheduler
+from mme_runtime.huggingface.decoding import LENGTH, TIME, Row
+from mme_runtime.huggingface.scheduler import ModelUnloaded, Scheduler
 
 
 class CountingBatch:

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from mme_runtime.base.errors import InvalidInput, ModelLoadError
-from mme_runtime.models import hf_loading, hf_sentence_loading
-from mme_runtime.serving.hf_requests import TaskRequest, decode
-from mme_runtime.serving.hf_tasks import TaskRunner, shape
+from mme_runtime.huggingface import loading as hf_loading
+from mme_runtime.huggingface import sentences as hf_sentences
+from mme_runtime.huggingface.requests import TaskRequest, decode
+from mme_runtime.huggingface.tasks import TaskRunner, shape
 
 LONG = hf_models.text_of_tokens(80, 5)  # past the model's max_seq_length (24): cut, as sentence-transformers cuts it
 TEXTS = ["paris is", "the capital of france", LONG, "good"]
@@ -183,27 +184,27 @@ def test_a_directory_with_modules_served_only_with_code_fails_the_load(root: Pat
 
 
 def test_pooling_is_read_in_every_format_and_a_plain_bert_pools_the_mean(tmp_path: Path) -> None:
-    assert hf_sentence_loading.pooling_mode({"pooling_mode": "cls"}) == "cls"
-    assert hf_sentence_loading.pooling_mode({"pooling_mode": ["mean"]}) == "mean"
-    assert hf_sentence_loading.pooling_mode({"pooling_mode": ["mean", "max"]}) is None
-    assert hf_sentence_loading.pooling_mode({"pooling_mode_max_tokens": True}) == "max"
-    assert hf_sentence_loading.pooling_mode({"pooling_mode_cls_token": False}) == "mean"
+    assert hf_sentences.pooling_mode({"pooling_mode": "cls"}) == "cls"
+    assert hf_sentences.pooling_mode({"pooling_mode": ["mean"]}) == "mean"
+    assert hf_sentences.pooling_mode({"pooling_mode": ["mean", "max"]}) is None
+    assert hf_sentences.pooling_mode({"pooling_mode_max_tokens": True}) == "max"
+    assert hf_sentences.pooling_mode({"pooling_mode_cls_token": False}) == "mean"
     plain = hf_loading.load(hf_models.bert(tmp_path / "plain", "feature-extraction"), "sentence-embeddings", False)
     assert (plain.task, plain.pooling, plain.normalize, plain.truncate_to) == ("feature-extraction", "mean", False, 512)
 
 
 def test_the_activation_is_read_where_sentence_transformers_reads_it(root: Path, tmp_path: Path) -> None:
     config = hf_loading.load(root / "ranker", "sentence-ranking", False).model.config
-    assert hf_sentence_loading.score_activation(root / "ranker", config) == "Sigmoid"
+    assert hf_sentences.score_activation(root / "ranker", config) == "Sigmoid"
     (tmp_path / "config_sentence_transformers.json").write_text('{"activation_fn": "torch.nn.modules.linear.Identity"}')
-    assert hf_sentence_loading.score_activation(tmp_path, config) == "Identity"
+    assert hf_sentences.score_activation(tmp_path, config) == "Identity"
     config.sbert_ce_default_activation_function = "torch.nn.Tanh"
-    assert hf_sentence_loading.score_activation(root / "ranker", config) == "Tanh"
+    assert hf_sentences.score_activation(root / "ranker", config) == "Tanh"
     config.sbert_ce_default_activation_function = "my_package.Scale"  # code of its own: the default, as untrusted
-    assert hf_sentence_loading.score_activation(root / "ranker", config) == "Sigmoid"
+    assert hf_sentences.score_activation(root / "ranker", config) == "Sigmoid"
     config.sbert_ce_default_activation_function = "torch.nn.Linear"
     with pytest.raises(ModelLoadError, match="not a plain activation"):
-        hf_sentence_loading.score_activation(root / "ranker", config)
+        hf_sentences.score_activation(root / "ranker", config)
 
 
 def test_a_sentence_request_is_a_task_request_the_batcher_can_join(root: Path) -> None:

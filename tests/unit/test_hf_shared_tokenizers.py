@@ -12,8 +12,8 @@ from pathlib import Path
 import hf_models
 import torch
 
-from mme_runtime.models import hf_loading
-from mme_runtime.models.hf_shared_tokenizers import packed
+from mme_runtime.huggingface import loading as hf_loading
+from mme_runtime.huggingface.loading import packed
 
 TEXT = "a good movie about paris"
 

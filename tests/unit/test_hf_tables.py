@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.models import hf_loading
-from mme_runtime.serving import hf_requests
-from mme_runtime.serving.hf_tasks import TaskRunner, shape
+from mme_runtime.huggingface import loading as hf_loading
+from mme_runtime.huggingface import requests as hf_requests
+from mme_runtime.huggingface.tasks import TaskRunner, shape
 
 TASK = "table-question-answering"
 
@@ -71,7 +71,7 @@ def test_pairs_share_a_pass_and_each_answer_is_the_pipelines(tapas_dir: Path) ->
     finally:
         del model.model.forward
     # The sequential input's three queries run one by one, in passes of their own; the other seven pairs share
-    # passes grouped by length (hf_padding.py: the "max_length" pair, padded to 128 tokens, runs alone).
+    # passes grouped by length (tasks.py: the "max_length" pair, padded to 128 tokens, runs alone).
     assert sum(passes) == 3 + 7 and len(passes) <= 3 + 3 and max(passes) >= 5, passes
     pipe = transformers.pipeline(TASK, model=str(tapas_dir))
     first = 0
@@ -152,7 +152,7 @@ def test_a_table_with_no_text_is_its_clients_400_and_fails_no_other_request(tapa
 def test_a_request_tokenizes_at_most_max_cells_and_characters_of_table(monkeypatch: pytest.MonkeyPatch) -> None:
     """TAPAS's tokenizer is pure Python (about 2,000 cells or 50,000 characters a second here) and reads the whole
     table once per query, inside the pass its batch waits on: a 6 MB table was minutes of it, retried in halves."""
-    from mme_runtime.serving import hf_tables
+    from mme_runtime.huggingface import tables as hf_tables
 
     monkeypatch.setattr(hf_tables, "MAX_CELLS", 16)  # a column name counts as a cell
     monkeypatch.setattr(hf_tables, "MAX_CHARACTERS", 100)

@@ -12,9 +12,9 @@ import hf_models
 import pytest
 import torch
 
-from mme_runtime.models import hf_loading
-from mme_runtime.serving.hf_requests import TaskRequest
-from mme_runtime.serving.hf_tasks import TaskRunner, shape
+from mme_runtime.huggingface import loading as hf_loading
+from mme_runtime.huggingface.requests import TaskRequest
+from mme_runtime.huggingface.tasks import TaskRunner, shape
 
 RESOURCES = Path(__file__).resolve().parents[1] / "resources"
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import hf_models
 from transformers import AutoTokenizer
 
-from mme_runtime.serving import hf_tokenizer_copies
-from mme_runtime.serving.hf_tokenizer_copies import copies_of, lent_tokenizer
+from mme_runtime.huggingface import tasks as hf_tasks
+from mme_runtime.huggingface.tasks import copies_of, lent_tokenizer
 
 
 def a_tokenizer(tmp_path: Path) -> object:
@@ -62,10 +62,10 @@ def test_the_copies_leave_with_their_tokenizer(tmp_path: Path) -> None:
     with lent_tokenizer(tokenizer) as own:
         assert own is not tokenizer
     key = id(tokenizer)
-    assert key in hf_tokenizer_copies._copies
+    assert key in hf_tasks._copies
     del tokenizer, own
     gc.collect()
-    assert key not in hf_tokenizer_copies._copies
+    assert key not in hf_tasks._copies
 
 
 def test_a_model_without_a_tokenizer_borrows_none() -> None:

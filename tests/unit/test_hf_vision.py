@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.models import hf_loading
-from mme_runtime.serving import hf_requests, hf_vision
-from mme_runtime.serving.hf_requests import TaskRequest
-from mme_runtime.serving.hf_tasks import TaskRunner
+from mme_runtime.huggingface import loading as hf_loading
+from mme_runtime.huggingface import requests as hf_requests
+from mme_runtime.huggingface import vision as hf_vision
+from mme_runtime.huggingface.requests import TaskRequest
+from mme_runtime.huggingface.tasks import TaskRunner
 
 BUILDERS = {
     "object-detection": hf_vision_models.detr,

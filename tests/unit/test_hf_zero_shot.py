@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from mme_runtime.base.errors import InvalidInput, ModelLoadError
-from mme_runtime.models import hf_loading
-from mme_runtime.serving import hf_requests
-from mme_runtime.serving.hf_tasks import TaskRunner, shape
+from mme_runtime.huggingface import loading as hf_loading
+from mme_runtime.huggingface import requests as hf_requests
+from mme_runtime.huggingface.tasks import TaskRunner, shape
 
 TASK = "zero-shot-classification"
 

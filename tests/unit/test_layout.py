@@ -1,5 +1,6 @@
-"""The shape of ``mme_runtime``, read from the code itself: five layers that import only downwards, no import cycle,
-small modules, and subpackage docstrings that name every module and the layers they may import."""
+"""The shape of ``mme_runtime``, read from the code itself: six layers that import only downwards,
+no import cycle, small modules, and subpackage docstrings that name every module and the layers
+they may import."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "mme_runtime"
-# Bottom to top. The handler MMS names (and its defaults) sits between the request path and the process tree.
-LAYERS = ("base", "operations", "models", "serving", "handler", "processes")
+# Bottom to top. Hugging Face support plugs into the request path; the handler MMS names (and its
+# defaults) sits between them and the process tree.
+LAYERS = ("base", "operations", "models", "serving", "huggingface", "handler", "processes")
 HANDLER_MODULES = ("handler_service", "inference_handler")
 MAX_MODULE_LINES = 500  # one job a module: sized by what it holds (issue #34), never split for a count
 

@@ -1,13 +1,15 @@
-"""Speech recognition and audio classification over a batch of requests: each clip is resampled to the model's rate
-(``hf_audio.py``) and prepared alone by the task's pipeline, with its request's own parameters; rows that can share
-a forward pass are stacked into one, and each row's outputs, cut back to its own, are post-processed as the pipeline
-does for that clip alone.
+"""Speech recognition and audio classification over a batch of requests: each clip (decoded by
+``requests.py``) is resampled to the model's rate and prepared alone by the task's pipeline,
+with its request's own parameters; rows that can share a forward pass are stacked into one, and
+each row's outputs, cut back to its own, are post-processed as the pipeline does for that clip
+alone.
 
-Which rows share a pass: rows of one shape always (Whisper's features are 30 s windows, whatever the clip), with the
-same generation parameters for a recognizer that generates; rows of different lengths only for a model that masks
-padding as if it were not there (``feat_extract_norm="layer"``: Wav2Vec2 large, HuBERT, WavLM...): its convolutions
-normalize each frame alone and its attention masks the padded frames. A model whose first convolution normalizes
-over the whole clip (``"group"``, Wav2Vec2 base) would see the padding: its clips of different lengths run alone.
+Which rows share a pass: rows of one shape always (Whisper's features are 30 s windows, whatever
+the clip), with the same generation parameters for a recognizer that generates; rows of different
+lengths only for a model that masks padding as if it were not there (``feat_extract_norm="layer"``:
+Wav2Vec2 large, HuBERT, WavLM...): its convolutions normalize each frame alone and its attention
+masks the padded frames. A model whose first convolution normalizes over the whole clip
+(``"group"``, Wav2Vec2 base) would see the padding: its clips of different lengths run alone.
 """
 
 from __future__ import annotations
@@ -19,12 +21,10 @@ from typing import Any
 import torch
 
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.models.hf_loading import HuggingFaceModel
-from mme_runtime.serving import hf_padding
-from mme_runtime.serving.hf_audio import Audio, resample
-from mme_runtime.serving.hf_generation_parameters import SERVER_PARAMETERS, check_token_ids, vocabulary
-from mme_runtime.serving.hf_requests import TaskRequest
-from mme_runtime.serving.hf_tokenizer_copies import lent_pipeline
+from mme_runtime.huggingface.generation import SERVER_PARAMETERS, check_token_ids, vocabulary
+from mme_runtime.huggingface.loading import HuggingFaceModel
+from mme_runtime.huggingface.requests import Audio, TaskRequest, resample
+from mme_runtime.huggingface.tasks import length_groups, lent_pipeline, pad
 
 REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout", "decoder_kwargs", "prompt_ids", "assistant_model"})
 # A generating recognizer's parameters beyond GenerationConfig's own names, as Whisper's generate takes them.
@@ -35,8 +35,8 @@ INPUT_KEYS = ("input_values", "input_features")
 
 
 class AudioRunner:
-    """One placed speech model's task, with a pipeline per thread (its tokenizer is a copy of its own, as
-    ``hf_tasks.TaskRunner`` keeps them)."""
+    """One placed speech model's task, with a copy of its tokenizer lent for each batch, as
+    ``tasks.TaskRunner`` lends them."""
 
     def __init__(self, model: HuggingFaceModel, device: torch.device) -> None:
         transformers: Any = importlib.import_module("transformers")
@@ -163,8 +163,9 @@ def masks_padding(model: Any) -> bool:
 
 
 def pass_groups(rows: list[dict[str, Any]], forwards: list[dict[str, Any]], maskable: bool) -> list[list[int]]:
-    """Indices of ``rows`` in groups that share a pass: the same forward parameters, and the same shape unless the
-    model masks padding; then grouped by length as text is (``hf_padding.length_groups``), in frames of 320 samples."""
+    """Indices of ``rows`` in groups that share a pass: the same forward parameters, and the same
+    shape unless the model masks padding; then grouped by length as text is
+    (``tasks.length_groups``), in frames of 320 samples."""
     kinds: dict[str, list[int]] = {}
     for index, (row, forward) in enumerate(zip(rows, forwards, strict=True)):
         main = _main_input(row)
@@ -177,7 +178,7 @@ def pass_groups(rows: list[dict[str, Any]], forwards: list[dict[str, Any]], mask
             groups.append(members)
             continue
         frames = [_main_input(rows[index]).shape[-1] // 320 for index in members]
-        groups += [[members[position] for position in group] for group in hf_padding.length_groups(frames)]
+        groups += [[members[position] for position in group] for group in length_groups(frames)]
     return groups
 
 
@@ -190,7 +191,7 @@ def pad_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if "attention_mask" not in row and main.dim() == 2:
             row = {**row, "attention_mask": torch.ones(main.shape, dtype=torch.long)}
         with_masks.append(row)
-    return hf_padding.pad(with_masks, 0)
+    return pad(with_masks, 0)
 
 
 def _main_input(row: dict[str, Any]) -> torch.Tensor:

@@ -1,13 +1,15 @@
-"""The contract's defaults for a Hugging Face ``save_pretrained`` directory served with no code: ``model_fn`` loads it
-for its task (``hf_loading.py``), ``input_fn`` reads the AWS Hugging Face container's request (``hf_requests.py``),
-``predict_fn`` runs the task over a batch of requests in one padded pass (``hf_tasks.py``) and ``output_fn`` writes
-the pipeline's answer. A user's ``inference.py`` may still replace any of them, as with the PyTorch defaults.
+"""The contract's defaults for a Hugging Face ``save_pretrained`` directory served with no code:
+``model_fn`` loads it for its task (``loading.py``), ``input_fn`` reads the AWS Hugging Face
+container's request (``requests.py``), ``predict_fn`` runs the task over a batch of requests in
+one padded pass (``tasks.py``) and ``output_fn`` writes the pipeline's answer. A user's
+``inference.py`` may still replace any of them, as with the PyTorch defaults; ``register`` offers
+them to the serving core.
 
-A generative task (``hf_generation.py``) is not batched by the batcher: its model's scheduler decodes the rows of
-every request together, step by step, so ``predict_fn`` returns when that request's own rows are done.
-
-A LoRA adapter's directory (``lora.py``) is served the same way: ``model_fn`` loads its base, the adapter is attached
-when the model is placed, and each request names its adapter, so that the base's pass picks it for its rows.
+A generative task (``generation.py``) is not batched by the batcher: its model's scheduler decodes
+the rows of every request together, step by step, so ``predict_fn`` returns when that request's
+own rows are done. A LoRA adapter's directory (``lora.py``) is served the same way: ``model_fn``
+loads its base, the adapter is attached when the model is placed, and each request names its
+adapter, so that the base's pass picks it for its rows.
 """
 
 from __future__ import annotations
@@ -21,26 +23,35 @@ import torch
 
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
-from mme_runtime.models import hf_audio_loading, hf_loading, lora, model_cache, pt2
+from mme_runtime.huggingface import generation, loading, requests, vision
+from mme_runtime.huggingface.audio import AudioRunner
+from mme_runtime.huggingface.generation import GenerationLimits, GenerationRunner
+from mme_runtime.huggingface.requests import TaskBatch, TaskRequest
+from mme_runtime.huggingface.tasks import TaskRunner, shape
+from mme_runtime.models import lora, model_package, package_cache, pt2
 from mme_runtime.models.serving_properties import ServingSettings
-from mme_runtime.serving import hf_generation, hf_requests, hf_vision
-from mme_runtime.serving.hf_audio_tasks import AudioRunner
-from mme_runtime.serving.hf_generation import GenerationLimits, GenerationRunner
-from mme_runtime.serving.hf_requests import TaskBatch, TaskRequest
-from mme_runtime.serving.hf_tasks import TaskRunner, shape
 from mme_runtime.serving.pass_threads import RunPass, run_here
+from mme_runtime.serving.transformer import DefaultsProvider, register_defaults
 
 
 def serves(model_dir: Path) -> bool:
     """Whether a directory is a Hugging Face model for these defaults: no TorchScript or PT2 file beside it."""
-    others = pt2.pt2_file(model_dir) is not None or model_cache.model_file(model_dir) is not None
-    return not others and (hf_loading.is_hugging_face_directory(model_dir) or lora.is_adapter_directory(model_dir))
+    others = pt2.pt2_file(model_dir) is not None or model_package.model_file(model_dir) is not None
+    return not others and (loading.is_hugging_face_directory(model_dir) or lora.is_adapter_directory(model_dir))
+
+
+def register() -> None:
+    """Offers these defaults to the serving core for the directories they serve, and tells the
+    package cache which files hold a Hugging Face base's weights."""
+    step = "choosing the Hugging Face task"  # what a LOAD that fails in HuggingFaceDefaults names
+    register_defaults(DefaultsProvider(serves, HuggingFaceDefaults, step))
+    package_cache.register_weight_files(loading.WEIGHT_FILES)
 
 
 class HuggingFaceDefaults:
     """One model's defaults (its task is its own)."""
 
-    ACCEPTS = hf_requests.ACCEPTS
+    ACCEPTS = requests.ACCEPTS
 
     def __init__(self, model_dir: Path, settings: ServingSettings, config: Config) -> None:
         """Raises ``ModelLoadError`` when the model's task is unknown, unsupported or cannot be told, or an adapter's
@@ -52,7 +63,7 @@ class HuggingFaceDefaults:
             self.adapter = lora.read_adapter(model_dir)
             self.base_dir = lora.find_base(model_dir, settings.base_model, config)
             task = task or self.adapter.task
-        self.task = hf_loading.resolve_task(self.base_dir, task, config.hf_task)
+        self.task = loading.resolve_task(self.base_dir, task, config.hf_task)
         if self.adapter is not None and self.task not in lora.TASK_TYPES.values():
             served = ", ".join(sorted(lora.TASK_TYPES.values()))
             raise ModelLoadError(f"a LoRA adapter for {self.task} is not served (adapters are served for {served})")
@@ -67,9 +78,9 @@ class HuggingFaceDefaults:
     @property
     def schedules_itself(self) -> bool:
         """A generative task: its scheduler, not the batcher, puts the rows of many requests into one step."""
-        return hf_loading.base_task(self.task) in hf_loading.GENERATIVE_TASKS
+        return loading.base_task(self.task) in loading.GENERATIVE_TASKS
 
-    def start(self, model: hf_loading.HuggingFaceModel, max_rows: int, name: str, run_pass: RunPass = run_here) -> None:
+    def start(self, model: loading.HuggingFaceModel, max_rows: int, name: str, run_pass: RunPass = run_here) -> None:
         """Starts the model's scheduler, for up to ``max_rows`` rows per step (its batch size), once it is placed;
         its steps run through ``run_pass`` (on a GPU's pass threads)."""
         with self._lock:
@@ -88,20 +99,20 @@ class HuggingFaceDefaults:
             self._generator.close()
             self._generator = None
 
-    def default_model_fn(self, model_dir: str, context: Any = None) -> hf_loading.HuggingFaceModel:
-        return hf_loading.load(self.base_dir, self.task, self._trust_remote_code, self._pooling)
+    def default_model_fn(self, model_dir: str, context: Any = None) -> loading.HuggingFaceModel:
+        return loading.load(self.base_dir, self.task, self._trust_remote_code, self._pooling)
 
     def default_input_fn(self, input_data: Any, content_type: str | None, context: Any = None) -> TaskRequest:
-        request = hf_requests.decode(input_data, content_type, self.task)
-        if self.task in hf_vision.TASKS:  # a bad parameter is refused before the request joins a batch
-            hf_vision.check_parameters(self.task, request.parameters)
+        request = requests.decode(input_data, content_type, self.task)
+        if self.task in vision.TASKS:  # a bad parameter is refused before the request joins a batch
+            vision.check_parameters(self.task, request.parameters)
         if self.adapter is not None and context is not None:
             request.adapter = context.model_name  # the rows it adds to a pass use this model's adapter
         return request
 
     def default_predict_fn(self, data: TaskRequest | TaskBatch, model: Any, context: Any = None) -> list[Any]:
         """Every input's answer, in order: the batcher hands each request its own (one per input it sent)."""
-        if not isinstance(model, hf_loading.HuggingFaceModel):
+        if not isinstance(model, loading.HuggingFaceModel):
             raise ModelLoadError("a model_fn of its own must come with a predict_fn of its own for this model")
         requests = data.requests if isinstance(data, TaskBatch) else [data]
         if self.schedules_itself:
@@ -119,14 +130,14 @@ class HuggingFaceDefaults:
         request = prediction[0].request
         answers = [answer.value for answer in prediction]
         if self.schedules_itself:
-            return hf_requests.encode(hf_generation.shape(self.task, answers, request), accept)
-        return hf_requests.encode(shape(self.task, answers, request), accept)
+            return requests.encode(generation.shape(self.task, answers, request), accept)
+        return requests.encode(shape(self.task, answers, request), accept)
 
-    def _runner_for(self, model: hf_loading.HuggingFaceModel) -> TaskRunner | AudioRunner:
+    def _runner_for(self, model: loading.HuggingFaceModel) -> TaskRunner | AudioRunner:
         with self._lock:
             if self._runner is None or self._runner.model is not model:
                 device = next(model.model.parameters(), torch.empty(0)).device
-                audio = self.task in hf_audio_loading.AUDIO_TASKS  # speech: serving/hf_audio_tasks.py
+                audio = self.task in loading.AUDIO_TASKS  # speech: audio.py
                 self._runner = AudioRunner(model, device) if audio else TaskRunner(model, device)
             return self._runner
 
@@ -137,7 +148,7 @@ def generation_limits(settings: ServingSettings, config: Config) -> GenerationLi
     ``SAGEMAKER_MODEL_SERVER_TIMEOUT``, so that it answers in time)."""
     cap = settings.max_new_tokens or config.max_new_tokens
     source = "max_new_tokens in serving.properties" if settings.max_new_tokens else "MME_MAX_NEW_TOKENS"
-    latest = max(1.0, config.response_timeout_seconds - hf_generation.TIME_MARGIN_SECONDS)
+    latest = max(1.0, config.response_timeout_seconds - generation.TIME_MARGIN_SECONDS)
     seconds = min(settings.max_generation_seconds or latest, latest)
     return GenerationLimits(cap, source, seconds, settings.batch_size)
 

@@ -1,29 +1,86 @@
-"""The rows of a batched generation, decoded one token per step with one KV cache: rows join between steps (their
-prompts prefilled together, each then taking the place a finished row left, or added to the batch) and leave when
-done (their place kept for the next row to join, the batch compacted once half of it is empty).
+"""The rows of a batched generation, decoded a token a step with one KV cache: rows join between
+steps (prefilled together, each taking a finished row's place or added to the batch) and leave
+when done (their place kept, the batch compacted once half of it is empty). A ``Row`` picks its
+tokens as ``generate`` would for it alone (``pick_tokens``).
 
-Each row's decoder tokens sit at the right of the batch's self-attention cache (padded on the left, the attention
-mask hiding the padding) and its encoder's outputs at the left of the cross-attention cache (padded on the right);
-``hf_kv_cache.py`` keeps them so that a step copies nothing. Each row keeps its own positions: decoder-only models
-take ``position_ids``; an encoder-decoder whose decoder adds absolute position embeddings (BART, Marian) gets each
-row's own through a hook on that module; T5's relative positions need nothing. A row alone is prefilled and decoded
-with the arguments ``generate`` passes, so a lone client's tokens are ``generate``'s; each row picks its tokens as
-``generate`` would for it alone (``hf_rows.py``).
+Decoder tokens sit at the right of the self-attention cache (padded on the left, masked) and
+encoder outputs at the left of the cross-attention cache; self-attention layers grow in place
+(``GrowingLayer``, where transformers' ``DynamicLayer`` concatenates the whole cache), so a step
+copies nothing. Each row keeps its own positions: ``position_ids`` for a decoder-only model, a
+hook on an encoder-decoder's absolute position embedding (BART, Marian); T5's need nothing.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from mme_runtime.serving import hf_kv_cache
-from mme_runtime.serving.hf_rows import Row, pick_tokens, record
-
 # Leading columns no row attends to any more are cut off once there are this many (a copy of the cache).
 TRIM_COLUMNS = 32
+ROOM = 64  # tokens of room a buffer gets beyond what it holds when it is made
+# Finish reasons: the model's end token, max_new_tokens, a stop sequence, the time limit.
+EOS, LENGTH, STOP, TIME = "eos", "length", "stop", "time"
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence to generate: a prompt (an encoder-decoder's encoder input) and how to pick its tokens."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    eos: frozenset[int] = frozenset()
+    processors: Any = None  # a transformers LogitsProcessorList, or None: the raw logits
+    do_sample: bool = False
+    generator: torch.Generator | None = None  # None: the global generator, as the pipeline draws
+    stopped: Callable[[Row], bool] | None = None  # a stop sequence seen (checked by the scheduler)
+    deadline: float = float("inf")  # time.monotonic() after which it is cut
+    tokens: list[int] = field(default_factory=list)  # the decoder's: prompt + new (decoder-only), or start + new
+    generated: int = 0
+    finish: str | None = None
+    joined_at: float = 0.0
+    error: BaseException | None = None
+
+
+def pick_tokens(rows: Sequence[Row | None], logits: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Each row's next token from its logits, as ``generate`` picks it for that row alone (an empty place: argmax)."""
+    tokens: list[torch.Tensor | None] = [None] * len(rows)
+    plain = [i for i, row in enumerate(rows) if row is None or (row.processors is None and not row.do_sample)]
+    if len(plain) == len(rows):
+        return torch.argmax(logits, dim=-1)
+    if plain:
+        chosen = torch.argmax(logits[plain], dim=-1)
+        for position, index in enumerate(plain):
+            tokens[index] = chosen[position : position + 1]
+    for index, row in enumerate(rows):
+        if row is None or tokens[index] is not None:
+            continue
+        scores = logits[index : index + 1]
+        if row.processors is not None:
+            scores = row.processors(torch.tensor([row.tokens], device=device), scores)
+        if row.do_sample:
+            probabilities = torch.nn.functional.softmax(scores, dim=-1)
+            tokens[index] = torch.multinomial(probabilities, num_samples=1, generator=row.generator).squeeze(1)
+        else:
+            tokens[index] = torch.argmax(scores, dim=-1)
+    return torch.cat([token for token in tokens if token is not None])
+
+
+def record(rows: Sequence[Row | None], tokens: torch.Tensor) -> None:
+    """Each row's new token, and whether it ended the row (its end token, or ``max_new_tokens``)."""
+    for row, token in zip(rows, tokens.tolist(), strict=True):
+        if row is None:
+            continue
+        row.tokens.append(token)
+        row.generated += 1
+        if token in row.eos:
+            row.finish = EOS
+        elif row.generated >= row.max_new_tokens:
+            row.finish = LENGTH
 
 
 class DecodingBatch:
@@ -83,10 +140,10 @@ class DecodingBatch:
             encoded = encoder_mask = torch.empty(0)
         tokens = pick_tokens(list(rows), outputs.logits[:, -1].to(copy=True, dtype=torch.float32), self.device)
         cache = outputs.past_key_values
-        if not hf_kv_cache.all_plain(cache):
+        if not all_plain(cache):
             self.joinable = False  # sliding windows or linear attention: padding caches together is not safe
         if not self.rows:
-            hf_kv_cache.regrow(cache)
+            regrow(cache)
             self.rows, self.cache, self.mask, self.positions, self.next = list(rows), cache, mask, positions, tokens
             self.alive = torch.ones(len(rows), dtype=torch.bool, device=self.device)
             self.encoded, self.encoder_mask = encoded, encoder_mask
@@ -115,7 +172,7 @@ class DecodingBatch:
                 added.append(index)
                 continue
             slot = holes.pop(0)
-            hf_kv_cache.write_row(self.cache, slot, cache, index, tokens_in, length, source)
+            write_row(self.cache, slot, cache, index, tokens_in, length, source)
             self.mask[slot] = 0
             self.mask[slot, length - tokens_in :] = 1
             self.positions[slot], self.next[slot], self.alive[slot] = positions[index], tokens[index], True
@@ -129,8 +186,7 @@ class DecodingBatch:
         picked = torch.tensor(added, device=self.device)
         length = max(length, mask.shape[1])
         source = max(self.encoded.shape[1], encoded.shape[1]) if self.encoder_decoder else 0
-        hf_kv_cache.join(self.cache, cache, picked, length, source)
-        pad = hf_kv_cache.pad
+        join(self.cache, cache, picked, length, source)
         self.mask = torch.cat([pad(self.mask, length, 1, left=True), pad(mask[picked], length, 1, left=True)])
         if self.encoder_decoder:
             self.encoded = torch.cat([pad(self.encoded, source, 1), pad(encoded[picked], source, 1)])
@@ -251,7 +307,7 @@ class DecodingBatch:
         if self.encoder_decoder:
             end = int(torch.nonzero(self.encoder_mask[kept].sum(0))[-1]) + 1
             self.encoded, self.encoder_mask = self.encoded[kept, :end], self.encoder_mask[kept, :end]
-        hf_kv_cache.select(self.cache, kept, first, end)
+        select(self.cache, kept, first, end)
         self.rows = [self.rows[i] for i in kept.tolist()]
         self.mask, self.positions = self.mask[kept, first:], self.positions[kept]
         self.next, self.alive = self.next[kept], self.alive[kept]
@@ -275,3 +331,109 @@ def _relative_or_hooked(model: Any) -> bool:
     """An encoder-decoder whose rows can keep their own decoder positions: none absolute (T5), or one we hook."""
     decoder = model.get_decoder()
     return getattr(decoder, "embed_positions", None) is None or _absolute_positions(model) is not None
+
+
+def _dynamic_layer() -> Any:
+    from transformers.cache_utils import DynamicLayer
+
+    return DynamicLayer
+
+
+def growing_layer(keys: torch.Tensor, values: torch.Tensor) -> Any:
+    """A ``DynamicLayer`` that holds ``keys`` and ``values`` in buffers with room for ``ROOM`` more tokens."""
+    layer = _growing_class()()
+    layer.hold(keys, values, keys.shape[-2] + ROOM)
+    return layer
+
+
+_GROWING: Any = None
+
+
+def _growing_class() -> Any:
+    """``GrowingLayer``, made once transformers is imported (this module is imported before it is)."""
+    global _GROWING
+    if _GROWING is None:
+
+        class GrowingLayer(_dynamic_layer()):  # type: ignore[misc]
+            """Keys and values are views of buffers with room: ``update`` writes the new tokens in place."""
+
+            def hold(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+                self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+                length = keys.shape[-2]
+                shape = (*keys.shape[:2], capacity, keys.shape[-1])
+                self._keys, self._values = keys.new_empty(shape), values.new_empty(shape)
+                self._keys[:, :, :length], self._values[:, :, :length] = keys, values
+                self.keys, self.values = self._keys[:, :, :length], self._values[:, :, :length]
+
+            def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                length, added = self.keys.shape[-2], key_states.shape[-2]
+                if length + added > self._keys.shape[-2]:
+                    self.hold(self.keys, self.values, 2 * (length + added))
+                self._keys[:, :, length : length + added] = key_states
+                self._values[:, :, length : length + added] = value_states
+                self.keys, self.values = self._keys[:, :, : length + added], self._values[:, :, : length + added]
+                return self.keys, self.values
+
+        _GROWING = GrowingLayer
+    return _GROWING
+
+
+def self_layers(cache: Any) -> list[Any]:
+    return list((cache.self_attention_cache if hasattr(cache, "self_attention_cache") else cache).layers)
+
+
+def cross_layers(cache: Any) -> list[Any]:
+    return list(cache.cross_attention_cache.layers) if hasattr(cache, "cross_attention_cache") else []
+
+
+def regrow(cache: Any) -> None:
+    """The cache's self-attention layers as ``GrowingLayer`` s holding what they hold now (one copy)."""
+    holder = cache.self_attention_cache if hasattr(cache, "self_attention_cache") else cache
+    holder.layers = [growing_layer(layer.keys, layer.values) for layer in holder.layers]
+
+
+def all_plain(cache: Any) -> bool:
+    """Every layer is a plain full-attention one (no sliding window, no linear attention): safe to pad together."""
+    return all(type(layer).__name__ == "DynamicLayer" for layer in [*self_layers(cache), *cross_layers(cache)])
+
+
+def write_row(cache: Any, slot: int, source: Any, row: int, tokens: int, length: int, source_tokens: int = 0) -> None:
+    """Row ``row`` of ``source`` (a prefill's cache) into row ``slot`` of ``cache``: its last ``tokens`` self-attention
+    tokens right-aligned at ``length``, and its first ``source_tokens`` cross-attention ones at the start."""
+    for into, out in zip(self_layers(cache), self_layers(source), strict=True):
+        into.keys[slot, :, length - tokens :] = out.keys[row, :, out.keys.shape[-2] - tokens :]
+        into.values[slot, :, length - tokens :] = out.values[row, :, out.values.shape[-2] - tokens :]
+    for into, out in zip(cross_layers(cache), cross_layers(source), strict=True):
+        into.keys[slot, :, :source_tokens] = out.keys[row, :, :source_tokens]
+        into.values[slot, :, :source_tokens] = out.values[row, :, :source_tokens]
+
+
+def join(cache: Any, new: Any, rows: torch.Tensor, length: int, source: int) -> None:
+    """Rows ``rows`` of ``new`` appended to ``cache``: self-attention padded on the left to ``length``, cross-attention
+    on the right to ``source`` (one copy of everything)."""
+    for old, add in zip(self_layers(cache), self_layers(new), strict=True):
+        old.keys = torch.cat([pad(old.keys, length, 2, left=True), pad(add.keys[rows], length, 2, left=True)])
+        old.values = torch.cat([pad(old.values, length, 2, left=True), pad(add.values[rows], length, 2, left=True)])
+    for old, add in zip(cross_layers(cache), cross_layers(new), strict=True):
+        old.keys = torch.cat([pad(old.keys, source, 2), pad(add.keys[rows], source, 2)])
+        old.values = torch.cat([pad(old.values, source, 2), pad(add.values[rows], source, 2)])
+    regrow(cache)
+
+
+def select(cache: Any, rows: torch.Tensor, first: int, end: int | None) -> None:
+    """Only ``rows`` kept, self-attention from column ``first``, cross-attention up to ``end`` (one copy)."""
+    for layer in self_layers(cache):
+        layer.keys, layer.values = layer.keys[rows, :, first:], layer.values[rows, :, first:]
+    for layer in cross_layers(cache):
+        layer.keys, layer.values = layer.keys[rows, :, :end], layer.values[rows, :, :end]
+    regrow(cache)
+
+
+def pad(tensor: torch.Tensor, length: int, dim: int, left: bool = False) -> torch.Tensor:
+    missing = length - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    zeros = tensor.new_zeros(shape)
+    return torch.cat([zeros, tensor] if left else [tensor, zeros], dim=dim)

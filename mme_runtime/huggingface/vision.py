@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.serving import hf_zero_shot
+from mme_runtime.huggingface import zero_shot
 
 if TYPE_CHECKING:
-    from mme_runtime.serving.hf_requests import TaskRequest
+    from mme_runtime.huggingface.requests import TaskRequest
 
 ZERO_SHOT = "zero-shot-image-classification"
 # Each task's parameters, as its transformers pipeline takes them (but "timeout", which fetches images from URLs).
@@ -69,8 +69,8 @@ def check_parameters(task: str, parameters: dict[str, Any]) -> None:
             raise InvalidInput(
                 f"hypothesis_template must be a string such as 'This is a photo of {{}}.', not {template!r}"
             )
-        if hf_zero_shot.hypothesis_characters(template, labels) > hf_zero_shot.MAX_CHARACTERS:
-            raise InvalidInput(f"the hypotheses of these labels hold over {hf_zero_shot.MAX_CHARACTERS} characters")
+        if zero_shot.hypothesis_characters(template, labels) > zero_shot.MAX_CHARACTERS:
+            raise InvalidInput(f"the hypotheses of these labels hold over {zero_shot.MAX_CHARACTERS} characters")
 
 
 def run(pipeline: Any, requests: list[TaskRequest]) -> list[Any]:

@@ -1,13 +1,16 @@
-"""Table question answering (TAPAS), answered as transformers' table-question-answering pipeline answers it:
-``{"answer", "coordinates", "cells", "aggregator"}`` for each query, ``aggregator`` when the model has that head.
+"""Table question answering (TAPAS), answered as transformers' table-question-answering pipeline
+answers it: ``{"answer", "coordinates", "cells", "aggregator"}`` for each query, ``aggregator``
+when the model has that head.
 
-A request is ``{"query": "..." or ["...", ...], "table": {"column": ["cell", ...], ...}}`` (or a list of them); it is
-checked before it joins a batch (``check_input``, ``check_parameters``). Each (table, query) pair is tokenized alone by
-the pipeline's own tokenizer; the pairs of every request of a batch share padded forward passes (``hf_padding.py``),
-and each pair's logits, cut back to its own tokens, go through the pipeline's own postprocessing. Padding changes no
-answer: the padding tokens are masked from attention and belong to no cell (the pipeline itself pads the queries of
-one table together). A conversational (SQA) request, ``"sequential": true``, feeds each query's answer into the next
-query's input, so its queries run in order, one pass each, as the pipeline runs them, and share no pass.
+A request is ``{"query": "..." or ["...", ...], "table": {"column": ["cell", ...], ...}}`` (or a
+list of them); it is checked before it joins a batch (``check_input``, ``check_parameters``). Each
+(table, query) pair is tokenized alone by the pipeline's own tokenizer; the pairs of every request
+of a batch share padded forward passes (``tasks.py``), and each pair's logits, cut back to its own
+tokens, go through the pipeline's own postprocessing. Padding changes no answer: the padding
+tokens are masked from attention and belong to no cell (the pipeline itself pads the queries of
+one table together). A conversational (SQA) request, ``"sequential": true``, feeds each query's
+answer into the next query's input, so its queries run in order, one pass each, as the pipeline
+runs them, and share no pass.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.models.hf_loading import HuggingFaceModel
+from mme_runtime.huggingface.loading import HuggingFaceModel
 
 TASK = "table-question-answering"
 PADDING = (True, False, "longest", "max_length", "do_not_pad")
@@ -34,7 +37,7 @@ Forward = Callable[[list[dict[str, Any]], Callable[[Any], Any]], list[dict[str, 
 
 
 class Request(Protocol):
-    """What this module reads of a request (``hf_requests.TaskRequest``, which imports this module)."""
+    """What this module reads of a request (``requests.TaskRequest``, which imports this module)."""
 
     inputs: list[Any]
     parameters: dict[str, Any]

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.models.hf_loading import HuggingFaceModel
-from mme_runtime.serving.hf_requests import TaskRequest
+from mme_runtime.huggingface.loading import HuggingFaceModel
+from mme_runtime.huggingface.requests import TaskRequest
 
 DEFAULTS = {"top_k": 1, "max_answer_len": 15, "max_seq_len": 384, "doc_stride": 128, "handle_impossible_answer": False}
 DEFAULTS |= {"align_to_words": True}

@@ -18,9 +18,8 @@ from collections import deque
 
 import torch
 
+from mme_runtime.huggingface.decoding import STOP, TIME, DecodingBatch, Row
 from mme_runtime.operations import metrics
-from mme_runtime.serving.hf_decoding import DecodingBatch
-from mme_runtime.serving.hf_rows import STOP, TIME, Row
 from mme_runtime.serving.pass_threads import RunPass, run_here
 
 logger = logging.getLogger(__name__)

@@ -1,10 +1,11 @@
-"""Zero-shot classification's requests, checked before they join a batch: ``candidate_labels`` (a list, or one string
-of comma-separated labels, as the pipeline splits it), ``multi_label`` and ``hypothesis_template``. What the task
-runs is transformers' own zero-shot pipeline (``hf_tasks.py``): each (text, label) pair is one row, and the rows of
-every request of a batch share the padded forward passes; the pipeline's postprocessing scores each text's labels.
+"""Zero-shot classification's requests, checked before they join a batch: ``candidate_labels`` (a
+list, or one string of comma-separated labels, as the pipeline splits it), ``multi_label`` and
+``hypothesis_template``. What the task runs is transformers' own zero-shot pipeline
+(``tasks.py``): each (text, label) pair is one row, and the rows of every request of a batch share
+the padded forward passes; the pipeline's postprocessing scores each text's labels.
 
-A request at fault here answers 400 alone, where inside the pipeline its error would have failed the whole batch's
-pass first (the batcher then splits it to find whose it was).
+A request at fault here answers 400 alone, where inside the pipeline its error would have failed
+the whole batch's pass first (the batcher then splits it to find whose it was).
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def check_parameters(parameters: dict[str, Any], texts: Sequence[str] = ("",)) -
 
 
 def hypothesis_characters(template: str, labels: list[str]) -> int:
-    """The characters of every label's hypothesis, counted before any is filled: a format spec (``"{:100000000}"``
-    pads each hypothesis to 100 MB) is refused. The image zero-shot task fills its templates alike (``hf_vision``)."""
+    """The characters of every label's hypothesis, counted before any is filled: a format spec
+    (``"{:100000000}"`` pads each hypothesis to 100 MB) is refused. The image zero-shot task fills
+    its templates alike (``vision``)."""
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
