@@ -17,7 +17,7 @@ from mme_runtime.base.config import Config
 from mme_runtime.base.devices import worker_device
 from mme_runtime.huggingface import defaults as hugging_face
 from mme_runtime.models.serving_properties import ServingSettings
-from mme_runtime.serving.transformer import Transformer
+from mme_runtime.serving.served_model import ServedModel
 
 hugging_face.register()  # so every process that loads a model with this handler serves them
 
@@ -27,30 +27,30 @@ class HandlerService(DefaultHandlerService):  # type: ignore[misc]
 
     def __init__(self, config: Config | None = None) -> None:
         config = config or Config.from_process_env()
-        super().__init__(transformer=Transformer(DefaultPytorchInferenceHandler(), config))
+        super().__init__(transformer=ServedModel(DefaultPytorchInferenceHandler(), config))
 
     @property
-    def transformer(self) -> Transformer:
+    def served(self) -> ServedModel:
         return self._service  # type: ignore[no-any-return]
 
     def preload(self, context: Any) -> None:
         """Runs the user's ``model_fn`` on the host; must not touch CUDA (the server forks afterwards)."""
-        self.transformer.load(context, torch.device("cpu"))
+        self.served.load(context, torch.device("cpu"))
 
     def attach(self, context: Any) -> None:
         """Places the model on this device host's device (``gpu_id`` is its CUDA ordinal here) and warms it up."""
-        self.transformer.attach(context, worker_device(context.system_properties.get("gpu_id")))
+        self.served.attach(context, worker_device(context.system_properties.get("gpu_id")))
 
     def start_batcher(self) -> ServingSettings:
         """The host serves many connections from threads: forward passes go through one batcher from now on."""
-        return self.transformer.start_batcher()
+        return self.served.start_batcher()
 
     def initialize(self, context: Any) -> None:
         """MMS's contract: everything in the worker (the toolkit's PYTHONPATH edit is not needed)."""
         self.attach(context)
 
     def handle(self, data: list[Any], context: Any) -> list[bytes]:
-        return self.transformer.transform(data, context)
+        return self.served.transform(data, context)
 
 
 _service: HandlerService | None = None

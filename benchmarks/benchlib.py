@@ -111,7 +111,7 @@ class Server:
 
     def _hosts_unloaded(self, name: str) -> bool:
         """Whether each device host that logged ``model=NAME device=... ready`` has logged ``model=NAME unloaded
-        from the device host`` (mme_runtime.serving.transformer and mme_runtime.processes.device_host)."""
+        from the device host`` (mme_runtime.serving.served_model and mme_runtime.processes.device_host)."""
         text = self.log.read_text(errors="replace")
         model = re.escape(f"model={name} ")
         ready = len(re.findall(model + "device=", text))

@@ -30,8 +30,8 @@ from mme_runtime.huggingface.requests import TaskBatch, TaskRequest
 from mme_runtime.huggingface.tasks import TaskRunner, shape
 from mme_runtime.models import lora, model_package, package_cache, pt2
 from mme_runtime.models.serving_properties import ServingSettings
+from mme_runtime.serving.contract import DefaultsProvider, register_defaults
 from mme_runtime.serving.pass_threads import RunPass, run_here
-from mme_runtime.serving.transformer import DefaultsProvider, register_defaults
 
 
 def serves(model_dir: Path) -> bool:

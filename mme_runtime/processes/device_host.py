@@ -184,7 +184,7 @@ class DeviceHost:
         handler = loaded.module
         context = loaded.service.context
         with self.board.running(model.slot):
-            adopted = package is not None and handler.transformer.adopt(
+            adopted = package is not None and handler.served.adopt(
                 context, lambda: self._unpack(model, package), made_with_code=package.code
             )
             if package is not None and not adopted:  # its code changed: model_fn ran here instead
@@ -192,14 +192,14 @@ class DeviceHost:
             handler.attach(context)
         if self.shared is not None:
             shared = self.shared
-            handler.transformer.after_forward = lambda: shared.check_writes(spec.name)
-        handler.transformer.thread_started = functools.partial(self.board.work_for, model.slot)
-        handler.transformer.thread_ended = self.board.done
-        handler.transformer.pass_threads = self.passes
+            handler.served.after_forward = lambda: shared.check_writes(spec.name)
+        handler.served.thread_started = functools.partial(self.board.work_for, model.slot)
+        handler.served.thread_ended = self.board.done
+        handler.served.pass_threads = self.passes
         model.demand = start_batching(spec, self.config, loaded)
-        for thread in handler.transformer.scheduler_threads:
+        for thread in handler.served.scheduler_threads:
             self.board.work_for(model.slot, thread.ident)
-        self._record_memory(model, handler.transformer)
+        self._record_memory(model, handler.served)
         return loaded
 
     def _unpack(self, hosted: HostedModel, package: Package) -> Any:
@@ -289,11 +289,11 @@ class DeviceHost:
                 pass
         started = time.monotonic()
         served = model.loaded is not None  # a LOAD that failed here is no UNLOAD
-        transformer = None if model.loaded is None else getattr(model.loaded.module, "transformer", None)
-        if transformer is not None:  # our handler (one that is not ours has nothing to end)
-            for thread in transformer.scheduler_threads:
+        ours = None if model.loaded is None else getattr(model.loaded.module, "served", None)
+        if ours is not None:  # our handler (one that is not ours has nothing to end)
+            for thread in ours.scheduler_threads:
                 self.board.done(thread.ident)
-            transformer.close()
+            ours.close()
         model.loaded = None
         if self.shared is not None:
             self.shared.release(model.spec.name)

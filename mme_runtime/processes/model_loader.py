@@ -122,11 +122,11 @@ def _load_here(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[in
         return _failure(failure), []
     if devices.cuda_initialized():
         return {"host_loads": "model_fn initialised CUDA: it runs in the device host, on the host's GPU"}, []
-    transformer = loaded.module.service().transformer
-    model = transformer.model
+    served = loaded.module.service().served
+    model = served.model
     if isinstance(model, HuggingFaceModel) and model.remote_code:
         return {"host_loads": "its classes come from its directory (trust_remote_code): the host imports them"}, []
-    share = config.share_weights and transformer.settings.share_weights
+    share = config.share_weights and served.settings.share_weights
     try:
         started = time.monotonic()
         package = pack(model, spec.name, hashed=share)
@@ -146,7 +146,7 @@ def _load_here(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[in
         sum(blob.nbytes for blob in package.blobs),
         share,
     )
-    code = None if transformer.code_dir is None else str(transformer.code_dir)
+    code = None if served.code_dir is None else str(served.code_dir)
     return {"package": {**package.layout, "code": code}, "share_weights": share}, [package.fd]
 
 

@@ -42,7 +42,7 @@ WARM_MODULES = (
     "handler_service",
     "inference_handler",
     "mme_runtime.processes.device_host",
-    "mme_runtime.serving.transformer",
+    "mme_runtime.serving.served_model",
 )
 # Imported where installed: the AWS SDK, which only code in S3 needs (the GPU proof's kit carries none).
 OPTIONAL_WARM_MODULES = ("boto3",)

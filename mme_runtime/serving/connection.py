@@ -1,8 +1,8 @@
 """One frontend connection, from the socket to the handler and back: its first message (the LOAD, which names the
 GPU the frontend assigned it) read by the warm process, which routes the connection to its device's host; there its
 LOAD is answered, then each inference message read with MMS's protocol (``mms.protocol``), answered by MMS's
-``Service`` (which calls ``handler_service.handle`` and so the model's ``Transformer``, ``pipeline.py``), and written
-back, with the request metrics recorded after.
+``Service`` (which calls ``handler_service.handle`` and so the model's ``ServedModel``, ``served_model.py``), and
+written back, with the request metrics recorded after.
 
 A device host runs it on a thread per connection: every connection of a model answers at once. A batching model's
 ``ConnectionDemand`` counts its busy connections and asks for more once they are all busy (MMS sends one request per

@@ -7,12 +7,16 @@ as they were when it was caught); a failing load step fails the LOAD with the st
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sagemaker_inference.errors import BaseInferenceToolkitError
 
 from mme_runtime.base import failures
+from mme_runtime.base.config import Config
+from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.models.user_code import UserFunction
 from mme_runtime.serving import content
 from mme_runtime.serving.content import StepError, is_out_of_memory, load_failure
@@ -65,3 +69,34 @@ class Contract:
             return function(*args, context=context)
         except Exception as exc:  # boundary: the LOAD fails with the cause named; the traceback is logged
             raise load_failure(name, exc) from exc
+
+
+CONTRACT = frozenset(
+    {"model_fn", "input_fn", "predict_fn", "output_fn"}
+)  # a script that defines all four needs no defaults
+
+
+@dataclass(frozen=True)
+class DefaultsProvider:
+    """Defaults other than the PyTorch ones, for the model directories ``serves`` accepts:
+    ``make(model_dir, settings, config)`` builds a model's, or raises ``ModelLoadError``, which
+    fails the LOAD as ``step``."""
+
+    serves: Callable[[Path], bool]
+    make: Callable[[Path, ServingSettings, Config], Any]
+    step: str
+
+
+# Registered by the packages that bring them (``mme_runtime.huggingface``): this core names none.
+_providers: list[DefaultsProvider] = []
+
+
+def register_defaults(provider: DefaultsProvider) -> None:
+    """Offers ``provider``'s defaults to every model loaded from now on (once, however often)."""
+    if provider not in _providers:
+        _providers.append(provider)
+
+
+def defaults_provider(model_dir: Path) -> DefaultsProvider | None:
+    """The registered defaults that serve ``model_dir``; None: the PyTorch ones."""
+    return next((provider for provider in _providers if provider.serves(model_dir)), None)

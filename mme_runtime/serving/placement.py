@@ -1,18 +1,27 @@
-"""Once per device host, before its first request: the model placed on its device, and the model's sample request.
+"""Once per device host, before its first request: the model placed on its device, compiled for it if asked, and
+the model's sample request.
 
 ``place_model`` moves a module there (or loads an artifact that only loads on its device); ``warmup_sample`` finds
 the request in the model's ``code/`` that the host answers at LOAD (its dry run), and that ``compile=true``
-traces the model with.
+traces the model with (``compiled``).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from mme_runtime.base.config import Config
+from mme_runtime.models.pt2 import compile_model
+from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.serving import content
+from mme_runtime.serving.context import InferenceContext
+from mme_runtime.serving.contract import Contract
+
+logger = logging.getLogger(__name__)
 
 # An optional sample request in the model's code/, answered once per device host at LOAD (the dry run users enable).
 WARMUP_SAMPLES = {"warmup.json": content.JSON, "warmup.csv": content.CSV, "warmup.npy": content.NPY}
@@ -50,3 +59,33 @@ def warmup_sample(code_dir: Path | None) -> tuple[str, Any, str] | None:
     raw = (code_dir / sample).read_bytes()
     content_type = WARMUP_SAMPLES[sample]
     return sample, content.utf8_text(raw) if content_type in content.TEXT_TYPES else raw, content_type
+
+
+def compiled(
+    model: Any,
+    contract: Contract,
+    context: InferenceContext,
+    settings: ServingSettings,
+    config: Config,
+    code_dir: Path | None,
+) -> Any:
+    """``compile=true``: the model compiled for the context's device (traced on its decoded warm-up sample), or the
+    model as it is (eager), with the reason logged."""
+    found = warmup_sample(code_dir)
+    if found is None:
+        logger.warning(
+            "model=%s compile=true: serving eager, not compiled: compiling needs a sample request in code/ "
+            "(warmup.json, warmup.csv or warmup.npy) to trace the model with",
+            context.model_name,
+        )
+        return model
+    _, payload, content_type = found
+    try:
+        sample = contract.call("input_fn", context, payload, content_type)
+    except Exception as exc:  # boundary: the dry run after this reports a sample the model cannot take
+        logger.warning(
+            "model=%s compile=true: serving eager: input_fn refused the warm-up sample: %s", context.model_name, exc
+        )
+        return model
+    model_dir = Path(context.model_dir)
+    return compile_model(model, context.model_name, model_dir, context.device, settings, sample, config.cache_dir)

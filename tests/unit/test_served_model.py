@@ -53,7 +53,7 @@ def test_model_is_placed_once_in_eval_mode(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model_dir = model_factory.state_dict_model(tmp_path / "m")
     service = service_for(model_dir)
-    model = service.transformer.model
+    model = service.served.model
     assert isinstance(model, torch.nn.Module) and not model.training
 
 
@@ -96,7 +96,7 @@ def test_batching_settings_reach_the_context_and_transform_fn_models_stay_unbatc
     context = mms_context(batched, [])
     service = HandlerService(Config.from_env({}))
     service.initialize(context)
-    settings = service.transformer.settings
+    settings = service.served.settings
     assert (settings.batch_size, settings.max_batch_delay_ms, settings.source) == (4, 3, "serving.properties")
     assert context.system_properties["batch_size"] == 4  # what context.batch_size reads
 
@@ -104,7 +104,7 @@ def test_batching_settings_reach_the_context_and_transform_fn_models_stay_unbatc
     (whole / "serving.properties").write_text("batch_size=4\n")
     service = HandlerService(Config.from_env({}))
     service.initialize(mms_context(whole, []))
-    assert service.transformer.settings.batch_size == 1
+    assert service.served.settings.batch_size == 1
     assert "batch_size=4 ignored: transform_fn answers each request whole" in caplog.text
 
 
@@ -116,8 +116,8 @@ def test_an_mms_batch_runs_one_forward_pass_and_each_request_gets_its_rows(tmp_p
     rows = [[[1.0, 2.0, 3.0, 4.0]], [[0.5, 0.5, 0.5, 0.5], [4.0, 3.0, 2.0, 1.0]]]
     context = mms_context(model_dir, [{"Content-Type": "application/json"}] * 2)
     calls = []
-    model = service.transformer.model
-    service.transformer._model = lambda data: calls.append(data.shape[0]) or model(data)  # counts forward passes
+    model = service.served.model
+    service.served._model = lambda data: calls.append(data.shape[0]) or model(data)  # counts forward passes
 
     results = service.handle([{"body": json.dumps(r).encode()} for r in rows], context)
 
@@ -220,8 +220,8 @@ def test_the_batcher_an_adapter_shares_runs_no_thread_marked_as_that_adapter_s(t
     service = HandlerService(Config.from_env({"MME_MODEL_ROOT": str(tmp_path)}))
     service.initialize(mms_context(adapter, []))
     marked: list[int] = []
-    service.transformer.thread_started = lambda: marked.append(threading.get_ident())
+    service.served.thread_started = lambda: marked.append(threading.get_ident())
     service.start_batcher()
     results = service.handle([{"body": b'{"inputs": "a good movie"}'}], mms_context(adapter, [{}]))
     assert json.loads(results[0])[0]["label"], results
-    assert service.transformer.scheduler_threads == [] and marked == []
+    assert service.served.scheduler_threads == [] and marked == []

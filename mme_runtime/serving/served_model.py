@@ -1,9 +1,13 @@
-"""The lifecycle of one model's contract: loaded once, placed on its device once, closed at UNLOAD.
+"""One model's contract, from its LOAD to its UNLOAD, and each message's requests through it.
 
-``load`` may run in a CUDA-free process before fork (model on host memory); ``adopt`` takes a model that ``model_fn``
-built in another process (a device host); ``attach`` runs once the process's GPU is bound: it places the model, may
-compile it, answers its warm-up sample, and ``start_batcher`` then lets many threads call ``transform``
-(``pipeline.py``, where each request goes through ``input_fn``, ``predict_fn`` and ``output_fn``).
+``load`` runs ``model_fn`` in a CUDA-free loader (model on host memory); ``adopt`` takes the model ``model_fn`` built
+there (a device host); ``attach`` runs once the host's GPU is bound: it places the model, may compile it, answers its
+warm-up sample, and ``start_batcher`` then lets many threads call ``transform``: each message's requests, each read
+on its own, ``input_fn`` for each, one ``predict_fn`` per batch (through the batcher, so requests from many
+connections share a forward pass), ``output_fn`` for each. Each request carries its own status (``content.py``): one
+bad request never fails its neighbours, and tracebacks go to the log, never to clients. A request whose forward pass
+is not done within ``SAGEMAKER_MODEL_SERVER_TIMEOUT`` is answered 504 (the pass runs on: a thread cannot be
+stopped). ``close`` lets the model go.
 """
 
 from __future__ import annotations
@@ -14,63 +18,77 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
+from sagemaker_inference.transformer import Transformer as ToolkitTransformer
 
+from mme_runtime.base import failures
 from mme_runtime.base.config import Config
-from mme_runtime.base.errors import ModelLoadError
+from mme_runtime.base.errors import ModelLoadError, PayloadTooLarge, RequestTimeout
 from mme_runtime.models import lora
-from mme_runtime.models.pt2 import compile_model
 from mme_runtime.models.serving_properties import ServingSettings, read_settings
 from mme_runtime.models.user_code import USER_MODULE_PREFIX, load_user_code
-from mme_runtime.serving.batcher import Batcher, run_by_first
-from mme_runtime.serving.content import Request, StepError, load_failure
+from mme_runtime.operations import metrics
+from mme_runtime.serving import content
+from mme_runtime.serving.batcher import Batcher, Job, group, rows, run_batch, run_by_first, signature
+from mme_runtime.serving.content import (
+    Request,
+    StepError,
+    error_response,
+    http_status,
+    is_client_error,
+    is_out_of_memory,
+    load_failure,
+    phrase,
+    release_cached_device_memory,
+    release_memory_of,
+    request_body,
+    to_bytes,
+)
 from mme_runtime.serving.context import InferenceContext
-from mme_runtime.serving.contract import Contract
-from mme_runtime.serving.pipeline import RequestPipeline
-from mme_runtime.serving.placement import place_model, warmup_sample
+from mme_runtime.serving.contract import CONTRACT, Contract, defaults_provider
+from mme_runtime.serving.pass_threads import PassThreads
+from mme_runtime.serving.placement import compiled, place_model, warmup_sample
 
 logger = logging.getLogger(__name__)
 
 HOST = torch.device("cpu")
-CONTRACT = frozenset({"model_fn", "input_fn", "predict_fn", "output_fn"})
+# MMS times each request too, and past its timer answers 500 "Worker died." and drops the connection: ours answers
+# a moment before, in words (its timer is SAGEMAKER_MODEL_SERVER_TIMEOUT or longer, started a moment before ours).
+TIMEOUT_MARGIN_SECONDS = 1.0
+T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class DefaultsProvider:
-    """Defaults other than the PyTorch ones, for the model directories ``serves`` accepts:
-    ``make(model_dir, settings, config)`` builds a model's, or raises ``ModelLoadError``, which
-    fails the LOAD as ``step``."""
-
-    serves: Callable[[Path], bool]
-    make: Callable[[Path, ServingSettings, Config], Any]
-    step: str
-
-
-# Registered by the packages that bring them (``mme_runtime.huggingface``): this core names none.
-_providers: list[DefaultsProvider] = []
-
-
-def register_defaults(provider: DefaultsProvider) -> None:
-    """Offers ``provider``'s defaults to every model loaded from now on (once, however often)."""
-    if provider not in _providers:
-        _providers.append(provider)
-
-
-def defaults_provider(model_dir: Path) -> DefaultsProvider | None:
-    """The registered defaults that serve ``model_dir``; None: the PyTorch ones."""
-    return next((provider for provider in _providers if provider.serves(model_dir)), None)
-
-
-class Transformer(RequestPipeline):
-    """One model's contract: loaded once, placed on its device once, then answering requests (``RequestPipeline``)."""
+class ServedModel(ToolkitTransformer):  # type: ignore[misc]
+    """One model's contract: loaded once, placed on its device once, then answering each message's requests (the
+    toolkit's Transformer, answering per request: per-item batches and status-carrying errors)."""
 
     def __init__(self, default_inference_handler: Any, config: Config) -> None:
-        super().__init__(default_inference_handler, config)
+        super().__init__(default_inference_handler=default_inference_handler)
+        self._config = config
+        self._contract = Contract()
+        self._model: Any = None
+        self._context: InferenceContext | None = None  # the model's, once it is placed on its device
+        self._attached = False
+        self._settings = ServingSettings(1, 0, "none")
+        self._batcher: Batcher | None = None
+        # torch's grad mode is per thread: the connections' threads get the one the loading thread had after model_fn.
+        self._grad_enabled: bool | None = None
+        # Called after each forward pass; what it raises fails the pass's requests (a write to shared weights).
+        self.after_forward: Callable[[], None] | None = None
+        # Run first and last in each thread its batcher starts and ends, now or later (a device host marks the thread
+        # its model's: crash_board.py).
+        self.thread_started: Callable[[], None] = lambda: None
+        self.thread_ended: Callable[[], None] = lambda: None
+        # A GPU device host's threads for every model's passes (``batcher.PassThreads``); None: each model's own.
+        self.pass_threads: PassThreads | None = None
+        # LoRA adapters over a plain module (``lora.py``): each job's rows use its own model's adapter.
+        self.row_adapters: Any = None
         self._defaults = default_inference_handler
         self._loaded = False
         self._code_dir: Path | None = None
@@ -205,7 +223,9 @@ class Transformer(RequestPipeline):
         except Exception as exc:  # boundary: a model that cannot be placed fails the host's LOAD
             raise load_failure("placing the model", exc) from exc
         if self._settings.compile:
-            self._compile(self._context, device)
+            self._model = compiled(
+                self._model, self._contract, self._context, self._settings, self._config, self._code_dir
+            )
         self._contract.run_load_step("model_warmup_fn", self._context, self._context.model_dir, self._model)
         self._dry_run(self._context)
         self._attached = True
@@ -274,34 +294,6 @@ class Transformer(RequestPipeline):
         self._contract = Contract()
         self._attached = self._loaded = False
 
-    def _compile(self, context: InferenceContext, device: torch.device) -> None:
-        """``compile=true``: the model compiled for this device (traced on the decoded warm-up sample), or eager."""
-        found = warmup_sample(self._code_dir)
-        if found is None:
-            logger.warning(
-                "model=%s compile=true: serving eager, not compiled: compiling needs a sample request in code/ "
-                "(warmup.json, warmup.csv or warmup.npy) to trace the model with",
-                context.model_name,
-            )
-            return
-        _, payload, content_type = found
-        try:
-            sample = self._contract.call("input_fn", context, payload, content_type)
-        except Exception as exc:  # boundary: the dry run below reports a sample the model cannot take
-            logger.warning(
-                "model=%s compile=true: serving eager: input_fn refused the warm-up sample: %s", context.model_name, exc
-            )
-            return
-        self._model = compile_model(
-            self._model,
-            context.model_name,
-            Path(context.model_dir),
-            device,
-            self._settings,
-            sample,
-            self._config.cache_dir,
-        )
-
     def _dry_run(self, context: InferenceContext) -> None:
         """Answers the model's sample request (``code/warmup.json``, ``.csv`` or ``.npy``) once per device host, so
         TorchScript profiling and lazy initialisation are paid at LOAD, not by the first caller."""
@@ -321,3 +313,172 @@ class Transformer(RequestPipeline):
         """The toolkit's entry point: load and attach on the host when nothing did it before."""
         if not self._attached:
             self.attach(context, HOST)
+
+    def on_pass_thread(self, function: Callable[[], T], mark: bool = True) -> T:
+        """``function()`` on the device's pass threads, marked as this model's there (unless ``mark`` is false: a
+        pass over several models), or on this thread where there are none."""
+        if self.pass_threads is None:
+            return function()
+        started = self.thread_started if mark else (lambda: None)
+        return cast(T, self.pass_threads.run(function, metrics.current(), started, self.thread_ended))
+
+    def transform(self, data: list[Any], context: Any) -> list[bytes]:
+        """Answers one message's requests (MMS's ``context`` is this message's own); safe from many threads."""
+        if not self._attached:
+            self.validate_and_initialize(context=context)
+        assert self._context is not None
+        timeout = self._config.response_timeout_seconds
+        deadline = time.monotonic() + max(timeout - TIMEOUT_MARGIN_SECONDS, timeout / 2)
+        base = InferenceContext(context, self._context.device)
+        requests, payloads, content_types = [], [], []
+        for index, item in enumerate(data):
+            request = Request(base.for_request(index), self._config.default_accept)
+            try:
+                payload, content_type = self._read(item, request)
+            except Exception as exc:  # request boundary: this request answers with its status
+                request.error, payload, content_type = exc, None, None
+            requests.append(request)
+            payloads.append(payload)
+            content_types.append(content_type)
+        with self._grad_mode():
+            self._answer(requests, payloads, content_types, deadline)
+        results = []
+        for index, request in enumerate(requests):
+            if request.error is not None:
+                request.body, request.content_type = error_response(request.error, request.context)
+                status = http_status(request.error)
+                context.set_response_status(status, phrase(status), index)
+                if is_out_of_memory(request.error):
+                    release_memory_of(request.error)  # so the next request finds the memory this one could not
+            context.set_response_content_type(index, request.content_type)
+            results.append(request.body)
+        return results
+
+    def _read(self, item: Any, request: Request) -> tuple[Any, str | None]:
+        """The request's payload and content type, with its Accept settled on ``request``."""
+        payload = request_body(item)
+        if isinstance(payload, (bytes, bytearray, str)) and len(payload) > self._config.max_request_bytes:
+            raise PayloadTooLarge(
+                f"request body of {len(payload)} bytes exceeds the limit of {self._config.max_request_bytes} "
+                "(SAGEMAKER_MAX_REQUEST_SIZE)"
+            )
+        content_type = request.context.header("content-type")
+        accept = request.context.header("accept")
+        if accept is not None and accept.strip() not in ("", content.ANY):
+            request.accept = accept
+        if isinstance(payload, (bytes, bytearray)) and content.media_type(content_type) in content.TEXT_TYPES:
+            payload = content.utf8_text(payload)
+        return payload, content_type
+
+    def _answer(
+        self,
+        requests: list[Request],
+        payloads: list[Any],
+        content_types: list[str | None],
+        deadline: float | None = None,
+    ) -> None:
+        """The contract on requests that have no error yet: ``input_fn`` for each, one ``predict_fn`` per batch,
+        ``output_fn`` for each (or ``transform_fn`` for each, alone). Sets each request's body or error; a request
+        whose pass is not done by ``deadline`` (``time.monotonic``) gets a ``RequestTimeout``."""
+        jobs = []
+        for request, payload, content_type in zip(requests, payloads, content_types, strict=True):
+            if request.error is None:
+                try:
+                    jobs.append(self._decode(request, payload, content_type))
+                except Exception as exc:  # request boundary
+                    request.error = exc
+        if self._batcher is not None:
+            for job in jobs:
+                job.run_by = self._run_jobs
+            self._batcher.submit(jobs, deadline)
+        else:
+            for batch in group(jobs, self._settings.batch_size):
+                self._run_jobs(batch)
+        for job in jobs:
+            request = job.request
+            if job.late is not None:
+                request.error = self._timed_out(job.late)
+                continue
+            if job.error is not None:
+                request.error = job.error
+                continue
+            try:
+                self._encode(request, job.result)
+            except Exception as exc:  # request boundary
+                request.error = exc
+
+    def _timed_out(self, late: str) -> RequestTimeout:
+        step = "transform_fn" if self._contract.answers_whole else "predict_fn"
+        where = f"{step} still running" if late == "running" else f"waiting behind a call of {step} still running"
+        seconds = self._config.response_timeout_seconds
+        return RequestTimeout(failures.timed_out(seconds, "SAGEMAKER_MODEL_SERVER_TIMEOUT", where))
+
+    def _decode(self, request: Request, payload: Any, content_type: str | None) -> Job:
+        """``input_fn``, or for ``transform_fn`` the raw request: a job for the batcher."""
+        if self._contract.answers_whole:
+            return Job((payload, content_type, request.accept), request, None, 1)
+        if self._contract.negotiates_accept:
+            # Decided before any work, so an Accept we cannot produce costs the caller nothing.
+            request.accept = content.negotiate(request.accept, self._config.default_accept, self._contract.accepts)
+        data = self._contract.call("input_fn", request.context, payload, content_type)
+        shape = signature(data) if self._settings.batching else None
+        count = rows(data) if shape is not None else 1
+        return Job(data, request, shape, count)
+
+    def _grad_mode(self) -> AbstractContextManager[Any]:
+        if self._grad_enabled is None:
+            return nullcontext()
+        return torch.set_grad_enabled(self._grad_enabled)
+
+    def _run_jobs(self, jobs: list[Job]) -> None:
+        """One forward pass: ``predict_fn`` on the batch (``transform_fn`` on a lone request)."""
+        with self._grad_mode():
+            self._run_jobs_here(jobs)
+        if self.after_forward is not None:
+            try:
+                self.after_forward()
+            except Exception as exc:  # request boundary: every request of the pass gets the error
+                for job in jobs:
+                    job.result, job.error = None, exc
+
+    def _selecting(self, jobs: list[Job]) -> AbstractContextManager[Any]:
+        """The rows of a pass over adapters: a lone job's are all its model's; a batch's, each job's own."""
+        adapters = self.row_adapters
+        if adapters is None:
+            return nullcontext()
+        selected: AbstractContextManager[Any]
+        if len(jobs) == 1:
+            selected = adapters.selecting_all(jobs[0].request.context.model_name)
+        else:
+            selected = adapters.selecting([job.request.context.model_name for job in jobs for _ in range(job.rows)])
+        return selected
+
+    def _run_jobs_here(self, jobs: list[Job]) -> None:
+        if self._contract.answers_whole:
+            for job in jobs:
+                try:
+                    with self._selecting([job]):
+                        job.result = self._contract.call("transform_fn", job.request.context, self._model, *job.data)
+                except Exception as exc:  # request boundary
+                    job.error = exc
+            return
+        run_batch(jobs, self._predict, self._context, _retry_in_halves, release_cached_device_memory, self._selecting)
+
+    def _predict(self, data: Any, request: Request | InferenceContext) -> Any:
+        """``predict_fn`` with a lone request's own context, or the model's for a batch."""
+        context = request.context if isinstance(request, Request) else request
+        return self._contract.call("predict_fn", context, data, self._model)
+
+    def _encode(self, request: Request, result: Any) -> None:
+        if not self._contract.answers_whole:
+            result = self._contract.call("output_fn", request.context, result, request.accept)
+        response_type = request.accept
+        if isinstance(result, tuple):
+            result, response_type = result
+        request.body, request.content_type = to_bytes(result), str(response_type)
+
+
+def _retry_in_halves(exc: BaseException) -> bool:
+    """A failed batch is retried in halves when a smaller one may pass: out of memory, or a client error that one of
+    its requests may have caused alone."""
+    return is_out_of_memory(exc) or is_client_error(exc)
