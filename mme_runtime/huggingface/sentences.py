@@ -55,7 +55,7 @@ _MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 Forward = Callable[[list[dict[str, Any]], Callable[[Any], Any]], list[dict[str, Any]]]
 
 
-class Request(Protocol):
+class TaskFields(Protocol):
     """What is read here of a request (a ``requests.TaskRequest``, made of ``request``'s answer)."""
 
     inputs: list[Any]
@@ -260,7 +260,7 @@ def _texts(value: Any, name: str, single_allowed: bool = True) -> tuple[list[str
     return value, False
 
 
-def scores(tokenizer: Any, model: Any, requests: Sequence[Request], forward: Forward) -> list[Any]:
+def scores(tokenizer: Any, model: Any, requests: Sequence[TaskFields], forward: Forward) -> list[Any]:
     """Each pair's score, in order, as ``CrossEncoder.predict`` gives it: the pair tokenized together and cut to the
     model's length (longest text first), its logits through the model's activation; one number for a model of one
     label, a list for more. ``forward`` runs the pairs of all requests in padded passes.
@@ -289,7 +289,7 @@ def scores(tokenizer: Any, model: Any, requests: Sequence[Request], forward: For
     return answers
 
 
-def shape(task: str, answers: list[Any], request: Request) -> Any:
+def shape(task: str, answers: list[Any], request: TaskFields) -> Any:
     """A request's answer from its rows' (vectors or scores), as the toolkit's sentence pipelines give it."""
     if task == "sentence-embeddings":
         return {"embeddings": answers[0] if request.single else answers}

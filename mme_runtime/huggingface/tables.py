@@ -36,7 +36,7 @@ MAX_CHARACTERS = 200_000
 Forward = Callable[[list[dict[str, Any]], Callable[[Any], Any]], list[dict[str, Any]]]
 
 
-class Request(Protocol):
+class TaskFields(Protocol):
     """What this module reads of a request (``requests.TaskRequest``, which imports this module)."""
 
     inputs: list[Any]
@@ -87,7 +87,7 @@ def check_parameters(parameters: dict[str, Any], items: Sequence[Any] = ()) -> N
             raise InvalidInput(f"{key} must be one of {allowed}, not {parameters[key]!r}")
 
 
-def run(pipeline: Any, model: HuggingFaceModel, requests: Sequence[Request], forward: Forward) -> list[Any]:
+def run(pipeline: Any, model: HuggingFaceModel, requests: Sequence[TaskFields], forward: Forward) -> list[Any]:
     """Each input's answer, in order: one dict, or a list of them for an input of several queries."""
     import pandas
 

@@ -372,7 +372,7 @@ def phrase(status: int) -> str:
 
 
 @dataclass(eq=False)
-class Request:
+class RequestInFlight:
     """One request on its way through the contract: its context, the Accept it is answered with, and the answer."""
 
     context: InferenceContext

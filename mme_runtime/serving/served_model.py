@@ -37,7 +37,7 @@ from mme_runtime.operations import metrics
 from mme_runtime.serving import content
 from mme_runtime.serving.batcher import Batcher, Job, group, rows, run_batch, run_by_first, signature
 from mme_runtime.serving.content import (
-    Request,
+    RequestInFlight,
     StepError,
     error_response,
     http_status,
@@ -302,7 +302,7 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
             return
         sample, payload, content_type = found
         started = time.monotonic()
-        request = Request(context, self._config.default_accept)
+        request = RequestInFlight(context, self._config.default_accept)
         self._answer([request], [payload], [content_type])
         if request.error is not None:  # a sample the model cannot answer fails the LOAD, with the cause
             cause = request.error.cause if isinstance(request.error, StepError) else request.error
@@ -332,7 +332,7 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         base = InferenceContext(context, self._context.device)
         requests, payloads, content_types = [], [], []
         for index, item in enumerate(data):
-            request = Request(base.for_request(index), self._config.default_accept)
+            request = RequestInFlight(base.for_request(index), self._config.default_accept)
             try:
                 payload, content_type = self._read(item, request)
             except Exception as exc:  # request boundary: this request answers with its status
@@ -354,7 +354,7 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
             results.append(request.body)
         return results
 
-    def _read(self, item: Any, request: Request) -> tuple[Any, str | None]:
+    def _read(self, item: Any, request: RequestInFlight) -> tuple[Any, str | None]:
         """The request's payload and content type, with its Accept settled on ``request``."""
         payload = request_body(item)
         if isinstance(payload, (bytes, bytearray, str)) and len(payload) > self._config.max_request_bytes:
@@ -372,7 +372,7 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
 
     def _answer(
         self,
-        requests: list[Request],
+        requests: list[RequestInFlight],
         payloads: list[Any],
         content_types: list[str | None],
         deadline: float | None = None,
@@ -413,7 +413,7 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         seconds = self._config.response_timeout_seconds
         return RequestTimeout(failures.timed_out(seconds, "SAGEMAKER_MODEL_SERVER_TIMEOUT", where))
 
-    def _decode(self, request: Request, payload: Any, content_type: str | None) -> Job:
+    def _decode(self, request: RequestInFlight, payload: Any, content_type: str | None) -> Job:
         """``input_fn``, or for ``transform_fn`` the raw request: a job for the batcher."""
         if self._contract.answers_whole:
             return Job((payload, content_type, request.accept), request, None, 1)
@@ -464,12 +464,12 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
             return
         run_batch(jobs, self._predict, self._context, _retry_in_halves, release_cached_device_memory, self._selecting)
 
-    def _predict(self, data: Any, request: Request | InferenceContext) -> Any:
+    def _predict(self, data: Any, request: RequestInFlight | InferenceContext) -> Any:
         """``predict_fn`` with a lone request's own context, or the model's for a batch."""
-        context = request.context if isinstance(request, Request) else request
+        context = request.context if isinstance(request, RequestInFlight) else request
         return self._contract.call("predict_fn", context, data, self._model)
 
-    def _encode(self, request: Request, result: Any) -> None:
+    def _encode(self, request: RequestInFlight, result: Any) -> None:
         if not self._contract.answers_whole:
             result = self._contract.call("output_fn", request.context, result, request.accept)
         response_type = request.accept
