@@ -1,0 +1,341 @@
+"""Thousands of models in one server: what each cost does as the models loaded grow (issue #37).
+
+    .venv/bin/python -m benchmarks scale [-- --models 2000 --step 200 --plot docs/scale.png]
+
+One server as it ships (two CPU device hosts). A probe model is loaded first and stays; then ``--models``
+distinct tiny TorchScript models (other weights each, so nothing is shared but the code) are loaded one by
+one, as an operator or SageMaker would. After every ``--step`` models the benchmark measures, with nothing else
+running:
+
+* LOAD p50 of the last step's LOADs, and INVOKE p50 and p99 of ``--invokes`` requests to loaded models drawn
+  at random, each on a kept-alive connection (``http.client``, so the client does not hide the server);
+* LIST: every model listed exactly once, page by page (``limit`` and ``nextPageToken``);
+* idle CPU over ``--idle-seconds`` with no request: our processes' (the warm process, the device hosts and
+  the stubs) and the Java frontend's, in % of one core;
+* threads and open descriptors: ours (per model loaded, over the empty server) and the frontend's;
+* the memory of the server's whole process tree (PSS, as every benchmark here counts it) per model loaded.
+
+Then every model is unloaded by 4 clients as fast as the API answers (SageMaker evicting under pressure) while
+the probe is invoked 5 times a second: its p99 then, the UNLOAD p50, and the memory of our processes a few
+seconds after the last UNLOAD against the server with the probe alone. Every ERROR line the server logged is
+counted. The table goes to stdout; the plot of LOAD p50, INVOKE p50, memory and idle CPU against models loaded
+to ``--plot`` (matplotlib, headless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import torch
+from model_factory import tiny_net  # tests/, which the benchmarks package puts on the path
+
+from benchmarks.benchlib import REPO, Server, our_server, percentile, serve, table
+
+BODY = json.dumps([[1.0, 2.0, 3.0, 4.0]]).encode()
+PROBE_RATE = 5.0  # invokes a second of the model that stays while the others go
+UNLOAD_CLIENTS = 4
+
+
+def make_models(root: Path, count: int) -> list[Path]:
+    """``count`` TorchScript files of one tiny network, each with weights of its own (scripted once)."""
+    scripted = torch.jit.script(tiny_net(0))
+    generator = torch.Generator().manual_seed(1)
+    directories = []
+    with torch.no_grad():
+        for index in range(count):
+            for parameter in scripted.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+            directory = root / f"m{index:05d}"
+            directory.mkdir(parents=True)
+            scripted.save(str(directory / "model.pt"))
+            directories.append(directory)
+    return directories
+
+
+class Client:
+    """One kept-alive HTTP connection to the server."""
+
+    def __init__(self, server: Server) -> None:
+        host, port = server.url.removeprefix("http://").split(":")
+        self.connection = http.client.HTTPConnection(host, int(port), timeout=120)
+
+    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        self.connection.request(method, path, body=body, headers=headers)
+        response = self.connection.getresponse()
+        return response.status, response.read()
+
+    def timed(self, method: str, path: str, body: bytes | None = None) -> tuple[int, float]:
+        started = time.perf_counter()
+        status, _ = self.request(method, path, body)
+        return status, (time.perf_counter() - started) * 1000
+
+
+def load(client: Client, name: str, path: Path) -> tuple[int, float]:
+    body = json.dumps({"model_name": name, "url": str(path)}).encode()
+    return client.timed("POST", "/models", body)
+
+
+def listed(client: Client) -> list[str]:
+    """Every model name LIST returns, page by page."""
+    names: list[str] = []
+    token = ""
+    while True:
+        query = "limit=100" + (f"&next_page_token={token}" if token else "")
+        status, body = client.request("GET", f"/models?{query}")
+        if status != 200:
+            raise RuntimeError(f"LIST answered {status}: {body[:200]!r}")
+        page = json.loads(body)
+        names += [model["modelName"] for model in page.get("models", [])]
+        token = page.get("nextPageToken") or ""
+        if not token:
+            return names
+
+
+def ours(server: Server) -> list[psutil.Process]:
+    """Our processes: everything in the tree but the Java frontend (and MMS's own metrics collector)."""
+    found = []
+    for process in server.tree():
+        try:
+            if process.name() != "java" and "metric_collector" not in " ".join(process.cmdline()):
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
+
+
+def frontend(server: Server) -> psutil.Process:
+    return next(process for process in server.tree() if process.name() == "java")
+
+
+def counts(processes: Sequence[psutil.Process]) -> tuple[int, int]:
+    """Threads and open descriptors of ``processes``, summed."""
+    threads = fds = 0
+    for process in processes:
+        try:
+            threads += process.num_threads()
+            fds += process.num_fds()
+        except psutil.Error:
+            continue
+    return threads, fds
+
+
+def cpu_seconds(processes: Sequence[psutil.Process]) -> float:
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            continue
+    return total
+
+
+def idle_cpu(server: Server, seconds: float) -> tuple[float, float]:
+    """% of one core used by our processes and by the frontend over ``seconds`` without requests."""
+    mine, java = ours(server), [frontend(server)]
+    before = cpu_seconds(mine), cpu_seconds(java)
+    started = time.monotonic()
+    time.sleep(seconds)
+    elapsed = time.monotonic() - started
+    after = cpu_seconds(mine), cpu_seconds(java)
+    return (after[0] - before[0]) / elapsed * 100, (after[1] - before[1]) / elapsed * 100
+
+
+def invoke_latencies(client: Client, names: Sequence[str], count: int) -> list[float]:
+    latencies = []
+    for name in random.choices(names, k=count):
+        status, ms = client.timed("POST", f"/models/{name}/invoke", BODY)
+        if status != 200:
+            raise RuntimeError(f"INVOKE {name} answered {status}")
+        latencies.append(ms)
+    return latencies
+
+
+def error_lines(server: Server) -> list[str]:
+    return [line for line in server.log.read_text(errors="replace").splitlines() if " ERROR " in line]
+
+
+def unload_all(server: Server, names: Sequence[str]) -> tuple[list[float], list[float], int]:
+    """UNLOADs of ``names`` from ``UNLOAD_CLIENTS`` clients while the probe is invoked ``PROBE_RATE`` times a
+    second: the UNLOADs' latencies, the probe's, and how many UNLOADs failed."""
+    stop = threading.Event()
+    probe: list[float] = []
+
+    def invoke_probe() -> None:
+        client = Client(server)
+        while not stop.is_set():
+            started = time.monotonic()
+            status, ms = client.timed("POST", "/models/probe/invoke", BODY)
+            probe.append(ms if status == 200 else float("inf"))
+            stop.wait(max(0.0, 1 / PROBE_RATE - (time.monotonic() - started)))
+
+    def unload_share(share: Sequence[str]) -> list[tuple[int, float]]:
+        client = Client(server)
+        return [client.timed("DELETE", f"/models/{name}") for name in share]
+
+    prober = threading.Thread(target=invoke_probe)
+    prober.start()
+    try:
+        with ThreadPoolExecutor(UNLOAD_CLIENTS) as pool:
+            shares = [names[index::UNLOAD_CLIENTS] for index in range(UNLOAD_CLIENTS)]
+            results = [result for share in pool.map(unload_share, shares) for result in share]
+    finally:
+        stop.set()
+        prober.join()
+    failed = sum(1 for status, _ in results if status != 200)
+    return [ms for _, ms in results], probe, failed
+
+
+def plot(rows: list[dict[str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [row["models"] for row in rows]
+    panels = [
+        ("load_p50", "LOAD p50, ms"),
+        ("invoke_p50", "INVOKE p50, ms"),
+        ("memory_mib", "server tree PSS, MiB"),
+        ("idle_ours", "idle CPU, % of one core (ours)"),
+    ]
+    figure, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
+    for axis, (key, label) in zip(axes.flat, panels, strict=True):
+        axis.plot(models, [row[key] for row in rows], marker="o")
+        axis.set_title(label)
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+    for axis in axes[1]:
+        axis.set_xlabel("models loaded")
+    figure.suptitle("mme-gpu: costs against models loaded (2-core VM, tiny TorchScript models)")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=90)
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks scale --",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--models", type=int, default=2000)
+    parser.add_argument("--step", type=int, default=200)
+    parser.add_argument("--invokes", type=int, default=200)
+    parser.add_argument("--idle-seconds", type=float, default=5.0)
+    parser.add_argument("--plot", type=Path, default=REPO / "docs" / "scale.png")
+    args = parser.parse_args(list(argv))
+    random.seed(0)
+
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        root = Path(tmp)
+        print(f"making {args.models} models", file=sys.stderr, flush=True)
+        directories = make_models(root / "models", args.models + 1)
+        command, env, port = our_server(root / "server")
+        with serve(command, env, root / "server", port) as server:
+            client = Client(server)
+            status, _ = load(client, "probe", directories[-1])
+            if status != 200:
+                raise RuntimeError(f"LOAD of the probe answered {status}")
+            client.request("POST", "/models/probe/invoke", BODY)
+            time.sleep(2)
+            empty_memory = server.tree_memory_mib()
+            empty_threads, empty_fds = counts(ours(server))
+            rows: list[dict[str, float]] = []
+            loaded: list[str] = []
+            load_ms: list[float] = []
+            for index, directory in enumerate(directories[:-1]):
+                name = f"m{index:05d}"
+                status, ms = load(client, name, directory)
+                if status != 200:
+                    raise RuntimeError(f"LOAD {name} answered {status}")
+                loaded.append(name)
+                load_ms.append(ms)
+                if len(loaded) % args.step:
+                    continue
+                names = set(listed(client))
+                if names != {*loaded, "probe"}:
+                    raise RuntimeError(f"LIST has {len(names)} models, not {len(loaded) + 1}")
+                latencies = invoke_latencies(client, loaded, args.invokes)
+                idle_ours, idle_java = idle_cpu(server, args.idle_seconds)
+                threads, fds = counts(ours(server))
+                java_threads, java_fds = counts([frontend(server)])
+                memory = server.tree_memory_mib(settle=0)
+                row = {
+                    "models": len(loaded),
+                    "load_p50": statistics.median(load_ms[-args.step :]),
+                    "invoke_p50": percentile(latencies, 50),
+                    "invoke_p99": percentile(latencies, 99),
+                    "idle_ours": idle_ours,
+                    "idle_java": idle_java,
+                    "fds": (fds - empty_fds) / len(loaded),
+                    "threads": (threads - empty_threads) / len(loaded),
+                    "java_threads": java_threads,
+                    "java_fds": java_fds,
+                    "memory_mib": memory,
+                    "mib_per_model": (memory - empty_memory) / len(loaded),
+                }
+                rows.append(row)
+                print(f"{len(loaded)} models: {row}", file=sys.stderr, flush=True)
+            unload_ms, probe_ms, failed = unload_all(server, loaded)
+            time.sleep(5)
+            after_memory = server.tree_memory_mib()
+            errors = error_lines(server)
+            listed_after = listed(client)
+    headers = [
+        "models",
+        "LOAD p50, ms",
+        "INVOKE p50, ms",
+        "INVOKE p99, ms",
+        "idle CPU ours, %",
+        "idle CPU frontend, %",
+        "our fds / model",
+        "our threads / model",
+        "frontend threads",
+        "frontend fds",
+        "tree PSS, MiB",
+        "MiB / model",
+    ]
+    keys = list(rows[0]) if rows else []
+    formats = ["{:.0f}", "{:.1f}", "{:.2f}", "{:.2f}", "{:.1f}", "{:.1f}", "{:.2f}", "{:.2f}", "{:.0f}"]
+    formats += ["{:.0f}", "{:.0f}", "{:.2f}"]
+    print(f"{args.models} tiny TorchScript models loaded one by one beside a probe model; a row every {args.step}")
+    print()
+    print(table(headers, [[fmt.format(row[key]) for fmt, key in zip(formats, keys, strict=True)] for row in rows]))
+    print()
+    first, last = rows[0], rows[-1]
+    probe_p99 = percentile(probe_ms, 99)
+    print(
+        f"* LOAD p50 of the last {args.step} / the first {args.step}: "
+        f"{last['load_p50'] / first['load_p50']:.2f}; INVOKE p50 at {last['models']:.0f} / at "
+        f"{first['models']:.0f}: {last['invoke_p50'] / first['invoke_p50']:.2f}"
+    )
+    print(
+        f"* UNLOAD of all {len(unload_ms)} from {UNLOAD_CLIENTS} clients: p50 {percentile(unload_ms, 50):.1f} ms, "
+        f"p99 {percentile(unload_ms, 99):.1f} ms, {failed} failed; the probe, invoked {PROBE_RATE:g} times a "
+        f"second meanwhile: p50 {percentile(probe_ms, 50):.1f} ms, p99 {probe_p99:.1f} ms"
+    )
+    print(
+        f"* server tree after UNLOAD of all: {after_memory - empty_memory:+.1f} MiB against the server with the "
+        f"probe alone ({empty_memory:.0f} MiB); LIST then: {len(listed_after)} model(s)"
+    )
+    print(f"* ERROR lines in the server's log over the whole run: {len(errors)}")
+    for line in errors[:5]:
+        print(f"  {line[:160]}")
+    if rows:
+        plot(rows, args.plot)
+        print(f"* plot: {args.plot.relative_to(REPO) if args.plot.is_relative_to(REPO) else args.plot}")
+    return 0
