@@ -61,7 +61,7 @@ class ServingSettings:
     compile: bool = False
     compile_mode: str = "default"
     max_concurrency: int | None = None  # None: DEFAULT_UNBATCHED_CONCURRENCY unbatched, 1 batching
-    isolation: str | None = None  # "process": processes of its own; "shared": its device's host; None: the rules
+    isolation: str | None = None  # "process": a host of its own; "shared": the shared host; None: the rules
     task: str | None = None  # a Hugging Face model's task; None: HF_TASK, else its architecture's
     trust_remote_code: bool = False
     pooling: str | None = None  # feature-extraction: mean, cls or none; None: what the directory says

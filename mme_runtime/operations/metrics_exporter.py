@@ -167,7 +167,7 @@ class ModelMetrics:
                 servers.setdefault(model, [])
                 continue
             except (OSError, ValueError):
-                pass  # a server of its own: its processes' memory is the model's
+                pass  # a loader's directory: its process's memory is the model's while it loads
             try:
                 server = psutil.Process(int(directory.name))
             except psutil.Error:

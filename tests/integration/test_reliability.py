@@ -200,7 +200,7 @@ def test_code_that_kills_its_process_at_import_fails_the_load_cleanly(
     response = server.load(name)
     assert response.status_code >= 500
     assert wait_until(lambda: server.describe(name).status_code == 404, 10)
-    assert server.backend_processes(name) == []
+    assert wait_until(lambda: server.backend_processes(name) == [], 10)  # its stub may take a moment to exit
     assert server.invoke("a", ROWS).status_code == 200
     # The name is free again once the code is fixed.
     model_factory.write_code(server.model_dir(name), SLOW_SCRIPT)
