@@ -6,6 +6,7 @@ As in gunicorn's signal tests: its own session, output to a file (never a PIPE t
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import pytest
 import requests
@@ -170,6 +172,13 @@ def host_memory_bytes(server: RunningServer) -> dict[str, float]:
         for sample in family.samples
         if sample.name == "mme_model_host_memory_bytes"
     }
+
+
+def npy(value: Any, allow_pickle: bool = True) -> bytes:
+    """``value`` as an ``application/x-npy`` body, as the SageMaker SDK's NumpySerializer writes it."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.asarray(value), allow_pickle=allow_pickle)
+    return buffer.getvalue()
 
 
 def invoke_many(server: RunningServer, name: str, body: str, count: int, clients: int = 8) -> list[dict[str, Any]]:

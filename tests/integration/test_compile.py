@@ -4,7 +4,6 @@ eager serving with the reason in the log whenever a model cannot be compiled."""
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import shutil
@@ -15,7 +14,7 @@ import model_factory
 import numpy as np
 import pytest
 import torch
-from serving import RunningServer, start_server, wait_until
+from serving import RunningServer, npy, start_server, wait_until
 
 ROWS = [[0.5, -1.0, 2.0, 0.25], [1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 1.0, 1.0]]
 
@@ -148,10 +147,8 @@ def test_a_compiled_model_gives_inputs_it_was_not_traced_for_to_the_eager_module
     (model_dir / "serving.properties").write_text("compile=true\n")
     assert server.load("typed").status_code == 200
     assert "model=typed compiled for cpu" in server.log_text()
-    buffer = io.BytesIO()
-    np.save(buffer, np.array(ROWS, dtype=np.float64))
 
-    refused = server.invoke("typed", buffer.getvalue(), content_type="application/x-npy")
+    refused = server.invoke("typed", npy(np.array(ROWS, dtype=np.float64)), content_type="application/x-npy")
     answered = server.invoke("typed", json.dumps(ROWS))
 
     assert refused.status_code == 400, refused.text

@@ -16,7 +16,7 @@ import model_factory
 import numpy as np
 import pytest
 import torch
-from serving import RunningServer, start_server, wait_until
+from serving import RunningServer, npy, start_server, wait_until
 
 KINDS = {"exported": False, "aoti": True}
 
@@ -46,12 +46,6 @@ def install(server: RunningServer, name: str, source: Path, batch_size: int | No
     if batch_size is not None:
         (model_dir / "serving.properties").write_text(f"batch_size={batch_size}\nmax_batch_delay=20\n")
     return model_dir
-
-
-def npy(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    return buffer.getvalue()
 
 
 def expected(model: torch.nn.Module, inputs: np.ndarray) -> np.ndarray:
