@@ -6,6 +6,7 @@ As in gunicorn's signal tests: its own session, output to a file (never a PIPE t
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -42,6 +43,7 @@ class RunningServer:
     log: Path
     process: subprocess.Popen[bytes]
     metrics_port: int = 0
+    log_start: int = 0  # where log_text starts reading: a module sharing the server sees its own lines (borrowed)
 
     @property
     def metrics_url(self) -> str:
@@ -87,7 +89,21 @@ class RunningServer:
         return requests.get(f"{self.url}/models/{name}", timeout=REQUEST_TIMEOUT_SECONDS)
 
     def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
+        with open(self.log, "rb") as log:
+            log.seek(self.log_start)
+            return log.read().decode(errors="replace")
+
+    def model_names(self) -> set[str]:
+        """Every model LIST names, all pages."""
+        names: set[str] = set()
+        token = None
+        while True:
+            params = {"limit": 100, **({"next_page_token": token} if token else {})}
+            page = requests.get(f"{self.url}/models", params=params, timeout=REQUEST_TIMEOUT_SECONDS).json()
+            names |= {model["modelName"] for model in page["models"]}
+            token = page.get("nextPageToken")
+            if not token:
+                return names
 
     def descendants(self) -> list[psutil.Process]:
         try:
@@ -312,6 +328,19 @@ def start_server(home: Path, env: Mapping[str, str] | None = None) -> Iterator[R
         yield server
     finally:
         stop_server(server)
+
+
+@contextmanager
+def borrowed(server: RunningServer) -> Iterator[RunningServer]:
+    """``server`` for tests that share it (a module, or one test): its ``log_text`` starts here, and every model
+    loaded meanwhile is unloaded at the end, so that the next borrower finds the server as it was. Borrowers give
+    their models names no other borrower uses."""
+    before = server.model_names()
+    try:
+        yield dataclasses.replace(server, log_start=server.log.stat().st_size)
+    finally:
+        for name in sorted(server.model_names() - before):
+            server.unload(name)
 
 
 def stop_server(server: RunningServer, grace: float = 30) -> int | None:

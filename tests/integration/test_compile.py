@@ -8,13 +8,14 @@ import json
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import model_factory
 import numpy as np
 import pytest
 import torch
-from serving import RunningServer, npy, start_server, wait_until
+from serving import RunningServer, borrowed, npy, start_server, wait_until
 
 ROWS = [[0.5, -1.0, 2.0, 0.25], [1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 1.0, 1.0]]
 
@@ -70,8 +71,8 @@ def test_compile_once_then_load_compiled_from_the_cache_under_another_name_and_a
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    with start_server(tmp_path_factory.mktemp("compile")) as running:
+def server(shared_server: RunningServer) -> Iterator[RunningServer]:
+    with borrowed(shared_server) as running:
         yield running
 
 

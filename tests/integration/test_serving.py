@@ -11,15 +11,14 @@ import model_factory
 import numpy as np
 import pytest
 import torch
-from serving import RunningServer, alive, invoke_many, is_stub, npy, start_server, wait_until
+from serving import RunningServer, alive, borrowed, invoke_many, is_stub, npy, wait_until
 
 ROWS = [[0.5, -1.0, 2.0, 0.25], [1.0, 2.0, 3.0, 4.0]]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    home = tmp_path_factory.mktemp("serving")
-    with start_server(home) as running:
+def server(shared_server: RunningServer) -> Iterator[RunningServer]:
+    with borrowed(shared_server) as running:
         models = running.models
         model_factory.torchscript_model(models / "torchscript")
         model_factory.state_dict_model(models / "state_dict", seed=1)
