@@ -18,9 +18,9 @@ from serving import (
     RunningServer,
     answers_as_expected_under_clients,
     batch_passes,
-    borrowed,
     host_memory_bytes,
     label_scores,
+    start_server,
     wait_until,
 )
 
@@ -29,8 +29,10 @@ TEXTS = ["good movie", "a terrible story that nobody liked", "paris is the capit
 
 
 @pytest.fixture(scope="module")
-def server(shared_server: RunningServer) -> Iterator[RunningServer]:
-    with borrowed(shared_server) as running:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    # Its own server, not the shared one: host memory counts a tensor for the first model that brought it, and there
+    # another module's models (kept since their UNLOAD) may hold identical tensors (an 8 KiB one did).
+    with start_server(tmp_path_factory.mktemp("lora")) as running:
         base = lora_models.base(running.models / "base")
         for index in range(ADAPTERS):
             directory = lora_models.adapter(base, running.models / f"adapter-{index}", seed=index)

@@ -15,9 +15,9 @@ import torch
 from serving import (
     RunningServer,
     answers_as_expected_under_clients,
-    borrowed,
     host_memory_bytes,
     label_scores,
+    start_server,
     wait_until,
 )
 
@@ -58,8 +58,10 @@ def sorted_scores(answers: list) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def server(shared_server: RunningServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    with borrowed(shared_server) as running:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    # Its own server, not the shared one: host memory counts a tensor for the first model that brought it, and there
+    # another module's models (kept since their UNLOAD) may hold identical tensors (an 8 KiB one did).
+    with start_server(tmp_path_factory.mktemp("sharing")) as running:
         base = hf_models.bert(tmp_path_factory.mktemp("base") / "base", hidden=128)
         for index in range(FINE_TUNES):
             hf_models.fine_tune(base, running.models / f"tune-{index}", seed=index + 1)
