@@ -7,6 +7,8 @@ As in gunicorn's signal tests: its own session, output to a file (never a PIPE t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import io
 import json
 import os
 import signal
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import pytest
 import requests
@@ -41,6 +44,7 @@ class RunningServer:
     log: Path
     process: subprocess.Popen[bytes]
     metrics_port: int = 0
+    log_start: int = 0  # where log_text starts reading: a module sharing the server sees its own lines (borrowed)
 
     @property
     def metrics_url(self) -> str:
@@ -86,7 +90,21 @@ class RunningServer:
         return requests.get(f"{self.url}/models/{name}", timeout=REQUEST_TIMEOUT_SECONDS)
 
     def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
+        with open(self.log, "rb") as log:
+            log.seek(self.log_start)
+            return log.read().decode(errors="replace")
+
+    def model_names(self) -> set[str]:
+        """Every model LIST names, all pages."""
+        names: set[str] = set()
+        token = None
+        while True:
+            params = {"limit": 100, **({"next_page_token": token} if token else {})}
+            page = requests.get(f"{self.url}/models", params=params, timeout=REQUEST_TIMEOUT_SECONDS).json()
+            names |= {model["modelName"] for model in page["models"]}
+            token = page.get("nextPageToken")
+            if not token:
+                return names
 
     def descendants(self) -> list[psutil.Process]:
         try:
@@ -175,6 +193,13 @@ def host_memory_bytes(server: RunningServer) -> dict[str, float]:
         for sample in family.samples
         if sample.name == "mme_model_host_memory_bytes"
     }
+
+
+def npy(value: Any, allow_pickle: bool = True) -> bytes:
+    """``value`` as an ``application/x-npy`` body, as the SageMaker SDK's NumpySerializer writes it."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.asarray(value), allow_pickle=allow_pickle)
+    return buffer.getvalue()
 
 
 def invoke_many(server: RunningServer, name: str, body: str, count: int, clients: int = 8) -> list[dict[str, Any]]:
@@ -291,6 +316,19 @@ def start_server(home: Path, env: Mapping[str, str] | None = None) -> Iterator[R
         yield server
     finally:
         stop_server(server)
+
+
+@contextmanager
+def borrowed(server: RunningServer) -> Iterator[RunningServer]:
+    """``server`` for tests that share it (a module, or one test): its ``log_text`` starts here, and every model
+    loaded meanwhile is unloaded at the end, so that the next borrower finds the server as it was. Borrowers give
+    their models names no other borrower uses."""
+    before = server.model_names()
+    try:
+        yield dataclasses.replace(server, log_start=server.log.stat().st_size)
+    finally:
+        for name in sorted(server.model_names() - before):
+            server.unload(name)
 
 
 def stop_server(server: RunningServer, grace: float = 30) -> int | None:

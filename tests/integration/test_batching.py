@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import requests
 import torch
-from serving import RunningServer, alive, is_stub, start_server, wait_until
+from serving import RunningServer, alive, is_stub, npy, start_server, wait_until
 
 BATCH_SIZE = 8
 CLIENTS = 16
@@ -141,9 +141,7 @@ def test_json_csv_and_npy_requests_with_their_own_accept_share_a_batch(server: R
         elif content_type == "text/csv":
             body = "\n".join(",".join(repr(value) for value in row) for row in rows)
         else:
-            buffer = io.BytesIO()
-            np.save(buffer, np.array(rows, dtype=np.float32))
-            body = buffer.getvalue()
+            body = npy(np.array(rows, dtype=np.float32))
         calls.append((rows, body, content_type, accept))
 
     responses = at_once(calls, lambda call: server.invoke("mixed", call[1], content_type=call[2], accept=call[3]))

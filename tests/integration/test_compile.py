@@ -4,18 +4,18 @@ eager serving with the reason in the log whenever a model cannot be compiled."""
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import model_factory
 import numpy as np
 import pytest
 import torch
-from serving import RunningServer, start_server, wait_until
+from serving import RunningServer, borrowed, npy, start_server, wait_until
 
 ROWS = [[0.5, -1.0, 2.0, 0.25], [1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 1.0, 1.0]]
 
@@ -71,8 +71,8 @@ def test_compile_once_then_load_compiled_from_the_cache_under_another_name_and_a
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    with start_server(tmp_path_factory.mktemp("compile")) as running:
+def server(shared_server: RunningServer) -> Iterator[RunningServer]:
+    with borrowed(shared_server) as running:
         yield running
 
 
@@ -148,10 +148,8 @@ def test_a_compiled_model_gives_inputs_it_was_not_traced_for_to_the_eager_module
     (model_dir / "serving.properties").write_text("compile=true\n")
     assert server.load("typed").status_code == 200
     assert "model=typed compiled for cpu" in server.log_text()
-    buffer = io.BytesIO()
-    np.save(buffer, np.array(ROWS, dtype=np.float64))
 
-    refused = server.invoke("typed", buffer.getvalue(), content_type="application/x-npy")
+    refused = server.invoke("typed", npy(np.array(ROWS, dtype=np.float64)), content_type="application/x-npy")
     answered = server.invoke("typed", json.dumps(ROWS))
 
     assert refused.status_code == 400, refused.text

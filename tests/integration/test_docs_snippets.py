@@ -2,8 +2,8 @@
 root with the server of ``make serve`` up:
 
 * each ``sh`` block, in page order, against a server started here the way ``make serve`` starts it (the demo model
-  loaded, the model root ``.demo/models``, ``PORT`` and ``MME_METRICS_PORT`` set to free ports); ``curl`` fails on
-  an HTTP error, and a block fails on its first failing command;
+  loaded, the model root ``.demo/models``, ``PORT`` and ``MME_METRICS_PORT`` set to free ports), one for the whole
+  module as a reader keeps one up; ``curl`` fails on an HTTP error, and a block fails on its first failing command;
 * each ``python`` block with the project's interpreter;
 * each ``properties`` block as a model's ``serving.properties``, loaded and invoked through that server.
 
@@ -75,11 +75,12 @@ def _pages_with(language: str) -> list[Path]:
     return sorted({s.page for s in _of(language)})
 
 
-@pytest.fixture
-def reader_checkout(tmp_path: Path) -> Path:
+@pytest.fixture(scope="module")
+def reader_checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The repository as a reader has it after ``make serve``: every top-level entry (links, so nothing is copied or
-    written back) and a ``.demo/models`` of its own with the demo model."""
-    root = tmp_path / "checkout"
+    written back) and a ``.demo/models`` of its own with the demo model. One for the module, as a reader keeps one:
+    the blocks only add model directories, and each UNLOADs what it LOADs."""
+    root = tmp_path_factory.mktemp("reader") / "checkout"
     root.mkdir()
     for entry in REPO.iterdir():
         if entry.name not in (".git", ".demo"):
@@ -88,8 +89,9 @@ def reader_checkout(tmp_path: Path) -> Path:
     return root
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def demo_server(reader_checkout: Path) -> Iterator[RunningServer]:
+    """One ``make serve`` server for every block of the module, as a reader runs the pages one after another."""
     models = reader_checkout / ".demo" / "models"
     env = {"MME_MODEL_ROOT": str(models), "MME_LOAD_MODELS": f"demo={models / 'demo'}"}
     with start_server(reader_checkout / ".demo", env) as server:
@@ -133,13 +135,18 @@ def test_python_blocks_run(snippet: Snippet, reader_checkout: Path) -> None:
 def test_properties_blocks_load_as_a_models_serving_properties(
     snippet: Snippet, reader_checkout: Path, demo_server: RunningServer
 ) -> None:
-    model = reader_checkout / ".demo" / "models" / "with-properties"
+    # A name and directory of its own on the module's server, unloaded after.
+    name = "with-properties-" + re.sub(r"[^a-z0-9]+", "-", f"{snippet.page.stem}-{snippet.line}".lower())
+    model = reader_checkout / ".demo" / "models" / name
     shutil.copytree(reader_checkout / ".demo" / "models" / "demo", model)
     (model / "serving.properties").write_text(snippet.text)
-    loaded = demo_server.load("with-properties", model)
+    loaded = demo_server.load(name, model)
     assert loaded.status_code == 200, f"{snippet.where}: {loaded.text}\n{demo_server.log_text()[-3000:]}"
-    answered = demo_server.invoke("with-properties", "[[1, 2, 3, 4]]")
-    assert answered.status_code == 200, f"{snippet.where}: {answered.text}"
+    try:
+        answered = demo_server.invoke(name, "[[1, 2, 3, 4]]")
+        assert answered.status_code == 200, f"{snippet.where}: {answered.text}"
+    finally:
+        demo_server.unload(name)
 
 
 def test_every_runnable_block_is_found_and_every_skipped_one_says_why() -> None:

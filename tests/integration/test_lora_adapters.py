@@ -30,6 +30,8 @@ TEXTS = ["good movie", "a terrible story that nobody liked", "paris is the capit
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    # Its own server, not the shared one: host memory counts a tensor for the first model that brought it, and there
+    # another module's models (kept since their UNLOAD) may hold identical tensors (an 8 KiB one did).
     with start_server(tmp_path_factory.mktemp("lora")) as running:
         base = lora_models.base(running.models / "base")
         for index in range(ADAPTERS):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
@@ -14,7 +13,7 @@ import model_factory
 import numpy as np
 import pytest
 import requests
-from serving import RunningServer, start_server, wait_until
+from serving import RunningServer, npy, start_server, wait_until
 
 ROWS = json.dumps([[1.0, 2.0, 3.0, 4.0]])
 MAX_REQUEST_BYTES = 64 * 1024
@@ -48,12 +47,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         model_factory.write_code(running.model_dir("slow"), SLOW_SCRIPT)
         assert running.load("slow").status_code == 200
         yield running
-
-
-def npy(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    return buffer.getvalue()
 
 
 HOSTILE_INVOKES = [

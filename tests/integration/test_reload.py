@@ -13,7 +13,7 @@ import requests
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from s3_server import start_s3
-from serving import RunningServer, start_server, wait_until
+from serving import RunningServer, borrowed, start_server, wait_until
 
 ROWS = json.dumps([[1.0, 2.0, 3.0, 4.0], [0.5, 0.0, -1.0, 2.0]])
 
@@ -142,15 +142,15 @@ def test_a_kept_package_made_with_older_code_from_s3_is_not_used(tmp_path: Path)
             assert log.count("model_fn runs here") == 1 and log.count("model=m packed seconds=") == 2
 
 
-def test_a_torchscript_model_with_a_code_directory_but_no_script_is_loaded_once(tmp_path: Path) -> None:
+def test_a_torchscript_model_with_a_code_directory_but_no_script_is_loaded_once(shared_server: RunningServer) -> None:
     """A code/ with only a requirements.txt: the host finds it as the loader did, and takes the package."""
-    with start_server(tmp_path) as server:
-        model_dir = model_factory.torchscript_model(server.model_dir("ts"))
+    with borrowed(shared_server) as server:
+        model_dir = model_factory.torchscript_model(server.model_dir("reload-ts"))
         (model_dir / "code").mkdir()
         (model_dir / "code" / "requirements.txt").write_text("torch\n")
         for _ in range(2):
-            assert server.load("ts", model_dir).status_code == 200
-            assert server.invoke("ts", ROWS).status_code == 200
-            assert server.unload("ts").status_code == 200
+            assert server.load("reload-ts", model_dir).status_code == 200
+            assert server.invoke("reload-ts", ROWS).status_code == 200
+            assert server.unload("reload-ts").status_code == 200
         log = server.log_text()
-        assert "model_fn runs here" not in log and "model=ts takes its package, kept since its UNLOAD" in log
+        assert "model_fn runs here" not in log and "model=reload-ts takes its package, kept since its UNLOAD" in log

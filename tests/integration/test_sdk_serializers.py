@@ -21,19 +21,20 @@ import pytest
 import torch
 from sagemaker.core.deserializers import CSVDeserializer, JSONDeserializer, NumpyDeserializer
 from sagemaker.core.serializers import CSVSerializer, JSONSerializer, NumpySerializer
-from serving import RunningServer, start_server
+from serving import RunningServer, borrowed
 
 REPO = Path(__file__).resolve().parents[2]
 SDK_V2_PYTHON = Path(os.environ.get("MME_SDK_V2_PYTHON", REPO / ".sdk-v2-venv" / "bin" / "python"))
 ROWS = [[0.5, -1.0, 2.0, 0.25], [1.0, 2.0, 3.0, 4.0]]
+MODEL = "sdk-model"
 PAIRS = [(s, d) for s in ("JSONSerializer", "CSVSerializer", "NumpySerializer") for d in ("JSON", "CSV", "Numpy")]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    with start_server(tmp_path_factory.mktemp("sdk")) as running:
-        model_factory.torchscript_model(running.model_dir("model"))
-        assert running.load("model").status_code == 200
+def server(shared_server: RunningServer) -> Iterator[RunningServer]:
+    with borrowed(shared_server) as running:
+        model_factory.torchscript_model(running.model_dir(MODEL))
+        assert running.load(MODEL).status_code == 200
         yield running
 
 
@@ -56,7 +57,7 @@ def test_sdk_v3_serializers_round_trip(server: RunningServer, serializer_name: s
     data = np.array(ROWS, dtype=np.float32) if isinstance(serializer, NumpySerializer) else ROWS
     body = serializer.serialize(data)
     accept = deserializer.ACCEPT[0]
-    response = server.invoke("model", body, serializer.CONTENT_TYPE, accept)
+    response = server.invoke(MODEL, body, serializer.CONTENT_TYPE, accept)
     assert response.status_code == 200, response.text
     assert response.headers["Content-Type"] == accept
     result = deserializer.deserialize(io.BytesIO(response.content), response.headers["Content-Type"])
@@ -69,7 +70,7 @@ def v2_answers(server: RunningServer) -> dict[tuple[str, str], dict[str, Any]]:
     if not SDK_V2_PYTHON.is_file():
         pytest.fail(f"no SDK v2 venv at {SDK_V2_PYTHON}: `make install` creates it (or set MME_SDK_V2_PYTHON)")
     completed = subprocess.run(
-        [str(SDK_V2_PYTHON), str(REPO / "tests" / "sdk" / "v2_round_trip.py"), f"{server.url}/models/model/invoke"]
+        [str(SDK_V2_PYTHON), str(REPO / "tests" / "sdk" / "v2_round_trip.py"), f"{server.url}/models/{MODEL}/invoke"]
         + [json.dumps(ROWS)],
         capture_output=True,
         text=True,

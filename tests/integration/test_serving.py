@@ -11,15 +11,14 @@ import model_factory
 import numpy as np
 import pytest
 import torch
-from serving import RunningServer, alive, invoke_many, is_stub, start_server, wait_until
+from serving import RunningServer, alive, borrowed, invoke_many, is_stub, npy, wait_until
 
 ROWS = [[0.5, -1.0, 2.0, 0.25], [1.0, 2.0, 3.0, 4.0]]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    home = tmp_path_factory.mktemp("serving")
-    with start_server(home) as running:
+def server(shared_server: RunningServer) -> Iterator[RunningServer]:
+    with borrowed(shared_server) as running:
         models = running.models
         model_factory.torchscript_model(models / "torchscript")
         model_factory.state_dict_model(models / "state_dict", seed=1)
@@ -64,9 +63,8 @@ def test_torchscript_csv_in_csv_out(server: RunningServer) -> None:
 
 
 def test_torchscript_npy_in_npy_out(server: RunningServer) -> None:
-    buffer = io.BytesIO()
-    np.save(buffer, np.array(ROWS, dtype=np.float32))
-    response = server.invoke("torchscript", buffer.getvalue(), "application/x-npy", accept="application/x-npy")
+    body = npy(np.array(ROWS, dtype=np.float32))
+    response = server.invoke("torchscript", body, "application/x-npy", accept="application/x-npy")
     assert response.status_code == 200, response.text
     assert response.headers["Content-Type"] == "application/x-npy"
     got = np.load(io.BytesIO(response.content))

@@ -59,6 +59,8 @@ def sorted_scores(answers: list) -> list[float]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    # Its own server, not the shared one: host memory counts a tensor for the first model that brought it, and there
+    # another module's models (kept since their UNLOAD) may hold identical tensors (an 8 KiB one did).
     with start_server(tmp_path_factory.mktemp("sharing")) as running:
         base = hf_models.bert(tmp_path_factory.mktemp("base") / "base", hidden=128)
         for index in range(FINE_TUNES):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,18 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ports import free_port
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 REGION = "us-east-1"
 STARTUP_TIMEOUT_SECONDS = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _answers(url: str) -> bool:
@@ -61,7 +55,7 @@ def _stop(proc: subprocess.Popen[bytes], grace_seconds: float = 10.0) -> None:
 def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """URL of a moto server (`python -m moto.server`) shared by the session; tests reset it through `aws`."""
     home = tmp_path_factory.mktemp("moto")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = home / "server.out"
     # The recorder file lives here, not in the current directory; recording itself stays off until a test starts it.

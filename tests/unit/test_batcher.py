@@ -464,6 +464,7 @@ def test_a_pass_that_hangs_holds_its_own_thread_and_the_next_pass_gets_another_t
 
 def test_a_busy_card_keeps_its_count_of_pass_threads() -> None:
     # Passes that merely queue behind a saturated device are no reason for more threads (each costs the card).
+    # 12 callers behind a 20 ms device: each pass waits about 0.24 s, past held_seconds, 60 times over 1.2 s.
     passes = PassThreads(2, "gpu0", held_seconds=0.2)
     device = threading.Lock()
 
@@ -472,7 +473,7 @@ def test_a_busy_card_keeps_its_count_of_pass_threads() -> None:
             time.sleep(0.02)
 
     def model() -> None:
-        for _ in range(15):
+        for _ in range(5):
             passes.run(step, None)
 
     callers = [threading.Thread(target=model) for _ in range(12)]

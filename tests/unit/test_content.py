@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from serving import npy
 
 from mme_runtime.base.errors import InvalidInput, UnsupportedAccept, UnsupportedContentType
 from mme_runtime.serving import content
@@ -45,9 +46,7 @@ def test_decode_json_csv_npy_to_float_tensors() -> None:
     assert content.decode(json.dumps(rows), "application/json").dtype == torch.float32
     assert content.decode(b'{"instances": [[1, 2]]}', "application/json").shape == (1, 2)
     assert torch.equal(content.decode("1,2\n3,4\n", "text/csv"), torch.tensor(rows, dtype=torch.float32))
-    buffer = io.BytesIO()
-    np.save(buffer, np.array(rows, dtype=np.int64))
-    decoded = content.decode(buffer.getvalue(), "application/x-npy")
+    decoded = content.decode(npy(np.array(rows, dtype=np.int64)), "application/x-npy")
     assert decoded.dtype == torch.int64  # NPY keeps its dtype
 
 
@@ -75,10 +74,8 @@ def test_decode_refuses_bad_payloads_with_the_right_status(
 
 
 def test_npy_with_pickled_objects_is_refused() -> None:
-    buffer = io.BytesIO()
-    np.save(buffer, np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(InvalidInput):
-        content.decode(buffer.getvalue(), "application/x-npy")
+        content.decode(npy(np.array([{"a": 1}], dtype=object), allow_pickle=True), "application/x-npy")
 
 
 def test_encode_each_format() -> None:
