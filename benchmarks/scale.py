@@ -253,6 +253,7 @@ def main(argv: Sequence[str] = ()) -> int:
             client.request("POST", "/models/probe/invoke", BODY)
             time.sleep(2)
             empty_memory = server.tree_memory_mib()
+            empty_frontend = server.frontend_memory_mib()
             empty_threads, empty_fds = counts(ours(server))
             rows: list[dict[str, float]] = []
             loaded: list[str] = []
@@ -293,6 +294,7 @@ def main(argv: Sequence[str] = ()) -> int:
             unload_ms, probe_ms, failed = unload_all(server, loaded)
             time.sleep(5)
             after_memory = server.tree_memory_mib()
+            after_frontend = server.frontend_memory_mib()
             errors = error_lines(server)
             listed_after = listed(client)
     headers = [
@@ -328,9 +330,11 @@ def main(argv: Sequence[str] = ()) -> int:
         f"p99 {percentile(unload_ms, 99):.1f} ms, {failed} failed; the probe, invoked {PROBE_RATE:g} times a "
         f"second meanwhile: p50 {percentile(probe_ms, 50):.1f} ms, p99 {probe_p99:.1f} ms"
     )
+    ours_added = (after_memory - after_frontend) - (empty_memory - empty_frontend)
     print(
         f"* server tree after UNLOAD of all: {after_memory - empty_memory:+.1f} MiB against the server with the "
-        f"probe alone ({empty_memory:.0f} MiB); LIST then: {len(listed_after)} model(s)"
+        f"probe alone ({empty_memory:.0f} MiB): our processes {ours_added:+.1f} MiB, MMS's frontend "
+        f"{after_frontend - empty_frontend:+.1f} MiB; LIST then: {len(listed_after)} model(s)"
     )
     print(f"* ERROR lines in the server's log over the whole run: {len(errors)}")
     for line in errors[:5]:
