@@ -226,6 +226,41 @@ def test_isolation_and_unmet_requirements_get_a_device_host_of_their_own(server:
     assert server.unload("pinned").status_code == 200
 
 
+HANDLER_OF_ITS_OWN = """
+import json
+import os
+
+_state = {}
+
+
+def handle(data, context):
+    if data is None:  # MMS's initialise call
+        _state["initialised_in"] = os.getpid()
+        return None
+    return [json.dumps({"pid": os.getpid(), "initialised_in": _state["initialised_in"]}) for _ in data]
+"""
+
+
+def test_a_handler_of_its_own_runs_in_a_host_of_its_own_as_mms_calls_it(server: RunningServer) -> None:
+    """MMS's ``module:function`` handlers: initialised (``handle(None, context)``) and called as MMS's own worker
+    would, in a device host of the model's own."""
+    model_dir = server.model_dir("own_handler")
+    model_dir.mkdir(parents=True)
+    (model_dir / "own_handler_module.py").write_text(HANDLER_OF_ITS_OWN)
+    assert server.load("own_handler", handler="own_handler_module:handle").status_code == 200
+
+    response = server.invoke("own_handler", json.dumps(ROWS))
+
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["pid"] == answer["initialised_in"] in server.worker_pids("own_handler")
+    assert not server.shares_device_host("own_handler")
+    assert "model=own_handler served by a device host of its own: its handler own_handler_module:handle" in (
+        server.log_text()
+    )
+    assert server.unload("own_handler").status_code == 200
+
+
 def test_one_model_runs_calls_from_several_workers_at_once(server: RunningServer) -> None:
     model_dir = model_factory.write_code(server.model_dir("parallel"), CONCURRENCY_SCRIPT).parent.parent
     assert server.load("parallel", initial_workers=3).status_code == 200
