@@ -125,7 +125,7 @@ def load_model(
     """
     try:
         module_name, _, function_name = spec.handler.partition(":")
-        if Path(module_name).stem != OUR_HANDLER:  # only ever in a host of its own (above)
+        if not is_our_handler(spec.handler):  # only ever in a host of its own (above)
             for directory in (spec.model_dir, str(Path(module_name).parent)):
                 if directory not in (".", "") and directory not in sys.path:
                     sys.path.append(directory)
@@ -186,9 +186,6 @@ def refuse_load(
         logger.info("model=%s frontend gone before its LOAD was refused: %s", spec.name, exc)
     finally:
         connection.close()
-
-
-logger = logging.getLogger(__name__)
 
 
 def is_our_handler(handler: str) -> bool:

@@ -170,8 +170,6 @@ def _shape(text: str) -> tuple[int, ...]:
     return tuple(int(size) for size in text.split(",")) if text else ()
 
 
-logger = logging.getLogger(__name__)
-
 PACKAGE = "model.pt2"
 CHUNK_BYTES = 1 << 20
 # torch.compile's mode names, as AOTInductor options.

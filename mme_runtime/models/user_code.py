@@ -110,8 +110,6 @@ def _summary(output: str) -> str:
     return " | ".join(errors[-SUMMARY_LINES:])[:800] or "no output"
 
 
-logger = logging.getLogger(__name__)
-
 USER_MODULE_PREFIX = "mme_user_"
 CONTRACT = ("model_fn", "input_fn", "predict_fn", "output_fn", "transform_fn", "pre_model_fn", "model_warmup_fn")
 # Positional arguments each contract function takes before the optional trailing ``context``.

@@ -127,8 +127,6 @@ def make_directory(directory: Path) -> bool:
     return False
 
 
-logger = logging.getLogger(__name__)
-
 P = ParamSpec("P")
 
 _metrics: Series | None = None

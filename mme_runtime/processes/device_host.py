@@ -321,9 +321,6 @@ def run_host(control: socket.socket, config: Config, gpu: int | None, board: Cra
     return 0
 
 
-logger = logging.getLogger(__name__)
-
-
 @dataclass
 class HostedModel:
     """One model in the host: its handler once loaded, or why it failed, and the connections that wait or run."""

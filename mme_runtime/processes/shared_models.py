@@ -168,16 +168,15 @@ class SharedModels:
         model.tell_stub({"shared": True})
 
     def _make_private(self, model: SharedModel, reason: str, threads: int | None) -> None:
-        """Before its first connection: the model will be served by a device host of its own."""
+        """From its next connection on, the model is served by a device host of its own."""
         model.tenant, model.threads = model.spec.name, threads
         logger.info("model=%s served by a device host of its own: %s", model.spec.name, reason)
 
     def _move_to_own_host(self, model: SharedModel, reason: str) -> None:
         """Quarantine: every shared host lets the model go, and its connections (the frontend reconnects) go to a host
         of its own, which loads it from its package."""
-        logger.info("model=%s served by a device host of its own: %s", model.spec.name, reason)
         self._leave_hosts(model)
-        model.tenant = model.spec.name
+        self._make_private(model, reason, model.threads)
 
     def _connection_waiting(self, model: SharedModel) -> None:
         connection = model.accept()
