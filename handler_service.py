@@ -16,6 +16,7 @@ from inference_handler import DefaultPytorchInferenceHandler
 from mme_runtime.base.config import Config
 from mme_runtime.base.devices import worker_device
 from mme_runtime.huggingface import defaults as hugging_face
+from mme_runtime.models.loading import ResolvedModel
 from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.serving.served_model import ServedModel
 
@@ -33,13 +34,13 @@ class HandlerService(DefaultHandlerService):  # type: ignore[misc]
     def served(self) -> ServedModel:
         return self._service  # type: ignore[no-any-return]
 
-    def preload(self, context: Any) -> None:
+    def preload(self, context: Any, resolved: ResolvedModel | None = None) -> None:
         """Runs the user's ``model_fn`` on the host; must not touch CUDA (the server forks afterwards)."""
-        self.served.load(context, torch.device("cpu"))
+        self.served.load(context, torch.device("cpu"), resolved)
 
-    def attach(self, context: Any) -> None:
+    def attach(self, context: Any, resolved: ResolvedModel | None = None) -> None:
         """Places the model on this device host's device (``gpu_id`` is its CUDA ordinal here) and warms it up."""
-        self.served.attach(context, worker_device(context.system_properties.get("gpu_id")))
+        self.served.attach(context, worker_device(context.system_properties.get("gpu_id")), resolved)
 
     def start_batcher(self) -> ServingSettings:
         """The host serves many connections from threads: forward passes go through one batcher from now on."""
@@ -64,8 +65,8 @@ def service() -> HandlerService:
     return _service
 
 
-def preload(context: Any) -> None:
-    service().preload(context)
+def preload(context: Any, resolved: ResolvedModel | None = None) -> None:
+    service().preload(context, resolved)
 
 
 def attach(context: Any) -> None:

@@ -6,6 +6,10 @@ is not ours (MMS's ``module:function``), when its ``serving.properties`` says ``
 ``requirements.txt`` asks for anything the image does not already satisfy, or when its own ``code/`` holds Python
 modules beside its script (imported by plain names, which one interpreter holds once; ``isolation=shared`` says they
 are unique). Runs in the CUDA-free loader as well as in device hosts: it never touches CUDA itself (user code may).
+
+A LOAD resolves its model once (``resolve_model``: settings and code, fetched from S3 if need be), in the first
+process that needs it, and hands the result on in its messages: the loader decides sharing and loads from it, and the
+host takes it with the package. Only a host taking a package kept since an UNLOAD resolves the model itself.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -31,7 +35,7 @@ from mme_runtime.base.config import Config
 from mme_runtime.base.errors import InsufficientMemory, ModelLoadError
 from mme_runtime.base.janitor import mark_failed_load
 from mme_runtime.models.code_fetcher import CodeFetcher, locate_code
-from mme_runtime.models.serving_properties import read_settings
+from mme_runtime.models.serving_properties import ServingSettings, read_settings
 from mme_runtime.models.user_code import REQUIREMENTS
 from mme_runtime.operations import memory
 
@@ -58,6 +62,38 @@ class ModelSpec:
     model_dir: str
     handler: str
     tmp_dir: str
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """What a LOAD resolves of a model's directory once: its serving settings and where its code is."""
+
+    settings: ServingSettings
+    code_dir: Path | None  # its own code/, else SAGEMAKER_SUBMIT_DIRECTORY's (fetched); None: the defaults
+    code_source: str  # for the log: that directory, the S3 URI it came from, or "defaults"
+
+    def message(self) -> dict[str, Any]:
+        """As a warm-process message carries it (JSON)."""
+        code_dir = None if self.code_dir is None else str(self.code_dir)
+        return {"settings": asdict(self.settings), "code_dir": code_dir, "code_source": self.code_source}
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]) -> ResolvedModel:
+        code_dir = message["code_dir"]
+        settings = ServingSettings(**message["settings"])
+        return cls(settings, None if code_dir is None else Path(code_dir), message["code_source"])
+
+
+def resolve_model(model_dir: Path, config: Config) -> ResolvedModel:
+    """The model's settings and code, fetching its code from S3 when it comes from there (cached by ETag).
+    Raises ``ModelLoadError`` naming what could not be read: the LOAD's failure."""
+    try:
+        settings = read_settings(model_dir, config)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"reading serving settings failed: {exc.message}") from exc
+    fetcher = CodeFetcher(config.cache_dir / "code", config.s3_timeout_seconds)
+    code_dir, source = locate_code(model_dir, config.submit_directory, fetcher)
+    return ResolvedModel(settings, code_dir, source)
 
 
 @dataclass
@@ -115,11 +151,16 @@ def check_location(spec: ModelSpec, config: Config) -> LoadFailure | None:
 
 
 def load_model(
-    spec: ModelSpec, batch_size: int, phase: str, gpu: int | None = None, cuda_ordinal: int | None = None
+    spec: ModelSpec,
+    batch_size: int,
+    phase: str,
+    gpu: int | None = None,
+    cuda_ordinal: int | None = None,
+    resolved: ResolvedModel | None = None,
 ) -> LoadedModel:
-    """Imports the handler and runs its load step: ``preload`` in a loader; in a device host, ``attach``, or
-    ``handle(None, context)`` for a handler that is not ours (found, as MMS's worker finds it, beside the model or in
-    the directory its name gives).
+    """Imports the handler and runs its load step: ``preload`` in a loader (of the model ``resolved``); in a device
+    host, ``attach``, or ``handle(None, context)`` for a handler that is not ours (found, as MMS's worker finds it,
+    beside the model or in the directory its name gives).
 
     ``gpu`` is the frontend's assignment, ``cuda_ordinal`` the device naming that GPU in this process.
     """
@@ -134,7 +175,7 @@ def load_model(
         service = Service(spec.name, spec.model_dir, None, entry_point, cuda_ordinal, batch_size)
         devices.record_gpu(service.context.system_properties, gpu, cuda_ordinal)
         if phase == "preload" and hasattr(module, "preload"):
-            module.preload(service.context)
+            module.preload(service.context, resolved)
         elif hasattr(module, "attach"):
             module.attach(service.context)
         else:
@@ -202,18 +243,11 @@ def container_reason(handler: str, config: Config) -> str | None:
     return None
 
 
-def model_reason(model_dir: Path, config: Config) -> str | None:
-    """Why this model needs a host of its own; None when it can share. Fetches code from S3 if the model uses it
-    (cached for its load). A setting or code that cannot be read is the load's to report: it shares."""
-    try:
-        isolation = read_settings(model_dir, config).isolation
-        if isolation == "process":
-            return "serving.properties sets isolation=process"
-        fetcher = CodeFetcher(config.cache_dir / "code", config.s3_timeout_seconds)
-        code_dir, _ = locate_code(model_dir, config.submit_directory, fetcher)
-    except (ModelLoadError, OSError) as exc:
-        logger.debug("sharing check of %s deferred to its load: %s", model_dir, exc)
-        return None
+def model_reason(model_dir: Path, resolved: ResolvedModel, config: Config) -> str | None:
+    """Why this model needs a host of its own; None when it can share."""
+    isolation, code_dir = resolved.settings.isolation, resolved.code_dir
+    if isolation == "process":
+        return "serving.properties sets isolation=process"
     if code_dir is None:
         return None
     if (code_dir / REQUIREMENTS).is_file():

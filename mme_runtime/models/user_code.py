@@ -1,5 +1,5 @@
-"""Finds a model's inference code (its own ``code/``, else ``SAGEMAKER_SUBMIT_DIRECTORY``, fetched from S3 by
-``code_fetcher``), installs its ``requirements.txt``, imports its script by file path, and binds its contract
+"""A model's inference code, once ``code_fetcher`` found it (its own ``code/``, else ``SAGEMAKER_SUBMIT_DIRECTORY``,
+fetched from S3): installs its ``requirements.txt``, imports its script by file path, and binds its contract
 functions once.
 
 Each script is imported under a module name unique to the model, so two models whose scripts are both called
@@ -31,7 +31,6 @@ from mme_runtime.base import failures
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
 from mme_runtime.base.locks import build_once
-from mme_runtime.models.code_fetcher import CodeFetcher, locate_code
 from mme_runtime.operations import metrics
 
 logger = logging.getLogger(__name__)
@@ -222,11 +221,9 @@ def bind_functions(module: ModuleType | None) -> dict[str, UserFunction]:
     return functions
 
 
-def load_user_code(model_name: str, model_dir: Path, config: Config) -> tuple[Path | None, dict[str, UserFunction]]:
-    """The model's code directory (its own ``code/``, else ``SAGEMAKER_SUBMIT_DIRECTORY``) with its requirements
-    installed, and the contract functions its script defines. Raises ``ModelLoadError`` naming what is wrong."""
-    fetcher = CodeFetcher(config.cache_dir / "code", config.s3_timeout_seconds)
-    code_dir, source = locate_code(model_dir, config.submit_directory, fetcher)
+def load_user_code(model_name: str, code_dir: Path | None, source: str, config: Config) -> dict[str, UserFunction]:
+    """The contract functions the script in the model's code directory defines (``locate_code`` found it: ``source``
+    says where, for the log), its requirements installed first. Raises ``ModelLoadError`` naming what is wrong."""
     if code_dir is not None:
         packages = install_requirements(code_dir, config.cache_dir / "requirements", config.pip_timeout_seconds)
         if packages is not None:
@@ -244,4 +241,4 @@ def load_user_code(model_name: str, model_dir: Path, config: Config) -> tuple[Pa
         script or f"none (no {config.program})",
         ",".join(sorted(user)) or "none",
     )
-    return code_dir, user
+    return user

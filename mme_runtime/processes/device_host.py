@@ -43,6 +43,7 @@ from mme_runtime.models.loading import (
     LoadedModel,
     LoadFailure,
     ModelSpec,
+    ResolvedModel,
     check_memory,
     fail_load,
     is_our_handler,
@@ -118,6 +119,8 @@ class DeviceHost:
             package = None if message.get("package") is None else Package.from_layout(fds, message["package"])
             if package is not None:  # blobs in other models' files: held for them first, counted there
                 model.borrowed_host_bytes = sum(blob.nbytes for blob in package.blobs if blob.segment)
+            if message.get("resolved") is not None:  # what its loader resolved; else _our_handler resolves it
+                model.resolved = ResolvedModel.from_message(message["resolved"])
             arguments = (model, package, fds, int(message["batch_size"]), bool(message.get("restart")))
             model.loading = threading.Thread(target=self._load, args=arguments, name=f"load-{name}", daemon=True)
             model.loading.start()
@@ -185,11 +188,11 @@ class DeviceHost:
         context = loaded.service.context
         with self.board.running(model.slot):
             adopted = package is not None and handler.served.adopt(
-                context, lambda: self._unpack(model, package), made_with_code=package.code
+                context, lambda: self._unpack(model, package), package.code, model.resolved
             )
             if package is not None and not adopted:  # its code changed: model_fn ran here instead
                 model.borrowed_host_bytes, model.package_unused = 0, True
-            handler.attach(context)
+            handler.attach(context, model.resolved)
         if self.shared is not None:
             shared = self.shared
             handler.served.after_forward = lambda: shared.check_writes(spec.name)
@@ -341,6 +344,7 @@ class HostedModel:
     started: float = 0.0  # when its LOAD began (wall clock, the warm process's): its load time is counted from it
     after: threading.Thread | None = None  # the UNLOAD of a model of the same name, to end before this one loads
     package_unused: bool = False  # its package was made with other code: model_fn ran here
+    resolved: ResolvedModel | None = None  # the model as its loader resolved it (None: resolved here)
 
 
 def model_handler(

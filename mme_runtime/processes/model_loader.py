@@ -1,9 +1,10 @@
 """The loader: a short-lived child of the warm process that runs one model's ``model_fn``, CUDA-free, and packs the
 result for its device hosts (``model_package``), then exits: the package outlives it in the warm process.
 
-It reports one message to the warm process: ``package`` (with the shared-memory file), ``host_loads`` (the model
-cannot leave this process: the host runs ``model_fn`` itself, and the reason is logged) or ``failure`` (the LOAD
-fails with this status and message); with ``private`` when the model needs a device host of its own (and why). What
+It resolves the model once (``loading.resolve_model``) and reports one message to the warm process: ``package``
+(with the shared-memory file), ``host_loads`` (the model cannot leave this process: the host runs ``model_fn``
+itself, and the reason is logged) or ``failure`` (the LOAD fails with this status and message); with ``resolved``
+for the hosts, and ``private`` when the model needs a device host of its own (and why). What
 a model's requirements install and its code imports here ends with this process. Its output is the model's log.
 """
 
@@ -24,17 +25,21 @@ import torch
 from mme_runtime.base import devices
 from mme_runtime.base.child_processes import fork_child
 from mme_runtime.base.config import Config
+from mme_runtime.base.errors import ModelLoadError
 from mme_runtime.base.logs import configure_logging
 from mme_runtime.huggingface.loading import HuggingFaceModel
 from mme_runtime.models.loading import (
     LoadFailure,
     ModelSpec,
+    ResolvedModel,
     check_location,
     check_memory,
     container_reason,
+    fail_load,
     is_our_handler,
     load_model,
     model_reason,
+    resolve_model,
 )
 from mme_runtime.models.model_package import (
     NotPackable,
@@ -88,8 +93,21 @@ def _load(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
     refused = check_location(spec, config)
     if refused is not None:
         return _failure(refused), []
-    private = container_reason(spec.handler, config) or model_reason(Path(spec.model_dir), config)
-    report, fds = _load_here(spec, config)
+    private = container_reason(spec.handler, config)
+    if not is_our_handler(spec.handler):
+        return {
+            "host_loads": f"its handler {spec.handler} is MMS's module:function, which the host initialises",
+            "private": private,
+        }, []
+    model_dir = Path(spec.model_dir)
+    try:
+        resolved = resolve_model(model_dir, config)
+    except ModelLoadError as exc:
+        return _failure(fail_load(spec, None, exc)), []
+    private = private or model_reason(model_dir, resolved, config)
+    report, fds = _load_here(spec, config, resolved)
+    if "failure" not in report:
+        report["resolved"] = resolved.message()
     if private is not None and "failure" not in report:
         report["private"] = private
         if "package" in report and torch.get_num_threads() != 1:  # model_fn chose it: its own host runs with it
@@ -97,22 +115,20 @@ def _load(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
     return report, fds
 
 
-def _load_here(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
+def _load_here(spec: ModelSpec, config: Config, resolved: ResolvedModel) -> tuple[dict[str, Any], list[int]]:
     """``model_fn`` run here, its model packed; or why the host must run it, or why the LOAD fails."""
-    if not is_our_handler(spec.handler):
-        return {"host_loads": f"its handler {spec.handler} is MMS's module:function, which the host initialises"}, []
+    code = None if resolved.code_dir is None else str(resolved.code_dir)
     try:
         check_memory(spec, config, gpu=None)
-        archive = _plain_torchscript(Path(spec.model_dir), config)
+        archive = _plain_torchscript(Path(spec.model_dir), resolved, config)
         if archive is not None:  # what the default model_fn would load: its bytes are the package
             started = time.monotonic()
             package = pack_torchscript_file(archive, spec.name)
             logger.info(
                 "model=%s loaded seconds=%.2f (TorchScript, packed as it is)", spec.name, time.monotonic() - started
             )
-            own_code = Path(spec.model_dir) / "code"  # what the host finds (a requirements.txt, say): the same
-            return {"package": {**package.layout, "code": str(own_code) if own_code.is_dir() else None}}, [package.fd]
-        loaded = load_model(spec, batch_size=1, phase="preload")
+            return {"package": {**package.layout, "code": code}}, [package.fd]
+        loaded = load_model(spec, batch_size=1, phase="preload", resolved=resolved)
     except LoadFailure as failure:
         if devices.cuda_initialized():  # on whichever card it took here (all are visible): the host has its own
             return {
@@ -150,9 +166,10 @@ def _load_here(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[in
     return {"package": {**package.layout, "code": code}, "share_weights": share}, [package.fd]
 
 
-def _plain_torchscript(model_dir: Path, config: Config) -> Path | None:
-    """The model's TorchScript archive, when the defaults alone serve it (no inference code, no ``model.pt2``)."""
-    if config.submit_directory or (model_dir / "code" / config.program).is_file() or pt2_file(model_dir):
+def _plain_torchscript(model_dir: Path, resolved: ResolvedModel, config: Config) -> Path | None:
+    """The model's TorchScript archive, when the defaults alone serve it (no inference script, no ``model.pt2``)."""
+    code_dir = resolved.code_dir
+    if (code_dir is not None and (code_dir / config.program).is_file()) or pt2_file(model_dir):
         return None
     path = model_file(model_dir)
     return path if path is not None and is_torchscript(path) else None

@@ -151,6 +151,8 @@ class SharedModels:
                 model.package = self.cache.add(model.cache_key, spec.name, model.package, *placement)
         else:
             logger.warning("model=%s model_fn runs in the device host: %s", spec.name, report["host_loads"])
+        if report is not None:
+            model.resolved = report.get("resolved")
         if report is not None and report.get("private"):
             self._make_private(model, report["private"], report.get("threads"))
         if model.failure is not None:
@@ -319,6 +321,7 @@ class SharedModel:
     oom_kills: dict[str, int] = field(default_factory=dict)  # the kernel's OOM kill counts as its loader started
     loader_silent: bool = False  # its loader died before it reported
     artifact_bytes: int = 0  # its files' size: what its loader's memory check counts
+    resolved: dict[str, Any] | None = None  # what its loader resolved (None: a kept package's host resolves it)
 
     def host_key(self, device: str | None, models: Iterable[SharedModel], cpu_hosts: int) -> HostKey:
         """The host of a connection assigned ``device`` (a card's name; None for the CPU): on the CPU, a shared model
@@ -335,6 +338,7 @@ class SharedModel:
             "spec": dataclasses.asdict(self.spec),
             "slot": self.slot,
             "package": None if self.package is None else self.package.layout,
+            "resolved": self.resolved,
             "batch_size": batch_size,
             "restart": self.served,  # served before, by a host that has died since
             "started": time.time() if self.served else self.started,  # its load time counts from this

@@ -31,7 +31,9 @@ from mme_runtime.base import failures
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError, PayloadTooLarge, RequestTimeout
 from mme_runtime.models import lora
-from mme_runtime.models.serving_properties import ServingSettings, read_settings
+from mme_runtime.models.code_fetcher import CodeFetcher, locate_code
+from mme_runtime.models.loading import ResolvedModel, resolve_model
+from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.models.user_code import USER_MODULE_PREFIX, load_user_code
 from mme_runtime.operations import metrics
 from mme_runtime.serving import content
@@ -115,22 +117,29 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
     def settings(self) -> ServingSettings:
         return self._settings
 
-    def load(self, mms_context: Any, device: torch.device = HOST) -> None:
-        """Imports the user's code and runs ``model_fn``: what a loader does once per model."""
+    def load(self, mms_context: Any, device: torch.device = HOST, resolved: ResolvedModel | None = None) -> None:
+        """Imports the user's code and runs ``model_fn``: what a loader does once per model. ``resolved``: the
+        model as its LOAD resolved it (``loading.resolve_model``); None resolves it here."""
         context = InferenceContext(mms_context, device)
         started = time.monotonic()
-        self._prepare(context)
+        self._prepare(context, resolved)
         self._run_model_fn(context)
         logger.info("model=%s loaded seconds=%.2f", context.model_name, time.monotonic() - started)
 
-    def adopt(self, mms_context: Any, make_model: Callable[[], Any], made_with_code: str | None = None) -> bool:
+    def adopt(
+        self,
+        mms_context: Any,
+        make_model: Callable[[], Any],
+        made_with_code: str | None,
+        resolved: ResolvedModel | None = None,
+    ) -> bool:
         """Imports the user's code and takes the model ``model_fn`` returned in another process (``make_model``
         rebuilds it here, so it runs once the user's classes are importable): what a device host does. Unless the
         code is not what ``model_fn`` ran with (``made_with_code``: a new object at SAGEMAKER_SUBMIT_DIRECTORY's S3
         URI since the package was made, and kept): then ``model_fn`` runs here, and False says the package went
         unused."""
         context = InferenceContext(mms_context, HOST)
-        self._prepare(context)
+        self._prepare(context, resolved)
         code = None if self._code_dir is None else str(self._code_dir)
         if code != made_with_code:
             name = context.model_name
@@ -150,16 +159,18 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         self._model = self._contract.run_load_step("model_fn", context, source)
         self._loaded = True
 
-    def _prepare(self, context: InferenceContext) -> None:
+    def _prepare(self, context: InferenceContext, resolved: ResolvedModel | None) -> None:
         """The model's settings and its user code (imported under the model's unique name), functions bound."""
         model_dir = Path(context.model_dir)
         config = self._config
-        try:
-            self._settings = read_settings(model_dir, config)
-        except ModelLoadError as exc:
-            raise load_failure("reading serving settings", exc) from exc
+        resolved = resolved or resolve_model(model_dir, config)
+        self._settings = resolved.settings
         self._source_dir, plain_adapter = self._adapter_base(context, model_dir)
-        code_dir, user = load_user_code(context.model_name, self._source_dir, config)
+        code_dir, source = resolved.code_dir, resolved.code_source
+        if self._source_dir != model_dir:  # a LoRA adapter over a plain base: the base's code serves it
+            fetcher = CodeFetcher(config.cache_dir / "code", config.s3_timeout_seconds)
+            code_dir, source = locate_code(self._source_dir, config.submit_directory, fetcher)
+        user = load_user_code(context.model_name, code_dir, source, config)
         self._user_modules = {
             name: sys.modules[name]
             for name in {function.function.__module__ for function in user.values()}
@@ -197,10 +208,11 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         except ModelLoadError as exc:
             raise load_failure(provider.step, exc) from exc
 
-    def attach(self, mms_context: Any, device: torch.device) -> None:
-        """Places the loaded model on this device host's device and warms it up; runs in the host."""
+    def attach(self, mms_context: Any, device: torch.device, resolved: ResolvedModel | None = None) -> None:
+        """Places the loaded model on this device host's device and warms it up; runs in the host (loading it
+        first, from ``resolved`` where given, when ``adopt`` did not)."""
         if not self._loaded:
-            self.load(mms_context, device)
+            self.load(mms_context, device, resolved)
         properties = mms_context.system_properties
         self._settings = self._settings.with_load_batch_size(int(properties.get("batch_size") or 1))
         properties["batch_size"] = self._settings.batch_size  # what context.batch_size reports

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from importlib import metadata
 from pathlib import Path
 
 import pytest
 
 from mme_runtime.base.config import Config
-from mme_runtime.models.loading import container_reason, model_reason, unmet_requirements
+from mme_runtime.base.errors import ModelLoadError
+from mme_runtime.models.loading import (
+    ResolvedModel,
+    container_reason,
+    model_reason,
+    resolve_model,
+    unmet_requirements,
+)
 
 NUMPY = metadata.version("numpy")
 TORCH = metadata.version("torch")
@@ -59,11 +67,11 @@ def _model(tmp_path: Path, properties: str | None = None, requirements: str | No
 
 def test_a_model_shares_unless_it_asks_for_a_process_or_brings_requirements(tmp_path: Path) -> None:
     config = Config(cache_dir=tmp_path / "cache")
-    assert model_reason(_model(tmp_path / "plain"), config) is None
-    assert model_reason(_model(tmp_path / "pinned", requirements=f"torch=={TORCH}\n"), config) is None
-    own = model_reason(_model(tmp_path / "own", properties="isolation=process\n"), config)
+    assert _reason(_model(tmp_path / "plain"), config) is None
+    assert _reason(_model(tmp_path / "pinned", requirements=f"torch=={TORCH}\n"), config) is None
+    own = _reason(_model(tmp_path / "own", properties="isolation=process\n"), config)
     assert own == "serving.properties sets isolation=process"
-    extra = model_reason(_model(tmp_path / "extra", requirements="surely-not-installed-package\n"), config)
+    extra = _reason(_model(tmp_path / "extra", requirements="surely-not-installed-package\n"), config)
     assert extra is not None and "surely-not-installed-package" in extra
 
 
@@ -75,10 +83,10 @@ def test_helper_modules_in_a_models_own_code_isolate_it_unless_it_says_their_nam
     (helped / "code" / "utils.py").write_text("scale = 2\n")
     (helped / "code" / "layers").mkdir()
     (helped / "code" / "layers" / "__init__.py").write_text("")
-    reason = model_reason(helped, config)
+    reason = _reason(helped, config)
     assert reason is not None and "holds modules beside inference.py (layers/, utils.py)" in reason
     (helped / "serving.properties").write_text("isolation=shared\n")
-    assert model_reason(helped, config) is None
+    assert _reason(helped, config) is None
     # Code shared by every model (SAGEMAKER_SUBMIT_DIRECTORY) is the same files for all: it shares.
     common = tmp_path / "common"
     common.mkdir()
@@ -86,9 +94,22 @@ def test_helper_modules_in_a_models_own_code_isolate_it_unless_it_says_their_nam
     (common / "utils.py").write_text("scale = 2\n")
     plain = tmp_path / "plain_model"
     plain.mkdir()
-    assert model_reason(plain, Config(cache_dir=tmp_path / "cache", submit_directory=str(common))) is None
+    assert _reason(plain, Config(cache_dir=tmp_path / "cache", submit_directory=str(common))) is None
 
 
-def test_a_malformed_setting_is_left_to_the_load_to_report(tmp_path: Path) -> None:
+def test_a_malformed_setting_fails_the_resolution_naming_the_file(tmp_path: Path) -> None:
     config = Config(cache_dir=tmp_path / "cache")
-    assert model_reason(_model(tmp_path / "bad", properties="isolation=maybe\n"), config) is None
+    with pytest.raises(ModelLoadError, match="reading serving settings failed: serving.properties is malformed"):
+        resolve_model(_model(tmp_path / "bad", properties="isolation=maybe\n"), config)
+
+
+def test_the_resolution_travels_as_json_and_comes_back_equal(tmp_path: Path) -> None:
+    """The loader sends what it resolved to the hosts in a warm-process message: JSON."""
+    model_dir = _model(tmp_path / "sent", properties="batch_size=4\nisolation=shared\n")
+    resolved = resolve_model(model_dir, Config(cache_dir=tmp_path / "cache"))
+    assert resolved.code_dir == model_dir / "code" and resolved.settings.batch_size == 4
+    assert ResolvedModel.from_message(json.loads(json.dumps(resolved.message()))) == resolved
+
+
+def _reason(model_dir: Path, config: Config) -> str | None:
+    return model_reason(model_dir, resolve_model(model_dir, config), config)
