@@ -26,11 +26,6 @@ KEEP_UNLOADED_SHARE = 16
 SAGEMAKER_CLOUDWATCH_SECONDS = 60
 
 
-def process_environment() -> dict[str, str]:
-    """A copy of this process's environment, for handing on to a process that stands in for this one."""
-    return dict(os.environ)
-
-
 @dataclass(frozen=True)
 class Config:
     """The effective configuration. Build it with ``Config.from_env``; tests pass a plain dict."""

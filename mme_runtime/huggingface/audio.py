@@ -24,7 +24,7 @@ from mme_runtime.base.errors import InvalidInput
 from mme_runtime.huggingface.generation import SERVER_PARAMETERS, check_token_ids, vocabulary
 from mme_runtime.huggingface.loading import HuggingFaceModel
 from mme_runtime.huggingface.requests import Audio, TaskRequest, resample
-from mme_runtime.huggingface.tasks import length_groups, lent_pipeline, pad
+from mme_runtime.huggingface.tasks import length_groups, lent_pipeline, pad, postprocess, prepare
 
 REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout", "decoder_kwargs", "prompt_ids", "assistant_model"})
 # A generating recognizer's parameters beyond GenerationConfig's own names, as Whisper's generate takes them.
@@ -72,7 +72,7 @@ class AudioRunner:
             for item in request.inputs:
                 if not isinstance(item, Audio):
                     raise InvalidInput(f"{self.task} takes audio (audio/x-flac, audio/wave, ... or base64 in JSON)")
-                prepared = _prepare(pipeline, resample(item, self._sampling_rate), before)
+                prepared = prepare(pipeline, resample(item, self._sampling_rate), before, "audio")
                 for row in prepared:
                     self._check_frames(row)
                 plans.append((len(rows), len(prepared), after))
@@ -81,7 +81,7 @@ class AudioRunner:
         outputs = self._forward(pipeline, rows, forwards)
         chunked = self.task == "automatic-speech-recognition"  # a ChunkPipeline: postprocess takes a clip's rows
         return [
-            _postprocess(pipeline, outputs[first : first + count] if chunked else outputs[first], after)
+            postprocess(pipeline, outputs[first : first + count] if chunked else outputs[first], after)
             for first, count, after in plans
         ]
 
@@ -228,25 +228,3 @@ def _check_generation(forward: dict[str, Any], generates: bool, vocabulary_size:
     if forward.get("num_return_sequences", 1) != 1:
         raise InvalidInput("a speech recognizer answers one text per clip: num_return_sequences must be 1")
     check_token_ids(forward, vocabulary_size)
-
-
-def _prepare(pipeline: Any, samples: Any, parameters: dict[str, Any]) -> list[dict[str, Any]]:
-    """A clip prepared as the pipeline prepares it: one row, or a recognizer's chunks (``chunk_length_s``)."""
-    try:
-        prepared = pipeline.preprocess(samples, **parameters)
-        return list(prepared) if _is_chunked(pipeline) else [prepared]
-    except Exception as exc:  # noqa: BLE001 - a chunk_length_s shorter than its strides, say: the request's fault
-        raise InvalidInput(f"the audio could not be prepared for the model: {exc}") from exc
-
-
-def _is_chunked(pipeline: Any) -> bool:
-    from transformers.pipelines.base import ChunkPipeline
-
-    return isinstance(pipeline, ChunkPipeline)
-
-
-def _postprocess(pipeline: Any, outputs: Any, parameters: dict[str, Any]) -> Any:
-    try:
-        return pipeline.postprocess(outputs, **parameters)
-    except (TypeError, ValueError, KeyError, IndexError) as exc:  # a top_k of "abc", say: the batch is split
-        raise InvalidInput(f"the answer could not be made with these parameters: {exc}") from exc

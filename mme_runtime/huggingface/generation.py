@@ -27,7 +27,7 @@ import torch
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.huggingface.decoding import TIME, DecodingBatch, Row
-from mme_runtime.huggingface.loading import HuggingFaceModel
+from mme_runtime.huggingface.loading import HuggingFaceModel, base_task
 from mme_runtime.huggingface.requests import TaskRequest
 from mme_runtime.huggingface.scheduler import Scheduler
 from mme_runtime.huggingface.tasks import lent_pipeline, lent_tokenizer
@@ -346,10 +346,6 @@ class Prompt:
     ids: list[int]
     generate: dict[str, Any]
     answer: Callable[[list[int]], dict[str, Any]]
-
-
-def base_task(task: str) -> str:
-    return "translation" if task.startswith("translation") else task
 
 
 class TextGeneration:

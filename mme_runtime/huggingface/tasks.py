@@ -101,7 +101,7 @@ class TaskRunner:
                 raise InvalidInput("requests with different forward parameters cannot share a pass")  # split, retried
             forward_parameters = forward
             for item in request.inputs:
-                prepared = _prepare(pipeline, item, before)
+                prepared = prepare(pipeline, item, before)
                 for row in prepared:
                     self._check_length(row)
                 plans.append((len(rows), len(prepared), after))
@@ -112,7 +112,7 @@ class TaskRunner:
             return [self._pooled(outputs[first]) for first, _, _ in plans]
         chunked = _is_chunked(pipeline)
         return [
-            _postprocess(pipeline, outputs[first : first + count] if chunked else outputs[first], after)
+            postprocess(pipeline, outputs[first : first + count] if chunked else outputs[first], after)
             for first, count, after in plans
         ]
 
@@ -183,16 +183,17 @@ def _parameters(
     )
 
 
-def _prepare(pipeline: Any, item: Any, parameters: dict[str, Any]) -> list[dict[str, Any]]:
-    """One input prepared as the pipeline does: one row, or a chunked pipeline's rows."""
+def prepare(pipeline: Any, item: Any, parameters: dict[str, Any], what: str = "input") -> list[dict[str, Any]]:
+    """One input prepared as the pipeline does: one row, or a chunked pipeline's rows (a recognizer's chunks)."""
     try:
         prepared = pipeline.preprocess(item, **parameters)
         return list(prepared) if _is_chunked(pipeline) else [prepared]
-    except Exception as exc:  # noqa: BLE001 - a fill-mask text without [MASK], say: this request's own fault
-        raise InvalidInput(f"the input could not be prepared for the model: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - a fill-mask text without [MASK], a chunk_length_s shorter than its
+        # strides: this request's own fault
+        raise InvalidInput(f"the {what} could not be prepared for the model: {exc}") from exc
 
 
-def _postprocess(pipeline: Any, outputs: Any, parameters: dict[str, Any]) -> Any:
+def postprocess(pipeline: Any, outputs: Any, parameters: dict[str, Any]) -> Any:
     try:
         return pipeline.postprocess(outputs, **parameters)
     except (TypeError, ValueError, KeyError, IndexError) as exc:  # a top_k of "abc", say: the batch is split
