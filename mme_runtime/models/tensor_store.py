@@ -305,3 +305,22 @@ def module_of(model: Any) -> torch.nn.Module | None:
     if isinstance(model, torch.nn.Module):
         return model
     return inner if isinstance(inner, torch.nn.Module) else None
+
+
+def tensor_bytes(model: Any) -> tuple[int, int]:
+    """The bytes of a module's parameters and buffers in host memory and on a GPU, each storage once (tied weights
+    share one); (0, 0) for what is not a module."""
+    if not isinstance(model, torch.nn.Module):
+        return 0, 0
+    seen: set[int] = set()
+    host = device = 0
+    for tensor in (*model.parameters(), *model.buffers()):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        if tensor.device.type == "cpu":
+            host += storage.nbytes()
+        else:
+            device += storage.nbytes()
+    return host, device

@@ -19,20 +19,16 @@ in ``tensor_store.py``); on the CPU, the models' copy-on-write mappings of that 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
-import gc
 import logging
 import os
 import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from mms.service import Service
 
 from mme_runtime.base import devices
@@ -51,8 +47,9 @@ from mme_runtime.models.loading import (
     refuse_load,
 )
 from mme_runtime.models.model_package import Package, unpack
-from mme_runtime.models.tensor_store import MAX_SEGMENTS, DeviceTensors, module_of
+from mme_runtime.models.tensor_store import MAX_SEGMENTS, DeviceTensors, module_of, tensor_bytes
 from mme_runtime.operations import metrics
+from mme_runtime.operations.memory import MemoryRelease, release_memory
 from mme_runtime.operations.metric_series import Series
 from mme_runtime.operations.scaler import request_workers
 from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, report_crashes
@@ -256,7 +253,8 @@ class DeviceHost:
     def _record_memory(self, model: HostedModel, loaded: Any) -> None:
         """What the model's LOAD added: a tensor held for another model first is that model's (counted once); a
         LoRA adapter's own tensors are its own."""
-        host_bytes, device_bytes = (0, 0) if model.borrows_all else tensor_bytes(loaded.model)
+        own = loaded.model.model if isinstance(loaded.model, HuggingFaceModel) else loaded.model
+        host_bytes, device_bytes = (0, 0) if model.borrows_all else tensor_bytes(own)
         host_bytes, device_bytes = host_bytes - model.borrowed_host_bytes, device_bytes - model.borrowed_device_bytes
         if self.ordinal is None:
             host_bytes += loaded.adapter_bytes
@@ -386,69 +384,3 @@ def start_batching(spec: ModelSpec, config: Config, loaded: LoadedModel) -> Conn
     at_load = min(config.batch_connections_at_load, settings.batch_size)
     ask_for(at_load, serving=False)
     return ConnectionDemand(ask_for, at_load, settings.batch_size)
-
-
-def tensor_bytes(model: Any) -> tuple[int, int]:
-    """The bytes of a module's parameters and buffers in host memory and on a GPU, each storage once (tied weights
-    share one); (0, 0) for what is not a module."""
-    if isinstance(model, HuggingFaceModel):
-        model = model.model
-    if not isinstance(model, torch.nn.Module):
-        return 0, 0
-    seen: set[int] = set()
-    host = device = 0
-    for tensor in (*model.parameters(), *model.buffers()):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        if tensor.device.type == "cpu":
-            host += storage.nbytes()
-        else:
-            device += storage.nbytes()
-    return host, device
-
-
-def release_memory(ordinal: int | None) -> None:
-    """Freed tensors back to the system: glibc keeps freed heap unless asked, torch keeps freed GPU blocks cached."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    if ordinal is not None and devices.cuda_initialized():
-        torch.cuda.empty_cache()
-
-
-class MemoryRelease:
-    """Gives the memory of UNLOADed models back with ``release`` (a full collection, as a model's objects may hold
-    reference cycles, then ``release_memory``) once for a burst of UNLOADs: ``settle_seconds`` after the last, at
-    most ``most_seconds`` after the first. A collection per UNLOAD held the interpreter lock over every model's
-    objects each time (110 ms at 1,000 models), so draining a host was quadratic and its other models stalled."""
-
-    def __init__(self, release: Callable[[], None], settle_seconds: float = 0.2, most_seconds: float = 1.0) -> None:
-        self._release = release
-        self._settle, self._most = settle_seconds, most_seconds
-        self._wanted = threading.Event()
-        self.releases = 0  # done so far
-        threading.Thread(target=self._run, name="memory-release", daemon=True).start()
-
-    @staticmethod
-    def of_host(ordinal: int | None) -> MemoryRelease:
-        def release() -> None:
-            gc.collect()
-            release_memory(ordinal)
-
-        return MemoryRelease(release)
-
-    def request(self) -> None:
-        self._wanted.set()
-
-    def _run(self) -> None:
-        while True:
-            self._wanted.wait()
-            first = time.monotonic()
-            self._wanted.clear()
-            while time.monotonic() - first < self._most and self._wanted.wait(self._settle):
-                self._wanted.clear()  # another UNLOAD of the burst: wait for the last
-            self._release()
-            self.releases += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from mme_runtime.processes.device_host import MemoryRelease
+from mme_runtime.operations.memory import MemoryRelease
 
 
 def wait_for(release: MemoryRelease, count: int, timeout: float = 5) -> int:
