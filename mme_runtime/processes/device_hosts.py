@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import signal
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from mme_runtime.base import failures
-from mme_runtime.base.child_processes import fork_child
+from mme_runtime.base.child_processes import fork_child, kill
 from mme_runtime.base.config import Config
 from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, crashed_stack
 from mme_runtime.processes.device_host import run_host
@@ -174,7 +172,4 @@ class DeviceHosts:
 
     def stop(self) -> None:
         for host in self.hosts.values():
-            try:
-                os.kill(host.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            kill(host.pid)

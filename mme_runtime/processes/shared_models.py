@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import signal
 import socket
 import time
 from collections.abc import Callable, Iterable
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mme_runtime.base import failures
-from mme_runtime.base.child_processes import Watcher
+from mme_runtime.base.child_processes import Watcher, kill
 from mme_runtime.base.config import Config
 from mme_runtime.models.loading import LoadFailure, ModelSpec, check_location, refuse_load
 from mme_runtime.models.model_package import Package
@@ -38,7 +37,7 @@ from mme_runtime.operations import metrics
 from mme_runtime.processes.crash_board import SLOTS
 from mme_runtime.processes.device_hosts import SHARED, Crash, CrashCount, DeviceHosts, Host, HostKey
 from mme_runtime.processes.model_loader import start_loader
-from mme_runtime.processes.warm_protocol import receive, send
+from mme_runtime.processes.warm_protocol import bind_model_socket, drain, receive, send
 from mme_runtime.serving.connection import device_of, read_assignment
 
 logger = logging.getLogger(__name__)
@@ -407,40 +406,3 @@ def cpu_host_for(model: SharedModel, models: Iterable[SharedModel], cpu_hosts: i
         same = [o.cpu_host for o in others if o.cpu_host and o.cache_key == model.cache_key]
         model.cpu_host = same[0] if model.cache_key is not None and same else min(pool, key=taken.count)
     return model.cpu_host
-
-
-def bind_model_socket(argv: list[str]) -> socket.socket:
-    """The socket MMS's stub command line names (``--sock-name``), bound and listening, where the frontend's
-    connections for the model wait in the backlog until the model is ready."""
-    path = argv[argv.index("--sock-name") + 1]
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(128)
-    listener.setblocking(False)
-    return listener
-
-
-def drain(result: socket.socket) -> None:
-    """Closes a loader's result socket and any descriptor waiting in it."""
-    result.setblocking(False)
-    try:
-        while True:
-            _, fds = receive(result, with_fds=1)
-            for fd in fds:
-                os.close(fd)
-            if not fds:
-                break
-    except (OSError, ValueError):
-        pass
-    result.close()
-
-
-def kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass

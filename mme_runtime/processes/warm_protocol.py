@@ -1,10 +1,12 @@
 """The warm process's messages: length-prefixed JSON over a unix socket, with descriptors passed beside them
-(SCM_RIGHTS). Stubs, loaders and the warm process speak it. Light on imports: the stub imports it too."""
+(SCM_RIGHTS). Stubs, loaders and the warm process speak it; a model's socket and a loader's result
+socket are opened and drained here. Light on imports: the stub imports it too."""
 
 from __future__ import annotations
 
 import array
 import json
+import os
 import socket
 import struct
 
@@ -52,3 +54,33 @@ def receive(sock: socket.socket, with_fds: int = 0) -> tuple[dict[str, Any] | No
             return None, fds
         body += chunk
     return json.loads(body), fds
+
+
+def bind_model_socket(argv: list[str]) -> socket.socket:
+    """The socket MMS's stub command line names (``--sock-name``), bound and listening, where the frontend's
+    connections for the model wait in the backlog until the model is ready."""
+    path = argv[argv.index("--sock-name") + 1]
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(128)
+    listener.setblocking(False)
+    return listener
+
+
+def drain(result: socket.socket) -> None:
+    """Closes a loader's result socket and any descriptor waiting in it."""
+    result.setblocking(False)
+    try:
+        while True:
+            _, fds = receive(result, with_fds=1)
+            for fd in fds:
+                os.close(fd)
+            if not fds:
+                break
+    except (OSError, ValueError):
+        pass
+    result.close()
