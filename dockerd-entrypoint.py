@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Container entrypoint: `serve` (the default) runs MMS with our handler in the foreground; anything else is exec'd.
+"""Container entrypoint: `serve` (the default) runs MMS with our handler in the foreground; anything
+else is exec'd.
 
 Kept thin: the logic lives in mme_runtime (config, properties, supervisor) where it can be tested.
 """
@@ -75,7 +76,8 @@ def serve() -> int:
 def main(argv: list[str]) -> int:
     if not argv or argv[0] == "serve":
         return serve()
-    # Any other command runs as given, replacing this process (so it gets the signals and the exit status).
+    # Any other command runs as given, replacing this process (so it gets the signals and the exit
+    # status).
     os.execvp(argv[0], argv)
 
 

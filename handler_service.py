@@ -1,8 +1,9 @@
 """The handler MMS calls (``handler_service:handle``): the SageMaker contract with PyTorch defaults.
 
 A loader calls ``preload`` once per model in its CUDA-free process (model to host memory); a device
-host calls ``attach`` once its GPU is bound, then ``start_batcher``, and ``handle`` from one thread per frontend
-connection. Plain MMS calls ``handle(None, context)`` to initialise, which does both in its worker.
+host calls ``attach`` once its GPU is bound, then ``start_batcher``, and ``handle`` from one thread
+per frontend connection. Plain MMS calls ``handle(None, context)`` to initialise, which does both in
+its worker.
 """
 
 from __future__ import annotations
@@ -43,11 +44,13 @@ class HandlerService(DefaultHandlerService):  # type: ignore[misc]
         self.served.attach(context, worker_device(context.system_properties.get("gpu_id")), resolved)
 
     def start_batcher(self) -> ServingSettings:
-        """The host serves many connections from threads: forward passes go through one batcher from now on."""
+        """The host serves many connections from threads: forward passes go through one batcher from
+        now on."""
         return self.served.start_batcher()
 
     def initialize(self, context: Any) -> None:
-        """MMS's contract: everything in the worker (the toolkit's PYTHONPATH edit is not needed)."""
+        """MMS's contract: everything in the worker (the toolkit's PYTHONPATH edit is not
+        needed)."""
         self.attach(context)
 
     def handle(self, data: list[Any], context: Any) -> list[bytes]:
@@ -58,7 +61,8 @@ _service: HandlerService | None = None
 
 
 def service() -> HandlerService:
-    """This process's handler, created on first use (never at import, so importing reads no settings)."""
+    """This process's handler, created on first use (never at import, so importing reads no
+    settings)."""
     global _service
     if _service is None:
         _service = HandlerService()

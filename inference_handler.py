@@ -1,7 +1,9 @@
-"""PyTorch defaults for the SageMaker inference contract, behaving like the AWS PyTorch handler 1.5.1.
+"""PyTorch defaults for the SageMaker inference contract, behaving like the AWS PyTorch handler
+1.5.1.
 
-Differences that matter: the model is loaded to host memory and placed on its device host's device once (not per
-request), inference runs under ``torch.inference_mode``, and errors carry HTTP statuses.
+Differences that matter: the model is loaded to host memory and placed on its device host's device
+once (not per request), inference runs under ``torch.inference_mode``, and errors carry HTTP
+statuses.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ class DefaultPytorchInferenceHandler(DefaultInferenceHandler):  # type: ignore[m
     """Defaults used for any contract function the user's ``code/inference.py`` does not define."""
 
     def default_model_fn(self, model_dir: str, context: Any = None) -> Any:
-        """Loads ``model.pt2`` (an exported program, or an AOTInductor package that each device host loads on
-        its device), else ``model.pt``/``model.pth`` as TorchScript, to host memory; the host places it."""
+        """Loads ``model.pt2`` (an exported program, or an AOTInductor package that each device host
+        loads on its device), else ``model.pt``/``model.pth`` as TorchScript, to host memory; the
+        host places it."""
         exported = pt2.pt2_file(Path(model_dir))
         if exported is not None:
             return pt2.load(exported)
@@ -40,7 +43,8 @@ class DefaultPytorchInferenceHandler(DefaultInferenceHandler):  # type: ignore[m
             raise _not_torchscript(path, jit_error) from jit_error
 
     def default_input_fn(self, input_data: Any, content_type: str | None, context: Any = None) -> torch.Tensor:
-        """Decodes JSON, CSV or NPY into a tensor (float32 for the text formats, as the AWS handler does)."""
+        """Decodes JSON, CSV or NPY into a tensor (float32 for the text formats, as the AWS handler
+        does)."""
         return content.decode(input_data, content_type)
 
     def default_predict_fn(self, data: Any, model: Any, context: Any = None) -> Any:
@@ -54,14 +58,15 @@ class DefaultPytorchInferenceHandler(DefaultInferenceHandler):  # type: ignore[m
             except torch.cuda.OutOfMemoryError:
                 raise  # 507, not the caller's fault
             except (RuntimeError, ValueError, IndexError, TypeError) as exc:
-                # The defaults decoded this input themselves, so a model that refuses it was sent the wrong shape
-                # or type: the caller's error, with the model's own words.
+                # The defaults decoded this input themselves, so a model that refuses it was sent
+                # the wrong shape or type: the caller's error, with the model's own words.
                 shape = tuple(data.shape) if isinstance(data, torch.Tensor) else type(data).__name__
                 reason = first_line(exc)
                 raise InvalidInput(f"the model rejected an input of shape {shape}: {reason}") from exc
 
     def default_output_fn(self, prediction: Any, accept: str, context: Any = None) -> bytes:
-        """Encodes the prediction as JSON, CSV or NPY; ``accept`` was negotiated from the request's header."""
+        """Encodes the prediction as JSON, CSV or NPY; ``accept`` was negotiated from the request's
+        header."""
         return content.encode(prediction, accept)
 
 

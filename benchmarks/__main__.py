@@ -1,12 +1,15 @@
-"""The one entry point of the benchmarks: runs them, prints their tables, and can write those into the docs.
+"""The one entry point of the benchmarks: runs them, prints their tables, and can write those into
+the docs.
 
     .venv/bin/python -m benchmarks [NAME ...] [--write-docs [PATH]] [-- ARG ...]
 
-    .venv/bin/python -m benchmarks                             # all nine, in the order below (minutes each)
+    .venv/bin/python -m benchmarks                             # all nine, in the order below
+                                                               # (minutes each)
     .venv/bin/python -m benchmarks stock batching              # these two
     .venv/bin/python -m benchmarks handler -- --requests 300   # one, with its own options after --
     .venv/bin/python -m benchmarks stock -- --help             # those options
-    .venv/bin/python -m benchmarks pt2 --write-docs            # and its section of docs/benchmarks.md
+    .venv/bin/python -m benchmarks pt2 --write-docs            # and its section of
+                                                               # docs/benchmarks.md
 
 NAME is one of device_host, stock, batching, pt2, preload, hugging_face, sharing, reload, handler (none: all of these,
 in that order), gpu (run only when named: what scripts/gpu-proof measures on a card) or scale (run only when named:
@@ -16,9 +19,10 @@ each one's stdout (its results: tables and the lines that say what they measured
 goes to stderr.
 
 --write-docs (PATH: docs/benchmarks.md) replaces what lies between ``<!-- benchmark:NAME -->`` and
-``<!-- /benchmark:NAME -->`` in PATH with a line saying when and on what machine it ran, then that output. Nothing
-else in the file changes. Every pair is checked before anything runs: a missing one is an error, never appended.
-A benchmark that fails keeps its old section and does not stop the others; the exit status is then 1.
+``<!-- /benchmark:NAME -->`` in PATH with a line saying when and on what machine it ran, then that
+output. Nothing else in the file changes. Every pair is checked before anything runs: a missing one
+is an error, never appended. A benchmark that fails keeps its old section and does not stop the
+others; the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TextIO
 
-# Name -> module with ``main(argv) -> int``; the order is the order of a full run (the quick handler profile last).
+# Name -> module with ``main(argv) -> int``; the order is the order of a full run (the quick handler
+# profile last).
 BENCHMARKS: dict[str, str] = {
     "device_host": "benchmarks.device_host",
     "stock": "benchmarks.stock",
@@ -61,7 +66,8 @@ DEFAULT_DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
 
 class DocsError(Exception):
-    """The docs file cannot take a benchmark's output (no such file, or its markers are missing or repeated)."""
+    """The docs file cannot take a benchmark's output (no such file, or its markers are missing or
+    repeated)."""
 
 
 class _Tee(io.StringIO):
@@ -93,7 +99,8 @@ class Result:
 
 
 def run(name: str, argv: Sequence[str]) -> Result:
-    """Runs one benchmark in this process, its stdout echoed and kept; any failure becomes a status, never a raise."""
+    """Runs one benchmark in this process, its stdout echoed and kept; any failure becomes a status,
+    never a raise."""
     tee = _Tee(sys.stdout)
     saved = sys.stdout
     sys.stdout = tee
@@ -111,7 +118,8 @@ def run(name: str, argv: Sequence[str]) -> Result:
 
 
 def machine_line(today: date | None = None) -> str:
-    """``Run on YYYY-MM-DD on <CPU>: <cores> cores, <memory> GiB, <GPUs or "no GPU">, torch <version>.``"""
+    """``Run on YYYY-MM-DD on <CPU>: <cores> cores, <memory> GiB, <GPUs or "no GPU">, torch
+    <version>.``"""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     try:
@@ -133,7 +141,8 @@ def _cpu() -> str:
 
 
 def _gpus() -> str:
-    """What ``nvidia-smi -L`` lists, as "2x NVIDIA H100 80GB HBM3"; "no GPU" without it or with nothing listed."""
+    """What ``nvidia-smi -L`` lists, as "2x NVIDIA H100 80GB HBM3"; "no GPU" without it or with
+    nothing listed."""
     try:
         listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60, check=True).stdout
     except (OSError, subprocess.SubprocessError):
@@ -169,14 +178,16 @@ def _read(path: Path) -> str:
 
 
 def check_docs(path: Path, names: Sequence[str]) -> None:
-    """Raises DocsError unless ``path`` has every marker pair ``names`` need: checked before hours of benchmarks."""
+    """Raises DocsError unless ``path`` has every marker pair ``names`` need: checked before hours
+    of benchmarks."""
     text = _read(path)
     for name in names:
         _section(text, name, path)
 
 
 def write_section(path: Path, name: str, heading: str, output: str) -> None:
-    """Replaces what lies between ``name``'s markers in ``path`` with ``heading`` and ``output``; nothing else."""
+    """Replaces what lies between ``name``'s markers in ``path`` with ``heading`` and ``output``;
+    nothing else."""
     text = _read(path)
     start, end = _section(text, name, path)
     results = output.strip("\n")
@@ -186,7 +197,8 @@ def write_section(path: Path, name: str, heading: str, output: str) -> None:
 
 
 def parse(argv: Sequence[str]) -> tuple[list[str], Path | None, list[str]]:
-    """The benchmarks to run, the docs file to write (or None) and the options for a single benchmark."""
+    """The benchmarks to run, the docs file to write (or None) and the options for a single
+    benchmark."""
     own, extra = list(argv), []
     if "--" in own:
         extra = own[own.index("--") + 1 :]

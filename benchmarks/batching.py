@@ -1,20 +1,25 @@
 """Dynamic batching against the peers, same TorchScript files, one run.
 
-    .venv/bin/python -m benchmarks batching [-- --rounds 2 --clients 16 --batch-size 16 --max-batch-delay 10]
+    .venv/bin/python -m benchmarks batching [-- --rounds 2 --clients 16 --batch-size 16
+                                                --max-batch-delay 10]
 
 Stacks, each measured on the same model files:
-  ours batched    this server, the model with serving.properties batch_size/max_batch_delay (the default
-                  predict_fn on the collated rows; the server scales the model to batch_size workers itself)
-  ours unbatched  this server, the same model with no serving.properties (one worker, the default on a CPU host)
-  stock           MMS 1.1.11 + sagemaker-inference + the AWS PyTorch handler 1.5.1, one worker (peers/stock_stack.py)
+  ours batched    this server, the model with serving.properties batch_size/max_batch_delay (the
+                  default predict_fn on the collated rows; the server scales the model to batch_size
+                  workers itself)
+  ours unbatched  this server, the same model with no serving.properties (one worker, the default on
+                  a CPU host)
+  stock           MMS 1.1.11 + sagemaker-inference + the AWS PyTorch handler 1.5.1, one worker
+                  (peers/stock_stack.py)
   TorchServe      TorchServe 0.12 with its own batching, batch_size/max_batch_delay, one worker
                   (peers/torchserve_stack.py; its handler collates the rows of a batch as ours does)
 
-Models: the memory-bound MLP of the stock benchmark (--size-mb, one row of 2048 floats as JSON per request) and a
-ResNet-18-shaped conv net (random weights, built here; one 1x3x224x224 float32 image as NPY per request).
-Per stack, model and round: LOAD (or register), a few untimed requests, --requests-1 sequential requests from one
-client (latency p50/p99, requests/s) and --requests-n requests from --clients clients (requests/s, p50/p99), then
-UNLOAD. Tables show medians over --rounds and ratios against ours batched; timings are never asserted.
+Models: the memory-bound MLP of the stock benchmark (--size-mb, one row of 2048 floats as JSON per
+request) and a ResNet-18-shaped conv net (random weights, built here; one 1x3x224x224 float32 image
+as NPY per request). Per stack, model and round: LOAD (or register), a few untimed requests,
+--requests-1 sequential requests from one client (latency p50/p99, requests/s) and --requests-n
+requests from --clients clients (requests/s, p50/p99), then UNLOAD. Tables show medians over
+--rounds and ratios against ours batched; timings are never asserted.
 """
 
 from __future__ import annotations
@@ -87,7 +92,8 @@ class BasicBlock(torch.nn.Module):
 
 
 def resnet18_shaped(classes: int = 1000) -> torch.nn.Module:
-    """ResNet-18's layers and sizes (11.7 M parameters), random weights: what torchvision would build."""
+    """ResNet-18's layers and sizes (11.7 M parameters), random weights: what torchvision would
+    build."""
     layers: list[torch.nn.Module] = [
         torch.nn.Conv2d(3, 64, 7, 2, 3, bias=False),
         torch.nn.BatchNorm2d(64),
@@ -120,7 +126,8 @@ def build_cases(root: Path, size_mb: int, scale: float) -> list[Case]:
 
 
 def drive(url: str, case: Case, clients: int, total: int) -> tuple[list[float], float, int]:
-    """``total`` requests from ``clients`` threads: latencies (ms) of the successful ones, requests/s, failures."""
+    """``total`` requests from ``clients`` threads: latencies (ms) of the successful ones,
+    requests/s, failures."""
     headers = {"Content-Type": case.content_type, "Accept": "application/json"}
     shares = [total // clients + (1 if i < total % clients else 0) for i in range(clients)]
     ready = threading.Barrier(clients + 1)

@@ -1,26 +1,31 @@
-"""Many models on one host: the device hosts (sharing on: two CPU hosts by default, and one), against a process per
-model (sharing off, MME_SHARE_DEVICE=false) and the stock stack, in one run.
+"""Many models on one host: the device hosts (sharing on: two CPU hosts by default, and one),
+against a process per model (sharing off, MME_SHARE_DEVICE=false) and the stock stack, in one run.
 
     .venv/bin/python -m benchmarks device_host [-- --models 50 --churn-seconds 30
                                                    --stacks shared one-host isolated stock]
 
-Per stack, one server, these scenarios in order (every model is the tests' tiny TorchScript net, one row of 4 floats;
-the stock stack's copies carry the code/inference.py its handler needs, see peers/stock_stack.py):
+Per stack, one server, these scenarios in order (every model is the tests' tiny TorchScript net, one
+row of 4 floats; the stock stack's copies carry the code/inference.py its handler needs, see
+peers/stock_stack.py):
 
-* memory: --models models loaded one after another; PSS of the server's whole process tree (Java frontend, warm
-  process, hosts, stubs, servers, workers) with 1 model and with all, and the extra per model; processes per model
-  likewise. LOAD p50 is the median LOAD time over those loads.
-* crash: a model whose code aborts the process it runs in, with all --models loaded: seconds until every other model
-  answers 200 again (with a process per model: at once).
-* cycles: --cycles LOAD, INVOKE, UNLOAD cycles of mixed models, one after another: PSS growth of the whole tree.
-* churn: 4 clients, each looping LOAD, INVOKE, UNLOAD on models of its own for --churn-seconds (what SageMaker does
-  with ModelCacheSetting=Disabled): completed cycles per second.
-* 8 models x 2 clients: 8 tiny models, 2 clients each, all at once, --burst-seconds: requests per second.
+* memory: --models models loaded one after another; PSS of the server's whole process tree (Java
+  frontend, warm process, hosts, stubs, servers, workers) with 1 model and with all, and the extra
+  per model; processes per model likewise. LOAD p50 is the median LOAD time over those loads.
+* crash: a model whose code aborts the process it runs in, with all --models loaded: seconds until
+  every other model answers 200 again (with a process per model: at once).
+* cycles: --cycles LOAD, INVOKE, UNLOAD cycles of mixed models, one after another: PSS growth of the
+  whole tree.
+* churn: 4 clients, each looping LOAD, INVOKE, UNLOAD on models of its own for --churn-seconds (what
+  SageMaker does with ModelCacheSetting=Disabled): completed cycles per second.
+* 8 models x 2 clients: 8 tiny models, 2 clients each, all at once, --burst-seconds: requests per
+  second.
 * noisy neighbour: 16 clients saturate model A while one client times model B: B's p50 latency.
-* 3 workers, 50 ms: a model whose predict_fn sleeps 50 ms, 3 workers, 12 clients: requests per second.
+* 3 workers, 50 ms: a model whose predict_fn sleeps 50 ms, 3 workers, 12 clients: requests per
+  second.
 
-Single-client timings use http.client on a kept-alive connection (requests costs 2 ms a call here). Ratios are
-against sharing off and the stock stack of the same run. Timings are never asserted: machines here are noisy.
+Single-client timings use http.client on a kept-alive connection (requests costs 2 ms a call here).
+Ratios are against sharing off and the stock stack of the same run. Timings are never asserted:
+machines here are noisy.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ from benchmarks.benchlib import Server, our_server, percentile, serve, table
 from benchmarks.peers.stock_stack import STOCK_MODEL_FN, ensure_venv, serve_isolated, stock_server
 
 STACKS = ("shared", "one-host", "isolated", "stock")
-# Our server's settings per stack: the default (two CPU hosts), one CPU host for every model, sharing off.
+# Our server's settings per stack: the default (two CPU hosts), one CPU host for every model,
+# sharing off.
 OUR_STACKS = {
     "shared": {},
     "one-host": {"MME_CPU_HOSTS": "1"},
@@ -155,7 +161,8 @@ def memory(server: Server, root: Path, stack: str, count: int) -> dict[str, floa
 
 
 def crash_recovery(server: Server, root: Path, stack: str, names: list[str]) -> float:
-    """A model whose code aborts the process it runs in: seconds until every other model answers 200 again."""
+    """A model whose code aborts the process it runs in: seconds until every other model answers 200
+    again."""
     client = Client(server.url)
     assert client.load("aborting", model(root, "aborting", stack, ABORT_SCRIPT)) == 200
     crashed = time.monotonic()
@@ -168,9 +175,9 @@ def crash_recovery(server: Server, root: Path, stack: str, names: list[str]) -> 
 
 
 def cycles(server: Server, root: Path, stack: str, count: int) -> tuple[float, float | None]:
-    """PSS growth, MiB, of the whole tree and of the device hosts (None where there are none), over ``count`` LOAD,
-    INVOKE, UNLOAD cycles of mixed models (TorchScript, a state dict with its script, a transform_fn script; the
-    stock stack's all TorchScript with its model_fn)."""
+    """PSS growth, MiB, of the whole tree and of the device hosts (None where there are none), over
+    ``count`` LOAD, INVOKE, UNLOAD cycles of mixed models (TorchScript, a state dict with its
+    script, a transform_fn script; the stock stack's all TorchScript with its model_fn)."""
     client = Client(server.url)
     builders = [torchscript_model, state_dict_model, transform_model] if stack != "stock" else [torchscript_model]
     bodies = [ROW, json.dumps({"inputs": [[1.0, 2.0, 3.0, 4.0]]}).encode(), ROW]
@@ -307,7 +314,8 @@ def run_stack(stack: str, root: Path, args: argparse.Namespace) -> dict[str, flo
     return results
 
 
-# Rows whose shared/other ratio means nothing (a difference near zero; a crash that costs the others nothing there).
+# Rows whose shared/other ratio means nothing (a difference near zero; a crash that costs the others
+# nothing there).
 NO_RATIO = ("growth", "host_growth", "recovery_s")
 
 

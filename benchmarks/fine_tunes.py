@@ -1,22 +1,25 @@
-"""Fine-tunes of one base that differ only in their head: their memory with weights shared and not, what hashing
-costs a LOAD, and the memory left after every model is unloaded.
+"""Fine-tunes of one base that differ only in their head: their memory with weights shared and not,
+what hashing costs a LOAD, and the memory left after every model is unloaded.
 
-Part of the ``sharing`` benchmark (``benchmarks/sharing.py`` prints its table). The base is a BERT-shaped classifier
-of about 100 MB (5 layers, hidden 768, random weights) saved with ``save_pretrained``, with a tokenizer of BERT's
-size (30,522 entries: ``hf_models.bert_sized_vocabulary``; the texts use the first 300); each of ``--fine-tunes``
-copies (real copies: other files, the same bytes) has its classifier head drawn anew. Stacks, in one run:
+Part of the ``sharing`` benchmark (``benchmarks/sharing.py`` prints its table). The base is a
+BERT-shaped classifier of about 100 MB (5 layers, hidden 768, random weights) saved with
+``save_pretrained``, with a tokenizer of BERT's size (30,522 entries:
+``hf_models.bert_sized_vocabulary``; the texts use the first 300); each of ``--fine-tunes`` copies
+(real copies: other files, the same bytes) has its classifier head drawn anew. Stacks, in one run:
   sharing on    this server as it ships
   sharing off   ``MME_SHARE_WEIGHTS=false``: no tensor is hashed or held once
-Both keep no package after an UNLOAD (``MME_KEEP_UNLOADED_MB=0``), so what stays after one is what leaks.
-Each fine-tune must answer as itself: all of them differently (their heads differ), and the first two as
-transformers computes in this process for their directories (logits, to 1e-4); otherwise the benchmark fails.
+Both keep no package after an UNLOAD (``MME_KEEP_UNLOADED_MB=0``), so what stays after one is what
+leaks. Each fine-tune must answer as itself: all of them differently (their heads differ), and the
+first two as transformers computes in this process for their directories (logits, to 1e-4);
+otherwise the benchmark fails.
 
-Measured per stack: the server tree's PSS (with the shared-memory files it holds unmapped) once each CPU device host
-holds a fine-tune and after the others, per extra fine-tune (the part of it in MMS's Java frontend too); the memory
-with none loaded (after two fine-tunes' LOAD and UNLOAD, so both CPU device hosts run and transformers is imported)
-against after the LOAD and UNLOAD of all of them; and LOAD to the first answer of a model of about 500 MB (15
-layers, hidden 1024), the median of 5 fresh copies, each unloaded before the next (nothing held that its tensors
-could match), the two stacks taking turns.
+Measured per stack: the server tree's PSS (with the shared-memory files it holds unmapped) once each
+CPU device host holds a fine-tune and after the others, per extra fine-tune (the part of it in MMS's
+Java frontend too); the memory with none loaded (after two fine-tunes' LOAD and UNLOAD, so both CPU
+device hosts run and transformers is imported) against after the LOAD and UNLOAD of all of them; and
+LOAD to the first answer of a model of about 500 MB (15 layers, hidden 1024), the median of 5 fresh
+copies, each unloaded before the next (nothing held that its tensors could match), the two stacks
+taking turns.
 """
 
 from __future__ import annotations
@@ -56,8 +59,8 @@ def head_bytes(model_dir: Path) -> int:
 
 
 def label_scores(answer: object) -> dict[str, float]:
-    """A text classifier's answer to one text as label -> score (a logit with ``RAW``; the answer may come nested one
-    list deeper)."""
+    """A text classifier's answer to one text as label -> score (a logit with ``RAW``; the answer
+    may come nested one list deeper)."""
     if isinstance(answer, list) and answer and isinstance(answer[0], list):
         (answer,) = answer
     assert isinstance(answer, list), answer
@@ -71,7 +74,8 @@ def in_process(model_dir: Path) -> dict[str, float]:
 
 
 def check_answers(server: Server, names: list[str], expected: list[dict[str, float]]) -> None:
-    """Raises unless every fine-tune answers differently and the first ones as ``expected`` says, to 1e-4."""
+    """Raises unless every fine-tune answers differently and the first ones as ``expected`` says, to
+    1e-4."""
     body = json.dumps({"inputs": TEXT, "parameters": RAW}).encode()
     answers, connection = [], connect(server)
     for name in names:
@@ -103,8 +107,8 @@ def fine_tunes_memory(
     for index in range(BASELINE_MODELS):
         server.unload_and_wait(f"warm-up-{index}")
     empty = server.tree_memory_mib()
-    # Counted once every device host holds a fine-tune (they go to the host with the fewest models): each host holds
-    # the tokenizer they share once, a cost per host, not per fine-tune.
+    # Counted once every device host holds a fine-tune (they go to the host with the fewest models):
+    # each host holds the tokenizer they share once, a cost per host, not per fine-tune.
     held = BASELINE_MODELS
     for name, tune in zip(names[:held], tunes[:held], strict=True):
         load_until_first_answer(server, name, tune, body)
@@ -126,8 +130,8 @@ def fine_tunes_memory(
 
 
 def large_loads(servers: dict[str, Server], large: Path, models: Path, count: int, body: bytes) -> dict[str, float]:
-    """LOAD to first answer of fresh copies of ``large``, the stacks taking turns (drift on a noisy machine hits both
-    alike), each copy unloaded before the next; the median per stack, ms."""
+    """LOAD to first answer of fresh copies of ``large``, the stacks taking turns (drift on a noisy
+    machine hits both alike), each copy unloaded before the next; the median per stack, ms."""
     seconds: dict[str, list[float]] = {label: [] for label in servers}
     for index in range(count):
         for label, server in servers.items():
@@ -149,8 +153,8 @@ def measure(work: Path, args: argparse.Namespace) -> list[list[object]]:
     expected = [in_process(tune) for tune in tunes[:CHECKED]]
     results, servers = {}, {}
     with ExitStack() as stack:
-        # Nothing kept after an UNLOAD (operations.md): "after UNLOAD of everything" is then what leaks, and a fresh
-        # 500 MB copy finds no kept package whose tensors it could share.
+        # Nothing kept after an UNLOAD (operations.md): "after UNLOAD of everything" is then what
+        # leaks, and a fresh 500 MB copy finds no kept package whose tensors it could share.
         stacks = (("on", {}), ("off", {"MME_SHARE_WEIGHTS": "false"}))
         for label, env in stacks:
             env = {**env, "MME_KEEP_UNLOADED_MB": "0"}

@@ -1,19 +1,23 @@
-"""What the GPU proof measures on a card: the README's GPU claims, one part at a time (scripts/gpu-proof runs each
-part within a time budget of its own).
+"""What the GPU proof measures on a card: the README's GPU claims, one part at a time
+(scripts/gpu-proof runs each part within a time budget of its own).
 
     .venv/bin/python -m benchmarks gpu [-- --part models --part crash]
 
 Parts, each starting a server of its own:
-  models      memory on the card per extra model (tiny TorchScript models; fine-tunes of a 100 MB BERT that differ
-              only in their head), the processes holding a CUDA context however many models, LOAD to first answer
+  models      memory on the card per extra model (tiny TorchScript models; fine-tunes of a 100 MB
+              BERT that differ only in their head), the processes holding a CUDA context however
+              many models, LOAD to first answer
   batching    the 96 MiB MLP (TorchScript) with batch_size 16 against unbatched: 16 clients, and one
-  adapters    8 rank-8 LoRA adapters of the 100 MB BERT against one of them, 16 clients, batch_size 16
-  generation  a GPT-2-shaped model (4 layers, hidden 256): one client, 16 clients, and whether each client's greedy
-              answer under 16 clients is the one it gets alone
-  crash       a model that aborts its device host: how long until the 10 models beside it on the card answer again
-Memory on the card is nvidia-smi's memory.used, summed over the cards, a second after the last answer. Without a GPU
-every part runs on the CPU and card memory reads n/a: a check of this benchmark, not a GPU number. Clients keep
-their connection alive (http.client). Timings are never asserted.
+  adapters    8 rank-8 LoRA adapters of the 100 MB BERT against one of them, 16 clients,
+              batch_size 16
+  generation  a GPT-2-shaped model (4 layers, hidden 256): one client, 16 clients, and whether each
+              client's greedy answer under 16 clients is the one it gets alone
+  crash       a model that aborts its device host: how long until the 10 models beside it on the
+              card answer again
+Memory on the card is nvidia-smi's memory.used, summed over the cards, a second after the last
+answer. Without a GPU every part runs on the CPU and card memory reads n/a: a check of this
+benchmark, not a GPU number. Clients keep their connection alive (http.client). Timings are never
+asserted.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ def progress(message: str) -> None:
 
 
 def card_mib(settle: float = 1.0) -> float | None:
-    """GPU memory in use, MiB, summed over the cards, after ``settle`` seconds; None without a GPU."""
+    """GPU memory in use, MiB, summed over the cards, after ``settle`` seconds; None without a
+    GPU."""
     if not gpu_count():
         return None
     time.sleep(settle)
@@ -105,7 +110,8 @@ def ours(work: Path, env: dict[str, str] | None = None) -> Iterator[Server]:
 
 
 def load_all(server: Server, prefix: str, dirs: Sequence[Path], body: bytes) -> tuple[list[float], list[float | None]]:
-    """LOADs each directory and waits for its first answer: the seconds that took, and the card's memory after."""
+    """LOADs each directory and waits for its first answer: the seconds that took, and the card's
+    memory after."""
     seconds, used = [], []
     for index, directory in enumerate(dirs):
         seconds.append(load_until_first_answer(server, f"{prefix}-{index}", directory, body))
@@ -157,7 +163,8 @@ def models_part(work: Path, args: argparse.Namespace) -> list[list[object]]:
 
 
 def alternate(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """The mean of ``rounds`` of each measure, taking turns so that a busier moment weighs on all alike."""
+    """The mean of ``rounds`` of each measure, taking turns so that a busier moment weighs on all
+    alike."""
     found: dict[str, list[float]] = {name: [] for name in measures}
     for _ in range(rounds):
         for name, measure in measures.items():

@@ -1,14 +1,18 @@
-"""Profile of one invoke inside the backend: MMS's Service.predict around the handler, without the Java frontend.
+"""Profile of one invoke inside the backend: MMS's Service.predict around the handler, without the
+Java frontend.
 
-    .venv/bin/python -m benchmarks handler [-- --requests 3000]   # ours, then the AWS PyTorch handler 1.5.1
+    .venv/bin/python -m benchmarks handler [-- --requests 3000]   # ours, then the AWS PyTorch
+                                                                  # handler 1.5.1
     .venv/bin/python -m benchmarks handler -- --ours              # ours alone: nothing to install
-    .bench-venv/bin/python -m benchmarks handler -- --stock       # the AWS handler alone, in the stock stack's venv
+    .bench-venv/bin/python -m benchmarks handler -- --stock       # the AWS handler alone, in the
+                                                                  # stock stack's venv
 
-Times --requests calls of ``mms.service.Service.predict`` on the message MMS sends for a JSON invoke of the tiny
-model, after 200 untimed ones, with one torch thread as MMS's worker has. The AWS handler can only be imported in the
-stock stack's venv (.bench-venv/, created on first use as for the stock benchmark), so its calls are timed by that
-venv's interpreter, in a process of its own. Prints a table of the median and p99 in microseconds; the top functions
-by cumulative time (cProfile) of each go to stderr, since a profile is for reading at the terminal, not for the docs.
+Times --requests calls of ``mms.service.Service.predict`` on the message MMS sends for a JSON invoke
+of the tiny model, after 200 untimed ones, with one torch thread as MMS's worker has. The AWS
+handler can only be imported in the stock stack's venv (.bench-venv/, created on first use as for
+the stock benchmark), so its calls are timed by that venv's interpreter, in a process of its own.
+Prints a table of the median and p99 in microseconds; the top functions by cumulative time
+(cProfile) of each go to stderr, since a profile is for reading at the terminal, not for the docs.
 This module imports nothing at the top that the stock stack's venv lacks.
 """
 
@@ -51,15 +55,16 @@ def message(body: bytes) -> list[dict[str, object]]:
 
 
 STOCK_LABEL = "AWS PyTorch handler 1.5.1"
-# Run by the stock stack's interpreter from the repository root: the AWS handler's timings, as JSON on stdout.
+# Run by the stock stack's interpreter from the repository root: the AWS handler's timings, as JSON
+# on stdout.
 _STOCK_PROBE = (
     "import json, sys; from benchmarks.handler import measure; print(json.dumps(measure(True, int(sys.argv[1]))))"
 )
 
 
 def measure(stock: bool, requests: int) -> tuple[float, float]:
-    """Median and p99, in microseconds, of ``requests`` calls of Service.predict through one handler (ours, or the
-    AWS handler where it can be imported); its profile goes to stderr."""
+    """Median and p99, in microseconds, of ``requests`` calls of Service.predict through one handler
+    (ours, or the AWS handler where it can be imported); its profile goes to stderr."""
     import model_factory
     import torch
     from mms.service import Service
@@ -99,7 +104,8 @@ def measure(stock: bool, requests: int) -> tuple[float, float]:
 
 
 def measure_in_stock_venv(requests: int) -> tuple[float, float]:
-    """:func:`measure` of the AWS handler, run by the stock stack's interpreter (installed first if need be)."""
+    """:func:`measure` of the AWS handler, run by the stock stack's interpreter (installed first if
+    need be)."""
     from benchmarks.benchlib import REPO, venv_python
     from benchmarks.peers.stock_stack import STOCK_VENV, ensure_venv
 

@@ -1,24 +1,29 @@
-"""Hugging Face models with no code: ours batched and unbatched against the AWS Hugging Face stack, one run.
+"""Hugging Face models with no code: ours batched and unbatched against the AWS Hugging Face stack,
+one run.
 
-    .venv/bin/python -m benchmarks hugging_face [-- --models 20 --clients 16 --requests 320 --lone 100]
+    .venv/bin/python -m benchmarks hugging_face [-- --models 20 --clients 16 --requests 320
+                                                    --lone 100]
     .venv/bin/python -m benchmarks hugging_face -- --part generation   # the generative models alone
 
-Stacks, each on the same files (hard links) of one BERT-shaped classifier (4 layers, hidden 256, random weights, a
-WordPiece tokenizer trained here) and the same texts, 4 to 200 tokens long:
-  ours batched    this server, no code, ``batch_size`` 16 in serving.properties: texts padded into shared passes
+Stacks, each on the same files (hard links) of one BERT-shaped classifier (4 layers, hidden 256,
+random weights, a WordPiece tokenizer trained here) and the same texts, 4 to 200 tokens long:
+  ours batched    this server, no code, ``batch_size`` 16 in serving.properties: texts padded into
+                  shared passes
   ours unbatched  this server, no code, no serving.properties
-  AWS HF          MMS 1.1.11 + sagemaker-huggingface-inference-toolkit 2.6.0 + transformers 4.57.6 (the newest it
-                  runs with), in .hf-bench-venv (made on first use), started as benchmarks/peers/stock_stack.py starts
-                  the stock stack
+  AWS HF          MMS 1.1.11 + sagemaker-huggingface-inference-toolkit 2.6.0 + transformers 4.57.6
+                  (the newest it runs with), in .hf-bench-venv (made on first use), started as
+                  benchmarks/peers/stock_stack.py starts the stock stack
 
-Measured per stack: LOAD until the first answer; one client's p50 and p99 over ``--lone`` requests on one kept-alive
-connection (http.client: the requests library would add about 2 ms a call here); ``--clients`` clients sending
-``--requests`` requests in all, each on its own connection. Then memory: the server's whole process tree (PSS) before
-and after loading ``--models`` more copies, per extra model, for our no-code models, the same models through an
-``inference.py`` with a ``requirements.txt`` naming transformers (which the image ships: they share the host too),
-the same with ``isolation=process`` (what such a model cost before the image shipped transformers: processes of its
-own), and the AWS stack. Timings are never asserted; compare ratios within one run. Then the generative models,
-GPT-2- and T5-shaped, ours against the AWS stack (``hugging_face_generation.py``).
+Measured per stack: LOAD until the first answer; one client's p50 and p99 over ``--lone`` requests
+on one kept-alive connection (http.client: the requests library would add about 2 ms a call here);
+``--clients`` clients sending ``--requests`` requests in all, each on its own connection. Then
+memory: the server's whole process tree (PSS) before and after loading ``--models`` more copies, per
+extra model, for our no-code models, the same models through an ``inference.py`` with a
+``requirements.txt`` naming transformers (which the image ships: they share the host too), the same
+with ``isolation=process`` (what such a model cost before the image shipped transformers: processes
+of its own), and the AWS stack. Timings are never asserted; compare ratios within one run. Then the
+generative models, GPT-2- and T5-shaped, ours against the AWS stack
+(``hugging_face_generation.py``).
 """
 
 from __future__ import annotations
@@ -42,8 +47,9 @@ from benchmarks.benchlib import BATCH_CONNECTIONS_AT_LOAD, Server, our_server, p
 from benchmarks.peers.stock_stack import serve_isolated, stock_server
 
 HF_VENV = benchlib.REPO / ".hf-bench-venv"
-# The toolkit's newest release imports is_tf_available, which transformers 5 removed: 4.57.6 is the newest it runs
-# with. torch is pinned exactly (the local CPU wheel); setuptools<81 keeps pkg_resources for sagemaker-inference.
+# The toolkit's newest release imports is_tf_available, which transformers 5 removed: 4.57.6 is the
+# newest it runs with. torch is pinned exactly (the local CPU wheel); setuptools<81 keeps
+# pkg_resources for sagemaker-inference.
 HF_REQUIREMENTS = (
     "torch==2.13.0",
     "multi-model-server==1.1.11",
@@ -84,7 +90,8 @@ def progress(message: str) -> None:
 
 
 def link_model(source: Path, dest: Path, extra: dict[str, str] | None = None) -> Path:
-    """``source``'s files hard-linked into ``dest`` (one page-cache copy for every stack), plus ``extra`` files."""
+    """``source``'s files hard-linked into ``dest`` (one page-cache copy for every stack), plus
+    ``extra`` files."""
     dest.mkdir(parents=True)
     for path in source.iterdir():
         os.link(path, dest / path.name)
@@ -159,7 +166,8 @@ def many_clients(server: Server, name: str, texts: Sequence[bytes], clients: int
 
 
 def memory_per_model(server: Server, make: Callable[[int], Path], count: int, prefix: str, body: bytes) -> float:
-    """PSS of the server's tree per extra model, ``count`` models loaded (and answering once) on top of what runs."""
+    """PSS of the server's tree per extra model, ``count`` models loaded (and answering once) on top
+    of what runs."""
     settle = 2.0
     time.sleep(settle)
     before = pss_mib([*server.tree()])
@@ -181,7 +189,8 @@ def measure(server: Server, name: str, path: Path, texts: list[bytes], args: arg
     row["p50"], row["p99"] = percentile(lone, 50) * 1000, percentile(lone, 99) * 1000
     progress(f"{name}: {args.clients} clients")
     row["throughput"], row["failures"] = many_clients(server, name, texts, args.clients, args.requests)
-    # The same tokens in texts of one length: what padding costs a batch of mixed lengths (what bucketing could win).
+    # The same tokens in texts of one length: what padding costs a batch of mixed lengths (what
+    # bucketing could win).
     progress(f"{name}: {args.clients} clients, one length")
     row["uniform"], failed = many_clients(server, name, uniform(texts), args.clients, args.requests)
     row["failures"] += failed

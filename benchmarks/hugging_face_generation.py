@@ -1,21 +1,26 @@
-"""Generative Hugging Face models with no code, the part of ``python -m benchmarks hugging_face`` that generates:
-ours, whose scheduler decodes every client's rows together step by step, against the AWS Hugging Face stack.
+"""Generative Hugging Face models with no code, the part of ``python -m benchmarks hugging_face``
+that generates: ours, whose scheduler decodes every client's rows together step by step, against the
+AWS Hugging Face stack.
 
-    .venv/bin/python -m benchmarks hugging_face -- --part generation [--clients 16 --gen-requests 160 --gen-lone 40]
+    .venv/bin/python -m benchmarks hugging_face -- --part generation [--clients 16
+                                                                      --gen-requests 160 --gen-lone 40]
 
-Models, built here with random weights and tokenizers trained here (tests/hf_models.py), the same files (hard links)
-for both stacks: a GPT-2-shaped causal LM (4 layers, hidden 256) as text-generation, and a T5-shaped encoder-decoder
-(4 layers, hidden 256) as text2text-generation. Requests, in one fixed order for both stacks: prompts of 4 to 40
-words, 16 to 96 new tokens, greedy (``"do_sample": false, "num_beams": 1``, which both stacks take as generate does).
-Ours serves each model with ``batch_size`` = ``--clients`` in its serving.properties (that many rows per step, and
-frontend connections); the AWS stack serves one task per container (``HF_TASK``), so it is started once per model.
+Models, built here with random weights and tokenizers trained here (tests/hf_models.py), the same
+files (hard links) for both stacks: a GPT-2-shaped causal LM (4 layers, hidden 256) as
+text-generation, and a T5-shaped encoder-decoder (4 layers, hidden 256) as text2text-generation.
+Requests, in one fixed order for both stacks: prompts of 4 to 40 words, 16 to 96 new tokens, greedy
+(``"do_sample": false, "num_beams": 1``, which both stacks take as generate does). Ours serves each
+model with ``batch_size`` = ``--clients`` in its serving.properties (that many rows per step, and
+frontend connections); the AWS stack serves one task per container (``HF_TASK``), so it is started
+once per model.
 
-Measured per stack and model, both stacks running and taking turns (a machine busier at one moment weighs on both
-alike): LOAD until the first answer; one client's p50 and p99 over ``--gen-lone`` requests on one kept-alive
-connection, the stacks answering each request in turn; ``--clients`` clients sending ``--gen-requests`` requests
-in all, each on its own connection, in 4 rounds taking turns (req/s, their mean); and how many of the lone client's
-answers both stacks gave alike (the same greedy text from transformers 5.23 here and 4.57.6 there). Timings are
-never asserted; compare ratios within one run.
+Measured per stack and model, both stacks running and taking turns (a machine busier at one moment
+weighs on both alike): LOAD until the first answer; one client's p50 and p99 over ``--gen-lone``
+requests on one kept-alive connection, the stacks answering each request in turn; ``--clients``
+clients sending ``--gen-requests`` requests in all, each on its own connection, in 4 rounds taking
+turns (req/s, their mean); and how many of the lone client's answers both stacks gave alike (the
+same greedy text from transformers 5.23 here and 4.57.6 there). Timings are never asserted; compare
+ratios within one run.
 """
 
 from __future__ import annotations
@@ -60,7 +65,8 @@ def bodies(name: str, count: int) -> list[bytes]:
 
 
 def workers_ready(server: Server, name: str, count: int) -> bool:
-    """Our model has ``count`` frontend connections (the entrypoint scales it to ``batch_size`` after its LOAD)."""
+    """Our model has ``count`` frontend connections (the entrypoint scales it to ``batch_size``
+    after its LOAD)."""
     try:
         described = requests.get(f"{server.url}/models/{name}", timeout=10).json()
         workers = (described[0] if isinstance(described, list) else described)["workers"]
@@ -81,8 +87,8 @@ def answers(server: Server, name: str, texts: list[bytes]) -> list[Any]:
 
 
 def measure(servers: dict[str, Server], name: str, paths: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
-    """Both stacks on one model taking turns, so that a machine busier at one moment weighs on both alike: the lone
-    client's requests one by one, then ``ROUNDS`` rounds of many clients each."""
+    """Both stacks on one model taking turns, so that a machine busier at one moment weighs on both
+    alike: the lone client's requests one by one, then ``ROUNDS`` rounds of many clients each."""
     from benchmarks.hugging_face import call, connect, load_until_first_answer, lone_client, many_clients
 
     texts = bodies(name, max(args.gen_requests, args.gen_lone))

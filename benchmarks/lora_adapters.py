@@ -1,19 +1,21 @@
-"""LoRA adapters over one base: their memory, their LOADs, and their requests sharing the base's passes.
+"""LoRA adapters over one base: their memory, their LOADs, and their requests sharing the base's
+passes.
 
     .venv/bin/python -m benchmarks sharing [-- --adapters 50 --adapters-off 8 --requests 640]
 
-Part of the ``sharing`` benchmark (``benchmarks/sharing.py`` prints its table). One BERT-shaped classifier of about
-100 MB (5 layers, hidden 768, random weights) with a tokenizer of BERT's size (30,522 entries) is the base; each
-adapter is a rank-8 PEFT LoRA adapter of its query and value layers with a classifier of its own (PEFT's
-``modules_to_save``), about 400 KB, made here with PEFT. Stacks, in one run:
+Part of the ``sharing`` benchmark (``benchmarks/sharing.py`` prints its table). One BERT-shaped
+classifier of about 100 MB (5 layers, hidden 768, random weights) with a tokenizer of BERT's size
+(30,522 entries) is the base; each adapter is a rank-8 PEFT LoRA adapter of its query and value
+layers with a classifier of its own (PEFT's ``modules_to_save``), about 400 KB, made here with PEFT.
+Stacks, in one run:
   sharing on    this server: adapters of one base take its one package (``base_model=../base``)
-  sharing off   ``MME_SHARE_WEIGHTS=false`` and ``MME_MODEL_CACHE_MB=0``: each adapter's LOAD loads and holds a base
-                of its own (what serving each adapter as a merged model costs)
-Measured: the server tree's PSS per extra adapter (``--adapters`` on, ``--adapters-off`` off); LOAD to the first
-answer of each adapter after the first (p50, and the last against the second); then 16 clients on a kept-alive
-connection each (http.client), ``--requests`` in all, on one adapter with ``batch_size`` 16, spread over 8
-adapters with ``batch_size`` 16 (their rows share passes), and over 8 adapters of a copy of the base without
-batching (one request a pass).
+  sharing off   ``MME_SHARE_WEIGHTS=false`` and ``MME_MODEL_CACHE_MB=0``: each adapter's LOAD loads
+                and holds a base of its own (what serving each adapter as a merged model costs)
+Measured: the server tree's PSS per extra adapter (``--adapters`` on, ``--adapters-off`` off); LOAD
+to the first answer of each adapter after the first (p50, and the last against the second); then 16
+clients on a kept-alive connection each (http.client), ``--requests`` in all, on one adapter with
+``batch_size`` 16, spread over 8 adapters with ``batch_size`` 16 (their rows share passes), and over
+8 adapters of a copy of the base without batching (one request a pass).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def make_models(root: Path, count: int) -> tuple[Path, list[Path], int]:
-    """The base, ``count`` adapters of it and their bytes each; a copy of the base for the unbatched adapters."""
+    """The base, ``count`` adapters of it and their bytes each; a copy of the base for the unbatched
+    adapters."""
     base = hf_models.bert_sized_vocabulary(hf_models.bert(root / "base", hidden=768, layers=5))
     shutil.copytree(base, root / "base-unbatched")
     adapters = []
@@ -67,8 +70,8 @@ def texts(count: int) -> list[bytes]:
 
 
 def adapters_memory(server: Server, adapters: list[Path], count: int, body: bytes) -> tuple[float, float, list[float]]:
-    """PSS per extra adapter (``count`` loaded, each answering once), the frontend's part of it, and each LOAD's time
-    to its first answer."""
+    """PSS per extra adapter (``count`` loaded, each answering once), the frontend's part of it, and
+    each LOAD's time to its first answer."""
     loads = [load_until_first_answer(server, "adapter-0", adapters[0], body)]
     before, frontend_before = server.tree_memory_mib(), server.frontend_memory_mib()
     for index in range(1, count):
@@ -79,8 +82,9 @@ def adapters_memory(server: Server, adapters: list[Path], count: int, body: byte
 
 
 def clients(server: Server, names: list[str], bodies: list[bytes], total: int) -> float:
-    """Requests per second from 16 clients, client ``i`` calling ``names[i % len(names)]``, after a round of 64 that
-    opens the connections of each adapter's batch (they open when its requests first overlap)."""
+    """Requests per second from 16 clients, client ``i`` calling ``names[i % len(names)]``, after a
+    round of 64 that opens the connections of each adapter's batch (they open when its requests
+    first overlap)."""
     _clients(server, names, bodies, 64)
     time.sleep(1)
     return _clients(server, names, bodies, total)

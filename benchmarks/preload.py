@@ -1,31 +1,34 @@
-"""A model in the shared device hosts versus in a device host of its own (``MME_SHARE_DEVICE=false``, what
-``isolation=process`` gives one model): LOAD-to-ready time and the memory a model adds to the server's process tree,
-by devices and workers.
+"""A model in the shared device hosts versus in a device host of its own
+(``MME_SHARE_DEVICE=false``, what ``isolation=process`` gives one model): LOAD-to-ready time and the
+memory a model adds to the server's process tree, by devices and workers.
 
     .venv/bin/python -m benchmarks preload [-- --size-mb 300 --setups 1x1 1x8 2x2 4x4 --repeat 2]
 
-A setup ``DxW`` serves the model on D devices with W workers. This machine has no GPU, so D > 1 lists D GPUs through
-the test double of nvidia-smi (tests/fake_nvidia_smi.py): the frontend hands out GPU ids and each worker binds one,
-and torch, finding no CUDA, runs them on the CPU; D = 1 is the CPU itself.
+A setup ``DxW`` serves the model on D devices with W workers. This machine has no GPU, so D > 1
+lists D GPUs through the test double of nvidia-smi (tests/fake_nvidia_smi.py): the frontend hands
+out GPU ids and each worker binds one, and torch, finding no CUDA, runs them on the CPU; D = 1 is
+the CPU itself.
 
-Either way a CUDA-free loader runs ``model_fn`` once and hands the weights over in a shared-memory file, and one host
-per device the model's workers are bound to serves it, mapping those pages: the shared hosts (one per card; on the
-CPU a pool of two, the model on one), or hosts of the model's own, one per device, whatever the worker count. What a
-host of its own costs is that process.
+Either way a CUDA-free loader runs ``model_fn`` once and hands the weights over in a shared-memory
+file, and one host per device the model's workers are bound to serves it, mapping those pages: the
+shared hosts (one per card; on the CPU a pool of two, the model on one), or hosts of the model's
+own, one per device, whatever the worker count. What a host of its own costs is that process.
 
-The default ``state_dict`` style saves the weights as a state dict with a ``code/inference.py`` that rebuilds the
-network and calls ``load_state_dict``, as scripts written for the AWS containers do. ``torchscript`` is served by the
-default ``model_fn``, whose file the loader packs as it is.
+The default ``state_dict`` style saves the weights as a state dict with a ``code/inference.py`` that
+rebuilds the network and calls ``load_state_dict``, as scripts written for the AWS containers do.
+``torchscript`` is served by the default ``model_fn``, whose file the loader packs as it is.
 
-Memory is measured the same way in both modes (benchlib): the memory of the server's whole process tree, that is the
-PSS of its processes from /proc/PID/smaps_rollup, summed, plus the shared-memory files they hold open but do not map
-(the package of a model, which the warm process keeps), read before the LOAD and again after the model has answered
-2 x W invokes, each after a 2 s pause; the table shows the difference, so a model is charged for what it adds
-wherever it lives (copy-on-write pages counted once). Each server first loads two unrelated tiny models with D
-workers each (kept loaded), so the "before" reading already includes every shared host the measured model can use.
+Memory is measured the same way in both modes (benchlib): the memory of the server's whole process
+tree, that is the PSS of its processes from /proc/PID/smaps_rollup, summed, plus the shared-memory
+files they hold open but do not map (the package of a model, which the warm process keeps), read
+before the LOAD and again after the model has answered 2 x W invokes, each after a 2 s pause; the
+table shows the difference, so a model is charged for what it adds wherever it lives (copy-on-write
+pages counted once). Each server first loads two unrelated tiny models with D workers each (kept
+loaded), so the "before" reading already includes every shared host the measured model can use.
 After each measurement the model is unloaded and its processes waited for.
 
-Both servers of a setup run at once on the same machine; the table reports medians and shared/own ratios.
+Both servers of a setup run at once on the same machine; the table reports medians and shared/own
+ratios.
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ def model_fn(model_dir):
 
 
 def big_model(model_dir: Path, size_mb: int, style: str = "torchscript") -> Path:
-    """An MLP of about ``size_mb`` MB of float32 weights, as TorchScript or as a state dict with its script."""
+    """An MLP of about ``size_mb`` MB of float32 weights, as TorchScript or as a state dict with its
+    script."""
     layers = max(1, round(size_mb * 2**20 / (4 * (FEATURES * FEATURES + FEATURES))))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(FEATURES, FEATURES) for _ in range(layers)]).eval()
@@ -88,8 +92,9 @@ def big_model(model_dir: Path, size_mb: int, style: str = "torchscript") -> Path
 
 
 def measure(server: Server, name: str, model_dir: Path, workers: int) -> tuple[float, float]:
-    """Seconds the LOAD call took, and the memory (MiB) the model adds to the server's process tree once it has
-    answered 2 x ``workers`` invokes; then UNLOAD, and a wait until none of its processes is left."""
+    """Seconds the LOAD call took, and the memory (MiB) the model adds to the server's process tree
+    once it has answered 2 x ``workers`` invokes; then UNLOAD, and a wait until none of its
+    processes is left."""
     before = server.tree_memory_mib()
     started = time.perf_counter()
     response = server.load(name, model_dir, initial_workers=workers)

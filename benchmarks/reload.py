@@ -1,18 +1,23 @@
-"""A re-LOAD after an UNLOAD: the package kept since the UNLOAD against none kept, the same 100 MB models, one run.
+"""A re-LOAD after an UNLOAD: the package kept since the UNLOAD against none kept, the same 100 MB
+models, one run.
 
     .venv/bin/python -m benchmarks reload [-- --loads 5]
 
-What SageMaker does when a model it unloaded (for memory, or idleness) is asked for again: LOAD it anew. Stacks:
-  kept      this server as it ships: the model's package stays in host memory after its UNLOAD (within
-            ``MME_KEEP_UNLOADED_MB``), so a LOAD of the same name and files runs no loader and no ``model_fn``
-  not kept  ``MME_KEEP_UNLOADED_MB=0``: every LOAD runs the model's loader and ``model_fn`` and packs the result
+What SageMaker does when a model it unloaded (for memory, or idleness) is asked for again: LOAD it
+anew. Stacks:
+  kept      this server as it ships: the model's package stays in host memory after its UNLOAD
+            (within ``MME_KEEP_UNLOADED_MB``), so a LOAD of the same name and files runs no loader
+            and no ``model_fn``
+  not kept  ``MME_KEEP_UNLOADED_MB=0``: every LOAD runs the model's loader and ``model_fn`` and
+            packs the result
 Models, about 100 MB each:
-  state dict + inference.py   an MLP's ``model.pth`` and a ``model_fn`` that builds the module and loads it (the
-                              shape of a model packed for the AWS PyTorch container)
-  Hugging Face, no code       a BERT-shaped text classifier (5 layers, hidden 768) saved with ``save_pretrained``
-Measured: LOAD to the first answer (a kept-alive client), after the model's first LOAD and UNLOAD; the median of
-``--loads``, the stacks taking turns. Each answer after a re-LOAD must equal the model's first answer, or the
-benchmark fails. The goal is issue #29's: kept <= 0.2x not kept.
+  state dict + inference.py   an MLP's ``model.pth`` and a ``model_fn`` that builds the module and
+                              loads it (the shape of a model packed for the AWS PyTorch container)
+  Hugging Face, no code       a BERT-shaped text classifier (5 layers, hidden 768) saved with
+                              ``save_pretrained``
+Measured: LOAD to the first answer (a kept-alive client), after the model's first LOAD and UNLOAD;
+the median of ``--loads``, the stacks taking turns. Each answer after a re-LOAD must equal the
+model's first answer, or the benchmark fails. The goal is issue #29's: kept <= 0.2x not kept.
 """
 
 from __future__ import annotations
@@ -79,7 +84,8 @@ def answer(server: Server, name: str, body: bytes) -> bytes:
 
 
 def re_loads(servers: dict[str, Server], name: str, model_dir: Path, body: bytes, loads: int) -> dict[str, float]:
-    """The median LOAD to first answer after the first LOAD and UNLOAD, per stack, ms (the stacks take turns)."""
+    """The median LOAD to first answer after the first LOAD and UNLOAD, per stack, ms (the stacks
+    take turns)."""
     first = {}
     for label, server in servers.items():
         if server.load(name, model_dir).status_code != 200:

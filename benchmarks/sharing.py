@@ -1,11 +1,14 @@
-"""Weights shared across models: fine-tunes of one base, and LoRA adapters of one base, with sharing on and off.
+"""Weights shared across models: fine-tunes of one base, and LoRA adapters of one base, with sharing
+on and off.
 
-    .venv/bin/python -m benchmarks sharing [-- --fine-tunes 20 --adapters 50 --adapters-off 8 --requests 640]
+    .venv/bin/python -m benchmarks sharing [-- --fine-tunes 20 --adapters 50 --adapters-off 8
+                                               --requests 640]
 
-Two parts, each starting its own pair of servers (sharing on, sharing off) in one run: ``fine_tunes.py`` (memory
-per fine-tune that differs only in its head, hashing's cost on a 500 MB LOAD, memory after everything is unloaded)
-and ``lora_adapters.py`` (memory per adapter, adapter LOADs, 16 clients over 8 adapters against one adapter and
-against the same adapters unbatched). One table; the goals are issue #27's. Timings are never asserted.
+Two parts, each starting its own pair of servers (sharing on, sharing off) in one run:
+``fine_tunes.py`` (memory per fine-tune that differs only in its head, hashing's cost on a 500 MB
+LOAD, memory after everything is unloaded) and ``lora_adapters.py`` (memory per adapter, adapter
+LOADs, 16 clients over 8 adapters against one adapter and against the same adapters unbatched). One
+table; the goals are issue #27's. Timings are never asserted.
 """
 
 from __future__ import annotations

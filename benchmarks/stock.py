@@ -1,47 +1,53 @@
 """Our server against the stock stack, same models, same worker count, one run.
 
-    .venv/bin/python -m benchmarks stock [-- --rounds 5 --requests 300 --concurrent-requests 640 --workers 1
-                                              --scrape-interval 1]
+    .venv/bin/python -m benchmarks stock [-- --rounds 5 --requests 300 --concurrent-requests 640
+                                             --workers 1 --scrape-interval 1]
 
-Our server runs twice: with its Prometheus metrics on, scraped every --scrape-interval seconds while it serves (a
-scraper's usual interval is 15 to 60 s: this is the worst case), and with them off (MME_METRICS_PORT=0), so the table
-shows what metrics cost.
+Our server runs twice: with its Prometheus metrics on, scraped every --scrape-interval seconds while
+it serves (a scraper's usual interval is 15 to 60 s: this is the worst case), and with them off
+(MME_METRICS_PORT=0), so the table shows what metrics cost.
 
-Stock stack: MMS 1.1.11 + sagemaker-inference 1.10.1 + the AWS PyTorch handler (sagemaker-pytorch-inference 1.5.1,
-HandlerService from sagemaker_pytorch_serving_container.handler_service), installed into .bench-venv/ on first use
-(or with --setup; about a minute and 1.2 GB, torch from the local CPU wheel). It runs the command and properties
-that sagemaker_inference.model_server.start_model_server would, isolated in its own TMPDIR and port so it can run
-beside our server (benchmarks/peers/stock_stack.py says how, and why not through start_model_server itself).
+Stock stack: MMS 1.1.11 + sagemaker-inference 1.10.1 + the AWS PyTorch handler
+(sagemaker-pytorch-inference 1.5.1, HandlerService from
+sagemaker_pytorch_serving_container.handler_service), installed into .bench-venv/ on first use (or
+with --setup; about a minute and 1.2 GB, torch from the local CPU wheel). It runs the command and
+properties that sagemaker_inference.model_server.start_model_server would, isolated in its own
+TMPDIR and port so it can run beside our server (benchmarks/peers/stock_stack.py says how, and why
+not through start_model_server itself).
 
-Models: the tiny TorchScript model of the tests (one row of 4 floats per request) and a TorchScript MLP of
---size-mb MB (one row of 2048 floats). Our server serves them with no code/ (its defaults). The AWS handler 1.5.1's
-default model_fn refuses to load outside Elastic Inference, so its copy of each model gets a code/inference.py with
-only a model_fn (torch.jit.load to CPU); input_fn, predict_fn and output_fn stay its defaults.
+Models: the tiny TorchScript model of the tests (one row of 4 floats per request) and a TorchScript
+MLP of --size-mb MB (one row of 2048 floats). Our server serves them with no code/ (its defaults).
+The AWS handler 1.5.1's default model_fn refuses to load outside Elastic Inference, so its copy of
+each model gets a code/inference.py with only a model_fn (torch.jit.load to CPU); input_fn,
+predict_fn and output_fn stay its defaults.
 
-Per stack, model and round: LOAD-to-first-response (POST /models until the first invoke answers 200), --warmup
-untimed invokes, --requests sequential invokes (latency p50/p99, and requests/s with 1 client),
---concurrent-requests invokes spread over --clients threads (requests/s), failed requests (non-200 or no answer),
-and the memory the model adds; then UNLOAD, and a wait until the model's processes are gone and our device hosts
-have let it go. All servers run for the whole benchmark; rounds alternate which one goes first. --warmup-rounds
-rounds run first and are not reported: the first requests a JVM serves run interpreted, before its JIT compiles the
-frontend's hot paths, and the first LOADs read cold files. The table shows medians over --rounds (failed requests:
-the total). Timings are never asserted: compare within one run. Default: about 3 minutes on 2 cores, plus 4 s per
-model, stack and round for the pauses before the memory readings.
+Per stack, model and round: LOAD-to-first-response (POST /models until the first invoke answers
+200), --warmup untimed invokes, --requests sequential invokes (latency p50/p99, and requests/s with
+1 client), --concurrent-requests invokes spread over --clients threads (requests/s), failed requests
+(non-200 or no answer), and the memory the model adds; then UNLOAD, and a wait until the model's
+processes are gone and our device hosts have let it go. All servers run for the whole benchmark;
+rounds alternate which one goes first. --warmup-rounds rounds run first and are not reported: the
+first requests a JVM serves run interpreted, before its JIT compiles the frontend's hot paths, and
+the first LOADs read cold files. The table shows medians over --rounds (failed requests: the total).
+Timings are never asserted: compare within one run. Default: about 3 minutes on 2 cores, plus 4 s
+per model, stack and round for the pauses before the memory readings.
 
-Memory added by the model is measured the same way on every stack (benchlib): the memory of the server's whole
-process tree (every descendant of the process started: frontend JVM, and for ours the warm process, device hosts,
-stubs and any isolated servers; for stock its workers), that is the PSS of its processes from
-/proc/PID/smaps_rollup, summed, plus the shared-memory files they hold open but do not map (our warm process keeps a
-TorchScript model's package so: PSS alone would miss it), read just before the LOAD and again after the first
-response and the --warmup invokes, each after a 2 s pause with no requests; the row is the difference. It is taken
-before the timed phases, so it is the model's footprint once it has answered, not what --clients concurrent requests
-add. Before the first round every server loads two unrelated tiny models (baseline0 and baseline1, its own copies,
-kept loaded), so the "before" reading already includes our two CPU device hosts (a shareable model goes to the one
-with the fewer models; each is forked on first use) and a stock worker process with torch imported: the row is what
-one more model costs a server that already serves some, on either stack. A device host lives on across models, so
-its allocator's state counts: once glibc has freed one large block it raises its mmap threshold (up to 32 MiB), and
-later loads may leave their temporaries as free heap under the weights until the UNLOAD, so a model can add more
-from the second load on than on the first (hence the warm-up round).
+Memory added by the model is measured the same way on every stack (benchlib): the memory of the
+server's whole process tree (every descendant of the process started: frontend JVM, and for ours the
+warm process, device hosts, stubs and any isolated servers; for stock its workers), that is the PSS
+of its processes from /proc/PID/smaps_rollup, summed, plus the shared-memory files they hold open
+but do not map (our warm process keeps a TorchScript model's package so: PSS alone would miss it),
+read just before the LOAD and again after the first response and the --warmup invokes, each after a
+2 s pause with no requests; the row is the difference. It is taken before the timed phases, so it is
+the model's footprint once it has answered, not what --clients concurrent requests add. Before the
+first round every server loads two unrelated tiny models (baseline0 and baseline1, its own copies,
+kept loaded), so the "before" reading already includes our two CPU device hosts (a shareable model
+goes to the one with the fewer models; each is forked on first use) and a stock worker process with
+torch imported: the row is what one more model costs a server that already serves some, on either
+stack. A device host lives on across models, so its allocator's state counts: once glibc has freed
+one large block it raises its mmap threshold (up to 32 MiB), and later loads may leave their
+temporaries as free heap under the weights until the UNLOAD, so a model can add more from the second
+load on than on the first (hence the warm-up round).
 """
 
 from __future__ import annotations
@@ -116,7 +122,8 @@ def invoke(session: requests.Session, url: str, body: bytes) -> requests.Respons
 def load_until_first_response(
     server: Server, name: str, model_dir: Path, body: bytes, timeout_s: float
 ) -> tuple[float, float, object]:
-    """Seconds for the LOAD call, seconds until the first successful invoke, and that invoke's answer."""
+    """Seconds for the LOAD call, seconds until the first successful invoke, and that invoke's
+    answer."""
     url = f"{server.url}/models/{name}/invoke"
     with requests.Session() as session:
         started = time.perf_counter()
@@ -124,7 +131,8 @@ def load_until_first_response(
         load_call = time.perf_counter() - started
         if loaded.status_code != 200:
             raise RuntimeError(f"LOAD {name} answered {loaded.status_code}: {loaded.text[:300]}; see {server.log}")
-        # MMS answers LOAD once its workers are up, but retry anyway: "first response" is what a caller sees.
+        # MMS answers LOAD once its workers are up, but retry anyway: "first response" is what a
+        # caller sees.
         while time.perf_counter() - started < timeout_s:
             reply = invoke(session, url, body)
             if reply is not None and reply.status_code == 200:
@@ -153,8 +161,8 @@ def sequential(url: str, body: bytes, count: int) -> tuple[list[float], float, i
 def concurrent(url: str, body: bytes, clients: int, total: int) -> tuple[float, int]:
     """Successful requests/s with ``clients`` threads sharing ``total`` requests, and failures."""
     shares = [total // clients + (1 if i < total % clients else 0) for i in range(clients)]
-    # Every client opens its connection with one untimed request, then all start together, so the timed phase
-    # measures serving, not TCP setup or thread start-up.
+    # Every client opens its connection with one untimed request, then all start together, so the
+    # timed phase measures serving, not TCP setup or thread start-up.
     ready = threading.Barrier(clients + 1)
 
     def client(share: int) -> tuple[int, int]:
@@ -180,7 +188,8 @@ def concurrent(url: str, body: bytes, clients: int, total: int) -> tuple[float, 
 
 
 class Scraper:
-    """Scrapes ``/metrics`` every ``interval`` seconds from a thread while the ``with`` block runs."""
+    """Scrapes ``/metrics`` every ``interval`` seconds from a thread while the ``with`` block
+    runs."""
 
     def __init__(self, url: str | None, interval: float) -> None:
         self.url = url
@@ -260,14 +269,16 @@ def build_models(root: Path, size_mb: int) -> list[ModelCase]:
 
 
 def build_baseline(root: Path) -> dict[str, list[Path]]:
-    """The unrelated tiny models every server loads first and keeps (benchlib.load_baseline), per stack."""
+    """The unrelated tiny models every server loads first and keeps (benchlib.load_baseline), per
+    stack."""
     ours = [torchscript_model(root / "ours" / f"baseline{index}", seed=index + 1) for index in range(BASELINE_MODELS)]
     stock = [stock_model_dir(path, root / "stock" / path.name) for path in ours]
     return {"ours": ours, "stock": stock}
 
 
 def same_answer(a: object, b: object) -> bool:
-    """Both stacks should compute the same numbers (float32 printed to JSON may differ in the last digits)."""
+    """Both stacks should compute the same numbers (float32 printed to JSON may differ in the last
+    digits)."""
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(same_answer(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, int | float) and isinstance(b, int | float):
@@ -364,7 +375,8 @@ def progress(message: str) -> None:
 def run_rounds(
     servers: dict[str, Server], cases: list[ModelCase], args: argparse.Namespace, metrics_url: str
 ) -> dict[Key, list[Sample]]:
-    """Every model on every stack, round after round; warm-up rounds (negative indexes) are measured but not kept."""
+    """Every model on every stack, round after round; warm-up rounds (negative indexes) are measured
+    but not kept."""
     samples: dict[Key, list[Sample]] = {}
     for round_index in range(-args.warmup_rounds, args.rounds):
         shift = round_index % len(STACKS)
@@ -392,7 +404,8 @@ def main(argv: Sequence[str] = ()) -> int:
         return 0
     began = time.perf_counter()
     with ExitStack() as resources:
-        # Short path under /tmp: MMS puts its worker sockets in it, and Unix socket paths are limited to 108 bytes.
+        # Short path under /tmp: MMS puts its worker sockets in it, and Unix socket paths are
+        # limited to 108 bytes.
         if args.keep:
             root = Path(tempfile.mkdtemp(prefix="bench-", dir="/tmp"))
         else:

@@ -1,9 +1,11 @@
-"""Endpoint autoscaling for deploy_mme.py: Application Auto Scaling on the endpoint's production variant.
+"""Endpoint autoscaling for deploy_mme.py: Application Auto Scaling on the endpoint's production
+variant.
 
-A multi-model endpoint grows by instances: SageMaker routes each TargetModel to an instance that holds it (loading it
-there on first use), so more instances spread both the models and the requests. The scalable target bounds the
-variant's instance count; a target-tracking policy on SageMakerVariantInvocationsPerInstance adds instances when
-each takes more than the target number of invocations per minute, and removes them when load falls.
+A multi-model endpoint grows by instances: SageMaker routes each TargetModel to an instance that
+holds it (loading it there on first use), so more instances spread both the models and the requests.
+The scalable target bounds the variant's instance count; a target-tracking policy on
+SageMakerVariantInvocationsPerInstance adds instances when each takes more than the target number of
+invocations per minute, and removes them when load falls.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ METRIC = "SageMakerVariantInvocationsPerInstance"
 
 @dataclass(frozen=True)
 class Scaling:
-    """What the variant may scale between, and on what: invocations per instance per minute (None: bounds only)."""
+    """What the variant may scale between, and on what: invocations per instance per minute (None:
+    bounds only)."""
 
     min_instances: int
     max_instances: int
@@ -44,7 +47,8 @@ class Scaling:
 
 
 def add_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
-    """The scaling options of ``deploy`` (all optional: no autoscaling without them) and ``scale``."""
+    """The scaling options of ``deploy`` (all optional: no autoscaling without them) and
+    ``scale``."""
     parser.add_argument("--min-instances", type=int, required=required, help="fewest instances")
     parser.add_argument("--max-instances", type=int, required=required, help="most instances")
     parser.add_argument(
@@ -57,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
 
 
 def from_arguments(args: argparse.Namespace, default_min: int) -> Scaling | None:
-    """The scaling ``args`` ask for; None when they ask for none (``deploy`` without scaling options)."""
+    """The scaling ``args`` ask for; None when they ask for none (``deploy`` without scaling
+    options)."""
     if args.max_instances is None and args.target_invocations_per_instance is None and args.min_instances is None:
         return None
     if args.max_instances is None:
@@ -80,7 +85,8 @@ def policy_name(endpoint: str) -> str:
 
 
 def variant_of(endpoint: dict[str, Any]) -> str:
-    """The (first) production variant of a DescribeEndpoint answer: it holds the endpoint's instances."""
+    """The (first) production variant of a DescribeEndpoint answer: it holds the endpoint's
+    instances."""
     variants = endpoint.get("ProductionVariants") or []
     if not variants:
         raise config_error(f"endpoint {endpoint['EndpointName']!r} has no production variant to scale")
@@ -88,7 +94,8 @@ def variant_of(endpoint: dict[str, Any]) -> str:
 
 
 def apply(autoscaling: BaseClient, endpoint: str, variant: str, scaling: Scaling) -> list[str]:
-    """Registers (or updates) the scalable target and, with a target, the tracking policy; returns what was set."""
+    """Registers (or updates) the scalable target and, with a target, the tracking policy; returns
+    what was set."""
     resource = resource_id(endpoint, variant)
     autoscaling.register_scalable_target(
         ServiceNamespace=NAMESPACE,
@@ -117,7 +124,8 @@ def apply(autoscaling: BaseClient, endpoint: str, variant: str, scaling: Scaling
 
 
 def remove(autoscaling: BaseClient, endpoint: str, variant: str) -> list[str]:
-    """Removes the endpoint's policies and its scalable target, whichever exist; returns what was removed."""
+    """Removes the endpoint's policies and its scalable target, whichever exist; returns what was
+    removed."""
     resource = resource_id(endpoint, variant)
     removed = []
     policies = autoscaling.describe_scaling_policies(ServiceNamespace=NAMESPACE, ResourceId=resource)

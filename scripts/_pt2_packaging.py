@@ -1,7 +1,9 @@
-"""PyTorch 2 artifacts for package_model.py: export an ``nn.Module`` factory to ``model.pt2``, and compile a
-``model.pt2`` ahead of time for a device (AOTInductor), so a SageMaker user ships a compiled model.
+"""PyTorch 2 artifacts for package_model.py: export an ``nn.Module`` factory to ``model.pt2``, and
+compile a ``model.pt2`` ahead of time for a device (AOTInductor), so a SageMaker user ships a
+compiled model.
 
-torch is imported only when these options are used: packaging weights that are already saved does not need it.
+torch is imported only when these options are used: packaging weights that are already saved does
+not need it.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def load_factory(spec: str) -> Any:
 
 
 def export_module(spec: str, example_shape: tuple[int, ...], destination: Path) -> Path:
-    """Builds the module, exports it with a dynamic first dimension and saves the program as ``destination``."""
+    """Builds the module, exports it with a dynamic first dimension and saves the program as
+    ``destination``."""
     import torch
 
     model = load_factory(spec)()
@@ -66,10 +69,11 @@ def export_module(spec: str, example_shape: tuple[int, ...], destination: Path) 
 
 
 def aot_compile(source: Path, destination: Path) -> Path:
-    """Compiles the exported program in ``source`` for the CPU into an AOTInductor package at ``destination``.
+    """Compiles the exported program in ``source`` for the CPU into an AOTInductor package at
+    ``destination``.
 
-    CUDA packages must be compiled where a GPU is: serve the exported program with ``compile=true`` and each
-    executor compiles it for its card, once, into the container's compile cache."""
+    CUDA packages must be compiled where a GPU is: serve the exported program with ``compile=true``
+    and each executor compiles it for its card, once, into the container's compile cache."""
     import torch
     from torch._inductor import aoti_compile_and_package
 
@@ -83,9 +87,9 @@ def aot_compile(source: Path, destination: Path) -> Path:
 
 
 def _input_metadata(program: Any) -> dict[str, str]:
-    """The rows the package takes (trailing shape and dtype), recorded so that the server refuses others with a 400:
-    compiled code reads its input as laid out at compile time. Empty unless the program takes one tensor whose
-    dimensions after the first are fixed."""
+    """The rows the package takes (trailing shape and dtype), recorded so that the server refuses
+    others with a 400: compiled code reads its input as laid out at compile time. Empty unless the
+    program takes one tensor whose dimensions after the first are fixed."""
     import torch
 
     from mme_runtime.models.pt2 import input_metadata

@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """Builds the mme-gpu image and pushes it to Amazon ECR.
 
-Steps: create the ECR repository if it is missing, log docker in to the registry with a token from ECR
-(the password goes to docker on stdin, never on the command line), build, tag as <registry>/<repository>:<tag>,
-push. The image URI is printed last, ready for deploy_mme.py --image-uri.
+Steps: create the ECR repository if it is missing, log docker in to the registry with a token from
+ECR (the password goes to docker on stdin, never on the command line), build, tag as
+<registry>/<repository>:<tag>, push. The image URI is printed last, ready for deploy_mme.py
+--image-uri.
 
 examples:
   scripts/build_and_push.py --repository mme-gpu --tag 0.1.0
   scripts/build_and_push.py --repository mme-gpu --tag 0.1.0-cu130 \
       --base-image nvidia/cuda:13.0.2-runtime-ubuntu24.04 --torch-spec torch==2.13.0
-  scripts/build_and_push.py --repository mme-gpu --dry-run --account-id 123456789012 --region us-east-1
+  scripts/build_and_push.py --repository mme-gpu --dry-run --account-id 123456789012 \
+      --region us-east-1
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from _aws_cli import EXIT_OK, ScriptError, boto_session, config_error, run_cli
 from botocore.client import BaseClient
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# SageMaker hosts are x86_64; an image built for the builder's own arch on an ARM laptop would fail to start there.
+# SageMaker hosts are x86_64; an image built for the builder's own arch on an ARM laptop would fail
+# to start there.
 DEFAULT_PLATFORM = "linux/amd64"
 DOCKER_HELP = "install Docker (https://docs.docker.com/get-docker/) or pass --docker with the path of a compatible CLI"
 
@@ -43,7 +46,8 @@ class RegistryLogin:
 
 @dataclass(frozen=True)
 class ImageBuild:
-    """The docker commands for one image; pure, so a dry run prints exactly what a real run executes."""
+    """The docker commands for one image; pure, so a dry run prints exactly what a real run
+    executes."""
 
     docker: str
     context: Path
@@ -72,13 +76,15 @@ def login_command(docker: str, login: RegistryLogin) -> list[str]:
 
 def registry_host(account_id: str, region: str) -> str:
     """The ECR registry of an account and region, for when no ECR call has told us (a dry run)."""
-    # China regions live under their own DNS suffix; every other partition we deploy to uses amazonaws.com.
+    # China regions live under their own DNS suffix; every other partition we deploy to uses
+    # amazonaws.com.
     suffix = "amazonaws.com.cn" if region.startswith("cn-") else "amazonaws.com"
     return f"{account_id}.dkr.ecr.{region}.{suffix}"
 
 
 def ensure_repository(ecr: BaseClient, name: str) -> tuple[str, bool]:
-    """The repository's URI, creating the repository when it does not exist; also says whether it was created."""
+    """The repository's URI, creating the repository when it does not exist; also says whether it
+    was created."""
     try:
         return ecr.describe_repositories(repositoryNames=[name])["repositories"][0]["repositoryUri"], False
     except ecr.exceptions.RepositoryNotFoundException:
@@ -91,7 +97,8 @@ def ensure_repository(ecr: BaseClient, name: str) -> tuple[str, bool]:
 
 
 def decode_authorization_token(token: str) -> tuple[str, str]:
-    """ECR tokens are base64 of "user:password"; the user is always AWS, but we take what the token says."""
+    """ECR tokens are base64 of "user:password"; the user is always AWS, but we take what the token
+    says."""
     try:
         username, sep, password = base64.b64decode(token, validate=True).decode("utf-8").partition(":")
     except (binascii.Error, UnicodeDecodeError) as exc:
@@ -104,7 +111,8 @@ def decode_authorization_token(token: str) -> tuple[str, str]:
 def registry_login(ecr: BaseClient) -> RegistryLogin:
     data = ecr.get_authorization_token()["authorizationData"][0]
     username, password = decode_authorization_token(data["authorizationToken"])
-    # proxyEndpoint is "https://<registry>"; docker wants the host alone so that it matches the image names.
+    # proxyEndpoint is "https://<registry>"; docker wants the host alone so that it matches the
+    # image names.
     registry = data["proxyEndpoint"].removeprefix("https://").rstrip("/")
     return RegistryLogin(registry=registry, username=username, password=password)
 

@@ -4,22 +4,29 @@
 """Deploys, feeds, calls and deletes a SageMaker multi-model endpoint that serves the mme-gpu image.
 
 subcommands:
-  deploy     copy model archives to the S3 prefix, then create the model (Mode=MultiModel), its endpoint config
-             and the endpoint, and wait until it is InService
-  add-model  copy more archives to a deployed endpoint's prefix: they can be called at once, without a redeploy
-  invoke     call one model (TargetModel) with JSON through SageMaker SDK v3, or with any bytes through boto3
-  scale      change a deployed endpoint's autoscaling bounds (and its invocations-per-instance target)
-  delete     delete the endpoint's autoscaling, the endpoint, its endpoint config and its model; the archives in
-             S3 are kept
+  deploy     copy model archives to the S3 prefix, then create the model (Mode=MultiModel), its
+             endpoint config and the endpoint, and wait until it is InService
+  add-model  copy more archives to a deployed endpoint's prefix: they can be called at once, without
+             a redeploy
+  invoke     call one model (TargetModel) with JSON through SageMaker SDK v3, or with any bytes
+             through boto3
+  scale      change a deployed endpoint's autoscaling bounds (and its invocations-per-instance
+             target)
+  delete     delete the endpoint's autoscaling, the endpoint, its endpoint config and its model; the
+             archives in S3 are kept
 
 examples:
-  scripts/deploy_mme.py deploy --name mme-gpu --image-uri 123456789012.dkr.ecr.us-east-1.amazonaws.com/mme-gpu:0.1.0 \\
-      --model-data-prefix s3://my-bucket/mme/models/ --role MySageMakerRole --model resnet.tar.gz --model bert.tar.gz
+  scripts/deploy_mme.py deploy --name mme-gpu \\
+      --image-uri 123456789012.dkr.ecr.us-east-1.amazonaws.com/mme-gpu:0.1.0 \\
+      --model-data-prefix s3://my-bucket/mme/models/ --role MySageMakerRole \\
+      --model resnet.tar.gz --model bert.tar.gz
   scripts/deploy_mme.py add-model --endpoint-name mme-gpu vit.tar.gz
-  scripts/deploy_mme.py invoke --endpoint-name mme-gpu --target-model resnet.tar.gz --data '[[0.1, 0.2, 0.3, 0.4]]'
+  scripts/deploy_mme.py invoke --endpoint-name mme-gpu --target-model resnet.tar.gz \\
+      --data '[[0.1, 0.2, 0.3, 0.4]]'
   scripts/deploy_mme.py invoke --endpoint-name mme-gpu --target-model resnet.tar.gz --client boto3 \\
       --content-type application/x-npy --data-file batch.npy --output result.npy
-  scripts/deploy_mme.py deploy ... --min-instances 1 --max-instances 4 --target-invocations-per-instance 600
+  scripts/deploy_mme.py deploy ... --min-instances 1 --max-instances 4 \\
+      --target-invocations-per-instance 600
   scripts/deploy_mme.py scale --endpoint-name mme-gpu --min-instances 2 --max-instances 8
   scripts/deploy_mme.py delete --endpoint-name mme-gpu
 """
@@ -60,8 +67,8 @@ MULTI_MODEL_ENV = "SAGEMAKER_MULTI_MODEL"
 ARCHIVE_SUFFIX = ".tar.gz"
 JSON = "application/json"
 DEFAULT_INSTANCE_TYPE = "ml.g5.xlarge"
-# A first call to a model makes SageMaker download and load it (up to 360 s) and answer ModelNotReadyException
-# meanwhile; the caller is expected to retry.
+# A first call to a model makes SageMaker download and load it (up to 360 s) and answer
+# ModelNotReadyException meanwhile; the caller is expected to retry.
 MODEL_NOT_READY = "ModelNotReadyException"
 DEFAULT_LOAD_WAIT_SECONDS = 360.0
 RETRY_DELAY_SECONDS = 5.0
@@ -69,7 +76,8 @@ RETRY_DELAY_SECONDS = 5.0
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One archive to add: where it is now (local path or s3:// URI), and its TargetModel name under the prefix."""
+    """One archive to add: where it is now (local path or s3:// URI), and its TargetModel name under
+    the prefix."""
 
     source: str
     target: str
@@ -102,15 +110,16 @@ def parse_environment(pairs: Sequence[str]) -> dict[str, str]:
 
 
 def normalize_prefix(prefix: str) -> str:
-    """SageMaker appends the TargetModel to ModelDataUrl as it is: without the '/', "models" + "a.tar.gz" would
-    name s3://bucket/modelsa.tar.gz."""
+    """SageMaker appends the TargetModel to ModelDataUrl as it is: without the '/', "models" +
+    "a.tar.gz" would name s3://bucket/modelsa.tar.gz."""
     if not prefix.startswith("s3://") or len(prefix) <= len("s3://"):
         raise config_error(f"--model-data-prefix {prefix!r}: expected s3://bucket/prefix/")
     return prefix if prefix.endswith("/") else prefix + "/"
 
 
 def resolve_role(iam: BaseClient, role: str | None) -> str:
-    """An execution role ARN from an ARN or a role name; SageMaker needs the role to pull the image and models."""
+    """An execution role ARN from an ARN or a role name; SageMaker needs the role to pull the image
+    and models."""
     if not role:
         raise config_error(f"no execution role: pass --role (a name or ARN) or set {ROLE_ENV}")
     if role.startswith("arn:"):
@@ -122,7 +131,8 @@ def resolve_role(iam: BaseClient, role: str | None) -> str:
 
 
 def is_not_found(exc: botocore.exceptions.ClientError) -> bool:
-    # SageMaker has no NotFound error code for endpoints and models: it answers ValidationException with this text.
+    # SageMaker has no NotFound error code for endpoints and models: it answers ValidationException
+    # with this text.
     return aws_error_code(exc) == "ValidationException" and "Could not find" in aws_error_message(exc)
 
 
@@ -158,7 +168,8 @@ def find_model_data_prefix(sm: BaseClient, endpoint_name: str) -> str:
 
 
 def wait_for_endpoint(sm: BaseClient, name: str, timeout_seconds: float, poll_seconds: float) -> None:
-    """Waits for InService; unlike the SDK's own wait, checks before the first sleep and reports why it failed."""
+    """Waits for InService; unlike the SDK's own wait, checks before the first sleep and reports why
+    it failed."""
     attempts = max(1, math.ceil(timeout_seconds / poll_seconds))
     try:
         sm.get_waiter("endpoint_in_service").wait(
@@ -171,7 +182,8 @@ def wait_for_endpoint(sm: BaseClient, name: str, timeout_seconds: float, poll_se
 
 
 def upload_archives(s3: BaseClient, specs: Sequence[ModelSpec], prefix: str) -> list[str]:
-    """Uploads (local) or copies (S3) each archive under the prefix, as its TargetModel name; returns the S3 URIs."""
+    """Uploads (local) or copies (S3) each archive under the prefix, as its TargetModel name;
+    returns the S3 URIs."""
     bucket, key_prefix = parse_s3_uri(prefix)
     uris = []
     for spec in specs:
@@ -195,11 +207,13 @@ def upload_archives(s3: BaseClient, specs: Sequence[ModelSpec], prefix: str) -> 
 def create_endpoint(
     session: boto3.Session, args: argparse.Namespace, prefix: str, role: str, env: dict[str, str]
 ) -> str:
-    """The model (``Mode=MultiModel``), its endpoint config and the endpoint, with SDK v3's resource classes (v3 has
-    no ``MultiDataModel``); returns the endpoint's name. The SDK is imported here: it takes seconds.
+    """The model (``Mode=MultiModel``), its endpoint config and the endpoint, with SDK v3's resource
+    classes (v3 has no ``MultiDataModel``); returns the endpoint's name. The SDK is imported here:
+    it takes seconds.
 
-    A model of that name left by ``delete --keep-model`` (or by a deploy that stopped halfway) is used again when it
-    is the same image, prefix and environment, as SDK v2's ``deploy`` did; otherwise the deploy stops and says why."""
+    A model of that name left by ``delete --keep-model`` (or by a deploy that stopped halfway) is
+    used again when it is the same image, prefix and environment, as SDK v2's ``deploy`` did;
+    otherwise the deploy stops and says why."""
     import pydantic
     from sagemaker.core.resources import Endpoint, EndpointConfig, Model
     from sagemaker.core.shapes import ContainerDefinition, ProductionVariant
@@ -252,7 +266,8 @@ def build_invoke_kwargs(
     accept: str,
     custom_attributes: str | None = None,
 ) -> dict[str, Any]:
-    """The arguments of sagemaker-runtime invoke_endpoint, in one place so that a test can check them."""
+    """The arguments of sagemaker-runtime invoke_endpoint, in one place so that a test can check
+    them."""
     kwargs: dict[str, Any] = {
         "EndpointName": endpoint_name,
         "TargetModel": target_model,
@@ -276,7 +291,8 @@ def retry_while_loading(
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> T:
-    """Repeats ``call`` while SageMaker is still loading the target model, until ``timeout_seconds`` have passed."""
+    """Repeats ``call`` while SageMaker is still loading the target model, until ``timeout_seconds``
+    have passed."""
     deadline = clock() + timeout_seconds
     while True:
         try:
@@ -291,7 +307,8 @@ def retry_while_loading(
 def invoke_with_sdk(
     session: boto3.Session, endpoint_name: str, target_model: str, data: Any, custom_attributes: str | None
 ) -> Any:
-    """JSON in, JSON out, through SDK v3's ``Endpoint.invoke`` with its JSON serializer and deserializer."""
+    """JSON in, JSON out, through SDK v3's ``Endpoint.invoke`` with its JSON serializer and
+    deserializer."""
     from sagemaker.core.deserializers import JSONDeserializer
     from sagemaker.core.resources import Endpoint
     from sagemaker.core.serializers import JSONSerializer
@@ -311,13 +328,15 @@ def invoke_with_sdk(
 
 
 def invoke_with_boto3(runtime: BaseClient, kwargs: dict[str, Any]) -> tuple[bytes, str]:
-    """Any payload, as raw bytes both ways: for NPY, CSV or images, which the JSON path cannot carry."""
+    """Any payload, as raw bytes both ways: for NPY, CSV or images, which the JSON path cannot
+    carry."""
     response = runtime.invoke_endpoint(**kwargs)
     return response["Body"].read(), str(response.get("ContentType", ""))
 
 
 def delete_endpoint(sm: BaseClient, name: str, keep_model: bool = False) -> list[str]:
-    """Deletes the endpoint, then its config, then (unless kept) its models; returns what was deleted."""
+    """Deletes the endpoint, then its config, then (unless kept) its models; returns what was
+    deleted."""
     config_name, models = endpoint_models(sm, describe_endpoint(sm, name))
     sm.delete_endpoint(EndpointName=name)
     deleted = [f"endpoint {name}"]

@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
 """Packages a model directory as a SageMaker model.tar.gz, and optionally uploads it to S3.
 
-The archive holds the directory's files at its root (model.pt2, model.pt, model.pth, ...) and the inference code
-under code/ (inference.py, optional requirements.txt), the layout SageMaker unpacks into
-/opt/ml/models/<name>/model.
-The same inputs always give the same bytes: entries are sorted and carry a fixed time, owner and mode.
-__pycache__ directories and *.pyc files are left out. Symlinks are followed only while they stay inside the
-model directory.
+The archive holds the directory's files at its root (model.pt2, model.pt, model.pth, ...) and the
+inference code under code/ (inference.py, optional requirements.txt), the layout SageMaker unpacks
+into /opt/ml/models/<name>/model.
+The same inputs always give the same bytes: entries are sorted and carry a fixed time, owner and
+mode. __pycache__ directories and *.pyc files are left out. Symlinks are followed only while they
+stay inside the model directory.
 
-PyTorch 2: --module FILE.py:FUNCTION builds an nn.Module, exports it with torch.export (traced on a random input of
---example's shape, its first dimension dynamic) and ships it as model.pt2; --aot cpu compiles the model.pt2 (from
---module or the directory) into an AOTInductor package for CPU hosts. Both are served with no code.
+PyTorch 2: --module FILE.py:FUNCTION builds an nn.Module, exports it with torch.export (traced on a
+random input of --example's shape, its first dimension dynamic) and ships it as model.pt2; --aot cpu
+compiles the model.pt2 (from --module or the directory) into an AOTInductor package for CPU hosts.
+Both are served with no code.
 
 examples:
   scripts/package_model.py models/resnet                      # writes ./resnet.tar.gz
@@ -40,13 +41,15 @@ MODEL_FILES = ("model.pt2", "model.pt", "model.pth")
 ENTRY_POINT = "code/inference.py"
 REQUIREMENTS = "code/requirements.txt"
 ARCHIVE_SUFFIX = ".tar.gz"
-# 1980-01-01, the earliest time a zip can hold: what reproducible wheels use, and unlike 0 no tool mistakes it
-# for "unset".
+# 1980-01-01, the earliest time a zip can hold: what reproducible wheels use, and unlike 0 no tool
+# mistakes it for "unset".
 FIXED_MTIME = 315532800
-# Interpreter caches differ per Python version and per run; shipping them would break byte-for-byte equality.
+# Interpreter caches differ per Python version and per run; shipping them would break byte-for-byte
+# equality.
 SKIPPED_DIRS = frozenset({"__pycache__"})
 SKIPPED_SUFFIXES = (".pyc",)
-# gzip's default level 9 takes much longer on multi-GB weights and saves almost nothing on float data.
+# gzip's default level 9 takes much longer on multi-GB weights and saves almost nothing on float
+# data.
 COMPRESS_LEVEL = 6
 
 
@@ -91,8 +94,9 @@ def collect_entries(
 ) -> dict[str, Path]:
     """Maps each archive name to the file that provides it.
 
-    ``inference`` and ``requirements`` are files the user names on the command line, so they may live anywhere;
-    they replace ``code/inference.py`` and ``code/requirements.txt`` from the directory.
+    ``inference`` and ``requirements`` are files the user names on the command line, so they may
+    live anywhere; they replace ``code/inference.py`` and ``code/requirements.txt`` from the
+    directory.
     """
     if not model_dir.is_dir():
         raise config_error(f"model directory {model_dir} does not exist or is not a directory")
@@ -142,7 +146,8 @@ def _tar_info(name: str, source: Path | None) -> tarfile.TarInfo:
 
 
 def write_archive(entries: Mapping[str, Path], output: Path) -> None:
-    """Writes the gzipped tar to ``output`` through a temporary file, so a failure never leaves half an archive."""
+    """Writes the gzipped tar to ``output`` through a temporary file, so a failure never leaves half
+    an archive."""
     output.parent.mkdir(parents=True, exist_ok=True)
     members: dict[str, Path | None] = {name: None for name in _directories(list(entries))}
     members.update(entries)
@@ -182,7 +187,8 @@ def check_output_location(model_dir: Path, output: Path) -> None:
 
 
 def upload_destination(s3_uri: str, archive_name: str) -> tuple[str, str]:
-    """Bucket and key: a URI ending in .tar.gz is the key itself, anything else is a prefix for the archive."""
+    """Bucket and key: a URI ending in .tar.gz is the key itself, anything else is a prefix for the
+    archive."""
     bucket, key = parse_s3_uri(s3_uri)
     if key.endswith(ARCHIVE_SUFFIX):
         return bucket, key
@@ -228,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _pt2(args: argparse.Namespace, scratch: Path) -> Path | None:
-    """The model.pt2 that --module and --aot make (in ``scratch``), or None when neither is asked for."""
+    """The model.pt2 that --module and --aot make (in ``scratch``), or None when neither is asked
+    for."""
     if args.module is None and args.aot is None:
         if args.example is not None:
             raise config_error("--example goes with --module")

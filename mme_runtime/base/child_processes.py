@@ -1,10 +1,10 @@
-"""The one place processes are made, and the plumbing of the processes that make them: collecting exited children,
-Linux's ``prctl``, waiting on many sockets, and the descriptor limit.
+"""The one place processes are made, and the plumbing of the processes that make them: collecting
+exited children, Linux's ``prctl``, waiting on many sockets, and the descriptor limit.
 
-``start_program`` starts a program (the supervisor's MMS frontend and warm process); ``fork_child`` forks every
-model process from the warm process (loaders and device hosts) and decides what such a child inherits: the stdio it
-is given, none of the descriptors its parent named, the default SIGTERM and SIGINT, the environment it is given, and
-death with its parent.
+``start_program`` starts a program (the supervisor's MMS frontend and warm process); ``fork_child``
+forks every model process from the warm process (loaders and device hosts) and decides what such a
+child inherits: the stdio it is given, none of the descriptors its parent named, the default SIGTERM
+and SIGINT, the environment it is given, and death with its parent.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ def exited_children() -> Iterator[tuple[int, int]]:
 
 
 def start_program(command: Sequence[str], env: Mapping[str, str], cwd: Path, group: int) -> subprocess.Popen[bytes]:
-    """Starts ``command`` in process group ``group`` (0: a new one, led by it): the supervisor signals a group, not
-    each process. Descriptors other than stdio are not inherited (``subprocess``'s default)."""
+    """Starts ``command`` in process group ``group`` (0: a new one, led by it): the supervisor
+    signals a group, not each process. Descriptors other than stdio are not inherited
+    (``subprocess``'s default)."""
     return subprocess.Popen(list(command), env=dict(env), cwd=cwd, process_group=group)
 
 
@@ -55,11 +56,12 @@ def fork_child(
     environment: Mapping[str, str],
     stdio: Sequence[int] = (),
 ) -> int:
-    """Forks a model process and returns its pid. The child takes ``stdio`` (if given) as its descriptors 0, 1 and 2,
-    closes ``close`` (what the parent holds for other children: a copy would keep a model's socket or package alive),
-    is named ``title`` for ``ps``, dies with its parent, gets the default SIGTERM and SIGINT and ``environment`` as
-    its own, then runs ``run`` and exits with its status: it never returns into the parent's code. A fork copies only
-    the calling thread, so the parent must hold no lock another thread could hold (the warm process runs one)."""
+    """Forks a model process and returns its pid. The child takes ``stdio`` (if given) as its
+    descriptors 0, 1 and 2, closes ``close`` (what the parent holds for other children: a copy would
+    keep a model's socket or package alive), is named ``title`` for ``ps``, dies with its parent,
+    gets the default SIGTERM and SIGINT and ``environment`` as its own, then runs ``run`` and exits
+    with its status: it never returns into the parent's code. A fork copies only the calling thread,
+    so the parent must hold no lock another thread could hold (the warm process runs one)."""
     sys.stdout.flush()  # or the child would write the parent's buffered output again
     sys.stderr.flush()
     parent = os.getpid()
@@ -96,7 +98,8 @@ def _become_child(title: str, close_fds: Iterable[int], environment: Mapping[str
 
 
 def prctl(option: int, value: int, what: str) -> None:
-    """Sets a ``prctl`` option of this process; where that fails, the caller carries on without (logged)."""
+    """Sets a ``prctl`` option of this process; where that fails, the caller carries on without
+    (logged)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(option, value, 0, 0, 0) != 0:
@@ -106,9 +109,10 @@ def prctl(option: int, value: int, what: str) -> None:
 
 
 class Watcher:
-    """Sockets and what to call when each is readable, in one poll set kept as sockets come and go, so that a process
-    holding a few sockets per model pays per event, not per socket on every wait (1 ms a wait at 1,000 sockets when
-    the set was built anew each time). poll, not select: select stops working past descriptor 1024."""
+    """Sockets and what to call when each is readable, in one poll set kept as sockets come and go,
+    so that a process holding a few sockets per model pays per event, not per socket on every wait
+    (1 ms a wait at 1,000 sockets when the set was built anew each time). poll, not select: select
+    stops working past descriptor 1024."""
 
     def __init__(self) -> None:
         self._poller = select.poll()
@@ -116,7 +120,8 @@ class Watcher:
         self._by_fd: dict[int, socket.socket] = {}
 
     def watch(self, sock: socket.socket, handler: Callable[[], None]) -> None:
-        """Calls ``handler`` whenever ``sock`` is readable (or closed by its peer), until ``forget``."""
+        """Calls ``handler`` whenever ``sock`` is readable (or closed by its peer), until
+        ``forget``."""
         fd = sock.fileno()
         self.forget(sock)
         self._handlers[sock] = (fd, handler)
@@ -124,7 +129,8 @@ class Watcher:
         self._poller.register(fd, select.POLLIN)
 
     def forget(self, sock: socket.socket) -> None:
-        """Stops watching ``sock``; before it is closed, or at once after (its descriptor may be reused)."""
+        """Stops watching ``sock``; before it is closed, or at once after (its descriptor may be
+        reused)."""
         watched = self._handlers.pop(sock, None)
         if watched is None:
             return
@@ -140,9 +146,9 @@ class Watcher:
         return list(self._handlers)
 
     def run_once(self, timeout: float) -> None:
-        """Waits up to ``timeout`` seconds and calls the handler of each socket that became readable, unless an earlier
-        handler of the same wait forgot it (a socket is matched by identity, never by a descriptor number that a
-        handler may have closed and reused)."""
+        """Waits up to ``timeout`` seconds and calls the handler of each socket that became
+        readable, unless an earlier handler of the same wait forgot it (a socket is matched by
+        identity, never by a descriptor number that a handler may have closed and reused)."""
         try:
             events = self._poller.poll(timeout * 1000)
         except InterruptedError:
@@ -155,8 +161,8 @@ class Watcher:
 
 
 def raise_descriptor_limit() -> None:
-    """Each shared model holds a few descriptors in this process (its socket, its stub's, its package): lift the
-    soft limit to the hard one, so that thousands of models fit."""
+    """Each shared model holds a few descriptors in this process (its socket, its stub's, its
+    package): lift the soft limit to the hard one, so that thousands of models fit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

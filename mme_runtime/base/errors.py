@@ -1,28 +1,31 @@
 """The error family: each error knows the HTTP status it answers with.
 
-Built on the toolkit's ``BaseInferenceToolkitError`` so user code that raises toolkit errors keeps working.
-User code picks its own 4xx by raising ``ContainerError`` subclasses or ``BaseInferenceToolkitError``.
+Built on the toolkit's ``BaseInferenceToolkitError`` so user code that raises toolkit errors keeps
+working. User code picks its own 4xx by raising ``ContainerError`` subclasses or
+``BaseInferenceToolkitError``.
 """
 
 from __future__ import annotations
 
 from sagemaker_inference.errors import BaseInferenceToolkitError
 
-# Exit codes of the entrypoint, as in gunicorn: distinct so that an operator can tell why it stopped.
+# Exit codes of the entrypoint, as in gunicorn: distinct so that an operator can tell why it
+# stopped.
 EXIT_OK = 0
 EXIT_CONFIG = 2
 EXIT_BOOT = 3
 
 
 def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (torch's often run to pages), or its type when it has none."""
+    """The first line of an exception's message (torch's often run to pages), or its type when it
+    has none."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
 
 class ContainerError(BaseInferenceToolkitError):  # type: ignore[misc]
-    """An error with an HTTP status; its message is safe to show to the client. ``trace``: what user code raised, whose
-    traceback the log shows (never the client)."""
+    """An error with an HTTP status; its message is safe to show to the client. ``trace``: what user
+    code raised, whose traceback the log shows (never the client)."""
 
     status = 500
 
@@ -67,7 +70,8 @@ class InsufficientMemory(ContainerError):
 
 
 class RequestTimeout(ContainerError):
-    """A request not answered within ``SAGEMAKER_MODEL_SERVER_TIMEOUT``: the caller is answered, the call runs on."""
+    """A request not answered within ``SAGEMAKER_MODEL_SERVER_TIMEOUT``: the caller is answered, the
+    call runs on."""
 
     status = 504
 

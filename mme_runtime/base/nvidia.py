@@ -1,4 +1,5 @@
-"""What nvidia-smi says about the GPUs: how many, and how much memory is free. Never initialises CUDA.
+"""What nvidia-smi says about the GPUs: how many, and how much memory is free. Never initialises
+CUDA.
 
 The MMS frontend counts GPUs the same way, so the ids it hands to workers are nvidia-smi indices.
 """

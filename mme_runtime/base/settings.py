@@ -1,6 +1,7 @@
-"""Every environment variable the container reads, grouped by what it configures: its field of ``Config``, its
-parser, and for the documented ones the default and description; and ``docs/configuration.md``, generated from them
-so that it cannot drift from the code (a test compares the page with ``configuration_page()``). Regenerate it with::
+"""Every environment variable the container reads, grouped by what it configures: its field of
+``Config``, its parser, and for the documented ones the default and description; and
+``docs/configuration.md``, generated from them so that it cannot drift from the code (a test
+compares the page with ``configuration_page()``). Regenerate it with::
 
     .venv/bin/python -m mme_runtime.base.settings > docs/configuration.md
 
@@ -138,8 +139,8 @@ BATCHING: tuple[Setting, ...] = (
 )
 
 
-# Settings of earlier designs that no longer mean anything, and what replaced each: the entrypoint refuses to start
-# with one set (``Config.from_env``), rather than ignore what a user asked for.
+# Settings of earlier designs that no longer mean anything, and what replaced each: the entrypoint
+# refuses to start with one set (``Config.from_env``), rather than ignore what a user asked for.
 RETIRED: dict[str, str] = {
     "MME_PRELOAD_MODEL_GPU": "every model is loaded once, CUDA-free, in a loader; a model_fn that needs CUDA runs "
     "in its device host by itself",

@@ -27,7 +27,8 @@ from mme_runtime.huggingface.requests import Audio, TaskRequest, resample
 from mme_runtime.huggingface.tasks import length_groups, lent_pipeline, pad, postprocess, prepare
 
 REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout", "decoder_kwargs", "prompt_ids", "assistant_model"})
-# A generating recognizer's parameters beyond GenerationConfig's own names, as Whisper's generate takes them.
+# A generating recognizer's parameters beyond GenerationConfig's own names, as Whisper's generate
+# takes them.
 SPEECH_GENERATION_PARAMETERS = frozenset({"language", "task", "return_timestamps", "return_language"})
 MAX_BEAMS = 8  # each beam is a row of the generation: a request may not multiply its rows past this
 # A clip's main input, by model kind: raw samples (Wav2Vec2) or a spectrogram (Whisper).
@@ -52,14 +53,16 @@ class AudioRunner:
         self._sampling_rate = int(model.feature_extractor.sampling_rate)
         self._masks_padding = masks_padding(model.model)
         self._generates = getattr(self._pipeline, "type", "") in {"seq2seq", "seq2seq_whisper"}
-        # A CTC model's logits (and tokens) are one per frame, cut back to a row's own; a classifier's one per label.
+        # A CTC model's logits (and tokens) are one per frame, cut back to a row's own; a
+        # classifier's one per label.
         self._per_frame = self.task == "automatic-speech-recognition" and not self._generates
         self._vocabulary = vocabulary(model.model) if self._generates else None
         generation_config: Any = getattr(model.model, "generation_config", None)
         self._end_tokens = getattr(generation_config, "eos_token_id", None)
 
     def run(self, requests: list[TaskRequest]) -> list[Any]:
-        """Each clip's answer, in order (one per input of every request), with a tokenizer lent for the batch."""
+        """Each clip's answer, in order (one per input of every request), with a tokenizer lent for
+        the batch."""
         with lent_pipeline(self._pipeline) as pipeline:
             return self._run(pipeline, requests)
 
@@ -96,15 +99,17 @@ class AudioRunner:
             except (ValueError, TypeError) as exc:
                 if not forwards[group[0]]:
                     raise  # no parameters of the client's: the server's fault, a 500
-                # generate refuses the parameters (a max_new_tokens past the model's positions): the client's
+                # generate refuses the parameters (a max_new_tokens past the model's positions): the
+                # client's
                 raise InvalidInput(f"the model could not run with these parameters: {exc}") from exc
             for position, index in enumerate(group):
                 outputs[index] = result if len(members) == 1 else self._row(result, position, rows[index])
         return outputs
 
     def _row(self, batch: Any, index: int, prepared: dict[str, Any]) -> Any:
-        """Row ``index`` of a pass's outputs as the clip's pass alone gives them: a CTC model's frames cut back to
-        the clip's own, a generation's tokens to its first end token (the batch pads rows that ended sooner)."""
+        """Row ``index`` of a pass's outputs as the clip's pass alone gives them: a CTC model's
+        frames cut back to the clip's own, a generation's tokens to its first end token (the batch
+        pads rows that ended sooner)."""
         frames = self._frames(prepared)
         values = {}
         for key, value in batch.items():
@@ -120,7 +125,8 @@ class AudioRunner:
         return values if type(batch) is dict else type(batch)(values)  # a classifier's ModelOutput stays one
 
     def _frames(self, prepared: dict[str, Any]) -> int | None:
-        """How many frames the model makes of the row's samples (its outputs past these are padding)."""
+        """How many frames the model makes of the row's samples (its outputs past these are
+        padding)."""
         lengths = getattr(self.model.model, "_get_feat_extract_output_lengths", None)
         samples = prepared.get("input_values")
         if lengths is None or not isinstance(samples, torch.Tensor):
@@ -128,8 +134,9 @@ class AudioRunner:
         return int(lengths(torch.tensor(samples.shape[-1])))
 
     def _check_frames(self, row: dict[str, Any]) -> None:
-        """A clip (or chunk) too short for the model's convolutions to make one frame (Wav2Vec2 needs 400 samples,
-        25 ms) would fail its pass with a RuntimeError, a 500 for every request of the batch: it is this one's 400."""
+        """A clip (or chunk) too short for the model's convolutions to make one frame (Wav2Vec2
+        needs 400 samples, 25 ms) would fail its pass with a RuntimeError, a 500 for every request
+        of the batch: it is this one's 400."""
         frames = self._frames(row)
         if frames is not None and frames < 1:
             samples = row["input_values"].shape[-1]
@@ -156,7 +163,8 @@ class AudioRunner:
 
 
 def masks_padding(model: Any) -> bool:
-    """Whether padding a clip changes none of its outputs: each frame normalized alone, padded frames masked."""
+    """Whether padding a clip changes none of its outputs: each frame normalized alone, padded
+    frames masked."""
     return getattr(model.config, "feat_extract_norm", None) == "layer" and hasattr(
         model, "_get_feat_extract_output_lengths"
     )
@@ -183,8 +191,9 @@ def pass_groups(rows: list[dict[str, Any]], forwards: list[dict[str, Any]], mask
 
 
 def pad_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """One batch of ``rows``: samples padded on the right with zeros (the feature extractors' padding value) under
-    an attention mask of zeros; a row prepared without a mask gets one of ones, which changes nothing of its own."""
+    """One batch of ``rows``: samples padded on the right with zeros (the feature extractors'
+    padding value) under an attention mask of zeros; a row prepared without a mask gets one of ones,
+    which changes nothing of its own."""
     with_masks = []
     for row in rows:
         main = _main_input(row)
@@ -208,10 +217,11 @@ def _cut_after_end(tokens: torch.Tensor, end: int | list[int] | None) -> torch.T
 
 
 def _check_generation(forward: dict[str, Any], generates: bool, vocabulary_size: int | None = None) -> None:
-    """A CTC model generates nothing: only ``return_timestamps`` reaches its pass. A generating one takes what its
-    ``generate`` takes, ``num_beams`` up to ``MAX_BEAMS``, one sequence per clip, and token ids of its vocabulary: one
-    past it (``decoder_start_token_id``, ``pad_token_id``) fails the embedding, on a GPU with a device-side assert that
-    leaves the CUDA context of every model of the device's process unusable."""
+    """A CTC model generates nothing: only ``return_timestamps`` reaches its pass. A generating one
+    takes what its ``generate`` takes, ``num_beams`` up to ``MAX_BEAMS``, one sequence per clip, and
+    token ids of its vocabulary: one past it (``decoder_start_token_id``, ``pad_token_id``) fails
+    the embedding, on a GPU with a device-side assert that leaves the CUDA context of every model of
+    the device's process unusable."""
     if not generates:
         unknown = set(forward) - {"return_timestamps"}
         if unknown:

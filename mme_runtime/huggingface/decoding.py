@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-# Leading columns no row attends to any more are cut off once there are this many (a copy of the cache).
+# Leading columns no row attends to any more are cut off once there are this many (a copy of the
+# cache).
 TRIM_COLUMNS = 32
 ROOM = 64  # tokens of room a buffer gets beyond what it holds when it is made
 # Finish reasons: the model's end token, max_new_tokens, a stop sequence, the time limit.
@@ -29,7 +30,8 @@ EOS, LENGTH, STOP, TIME = "eos", "length", "stop", "time"
 
 @dataclass(eq=False)
 class Row:
-    """One sequence to generate: a prompt (an encoder-decoder's encoder input) and how to pick its tokens."""
+    """One sequence to generate: a prompt (an encoder-decoder's encoder input) and how to pick its
+    tokens."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -47,7 +49,8 @@ class Row:
 
 
 def pick_tokens(rows: Sequence[Row | None], logits: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Each row's next token from its logits, as ``generate`` picks it for that row alone (an empty place: argmax)."""
+    """Each row's next token from its logits, as ``generate`` picks it for that row alone (an empty
+    place: argmax)."""
     tokens: list[torch.Tensor | None] = [None] * len(rows)
     plain = [i for i, row in enumerate(rows) if row is None or (row.processors is None and not row.do_sample)]
     if len(plain) == len(rows):
@@ -84,8 +87,9 @@ def record(rows: Sequence[Row | None], tokens: torch.Tensor) -> None:
 
 
 class DecodingBatch:
-    """The rows being decoded together on one model, and their caches. Not thread-safe: one scheduler thread owns it.
-    ``rows`` has one entry per row of the caches: a ``Row``, or None for a place a finished row left."""
+    """The rows being decoded together on one model, and their caches. Not thread-safe: one
+    scheduler thread owns it. ``rows`` has one entry per row of the caches: a ``Row``, or None for a
+    place a finished row left."""
 
     def __init__(self, model: Any) -> None:
         from transformers import DynamicCache, EncoderDecoderCache
@@ -97,12 +101,13 @@ class DecodingBatch:
         parameters = set(inspect.signature(model.forward).parameters)
         self._keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
         self._positions_module = _absolute_positions(model) if self.encoder_decoder else None
-        # Each row's positions while this thread runs a step: a generate alone on another thread (beam search)
-        # runs the same module meanwhile, and must get its own.
+        # Each row's positions while this thread runs a step: a generate alone on another thread
+        # (beam search) runs the same module meanwhile, and must get its own.
         self._override = threading.local()
         if self._positions_module is not None:
             self._hook = self._positions_module.register_forward_hook(self._own_positions)
-        # Rows may join a running batch only where each keeps its own positions; otherwise only an empty one.
+        # Rows may join a running batch only where each keeps its own positions; otherwise only an
+        # empty one.
         self.joinable = "position_ids" in parameters if not self.encoder_decoder else _relative_or_hooked(model)
         self._reset()
 
@@ -132,7 +137,8 @@ class DecodingBatch:
         return not self.rows or self.mask.shape[0] == self.next.shape[0] == self.alive.shape[0] == len(self.rows)
 
     def admit(self, rows: list[Row]) -> None:
-        """Prefills ``rows`` together and adds them to the batch, each with its first token picked."""
+        """Prefills ``rows`` together and adds them to the batch, each with its first token
+        picked."""
         if self.encoder_decoder:
             outputs, mask, positions, encoded, encoder_mask = self._prefill_encoder_decoder(rows)
         else:
@@ -161,8 +167,9 @@ class DecodingBatch:
         encoded: torch.Tensor,
         encoder_mask: torch.Tensor,
     ) -> None:
-        """Each joining row takes the place of a finished one where its tokens fit (written in place); the others
-        are added to the batch (the caches padded to a common length and copied once)."""
+        """Each joining row takes the place of a finished one where its tokens fit (written in
+        place); the others are added to the batch (the caches padded to a common length and copied
+        once)."""
         holes = [index for index, row in enumerate(self.rows) if row is None]
         length, added = self.mask.shape[1], []
         for index, row in enumerate(rows):
@@ -282,8 +289,9 @@ class DecodingBatch:
         record(self.rows, self.next)
 
     def drop(self, leaving: list[Row]) -> None:
-        """Takes ``leaving`` out of the batch: their places stay for rows that join, until half the batch is empty
-        (then it is compacted); columns no row attends to any more are cut off once there are ``TRIM_COLUMNS``."""
+        """Takes ``leaving`` out of the batch: their places stay for rows that join, until half the
+        batch is empty (then it is compacted); columns no row attends to any more are cut off once
+        there are ``TRIM_COLUMNS``."""
         gone = {id(row) for row in leaving}
         for index, row in enumerate(self.rows):
             if row is not None and id(row) in gone:
@@ -313,7 +321,8 @@ class DecodingBatch:
         self.next, self.alive = self.next[kept], self.alive[kept]
 
     def _own_positions(self, module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        """Each row's own decoder position embedding, where the module would give all rows the cache's length."""
+        """Each row's own decoder position embedding, where the module would give all rows the
+        cache's length."""
         positions = getattr(self._override, "positions", None)
         if positions is None:
             return output
@@ -322,13 +331,15 @@ class DecodingBatch:
 
 
 def _absolute_positions(model: Any) -> torch.nn.Embedding | None:
-    """The decoder's absolute position embedding (BART's learned, Marian's sinusoidal), where it has one."""
+    """The decoder's absolute position embedding (BART's learned, Marian's sinusoidal), where it has
+    one."""
     module = getattr(model.get_decoder(), "embed_positions", None)
     return module if isinstance(module, torch.nn.Embedding) else None
 
 
 def _relative_or_hooked(model: Any) -> bool:
-    """An encoder-decoder whose rows can keep their own decoder positions: none absolute (T5), or one we hook."""
+    """An encoder-decoder whose rows can keep their own decoder positions: none absolute (T5), or
+    one we hook."""
     decoder = model.get_decoder()
     return getattr(decoder, "embed_positions", None) is None or _absolute_positions(model) is not None
 
@@ -340,7 +351,8 @@ def _dynamic_layer() -> Any:
 
 
 def growing_layer(keys: torch.Tensor, values: torch.Tensor) -> Any:
-    """A ``DynamicLayer`` that holds ``keys`` and ``values`` in buffers with room for ``ROOM`` more tokens."""
+    """A ``DynamicLayer`` that holds ``keys`` and ``values`` in buffers with room for ``ROOM`` more
+    tokens."""
     layer = _growing_class()()
     layer.hold(keys, values, keys.shape[-2] + ROOM)
     return layer
@@ -350,12 +362,14 @@ _GROWING: Any = None
 
 
 def _growing_class() -> Any:
-    """``GrowingLayer``, made once transformers is imported (this module is imported before it is)."""
+    """``GrowingLayer``, made once transformers is imported (this module is imported before it
+    is)."""
     global _GROWING
     if _GROWING is None:
 
         class GrowingLayer(_dynamic_layer()):  # type: ignore[misc]
-            """Keys and values are views of buffers with room: ``update`` writes the new tokens in place."""
+            """Keys and values are views of buffers with room: ``update`` writes the new tokens in
+            place."""
 
             def hold(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
                 self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
@@ -387,19 +401,22 @@ def cross_layers(cache: Any) -> list[Any]:
 
 
 def regrow(cache: Any) -> None:
-    """The cache's self-attention layers as ``GrowingLayer`` s holding what they hold now (one copy)."""
+    """The cache's self-attention layers as ``GrowingLayer`` s holding what they hold now (one
+    copy)."""
     holder = cache.self_attention_cache if hasattr(cache, "self_attention_cache") else cache
     holder.layers = [growing_layer(layer.keys, layer.values) for layer in holder.layers]
 
 
 def all_plain(cache: Any) -> bool:
-    """Every layer is a plain full-attention one (no sliding window, no linear attention): safe to pad together."""
+    """Every layer is a plain full-attention one (no sliding window, no linear attention): safe to
+    pad together."""
     return all(type(layer).__name__ == "DynamicLayer" for layer in [*self_layers(cache), *cross_layers(cache)])
 
 
 def write_row(cache: Any, slot: int, source: Any, row: int, tokens: int, length: int, source_tokens: int = 0) -> None:
-    """Row ``row`` of ``source`` (a prefill's cache) into row ``slot`` of ``cache``: its last ``tokens`` self-attention
-    tokens right-aligned at ``length``, and its first ``source_tokens`` cross-attention ones at the start."""
+    """Row ``row`` of ``source`` (a prefill's cache) into row ``slot`` of ``cache``: its last
+    ``tokens`` self-attention tokens right-aligned at ``length``, and its first ``source_tokens``
+    cross-attention ones at the start."""
     for into, out in zip(self_layers(cache), self_layers(source), strict=True):
         into.keys[slot, :, length - tokens :] = out.keys[row, :, out.keys.shape[-2] - tokens :]
         into.values[slot, :, length - tokens :] = out.values[row, :, out.values.shape[-2] - tokens :]
@@ -409,8 +426,8 @@ def write_row(cache: Any, slot: int, source: Any, row: int, tokens: int, length:
 
 
 def join(cache: Any, new: Any, rows: torch.Tensor, length: int, source: int) -> None:
-    """Rows ``rows`` of ``new`` appended to ``cache``: self-attention padded on the left to ``length``, cross-attention
-    on the right to ``source`` (one copy of everything)."""
+    """Rows ``rows`` of ``new`` appended to ``cache``: self-attention padded on the left to
+    ``length``, cross-attention on the right to ``source`` (one copy of everything)."""
     for old, add in zip(self_layers(cache), self_layers(new), strict=True):
         old.keys = torch.cat([pad(old.keys, length, 2, left=True), pad(add.keys[rows], length, 2, left=True)])
         old.values = torch.cat([pad(old.values, length, 2, left=True), pad(add.values[rows], length, 2, left=True)])
@@ -421,7 +438,8 @@ def join(cache: Any, new: Any, rows: torch.Tensor, length: int, source: int) -> 
 
 
 def select(cache: Any, rows: torch.Tensor, first: int, end: int | None) -> None:
-    """Only ``rows`` kept, self-attention from column ``first``, cross-attention up to ``end`` (one copy)."""
+    """Only ``rows`` kept, self-attention from column ``first``, cross-attention up to ``end`` (one
+    copy)."""
     for layer in self_layers(cache):
         layer.keys, layer.values = layer.keys[rows, :, first:], layer.values[rows, :, first:]
     for layer in cross_layers(cache):

@@ -46,9 +46,11 @@ SERVER_PARAMETERS = frozenset(
         "continuous_batching_config",
     }
 )
-# Generation parameters that hold token ids (decoder_start_token_id, suppress_tokens, bad_words_ids...).
+# Generation parameters that hold token ids (decoder_start_token_id, suppress_tokens,
+# bad_words_ids...).
 TOKEN_ID_SUFFIXES = ("token_id", "token_ids", "suppress_tokens", "words_ids")
-# A generation is cut this long before SAGEMAKER_MODEL_SERVER_TIMEOUT, so that its answer leaves in time.
+# A generation is cut this long before SAGEMAKER_MODEL_SERVER_TIMEOUT, so that its answer leaves in
+# time.
 TIME_MARGIN_SECONDS = 10.0
 STOP_KEYS = ("stop", "stop_sequence", "stop_strings")
 MAX_STOPS = 16
@@ -65,7 +67,8 @@ NUMBERS = {"temperature", "top_p", "repetition_penalty", "length_penalty"}
 BOOLEANS = {"do_sample", "return_full_text", "early_stopping"}
 LOOP_MODES = frozenset({"greedy_search", "sample"})
 TEXT_TO_TEXT_NAMES = {"text2text-generation": "generated", "summarization": "summary", "translation": "translation"}
-# What transformers 4.57's text-to-text pipelines asked of generate unless the model's generation config says otherwise.
+# What transformers 4.57's text-to-text pipelines asked of generate unless the model's generation
+# config says otherwise.
 TEXT_TO_TEXT_DEFAULTS = {"max_new_tokens": 256, "num_beams": 4}
 # Pipeline parameters that only shape the answer or the tokens, never generate's arguments.
 TEXT_TO_TEXT_PARAMETERS = frozenset({"truncation", "clean_up_tokenization_spaces", "src_lang", "tgt_lang"})
@@ -154,7 +157,8 @@ class GenerationRunner:
         start = 1 if model.config.is_encoder_decoder else len(ids)  # the decoder's tokens before the first new one
         arguments = dict(prompt.generate)
         base = arguments.pop("generation_config", None)
-        # As generate tells them: a length nobody set, or one the request, the task or the model set.
+        # As generate tells them: a length nobody set, or one the request, the task or the model
+        # set.
         unset = [
             key not in arguments and getattr(base, key, None) is None and getattr(model.generation_config, key) is None
             for key in ("max_length", "min_length")
@@ -190,8 +194,9 @@ class GenerationRunner:
         return rows, config
 
     def _new_tokens(self, wanted: int, prompt_length: int, sent: set[str]) -> int:
-        """How many tokens an input may get: what it asks for, within the cap and the model's positions. One that
-        asks for more than either answers 400; a default over them is lowered."""
+        """How many tokens an input may get: what it asks for, within the cap and the model's
+        positions. One that asks for more than either answers 400; a default over them is
+        lowered."""
         asked = bool({"max_new_tokens", "max_length"} & sent)
         cap = self.limits.max_new_tokens
         if wanted > cap and asked:
@@ -227,8 +232,8 @@ class GenerationRunner:
     def _generate_alone(
         self, prompt: Prompt, config: Any, stops: tuple[str, ...], deadline: float
     ) -> tuple[list[list[int]], bool]:
-        """``generate`` for one input alone (beam search, say), stopped at the deadline: one at a time, on a pass
-        thread of a GPU's."""
+        """``generate`` for one input alone (beam search, say), stopped at the deadline: one at a
+        time, on a pass thread of a GPU's."""
         with self._alone:
             generated: tuple[list[list[int]], bool] = self._run_pass(
                 functools.partial(self._generate, prompt, config, stops, deadline)
@@ -265,7 +270,8 @@ def _first_token(model: Any) -> list[int]:
 
 
 def _parameters(parameters: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...], int | None]:
-    """The request's parameters for the task, its stop sequences and its seed. Raises ``InvalidInput`` (400)."""
+    """The request's parameters for the task, its stop sequences and its seed. Raises
+    ``InvalidInput`` (400)."""
     refused = REFUSED & set(parameters)
     if refused:
         raise InvalidInput(f"parameters {sorted(refused)} are not accepted here")
@@ -299,8 +305,9 @@ def _parameters(parameters: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, 
 
 
 def shape(task: str, answers: list[list[dict[str, Any]]], request: TaskRequest) -> Any:
-    """One request's answer as the pipeline gives it: for one input its records (``[{"generated_text": ...}]``); for a
-    list, text-generation's a list of those, the text-to-text tasks' one record per input where each has one."""
+    """One request's answer as the pipeline gives it: for one input its records
+    (``[{"generated_text": ...}]``); for a list, text-generation's a list of those, the text-to-text
+    tasks' one record per input where each has one."""
     if request.single:
         return answers[0]
     if task != "text-generation" and all(len(records) == 1 for records in answers):
@@ -309,7 +316,8 @@ def shape(task: str, answers: list[list[dict[str, Any]]], request: TaskRequest) 
 
 
 def check_token_ids(parameters: dict[str, Any], vocabulary: int | None) -> None:
-    """Raises ``InvalidInput`` (400) for a token id outside the model's ``vocabulary`` (None: it says none)."""
+    """Raises ``InvalidInput`` (400) for a token id outside the model's ``vocabulary`` (None: it
+    says none)."""
     if vocabulary is None:
         return
     for key, value in parameters.items():
@@ -320,7 +328,8 @@ def check_token_ids(parameters: dict[str, Any], vocabulary: int | None) -> None:
 
 
 def vocabulary(model: Any) -> int | None:
-    """How many token ids the model embeds (its decoder's, for an encoder-decoder), or None when it says none."""
+    """How many token ids the model embeds (its decoder's, for an encoder-decoder), or None when it
+    says none."""
     try:
         embeddings = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
@@ -339,9 +348,10 @@ def _integers(value: Any) -> list[int]:
 
 @dataclass
 class Prompt:
-    """One input, prepared: ``ids`` the model reads (a decoder-only model's prompt, or the encoder's input),
-    ``generate`` the keyword arguments generate would get for it, and ``answer`` that makes the task's answer from a
-    generated sequence (a decoder-only model's prompt and new tokens; an encoder-decoder's start token and new ones)."""
+    """One input, prepared: ``ids`` the model reads (a decoder-only model's prompt, or the encoder's
+    input), ``generate`` the keyword arguments generate would get for it, and ``answer`` that makes
+    the task's answer from a generated sequence (a decoder-only model's prompt and new tokens; an
+    encoder-decoder's start token and new ones)."""
 
     ids: list[int]
     generate: dict[str, Any]
@@ -349,8 +359,8 @@ class Prompt:
 
 
 class TextGeneration:
-    """text-generation through transformers' pipeline, with a copy of its tokenizer lent for each step
-    (``tasks.lent_pipeline``): tokenizers are not safe to share between threads."""
+    """text-generation through transformers' pipeline, with a copy of its tokenizer lent for each
+    step (``tasks.lent_pipeline``): tokenizers are not safe to share between threads."""
 
     def __init__(self, model: HuggingFaceModel, device: torch.device) -> None:
         transformers: Any = importlib.import_module("transformers")
@@ -392,7 +402,8 @@ class TextGeneration:
 
 
 class TextToText:
-    """text2text-generation, summarization and translation_xx_to_yy, as transformers 4.57's pipelines ran them."""
+    """text2text-generation, summarization and translation_xx_to_yy, as transformers 4.57's
+    pipelines ran them."""
 
     def __init__(self, model: HuggingFaceModel, task: str) -> None:
         self._model = model
@@ -445,9 +456,10 @@ class TextToText:
 
 
 def _pipeline_generation_config(loaded: HuggingFaceModel, specific: dict[str, Any]) -> tuple[Any, str | None]:
-    """The generation config transformers 4.57's text-to-text pipeline built once: its defaults where the model's
-    generation config sets nothing, a ``max_length`` the model sets honoured, then the task's ``task_specific_params``,
-    and the tokenizer's pad token where the model has none; and the task's ``prefix``, if it names one."""
+    """The generation config transformers 4.57's text-to-text pipeline built once: its defaults
+    where the model's generation config sets nothing, a ``max_length`` the model sets honoured, then
+    the task's ``task_specific_params``, and the tokenizer's pad token where the model has none; and
+    the task's ``prefix``, if it names one."""
     model: Any = loaded.model
     own = model.generation_config.to_diff_dict()
     defaults = {key: value for key, value in TEXT_TO_TEXT_DEFAULTS.items() if key not in own}

@@ -76,16 +76,17 @@ TEXT_AND_IMAGE_TASKS = frozenset({"zero-shot-image-classification"})  # its cand
 # Speech models: their tasks, and the file naming a speech directory's feature extractor.
 AUDIO_TASKS = frozenset({"automatic-speech-recognition", "audio-classification"})
 PREPROCESSOR_FILE = "preprocessor_config.json"
-# What an architecture's name ends with, and the task it serves, in any directory: CTC heads and audio classifiers
-# exist for audio only.
+# What an architecture's name ends with, and the task it serves, in any directory: CTC heads and
+# audio classifiers exist for audio only.
 AUDIO_ARCHITECTURE_TASKS = {
     "ForCTC": "automatic-speech-recognition",
     "ForAudioClassification": "audio-classification",
 }
-# What the architecture alone would call a text task, and what it is when the directory holds an audio feature
-# extractor (a Wav2Vec2ForSequenceClassification, a WhisperForConditionalGeneration).
+# What the architecture alone would call a text task, and what it is when the directory holds an
+# audio feature extractor (a Wav2Vec2ForSequenceClassification, a WhisperForConditionalGeneration).
 AUDIO_READINGS = {"text-classification": "audio-classification", "text2text-generation": "automatic-speech-recognition"}
-# What an architecture's name ends with, and the task it serves (``BertForSequenceClassification``: a classifier).
+# What an architecture's name ends with, and the task it serves (``BertForSequenceClassification``:
+# a classifier).
 ARCHITECTURE_TASKS = {
     "ForSequenceClassification": "text-classification",
     "ForTokenClassification": "token-classification",
@@ -104,26 +105,30 @@ ARCHITECTURE_TASKS = {
     "SiglipModel": "zero-shot-image-classification",
     "Siglip2Model": "zero-shot-image-classification",
 }
-# Architectures whose name ends as another task's does (TAPAS answers questions about tables, not about texts).
+# Architectures whose name ends as another task's does (TAPAS answers questions about tables, not
+# about texts).
 ARCHITECTURE_NAMES = {"TapasForQuestionAnswering": "table-question-answering"}
-# Models whose position ids start after the padding index, so max_position_embeddings overstates what they take.
+# Models whose position ids start after the padding index, so max_position_embeddings overstates
+# what they take.
 OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "camembert", "longformer"})
-# An encoder-decoder's architectures: a text-to-text model unless its task says more (summarization, translation).
+# An encoder-decoder's architectures: a text-to-text model unless its task says more (summarization,
+# translation).
 SEQ_TO_SEQ_SUFFIXES = ("ForConditionalGeneration", "MTModel", "ForSeq2SeqLM")
 TRANSLATION = re.compile(r"translation_[A-Za-z-]+_to_[A-Za-z-]+")
 
 
 @dataclass
 class HuggingFaceModel:
-    """What ``model_fn`` returns for such a directory: it travels to a device host like any model (the module's
-    tensors in shared memory), and ``place`` puts it on its device there."""
+    """What ``model_fn`` returns for such a directory: it travels to a device host like any model
+    (the module's tensors in shared memory), and ``place`` puts it on its device there."""
 
     task: str
     model: torch.nn.Module
     tokenizer: Any | None  # text tasks
     image_processor: Any | None  # image tasks
     max_length: int | None  # tokens the model takes at most (its position embeddings)
-    # Its classes come from its directory (trust_remote_code): only a process that imported them can unpickle it.
+    # Its classes come from its directory (trust_remote_code): only a process that imported them can
+    # unpickle it.
     remote_code: bool = False
     pooling: str | None = None  # feature-extraction: "mean" or "cls" gives one vector per input; None, every token's
     normalize: bool = False  # pooled vectors scaled to length 1 (a sentence-transformers Normalize module)
@@ -153,14 +158,16 @@ class HuggingFaceModel:
 
 
 def is_hugging_face_directory(model_dir: Path) -> bool:
-    """A ``save_pretrained`` directory: ``config.json`` naming a model type, and weights transformers reads."""
+    """A ``save_pretrained`` directory: ``config.json`` naming a model type, and weights
+    transformers reads."""
     config = _read_config(model_dir)
     return config is not None and "model_type" in config and any((model_dir / f).is_file() for f in WEIGHT_FILES)
 
 
 def resolve_task(model_dir: Path, model_task: str | None, container_task: str | None) -> str:
     """The model's task: its ``serving.properties``, else ``HF_TASK``, else its architecture. Raises
-    ``ModelLoadError`` naming what is supported when the task is unknown, unsupported or cannot be told."""
+    ``ModelLoadError`` naming what is supported when the task is unknown, unsupported or cannot be
+    told."""
     chosen = model_task or container_task
     if chosen is not None:
         task = ALIASES.get(chosen.strip(), chosen.strip())
@@ -231,15 +238,16 @@ def load(model_dir: Path, task: str, trust_remote_code: bool, pooling: str | Non
 
 
 def base_task(task: str) -> str:
-    """The task a name stands for: ``translation_en_to_de`` is translation, from English to German."""
+    """The task a name stands for: ``translation_en_to_de`` is translation, from English to
+    German."""
     return "translation" if TRANSLATION.fullmatch(task) else task
 
 
 def _auto_class(transformers: Any, task: str, config: dict[str, Any]) -> Any:
     """The task's Auto class. A speech task's depends on the model (``audio_auto_class``);
     image-segmentation has several, as the pipeline has: the first whose mapping knows
-    the model type (DETR's panoptic head, a semantic segmenter such as SegFormer, a universal one such as
-    Mask2Former)."""
+    the model type (DETR's panoptic head, a semantic segmenter such as SegFormer, a universal one
+    such as Mask2Former)."""
     if task in AUDIO_TASKS:
         return getattr(transformers, audio_auto_class(task, config))
     if task == "image-segmentation":
@@ -251,9 +259,10 @@ def _auto_class(transformers: Any, task: str, config: dict[str, Any]) -> Any:
 
 
 def _register_output_capture(model: torch.nn.Module) -> None:
-    """transformers records which outputs a model class can capture (the hidden states SegFormer's head reads) in a
-    registry of its process, when a model is built: a model unpickled in a device host was built in its loader, so
-    its classes are registered again here, or SegFormer's head gets no hidden states."""
+    """transformers records which outputs a model class can capture (the hidden states SegFormer's
+    head reads) in a registry of its process, when a model is built: a model unpickled in a device
+    host was built in its loader, so its classes are registered again here, or SegFormer's head gets
+    no hidden states."""
     from transformers import PreTrainedModel
 
     try:
@@ -266,7 +275,8 @@ def _register_output_capture(model: torch.nn.Module) -> None:
 
 
 def _check_head(model_dir: Path, task: str, config: dict[str, Any], info: dict[str, Any]) -> None:
-    """A task whose head the weights do not hold would answer from random weights: the LOAD fails instead."""
+    """A task whose head the weights do not hold would answer from random weights: the LOAD fails
+    instead."""
     missing = [*info.get("missing_keys", []), *(key for key, *_ in info.get("mismatched_keys", []))]
     if TASKS.get(task) == "AutoModel":  # its answer is the hidden states: a pooler the weights lack is never read
         missing = [key for key in missing if "pooler" not in key]
@@ -279,8 +289,8 @@ def _check_head(model_dir: Path, task: str, config: dict[str, Any], info: dict[s
 
 
 def _transformers() -> Any:
-    """transformers, imported on first use (the warm process imports it once, before forking such a model's
-    loader). Typed ``Any``: its Auto classes are not annotated."""
+    """transformers, imported on first use (the warm process imports it once, before forking such a
+    model's loader). Typed ``Any``: its Auto classes are not annotated."""
     module = importlib.import_module("transformers")
     module.utils.logging.disable_progress_bar()  # one "Loading weights" bar per LOAD is noise in the model's log
     return module
@@ -308,20 +318,23 @@ def is_audio_directory(model_dir: Path) -> bool:
 
 
 def audio_task(task: str, model_dir: Path) -> str:
-    """The task an architecture's name stands for, read again for an audio directory (``AUDIO_READINGS``)."""
+    """The task an architecture's name stands for, read again for an audio directory
+    (``AUDIO_READINGS``)."""
     return AUDIO_READINGS.get(task, task) if is_audio_directory(model_dir) else task
 
 
 def audio_auto_class(task: str, config: dict[str, Any]) -> str:
-    """The Auto class of an audio task's model: an encoder-decoder (Whisper) recognizes speech by generation, any
-    other recognizer is a CTC model (Wav2Vec2, HuBERT), as transformers' own pipeline loads them."""
+    """The Auto class of an audio task's model: an encoder-decoder (Whisper) recognizes speech by
+    generation, any other recognizer is a CTC model (Wav2Vec2, HuBERT), as transformers' own
+    pipeline loads them."""
     if task == "audio-classification":
         return "AutoModelForAudioClassification"
     return "AutoModelForSpeechSeq2Seq" if config.get("is_encoder_decoder") else "AutoModelForCTC"
 
 
 def audio_processors(transformers: Any, model_dir: Path, task: str, options: dict[str, Any]) -> tuple[Any, Any]:
-    """The feature extractor, and for speech recognition the tokenizer that turns its tokens into text."""
+    """The feature extractor, and for speech recognition the tokenizer that turns its tokens into
+    text."""
     feature_extractor = transformers.AutoFeatureExtractor.from_pretrained(str(model_dir), **options)
     if task == "audio-classification":
         return feature_extractor, None
@@ -336,7 +349,8 @@ _by_key: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 def packed(tokenizer: Any) -> torch.Tensor:
-    """The tokenizer's pickle as a tensor of bytes, the same for tokenizers loaded from equal files anywhere."""
+    """The tokenizer's pickle as a tensor of bytes, the same for tokenizers loaded from equal files
+    anywhere."""
     neutral = copy.copy(tokenizer)  # shallow: the original keeps its directory
     neutral.name_or_path = ""
     init_kwargs = getattr(tokenizer, "init_kwargs", None)
@@ -346,8 +360,9 @@ def packed(tokenizer: Any) -> torch.Tensor:
 
 
 def unpacked(data: torch.Tensor, task: str, name_or_path: str) -> Any:
-    """The tokenizer in ``data`` (``packed``'s): the one this process holds for the same bytes and task, or a new
-    one, named after ``name_or_path``, the directory of the model that brought it first."""
+    """The tokenizer in ``data`` (``packed``'s): the one this process holds for the same bytes and
+    task, or a new one, named after ``name_or_path``, the directory of the model that brought it
+    first."""
     view = memoryview(data.numpy().data)  # the package's pages, not a copy
     key = f"{task}:{xxhash.xxh3_128_hexdigest(view)}"
     with _lock:

@@ -1,10 +1,12 @@
-"""Extractive question answering, which transformers 5 no longer ships as a pipeline, answered as the AWS Hugging
-Face container's pipeline (transformers 4) answers it: ``{"score", "start", "end", "answer"}``.
+"""Extractive question answering, which transformers 5 no longer ships as a pipeline, answered as
+the AWS Hugging Face container's pipeline (transformers 4) answers it: ``{"score", "start", "end",
+"answer"}``.
 
-The question and its context are tokenized together, the context cut into windows of ``max_seq_len`` tokens that
-overlap by ``doc_stride``; every window of every request shares the forward pass. In each window the start and end
-scores are softmaxed over the context's tokens; a span's score is their product, over spans of at most
-``max_answer_len`` tokens; the best ``top_k`` spans over all windows are the answer, as characters of the context.
+The question and its context are tokenized together, the context cut into windows of ``max_seq_len``
+tokens that overlap by ``doc_stride``; every window of every request shares the forward pass. In
+each window the start and end scores are softmaxed over the context's tokens; a span's score is
+their product, over spans of at most ``max_answer_len`` tokens; the best ``top_k`` spans over all
+windows are the answer, as characters of the context.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from mme_runtime.huggingface.requests import TaskRequest
 
 DEFAULTS = {"top_k": 1, "max_answer_len": 15, "max_seq_len": 384, "doc_stride": 128, "handle_impossible_answer": False}
 DEFAULTS |= {"align_to_words": True}
-# What the transformers 4 pipeline took and what changes nothing here: accepted, so its clients work unchanged.
+# What the transformers 4 pipeline took and what changes nothing here: accepted, so its clients work
+# unchanged.
 ACCEPTED = frozenset({"max_question_len", "padding"})
 MASKED = -10_000.0
 
@@ -29,7 +32,8 @@ Forward = Callable[[list[dict[str, Any]], Callable[[Any], Any]], list[dict[str, 
 
 
 def run(tokenizer: Any, model: HuggingFaceModel, requests: list[TaskRequest], forward: Forward) -> list[Any]:
-    """Each question's answer, in order; ``forward`` runs the windows of all of them in one padded pass."""
+    """Each question's answer, in order; ``forward`` runs the windows of all of them in one padded
+    pass."""
     windows: list[dict[str, Any]] = []
     plans: list[tuple[int, int, dict[str, Any], dict[str, Any]]] = []
     for request in requests:
@@ -89,7 +93,8 @@ def _windows(tokenizer: Any, question: str, context: str, options: dict[str, Any
     for index in range(len(encoded["input_ids"])):
         window: dict[str, Any] = {key: torch.tensor([encoded[key][index]]) for key in _MODEL_KEYS if key in encoded}
         inside = np.array([sequence == 1 for sequence in encoded.sequence_ids(index)])
-        # The first token ([CLS]) stands for "no answer": it takes part in the softmax, never in a span.
+        # The first token ([CLS]) stands for "no answer": it takes part in the softmax, never in a
+        # span.
         window["allowed"] = inside | (np.array(encoded["input_ids"][index]) == cls)
         window["context"] = inside
         window["encoding"] = encoded.encodings[index]
@@ -98,8 +103,8 @@ def _windows(tokenizer: Any, question: str, context: str, options: dict[str, Any
 
 
 def _answer(windows: list[dict[str, Any]], outputs: list[dict[str, Any]], context: str, options: dict[str, Any]) -> Any:
-    """The best spans over the windows, as the pipeline gives them: one dict, or a list of ``top_k``. A span found
-    in several windows (they overlap) counts once, with its scores added."""
+    """The best spans over the windows, as the pipeline gives them: one dict, or a list of
+    ``top_k``. A span found in several windows (they overlap) counts once, with its scores added."""
     answers: dict[str, dict[str, Any]] = {}  # by the answer's text, lowercased
     null_score = 1_000_000.0
     for window, output in zip(windows, outputs, strict=True):
@@ -135,8 +140,8 @@ def _answer(windows: list[dict[str, Any]], outputs: list[dict[str, Any]], contex
 
 
 def _characters(encoding: Any, first: int, last: int, align_to_words: bool) -> tuple[int, int]:
-    """The characters of the context from the start of the span's first word to the end of its last (or of its
-    first and last tokens, without ``align_to_words``)."""
+    """The characters of the context from the start of the span's first word to the end of its last
+    (or of its first and last tokens, without ``align_to_words``)."""
     first_word, last_word = encoding.token_to_word(first), encoding.token_to_word(last)
     if not align_to_words or first_word is None or last_word is None:
         return int(encoding.offsets[first][0]), int(encoding.offsets[last][1])

@@ -34,31 +34,39 @@ IMAGE_TYPES = frozenset(
 )
 ACCEPTS = (content.JSON, content.CSV, content.NPY)
 QUESTION_KEYS = ("question", "context")
-# An image is decoded into the process every model of its device shares: 25 megapixels is 75 MB as RGB.
+# An image is decoded into the process every model of its device shares: 25 megapixels is 75 MB as
+# RGB.
 MAX_IMAGE_PIXELS = 25_000_000
-# A request's images together (a PNG of flat color is a few bytes a megapixel: 6 MB of JSON held hundreds).
+# A request's images together (a PNG of flat color is a few bytes a megapixel: 6 MB of JSON held
+# hundreds).
 MAX_REQUEST_PIXELS = 4 * MAX_IMAGE_PIXELS
-# Images in one request: a processor may enlarge each (DETR's makes a 70-byte 1x1 PNG 800x800 float32, 7.7 MB), and a
-# request's images are all prepared before its pass.
+# Images in one request: a processor may enlarge each (DETR's makes a 70-byte 1x1 PNG 800x800
+# float32, 7.7 MB), and a request's images are all prepared before its pass.
 MAX_IMAGES = 64
-# Longest side over shortest: a processor that resizes the shortest side to a size (CLIP's to 224) before it crops
-# makes a 1 x 100,000 image 224 x 22,400,000 (60 GB of float32); at 100:1, 224 x 22,400.
+# Longest side over shortest: a processor that resizes the shortest side to a size (CLIP's to 224)
+# before it crops makes a 1 x 100,000 image 224 x 22,400,000 (60 GB of float32); at 100:1, 224 x
+# 22,400.
 MAX_ASPECT_RATIO = 100
-# Tasks whose inputs or parameters nest, which a CSV cannot: the AWS container refuses CSV for them too (400).
+# Tasks whose inputs or parameters nest, which a CSV cannot: the AWS container refuses CSV for them
+# too (400).
 NO_CSV_TASKS = frozenset({zero_shot.TASK, tables.TASK})
-# The AWS toolkit's audio types (its content_types.AUDIO_TYPES), then the aliases browsers and tools send.
+# The AWS toolkit's audio types (its content_types.AUDIO_TYPES), then the aliases browsers and tools
+# send.
 AWS_AUDIO_TYPES = ("audio/x-flac", "audio/mpeg", "audio/wave", "audio/ogg", "audio/x-audio")
 AUDIO_TYPES = frozenset({*AWS_AUDIO_TYPES, "audio/flac", "audio/wav", "audio/x-wav", "audio/mp3", "audio/vorbis"})
-# Five minutes of sound: at most 115 MB of float32 samples before resampling (at 96 kHz; 19 MB at 16 kHz), and what
-# Whisper transcribes in ten 30 s windows. A CTC model or a classifier attends over all of it at once: send long
-# audio with "chunk_length_s", which the pipeline cuts into windows.
+# Five minutes of sound: at most 115 MB of float32 samples before resampling (at 96 kHz; 19 MB at 16
+# kHz), and what Whisper transcribes in ten 30 s windows. A CTC model or a classifier attends over
+# all of it at once: send long audio with "chunk_length_s", which the pipeline cuts into windows.
 MAX_AUDIO_SECONDS = 300
-# Rates above this are no sound a speech model was trained on, and would let a short clip hold many samples.
+# Rates above this are no sound a speech model was trained on, and would let a short clip hold many
+# samples.
 MAX_SAMPLING_RATE = 96_000
-# Clips in one request: Whisper pads each to a 30 s window (480,000 samples, 80x3000 features) however short it is.
+# Clips in one request: Whisper pads each to a 30 s window (480,000 samples, 80x3000 features)
+# however short it is.
 MAX_CLIPS = 64
 BLOCK_FRAMES = 1 << 16  # decoded and mixed down a block at a time: never all channels of the clip at once
-# An array of samples (an NPY body) says no rate: it is taken at the model's, as the pipeline takes a bare array.
+# An array of samples (an NPY body) says no rate: it is taken at the model's, as the pipeline takes
+# a bare array.
 MODELS_RATE = 0
 NOMINAL_RATE = 16_000  # what such a clip's length is counted at, against the cap: speech models' usual rate
 # The array kinds an NPY body may hold (``npy_inputs``), and what an answer with no NPY form says.
@@ -69,15 +77,16 @@ NO_FORM = "this answer has no NPY form (it is not numbers in a rectangular array
 
 @dataclass(eq=False)
 class TaskRequest:
-    """One request's inputs and parameters. ``single``: it sent one input (a string, an image, one question), which
-    the answer reflects, as the pipeline's does."""
+    """One request's inputs and parameters. ``single``: it sent one input (a string, an image, one
+    question), which the answer reflects, as the pipeline's does."""
 
     inputs: list[Any]
     parameters: dict[str, Any] = field(default_factory=dict)
     single: bool = True
     adapter: str | None = None  # the LoRA adapter (its model's name) its rows use; None: the model as it is
 
-    # What the batcher asks of an input it collates (``batcher.py``): every request of one model can share a pass.
+    # What the batcher asks of an input it collates (``batcher.py``): every request of one model can
+    # share a pass.
     def batch_signature(self) -> tuple[Any, ...]:
         return ("hugging-face",)
 
@@ -151,7 +160,8 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
 
 
 def encode(answer: Any, accept: str) -> bytes:
-    """The answer in compact JSON (as the toolkit writes it), CSV for a list of records, or NPY for numbers."""
+    """The answer in compact JSON (as the toolkit writes it), CSV for a list of records, or NPY for
+    numbers."""
     if content.media_type(accept) == content.NPY:
         return encode_npy(answer)
     if content.media_type(accept) == content.CSV:
@@ -271,8 +281,9 @@ def npy_inputs(body: bytes | bytearray | str) -> Any:
 
 
 def encode_npy(answer: Any) -> bytes:
-    """The answer's numbers as NPY: a numeric answer as it is, and a dict of one numeric entry (``{"embeddings":
-    ...}``) as that entry. Raises ``InvalidInput`` for an answer of records or text."""
+    """The answer's numbers as NPY: a numeric answer as it is, and a dict of one numeric entry
+    (``{"embeddings": ...}``) as that entry. Raises ``InvalidInput`` for an answer of records or
+    text."""
     if isinstance(answer, dict) and len(answer) == 1:
         answer = next(iter(answer.values()))
     try:
@@ -288,8 +299,8 @@ def encode_npy(answer: Any) -> bytes:
 
 @dataclass(eq=False)
 class Audio:
-    """A clip decoded to one channel of float32 samples at its own rate (resampled later, to the model's), or at
-    ``MODELS_RATE``."""
+    """A clip decoded to one channel of float32 samples at its own rate (resampled later, to the
+    model's), or at ``MODELS_RATE``."""
 
     samples: np.ndarray
     sampling_rate: int
@@ -300,16 +311,17 @@ class Audio:
 
 
 def read_body(body: Any, content_type: str | None, task: str, audio_tasks: frozenset[str]) -> Audio:
-    """An audio body, for a model whose task takes audio. Raises ``UnsupportedContentType`` (415) for another
-    model, and ``InvalidInput`` (400) for a body that is not audio soundfile reads, or that lasts too long."""
+    """An audio body, for a model whose task takes audio. Raises ``UnsupportedContentType`` (415)
+    for another model, and ``InvalidInput`` (400) for a body that is not audio soundfile reads, or
+    that lasts too long."""
     if task not in audio_tasks:
         raise UnsupportedContentType(f"content type {content_type!r} is audio, which {task} does not take")
     return decode_audio(bytes(body))
 
 
 def read_inputs(items: list[Any], task: str) -> list[Audio]:
-    """Audio files sent as base64 in JSON's ``inputs`` (or samples, in an NPY body), at most ``MAX_CLIPS``; together
-    they last at most ``MAX_AUDIO_SECONDS``."""
+    """Audio files sent as base64 in JSON's ``inputs`` (or samples, in an NPY body), at most
+    ``MAX_CLIPS``; together they last at most ``MAX_AUDIO_SECONDS``."""
     if len(items) > MAX_CLIPS:
         raise InvalidInput(f"the request sends {len(items)} clips; at most {MAX_CLIPS} clips in one request")
     clips = []
@@ -346,8 +358,9 @@ def read_base64(item: Any, task: str) -> Audio:
 
 
 def decode_audio(raw: bytes) -> Audio:
-    """The file's samples, channels averaged (as ffmpeg's ``-ac 1`` mixes them). The cap is checked on the header's
-    frame count before anything is decoded: soundfile reads no further than that count."""
+    """The file's samples, channels averaged (as ffmpeg's ``-ac 1`` mixes them). The cap is checked
+    on the header's frame count before anything is decoded: soundfile reads no further than that
+    count."""
     import soundfile
 
     try:
@@ -373,8 +386,9 @@ def decode_audio(raw: bytes) -> Audio:
 
 
 def resample(audio: Audio, sampling_rate: int) -> np.ndarray:
-    """The clip at ``sampling_rate``: soxr's high-quality resampler (transformers' pipelines resample with
-    torchaudio, which no wheel of this torch has), or the samples themselves at that rate already."""
+    """The clip at ``sampling_rate``: soxr's high-quality resampler (transformers' pipelines
+    resample with torchaudio, which no wheel of this torch has), or the samples themselves at that
+    rate already."""
     if audio.sampling_rate in (sampling_rate, MODELS_RATE):
         return audio.samples
     import soxr

@@ -1,11 +1,13 @@
-"""Continuous (iteration-level) batching of one model's generations: one thread decodes a token for every row of
-the batch per step; between steps, waiting rows join (up to ``max_rows`` in all) and finished rows leave, so a long
-generation never holds a short one back and a lone client pays no wait.
+"""Continuous (iteration-level) batching of one model's generations: one thread decodes a token for
+every row of the batch per step; between steps, waiting rows join (up to ``max_rows`` in all) and
+finished rows leave, so a long generation never holds a short one back and a lone client pays no
+wait.
 
-Callers' threads ``submit`` their rows and wait. A row leaves when it ends (its end token, ``max_new_tokens``, a stop
-sequence) or at its deadline, with what it has. A step that fails fails the rows in it, never the next ones; one
-that runs out of memory fails with the error that answers 507. A fault of the loop itself fails every row, and the
-rows submitted after it, with its cause: no caller waits forever. Each step is recorded as a forward pass of its rows.
+Callers' threads ``submit`` their rows and wait. A row leaves when it ends (its end token,
+``max_new_tokens``, a stop sequence) or at its deadline, with what it has. A step that fails fails
+the rows in it, never the next ones; one that runs out of memory fails with the error that
+answers 507. A fault of the loop itself fails every row, and the rows submitted after it, with its
+cause: no caller waits forever. Each step is recorded as a forward pass of its rows.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from mme_runtime.serving.pass_threads import RunPass, run_here
 
 logger = logging.getLogger(__name__)
 
-# While at least half the batch runs, rows that arrive one by one wait up to GATHER_STEPS steps for GATHER_ROWS of
-# them to share one prefill pass (each pass costs a few milliseconds before its first token).
+# While at least half the batch runs, rows that arrive one by one wait up to GATHER_STEPS steps for
+# GATHER_ROWS of them to share one prefill pass (each pass costs a few milliseconds before its first
+# token).
 GATHER_ROWS, GATHER_STEPS = 3, 2
 
 
@@ -51,7 +54,8 @@ class Scheduler:
         self.thread.start()
 
     def submit(self, rows: list[Row]) -> None:
-        """Queues ``rows`` and returns once each has finished or failed (``row.finish``, ``row.error``)."""
+        """Queues ``rows`` and returns once each has finished or failed (``row.finish``,
+        ``row.error``)."""
         done = [threading.Event() for _ in rows]
         with self._ready:
             if self._closed:
@@ -95,7 +99,8 @@ class Scheduler:
 
     @torch.inference_mode()
     def _iterate(self, joining: list[Row]) -> None:
-        """The joining rows prefilled, then one step of the batch; recorded as one pass of the rows in it."""
+        """The joining rows prefilled, then one step of the batch; recorded as one pass of the rows
+        in it."""
         started = time.monotonic()
         waits = [started - row.joined_at for row in joining]
         if joining:
@@ -122,7 +127,8 @@ class Scheduler:
                 return []  # this model's rows cannot join a running batch: they wait for it to empty
             live = len(self.batch.live)
             if self._waiting and 2 * live >= self.max_rows and len(self._waiting) < GATHER_ROWS:
-                # A busy batch: a lone arrival waits a step or two for others to share its prefill pass.
+                # A busy batch: a lone arrival waits a step or two for others to share its prefill
+                # pass.
                 self._held += 1
                 if self._held <= GATHER_STEPS:
                     return []
@@ -130,7 +136,8 @@ class Scheduler:
             return [self._waiting.popleft() for _ in range(min(self.max_rows - live, len(self._waiting)))]
 
     def _admit(self, rows: list[Row]) -> None:
-        """Prefills the joining rows; if that fails they fail, and the running rows only if the batch was touched."""
+        """Prefills the joining rows; if that fails they fail, and the running rows only if the
+        batch was touched."""
         try:
             self.batch.admit(rows)
         except Exception as exc:  # noqa: BLE001 - the joining rows answer with it

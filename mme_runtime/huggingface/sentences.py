@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 EMBEDDING_TASKS = frozenset({"sentence-embeddings", "sentence-similarity"})
 RANKING_TASK = "sentence-ranking"
 TASKS = EMBEDDING_TASKS | {RANKING_TASK}
-# The modules of a SentenceTransformer that pooled feature-extraction computes (by the end of their type's name, as
-# sentence-transformers 2 to 6 name them): a directory with any other (Dense, LayerNorm, ...) would answer wrongly.
+# The modules of a SentenceTransformer that pooled feature-extraction computes (by the end of their
+# type's name, as sentence-transformers 2 to 6 name them): a directory with any other (Dense,
+# LayerNorm, ...) would answer wrongly.
 SERVED_MODULES = ("Transformer", "Pooling", "Normalize")
 # sentence-transformers' pooling for a model with no 1_Pooling/config.json: the mean of its tokens.
 DEFAULT_POOLING = "mean"
@@ -46,7 +47,8 @@ LEGACY_POOLING_KEYS = {
     "pooling_mode_weightedmean_tokens": "weightedmean",
     "pooling_mode_lasttoken": "lasttoken",
 }
-# Activations a CrossEncoder may name, and the default: sigmoid for one label (a relevance score), else the logits.
+# Activations a CrossEncoder may name, and the default: sigmoid for one label (a relevance score),
+# else the logits.
 SIGMOID, IDENTITY = "Sigmoid", "Identity"
 RANKING_KEYS = frozenset({"sentences", "query", "texts", "return_documents"})
 PAIRS = "sentence-ranking takes [query, passage] pairs: a list of them, or one"
@@ -71,8 +73,9 @@ def configure(model_dir: Path, loaded: Any) -> None:
     pooled feature-extraction for the embedding tasks (its pooling and normalization read by
     ``pooling``), or scores for ranking. Raises ``ModelLoadError`` for a directory that would
     answer otherwise than sentence-transformers."""
-    # sentence-transformers reads sentence_bert_config.json only beside a modules.json (else it builds its default
-    # modules): it always cuts, never refuses, at max_seq_length, else at what the model takes.
+    # sentence-transformers reads sentence_bert_config.json only beside a modules.json (else it
+    # builds its default modules): it always cuts, never refuses, at max_seq_length, else at what
+    # the model takes.
     listed = (model_dir / "modules.json").is_file()
     settings = _read(model_dir / "sentence_bert_config.json") if listed else {}
     max_seq_length = settings.get("max_seq_length") if isinstance(settings, dict) else None
@@ -88,8 +91,9 @@ def configure(model_dir: Path, loaded: Any) -> None:
 
 
 def pooling_mode(settings: dict[str, Any]) -> str | None:
-    """The pooling a ``1_Pooling/config.json`` names: ``"pooling_mode": "mean"`` (sentence-transformers 6), or
-    ``pooling_mode_mean_tokens: true`` and its kin (earlier versions; none set means the mean, as they read it)."""
+    """The pooling a ``1_Pooling/config.json`` names: ``"pooling_mode": "mean"``
+    (sentence-transformers 6), or ``pooling_mode_mean_tokens: true`` and its kin (earlier versions;
+    none set means the mean, as they read it)."""
     mode = settings.get("pooling_mode")
     if isinstance(mode, list) and len(mode) == 1:
         mode = mode[0]
@@ -102,10 +106,12 @@ def pooling_mode(settings: dict[str, Any]) -> str | None:
 
 
 def score_activation(model_dir: Path, config: Any) -> str:
-    """The ``torch.nn`` activation a CrossEncoder applies to its logits, found where sentence-transformers looks:
-    ``config_sentence_transformers.json``, then ``config.json`` (``sentence_transformers.activation_fn``, or the
-    older ``sbert_ce_default_activation_function``), else sigmoid for one label and the logits for more. A path
-    outside ``torch`` is code of the model's own: sentence-transformers ignores it unless trusted, and so do we."""
+    """The ``torch.nn`` activation a CrossEncoder applies to its logits, found where
+    sentence-transformers looks: ``config_sentence_transformers.json``, then ``config.json``
+    (``sentence_transformers.activation_fn``, or the older
+    ``sbert_ce_default_activation_function``), else sigmoid for one label and the logits for more. A
+    path outside ``torch`` is code of the model's own: sentence-transformers ignores it unless
+    trusted, and so do we."""
     path = _read(model_dir / "config_sentence_transformers.json").get("activation_fn")
     if not path:
         path = (getattr(config, "sentence_transformers", None) or {}).get("activation_fn")
@@ -128,8 +134,8 @@ def score_activation(model_dir: Path, config: Any) -> str:
 
 
 def _lower_case(tokenizer: Any) -> None:
-    """``do_lower_case``: texts lowercased before the tokenizer's own normalization, as sentence-transformers does it
-    (a ``Lowercase`` put first, unless the tokenizer has one)."""
+    """``do_lower_case``: texts lowercased before the tokenizer's own normalization, as
+    sentence-transformers does it (a ``Lowercase`` put first, unless the tokenizer has one)."""
     from tokenizers.normalizers import Lowercase, Sequence
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -176,8 +182,9 @@ def max_seq_length(model_dir: Path) -> int | None:
 
 
 def pooling(model_dir: Path, configured: str | None) -> tuple[str | None, bool]:
-    """``pooling=`` from serving.properties (``none`` for every token's vector), else what a sentence-transformers
-    directory says (``1_Pooling/config.json``, a ``Normalize`` module in ``modules.json``), else none."""
+    """``pooling=`` from serving.properties (``none`` for every token's vector), else what a
+    sentence-transformers directory says (``1_Pooling/config.json``, a ``Normalize`` module in
+    ``modules.json``), else none."""
     normalize = False
     try:
         modules = json.loads((model_dir / "modules.json").read_text(encoding="utf-8"))
@@ -197,9 +204,9 @@ def pooling(model_dir: Path, configured: str | None) -> tuple[str | None, bool]:
 
 
 def request(inputs: Any, parameters: dict[str, Any], task: str) -> Rows:
-    """A request's rows (its sentences, the source first for similarity, or its pairs), its parameters and whether it
-    sent one input. A ranking's parameters are the toolkit pipeline's: ``query`` and ``return_documents``. Raises
-    ``InvalidInput`` naming what the task takes."""
+    """A request's rows (its sentences, the source first for similarity, or its pairs), its
+    parameters and whether it sent one input. A ranking's parameters are the toolkit pipeline's:
+    ``query`` and ``return_documents``. Raises ``InvalidInput`` naming what the task takes."""
     if parameters:  # the Hugging Face toolkit drops them unread: a client relying on one would be misled
         raise InvalidInput(f"{task} takes no parameters, not {sorted(parameters)}")
     if task == "sentence-similarity":
@@ -261,10 +268,11 @@ def _texts(value: Any, name: str, single_allowed: bool = True) -> tuple[list[str
 
 
 def scores(tokenizer: Any, model: Any, requests: Sequence[TaskFields], forward: Forward) -> list[Any]:
-    """Each pair's score, in order, as ``CrossEncoder.predict`` gives it: the pair tokenized together and cut to the
-    model's length (longest text first), its logits through the model's activation; one number for a model of one
-    label, a list for more. ``forward`` runs the pairs of all requests in padded passes.
-    ``model``: a ``loading.HuggingFaceModel`` (typed ``Any``: ``loading`` imports this module)."""
+    """Each pair's score, in order, as ``CrossEncoder.predict`` gives it: the pair tokenized
+    together and cut to the model's length (longest text first), its logits through the model's
+    activation; one number for a model of one label, a list for more. ``forward`` runs the pairs of
+    all requests in padded passes. ``model``: a ``loading.HuggingFaceModel`` (typed ``Any``:
+    ``loading`` imports this module)."""
     limit = model.truncate_to
     rows = []
     for one in requests:
@@ -290,7 +298,8 @@ def scores(tokenizer: Any, model: Any, requests: Sequence[TaskFields], forward: 
 
 
 def shape(task: str, answers: list[Any], request: TaskFields) -> Any:
-    """A request's answer from its rows' (vectors or scores), as the toolkit's sentence pipelines give it."""
+    """A request's answer from its rows' (vectors or scores), as the toolkit's sentence pipelines
+    give it."""
     if task == "sentence-embeddings":
         return {"embeddings": answers[0] if request.single else answers}
     if task == "sentence-similarity":
@@ -300,7 +309,8 @@ def shape(task: str, answers: list[Any], request: TaskFields) -> Any:
         return {"scores": answers[0] if request.single else answers}
     if any(isinstance(score, list) for score in answers):
         raise InvalidInput("a ranking needs a model of one label (a relevance score); send pairs for its logits")
-    # CrossEncoder.rank's records, stably sorted best first, with the toolkit's renaming of corpus_id to index last.
+    # CrossEncoder.rank's records, stably sorted best first, with the toolkit's renaming of
+    # corpus_id to index last.
     ranked = sorted(range(len(answers)), key=lambda index: answers[index], reverse=True)
     texts = [passage for _, passage in request.inputs]
     documents = request.parameters["return_documents"]

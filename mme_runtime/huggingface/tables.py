@@ -27,9 +27,10 @@ TASK = "table-question-answering"
 PADDING = (True, False, "longest", "max_length", "do_not_pad")
 TRUNCATION = (True, False, "drop_rows_to_fit", "do_not_truncate")
 MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
-# What one request's tables may hold, counted once per query: TAPAS's tokenizer is pure Python (about 2,000 cells or
-# 50,000 characters a second on one core here) and reads the whole table for each query, in the pass that the
-# requests of its batch wait on. The model reads 512 tokens at most: a larger table is mostly dropped to fit anyway.
+# What one request's tables may hold, counted once per query: TAPAS's tokenizer is pure Python
+# (about 2,000 cells or 50,000 characters a second on one core here) and reads the whole table for
+# each query, in the pass that the requests of its batch wait on. The model reads 512 tokens at
+# most: a larger table is mostly dropped to fit anyway.
 MAX_CELLS = 10_000
 MAX_CHARACTERS = 200_000
 
@@ -44,8 +45,8 @@ class TaskFields(Protocol):
 
 
 def check_input(item: Any) -> None:
-    """Raises ``InvalidInput`` unless ``item`` is a query (or a list of them) and a table of string cells, each
-    column a list of one length."""
+    """Raises ``InvalidInput`` unless ``item`` is a query (or a list of them) and a table of string
+    cells, each column a list of one length."""
     if not isinstance(item, dict) or "query" not in item or "table" not in item:
         raise InvalidInput('table-question-answering takes {"query": "...", "table": {"column": ["cell", ...]}}')
     query, table = item["query"], item["table"]
@@ -64,8 +65,8 @@ def check_input(item: Any) -> None:
 
 
 def check_parameters(parameters: dict[str, Any], items: Sequence[Any] = ()) -> None:
-    """Raises ``InvalidInput`` for a parameter the pipeline does not take, or ``items`` (checked inputs) too large to
-    tokenize in a pass."""
+    """Raises ``InvalidInput`` for a parameter the pipeline does not take, or ``items`` (checked
+    inputs) too large to tokenize in a pass."""
     cells = characters = 0
     for item in items:
         queries = item["query"] if isinstance(item["query"], list) else [item["query"]]
@@ -88,7 +89,8 @@ def check_parameters(parameters: dict[str, Any], items: Sequence[Any] = ()) -> N
 
 
 def run(pipeline: Any, model: HuggingFaceModel, requests: Sequence[TaskFields], forward: Forward) -> list[Any]:
-    """Each input's answer, in order: one dict, or a list of them for an input of several queries."""
+    """Each input's answer, in order: one dict, or a list of them for an input of several
+    queries."""
     import pandas
 
     rows: list[dict[str, Any]] = []
@@ -121,8 +123,9 @@ def run(pipeline: Any, model: HuggingFaceModel, requests: Sequence[TaskFields], 
 
 
 def _prepare(pipeline: Any, model: HuggingFaceModel, table: Any, query: Any, options: dict[str, Any]) -> Any:
-    """The pair (or an input's queries) tokenized by the pipeline, refused when it needs more positions, rows or
-    columns than the model has embeddings for (``"truncation": false`` on a large table)."""
+    """The pair (or an input's queries) tokenized by the pipeline, refused when it needs more
+    positions, rows or columns than the model has embeddings for (``"truncation": false`` on a large
+    table)."""
     try:
         prepared = pipeline.preprocess({"table": table, "query": query}, **options)
     except Exception as exc:  # noqa: BLE001 - the tokenizer refuses this table or query: the client's input
@@ -141,9 +144,10 @@ def _prepare(pipeline: Any, model: HuggingFaceModel, table: Any, query: Any, opt
 
 
 def _postprocess(pipeline: Any, outputs: dict[str, Any]) -> Any:
-    """The pipeline's answer to one pair. A table with no text at all (every cell and column name empty) gives it no
-    cell to answer from, and it fails (an UnboundLocalError in transformers 5): that is this request's 400, so that
-    the batcher retries the requests beside it without it, not a 500 for all of them."""
+    """The pipeline's answer to one pair. A table with no text at all (every cell and column name
+    empty) gives it no cell to answer from, and it fails (an UnboundLocalError in transformers 5):
+    that is this request's 400, so that the batcher retries the requests beside it without it, not a
+    500 for all of them."""
     try:
         return pipeline.postprocess(outputs)
     except Exception as exc:  # noqa: BLE001 - it reads only this pair's table, tokens and logits
@@ -164,8 +168,8 @@ def _run_model(model: HuggingFaceModel) -> Callable[[Any], Any]:
 
 
 def _pipeline_outputs(prepared: dict[str, Any], output: dict[str, Any], table: Any) -> dict[str, Any]:
-    """What the pipeline's ``_forward`` hands its postprocessing for this pair alone: its inputs, its table, and
-    the model's outputs, the per-token logits cut back to the pair's own tokens."""
+    """What the pipeline's ``_forward`` hands its postprocessing for this pair alone: its inputs,
+    its table, and the model's outputs, the per-token logits cut back to the pair's own tokens."""
     length = prepared["input_ids"].shape[-1]
     logits: tuple[torch.Tensor, ...] = (output["logits"][:, :length],)
     if "logits_aggregation" in output:

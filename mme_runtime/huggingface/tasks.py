@@ -32,9 +32,11 @@ from mme_runtime.huggingface.requests import TaskRequest
 
 # The tasks whose pipelines take "truncation": a text longer than the model takes may be cut to fit.
 TRUNCATING_TASKS = frozenset({"text-classification", "feature-extraction"})
-# What a request may not ask of the pipeline: tensors in the answer (not JSON), or fetching an image from a URL.
+# What a request may not ask of the pipeline: tensors in the answer (not JSON), or fetching an image
+# from a URL.
 REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout"})
-# The keys of a prepared input that hold one entry per token: cut back to each row's own length after the pass.
+# The keys of a prepared input that hold one entry per token: cut back to each row's own length
+# after the pass.
 TOKEN_KEYS = frozenset(
     {
         "input_ids",
@@ -48,9 +50,10 @@ TOKEN_KEYS = frozenset(
 )
 # Padding values of the keys a tokenizer or an image processor makes; anything else pads with 0.
 PAD_VALUES = {"attention_mask": 0, "token_type_ids": 0, "special_tokens_mask": 1, "p_mask": 1}
-# What one more forward pass costs, in tokens of padding: measured on the CPU for a BERT of 4 layers and hidden 256,
-# a pass costs about 2.7 ms before its first token and 0.035 ms a token, in one row or sixteen. On a GPU the fixed
-# cost weighs more still, so grouping by this figure errs towards fewer passes there.
+# What one more forward pass costs, in tokens of padding: measured on the CPU for a BERT of 4 layers
+# and hidden 256, a pass costs about 2.7 ms before its first token and 0.035 ms a token, in one row
+# or sixteen. On a GPU the fixed cost weighs more still, so grouping by this figure errs towards
+# fewer passes there.
 PASS_COST_TOKENS = 64
 MAX_ROWS_PLANNED = 256
 # The copies of each tokenizer in this process (``copies_of``).
@@ -77,7 +80,8 @@ class TaskRunner:
             )
 
     def run(self, requests: list[TaskRequest]) -> list[Any]:
-        """Each input's answer, in order (one per row of every request), with a tokenizer lent for the batch."""
+        """Each input's answer, in order (one per row of every request), with a tokenizer lent for
+        the batch."""
         if self._pipeline is None:
             with lent_tokenizer(self.model.tokenizer) as tokenizer:
                 if self.task == "sentence-ranking":
@@ -117,8 +121,8 @@ class TaskRunner:
         ]
 
     def _pooled(self, output: Any) -> list[float]:
-        """One vector for an input (feature-extraction with pooling): the mean of its tokens' vectors, or its first
-        token's (``[CLS]``), scaled to length 1 when the model asks for it."""
+        """One vector for an input (feature-extraction with pooling): the mean of its tokens'
+        vectors, or its first token's (``[CLS]``), scaled to length 1 when the model asks for it."""
         tokens = output[0][0]  # the row's own tokens: padding was cut off
         vector = tokens.mean(dim=0) if self.model.pooling == "mean" else tokens[0]
         if self.model.normalize:
@@ -143,7 +147,8 @@ class TaskRunner:
         return outputs
 
     def _selecting(self, adapters: list[str | None] | None) -> AbstractContextManager[Any]:
-        """The pass in this block runs each row through its own adapter, when the model has adapters."""
+        """The pass in this block runs each row through its own adapter, when the model has
+        adapters."""
         model_adapters = getattr(self.model, "adapters", None)
         return nullcontext() if model_adapters is None else model_adapters.selecting(adapters or [None])
 
@@ -158,8 +163,9 @@ class TaskRunner:
 def _parameters(
     pipeline: Any, request: TaskRequest, model: HuggingFaceModel
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """The request's parameters sorted by the pipeline into preprocess, forward and postprocess ones. Truncation
-    cuts at the model's own limit, and a sentence-transformers model truncates as sentence-transformers does."""
+    """The request's parameters sorted by the pipeline into preprocess, forward and postprocess
+    ones. Truncation cuts at the model's own limit, and a sentence-transformers model truncates as
+    sentence-transformers does."""
     refused = REFUSED_PARAMETERS & set(request.parameters)
     if refused:
         raise InvalidInput(f"parameters {sorted(refused)} are not accepted here")
@@ -207,8 +213,9 @@ def _is_chunked(pipeline: Any) -> bool:
 
 
 def shape(task: str, answers: list[Any], request: TaskRequest) -> Any:
-    """The answers of one request as the pipeline returns them for its input: for one input, its answer (a text
-    classifier's in a list unless ``top_k`` was given); for a list, the list (fill-mask unwraps a list of one)."""
+    """The answers of one request as the pipeline returns them for its input: for one input, its
+    answer (a text classifier's in a list unless ``top_k`` was given); for a list, the list
+    (fill-mask unwraps a list of one)."""
     if task in sentences.TASKS:
         return sentences.shape(task, answers, request)
     if request.single:
@@ -220,8 +227,9 @@ def shape(task: str, answers: list[Any], request: TaskRequest) -> Any:
 
 
 def length_groups(lengths: list[int]) -> list[list[int]]:
-    """Indices of ``lengths`` in groups that cost the fewest tokens in all: sorted by length, cut where a pass of its
-    own (``PASS_COST_TOKENS``) costs less than padding the shorter rows up to the longer ones would."""
+    """Indices of ``lengths`` in groups that cost the fewest tokens in all: sorted by length, cut
+    where a pass of its own (``PASS_COST_TOKENS``) costs less than padding the shorter rows up to
+    the longer ones would."""
     order = sorted(range(len(lengths)), key=lambda index: lengths[index])
     groups: list[list[int]] = []
     for start in range(0, len(order), MAX_ROWS_PLANNED):  # the plan is quadratic in rows: plan long lists in windows
@@ -242,9 +250,10 @@ def length_groups(lengths: list[int]) -> list[list[int]]:
 
 
 def pad(rows: list[dict[str, Any]], pad_id: int | None) -> dict[str, Any]:
-    """One batch of ``rows``: tensors padded on the right to the longest along their second dimension, and stacked
-    (images are one size already); anything else listed. A tokenizer with no pad token pads with id 0: the
-    attention mask hides it and every row is cut back before anyone reads it."""
+    """One batch of ``rows``: tensors padded on the right to the longest along their second
+    dimension, and stacked (images are one size already); anything else listed. A tokenizer with no
+    pad token pads with id 0: the attention mask hides it and every row is cut back before anyone
+    reads it."""
     batch: dict[str, Any] = {}
     for key in rows[0]:
         values = [row[key] for row in rows]
@@ -271,8 +280,8 @@ def length(row: dict[str, Any]) -> int | None:
 
 
 def cut_back(batch: Any, index: int, prepared: dict[str, Any]) -> Any:
-    """Row ``index`` of a batch's outputs, as a pass over that row alone would give them (batch dimension 1, and
-    per-token values cut back to the row's ``length``)."""
+    """Row ``index`` of a batch's outputs, as a pass over that row alone would give them (batch
+    dimension 1, and per-token values cut back to the row's ``length``)."""
     tokens = length(prepared)
     values = {key: _take(key, value, index, tokens) for key, value in batch.items()}
     return type(batch)(values) if isinstance(batch, dict) else values
@@ -293,7 +302,8 @@ def _take(key: str, value: Any, index: int, length: int | None) -> Any:
 
 
 class TokenizerCopies:
-    """The copies of one tokenizer. It holds the tokenizer weakly: the copies go when the models that hold it do."""
+    """The copies of one tokenizer. It holds the tokenizer weakly: the copies go when the models
+    that hold it do."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = weakref.ref(tokenizer)
@@ -352,7 +362,8 @@ def lent_tokenizer(tokenizer: Any) -> Iterator[Any]:
 
 @contextmanager
 def lent_pipeline(pipeline: Any) -> Iterator[Any]:
-    """A shallow copy of a transformers pipeline with a lent copy of its tokenizer, for this step."""
+    """A shallow copy of a transformers pipeline with a lent copy of its tokenizer, for this
+    step."""
     with lent_tokenizer(pipeline.tokenizer) as tokenizer:
         own = copy.copy(pipeline)
         own.tokenizer = tokenizer

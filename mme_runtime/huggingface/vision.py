@@ -1,13 +1,15 @@
-"""Vision tasks served with no code, over a batch of requests: object-detection, image-segmentation and
-zero-shot-image-classification, answered as the AWS Hugging Face container answers them (the transformers
-pipeline's answer; a segment's mask as a base64 PNG, as that container's JSON encoder writes a PIL image).
+"""Vision tasks served with no code, over a batch of requests: object-detection, image-segmentation
+and zero-shot-image-classification, answered as the AWS Hugging Face container answers them (the
+transformers pipeline's answer; a segment's mask as a base64 PNG, as that container's JSON encoder
+writes a PIL image).
 
-Each image is prepared on its own by the task's pipeline, with its request's parameters, and images whose prepared
-inputs have one shape share a forward pass. A processor that resizes to a fixed size (SegFormer's, CLIP's) gives
-every image one shape; DETR's keeps the aspect ratio, so its images share a pass per shape: padding them to the
-largest with their pixel mask changed a DETR's logits by 5e-3 in a check here (its convolutions see the padding).
-Zero-shot: the images of a shape and their requests' candidate labels (each distinct label text once) go through one
-pass of the model, and each image is scored against its own labels only, as the pipeline scores them.
+Each image is prepared on its own by the task's pipeline, with its request's parameters, and images
+whose prepared inputs have one shape share a forward pass. A processor that resizes to a fixed size
+(SegFormer's, CLIP's) gives every image one shape; DETR's keeps the aspect ratio, so its images
+share a pass per shape: padding them to the largest with their pixel mask changed a DETR's logits by
+5e-3 in a check here (its convolutions see the padding). Zero-shot: the images of a shape and their
+requests' candidate labels (each distinct label text once) go through one pass of the model, and
+each image is scored against its own labels only, as the pipeline scores them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ if TYPE_CHECKING:
     from mme_runtime.huggingface.requests import TaskRequest
 
 ZERO_SHOT = "zero-shot-image-classification"
-# Each task's parameters, as its transformers pipeline takes them (but "timeout", which fetches images from URLs).
+# Each task's parameters, as its transformers pipeline takes them (but "timeout", which fetches
+# images from URLs).
 PARAMETERS = {
     "object-detection": frozenset({"threshold"}),
     "image-segmentation": frozenset({"subtask", "threshold", "mask_threshold", "overlap_mask_area_threshold"}),
@@ -37,13 +40,14 @@ NUMBERS = frozenset({"threshold", "mask_threshold", "overlap_mask_area_threshold
 SUBTASKS = ("panoptic", "instance", "semantic")
 # Set apart from the tensors a pass stacks: each row keeps its own.
 ROW_KEYS = frozenset({"target_size", "candidate_labels", "text_inputs"})
-# Candidate labels of one zero-shot request: every distinct label of a batch is a row of one pass of the text model
-# (ImageNet's 1,000 classes fit; a few bytes each, 6 MB of JSON named millions).
+# Candidate labels of one zero-shot request: every distinct label of a batch is a row of one pass of
+# the text model (ImageNet's 1,000 classes fit; a few bytes each, 6 MB of JSON named millions).
 MAX_LABELS = 4096
 
 
 def check_parameters(task: str, parameters: dict[str, Any]) -> None:
-    """What the task refuses in a request's parameters, as a 400 naming it (before the request joins a batch)."""
+    """What the task refuses in a request's parameters, as a 400 naming it (before the request joins
+    a batch)."""
     unknown = set(parameters) - PARAMETERS[task]
     if unknown:
         raise InvalidInput(f"{task} takes the parameters {sorted(PARAMETERS[task])}, not {sorted(unknown)}")
@@ -74,8 +78,9 @@ def check_parameters(task: str, parameters: dict[str, Any]) -> None:
 
 
 def run(pipeline: Any, requests: list[TaskRequest]) -> list[Any]:
-    """Each image's answer, in order (one per input of every request). Raises ``InvalidInput`` for a request the
-    model cannot answer (a subtask it lacks, a label longer than it reads), before any pass."""
+    """Each image's answer, in order (one per input of every request). Raises ``InvalidInput`` for a
+    request the model cannot answer (a subtask it lacks, a label longer than it reads), before any
+    pass."""
     task = pipeline.task
     rows: list[dict[str, Any]] = []
     after: list[dict[str, Any]] = []  # each row's postprocess parameters
@@ -98,8 +103,8 @@ def run(pipeline: Any, requests: list[TaskRequest]) -> list[Any]:
 
 
 def _check_subtask(pipeline: Any, subtask: str | None) -> None:
-    """A subtask the model's image processor has no post-processing for (a semantic segmenter asked for panoptic
-    segments): refused before the pass, where the pipeline would fail after it."""
+    """A subtask the model's image processor has no post-processing for (a semantic segmenter asked
+    for panoptic segments): refused before the pass, where the pipeline would fail after it."""
     if subtask is None or hasattr(pipeline.image_processor, f"post_process_{subtask}_segmentation"):
         return
     served = [name for name in SUBTASKS if hasattr(pipeline.image_processor, f"post_process_{name}_segmentation")]
@@ -122,8 +127,9 @@ def _prepare(pipeline: Any, image: Any, parameters: dict[str, Any]) -> dict[str,
 
 
 def _shape_groups(rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], list[int]]:
-    """Rows by the shapes of their tensors: the rows of a group stack into one pass. Zero-shot rows whose label
-    texts have no attention mask also group by their width, since padding them further would change them."""
+    """Rows by the shapes of their tensors: the rows of a group stack into one pass. Zero-shot rows
+    whose label texts have no attention mask also group by their width, since padding them further
+    would change them."""
     groups: dict[tuple[Any, ...], list[int]] = {}
     for index, row in enumerate(rows):
         key: tuple[Any, ...] = tuple(
@@ -139,7 +145,8 @@ def _shape_groups(rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], list[int]
 
 
 def _pass(pipeline: Any, rows: list[dict[str, Any]]) -> list[Any]:
-    """One pass over rows of one shape, handed back row by row as a pass over each alone gives it."""
+    """One pass over rows of one shape, handed back row by row as a pass over each alone gives
+    it."""
     if len(rows) == 1:
         return [pipeline.forward(rows[0])]
     batch: dict[str, Any] = {}
@@ -160,8 +167,8 @@ def _pass(pipeline: Any, rows: list[dict[str, Any]]) -> list[Any]:
 
 
 def _zero_shot_pass(pipeline: Any, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The images of ``rows`` and every distinct label text of theirs in one pass; each row's logits are its own
-    image's against its own labels, in its order."""
+    """The images of ``rows`` and every distinct label text of theirs in one pass; each row's logits
+    are its own image's against its own labels, in its order."""
     from transformers import BatchEncoding
 
     columns: dict[tuple[Any, ...], int] = {}
@@ -196,8 +203,9 @@ def _zero_shot_pass(pipeline: Any, rows: list[dict[str, Any]]) -> list[dict[str,
 
 
 def _trimmed(text: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One label's tokens without the padding on their right (the attention mask says where it starts), so that a
-    label is one text whatever the labels beside it in its request were padded to."""
+    """One label's tokens without the padding on their right (the attention mask says where it
+    starts), so that a label is one text whatever the labels beside it in its request were padded
+    to."""
     mask = text.get("attention_mask")
     if mask is None:
         return text
@@ -212,7 +220,8 @@ def _pad(value: torch.Tensor, width: int, fill: int) -> torch.Tensor:
 
 
 def _row(value: Any, index: int, rows: int) -> Any:
-    """Row ``index`` of a pass's outputs over ``rows`` images, as a pass over that image alone gives them."""
+    """Row ``index`` of a pass's outputs over ``rows`` images, as a pass over that image alone gives
+    them."""
     if isinstance(value, torch.Tensor):
         return value[index : index + 1] if value.dim() > 0 and value.shape[0] == rows else value
     if isinstance(value, dict):
@@ -231,7 +240,8 @@ def _postprocess(pipeline: Any, output: Any, parameters: dict[str, Any]) -> Any:
 
 
 def _with_png_mask(item: Any) -> Any:
-    """A segment's mask (a PIL image) as the AWS container's JSON encoder writes it: a PNG, in base64."""
+    """A segment's mask (a PIL image) as the AWS container's JSON encoder writes it: a PNG, in
+    base64."""
     mask = item.get("mask") if isinstance(item, dict) else None
     if mask is None or not hasattr(mask, "save"):
         return item

@@ -17,11 +17,13 @@ from typing import Any
 from mme_runtime.base.errors import InvalidInput
 
 TASK = "zero-shot-classification"
-# (text, label) pairs of one request, each a row of the model: 6 MB of JSON could name millions (a thousand one-letter
-# texts times a thousand labels), tokenized in the device's shared process and run in passes its batch waits on.
+# (text, label) pairs of one request, each a row of the model: 6 MB of JSON could name millions (a
+# thousand one-letter texts times a thousand labels), tokenized in the device's shared process and
+# run in passes its batch waits on.
 MAX_PAIRS = 10_000
-# Characters the tokenizer reads for one request: each pair's text and hypothesis are tokenized alone (1.5 million
-# characters a second on one core here), so a 3 MB text times a thousand labels was an hour of it.
+# Characters the tokenizer reads for one request: each pair's text and hypothesis are tokenized
+# alone (1.5 million characters a second on one core here), so a 3 MB text times a thousand labels
+# was an hour of it.
 MAX_CHARACTERS = 10_000_000
 
 

@@ -1,7 +1,9 @@
-"""Inference code from ``s3://bucket/key.tar.gz``: fetched once per container, cached by URI and ETag, unpacked safely.
+"""Inference code from ``s3://bucket/key.tar.gz``: fetched once per container, cached by URI and
+ETag, unpacked safely.
 
-A HEAD per load tells whether the cached copy is current; the GET happens only when the ETag is new, under a file
-lock, into a temporary directory that is renamed into place, so a failure never leaves a half-written entry.
+A HEAD per load tells whether the cached copy is current; the GET happens only when the ETag is new,
+under a file lock, into a temporary directory that is renamed into place, so a failure never leaves
+a half-written entry.
 """
 
 from __future__ import annotations
@@ -40,11 +42,13 @@ ATTEMPTS = 2  # each S3 call's, timed out after MME_S3_TIMEOUT_SECONDS
 
 
 class CodeFetchError(ModelLoadError):
-    """The code archive could not be fetched or unpacked; the message names the URI and the cause."""
+    """The code archive could not be fetched or unpacked; the message names the URI and the
+    cause."""
 
 
 def locate_code(model_dir: Path, submit_directory: str | None, fetcher: CodeFetcher) -> tuple[Path | None, str]:
-    """Where a model's inference code is: its ``code/``, else ``SAGEMAKER_SUBMIT_DIRECTORY``, else none (defaults).
+    """Where a model's inference code is: its ``code/``, else ``SAGEMAKER_SUBMIT_DIRECTORY``, else
+    none (defaults).
 
     Returns the directory (or None) and a description for the log line that says which was bound.
     """
@@ -69,7 +73,8 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
 
 
 class CodeFetcher:
-    """Fetches and caches code archives under ``cache_dir`` (shared by every process of the container)."""
+    """Fetches and caches code archives under ``cache_dir`` (shared by every process of the
+    container)."""
 
     def __init__(self, cache_dir: Path, timeout_seconds: int = 30, client: Any = None) -> None:
         self.cache_dir = cache_dir
@@ -91,7 +96,8 @@ class CodeFetcher:
         return self._client
 
     def fetch(self, uri: str) -> Path:
-        """The directory holding the archive's contents, fetching it only if this ETag is not cached yet."""
+        """The directory holding the archive's contents, fetching it only if this ETag is not cached
+        yet."""
         started = time.monotonic()
         try:
             return self._fetch(uri)
@@ -137,7 +143,8 @@ class CodeFetcher:
 
 
 def extract_archive(archive: Path, target: Path, uri: str) -> None:
-    """Unpacks a tar archive, refusing absolute paths, ``..``, links leaving ``target`` and special files."""
+    """Unpacks a tar archive, refusing absolute paths, ``..``, links leaving ``target`` and special
+    files."""
     target.mkdir(parents=True)
     try:
         with tarfile.open(archive) as tar:

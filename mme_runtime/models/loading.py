@@ -1,5 +1,6 @@
-"""A model's LOAD as a loader and a device host share it: the model's spec, which host it needs (shared, or one of
-its own, and why), the checks before a load, the load itself, and how a failed LOAD is answered.
+"""A model's LOAD as a loader and a device host share it: the model's spec, which host it needs
+(shared, or one of its own, and why), the checks before a load, the load itself, and how a failed
+LOAD is answered.
 
 A model gets a host of its own when the container turns sharing off (``MME_SHARE_DEVICE=false``), when its handler
 is not ours (MMS's ``module:function``), when its ``serving.properties`` says ``isolation=process``, when its
@@ -41,15 +42,17 @@ from mme_runtime.operations import memory
 
 logger = logging.getLogger(__name__)
 
-# SageMaker's model names are opaque hashes; anything path-like is refused before it reaches a log, a module name
-# or a file name.
+# SageMaker's model names are opaque hashes; anything path-like is refused before it reaches a log,
+# a module name or a file name.
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 LOG_DRAIN_SECONDS = 0.3
-# MMS 1.1.11 interrupts a worker thread when its connection closes (WorkerThread.connect's closeFuture listener): one
-# interrupted before it took our LOAD reply from its queue answers 500 "Worker died." instead of our status.
+# MMS 1.1.11 interrupts a worker thread when its connection closes (WorkerThread.connect's
+# closeFuture listener): one interrupted before it took our LOAD reply from its queue answers 500
+# "Worker died." instead of our status.
 REPLY_LINGER_SECONDS = 0.05
-# LOAD failures answered with their own status: 403 (outside the model root) and 507 (SageMaker evicts and
-# retries). A bad name is not among them: the janitor could not address a name holding "/" to clean it up.
+# LOAD failures answered with their own status: 403 (outside the model root) and 507 (SageMaker
+# evicts and retries). A bad name is not among them: the janitor could not address a name holding
+# "/" to clean it up.
 REPLIED_STATUSES = frozenset({403, 507})
 OUR_HANDLER = "handler_service"  # the module MMS names for this container's handler
 
@@ -100,8 +103,9 @@ def resolve_model(model_dir: Path, config: Config) -> ResolvedModel:
 class LoadedModel:
     """A model's handler and MMS service, as loaded in a loader (``preload``) or a device host."""
 
-    # A device host's ``HandlerService`` of the model's own, the loader's module-level ``handler_service``, or the
-    # module of a handler that is not ours (MMS's ``module:function``): each has what MMS calls.
+    # A device host's ``HandlerService`` of the model's own, the loader's module-level
+    # ``handler_service``, or the module of a handler that is not ours (MMS's ``module:function``):
+    # each has what MMS calls.
     module: Any
     service: Service
 
@@ -118,9 +122,10 @@ class LoadFailure(Exception):
 def check_memory(
     spec: ModelSpec, config: Config, gpu: int | None, host: bool = True, device_bytes: int | None = None
 ) -> None:
-    """507 before loading what will not fit: host memory where the model is loaded, GPU memory where it goes (in a
-    process whose CUDA context exists, a device host, as that context sees it: ``device_bytes`` there, when known,
-    is what the model adds to the card beyond the tensors it shares with models already on it)."""
+    """507 before loading what will not fit: host memory where the model is loaded, GPU memory where
+    it goes (in a process whose CUDA context exists, a device host, as that context sees it:
+    ``device_bytes`` there, when known, is what the model adds to the card beyond the tensors it
+    shares with models already on it)."""
     try:
         if host:
             memory.check_host_memory(Path(spec.model_dir), config.memory_headroom_mb)
@@ -133,8 +138,9 @@ def check_memory(
 
 
 def check_location(spec: ModelSpec, config: Config) -> LoadFailure | None:
-    """A model name must be a plain name, and in multi-model mode a LOAD may name only a directory under the model
-    root (after resolving links and ``..``); URLs MMS downloaded land in its temp directory and are refused."""
+    """A model name must be a plain name, and in multi-model mode a LOAD may name only a directory
+    under the model root (after resolving links and ``..``); URLs MMS downloaded land in its temp
+    directory and are refused."""
     if not MODEL_NAME.fullmatch(spec.name):
         message = f"model name {spec.name!r} must be letters, digits, '.', '_' or '-' (at most 255), not a path"
         logger.error("load failed status=500: %s", message)
@@ -162,7 +168,8 @@ def load_model(
     host, ``attach``, or ``handle(None, context)`` for a handler that is not ours (found, as MMS's worker finds it,
     beside the model or in the directory its name gives).
 
-    ``gpu`` is the frontend's assignment, ``cuda_ordinal`` the device naming that GPU in this process.
+    ``gpu`` is the frontend's assignment, ``cuda_ordinal`` the device naming that GPU in this
+    process.
     """
     try:
         module_name, _, function_name = spec.handler.partition(":")
@@ -186,8 +193,9 @@ def load_model(
 
 
 def fail_load(spec: ModelSpec, gpu: int | None, exc: BaseException) -> LoadFailure:
-    """The LOAD's failure for ``exc``, logged once: ``model=NAME gpu=G load failed status=S: CAUSE``, in the words of
-    ``base/failures.py``, then the traceback of what user code raised (never sent to the client)."""
+    """The LOAD's failure for ``exc``, logged once: ``model=NAME gpu=G load failed status=S:
+    CAUSE``, in the words of ``base/failures.py``, then the traceback of what user code raised
+    (never sent to the client)."""
     if isinstance(exc, LoadFailure):
         return exc  # logged where it was decided
     status, cause, trace = describe(exc)
@@ -196,8 +204,9 @@ def fail_load(spec: ModelSpec, gpu: int | None, exc: BaseException) -> LoadFailu
 
 
 def describe(exc: BaseException) -> tuple[int, str, BaseException | None]:
-    """A LOAD's failure as (status, cause, what to show the traceback of): our errors carry their status, their
-    words and what user code raised (``ContainerError.trace``); anything else is its type and message."""
+    """A LOAD's failure as (status, cause, what to show the traceback of): our errors carry their
+    status, their words and what user code raised (``ContainerError.trace``); anything else is its
+    type and message."""
     if hasattr(exc, "status_code"):
         return int(exc.status_code), str(getattr(exc, "message", None) or exc), getattr(exc, "trace", None)
     if failures.is_out_of_memory(exc):
@@ -208,21 +217,23 @@ def describe(exc: BaseException) -> tuple[int, str, BaseException | None]:
 def refuse_load(
     connection: socket.socket, failure: LoadFailure, spec: ModelSpec, config: Config, drain: bool = True
 ) -> None:
-    """Fails a frontend connection's LOAD with ``failure`` (its LOAD message already read) and closes it.
-    ``drain=False`` where the cause was logged by a process that has ended (its output is read already)."""
-    # The cause is in the log: give the frontend's log reader a moment to take it before our answer or
-    # disconnect makes it stop reading.
+    """Fails a frontend connection's LOAD with ``failure`` (its LOAD message already read) and
+    closes it. ``drain=False`` where the cause was logged by a process that has ended (its output is
+    read already)."""
+    # The cause is in the log: give the frontend's log reader a moment to take it before our answer
+    # or disconnect makes it stop reading.
     sys.stdout.flush()
     if drain:
         time.sleep(LOG_DRAIN_SECONDS)
     try:
         if failure.status in REPLIED_STATUSES:
-            # Statuses the platform acts on are answered; MMS then leaves the model half-registered, which the
-            # entrypoint's janitor unregisters (mme_runtime/base/janitor.py).
+            # Statuses the platform acts on are answered; MMS then leaves the model half-registered,
+            # which the entrypoint's janitor unregisters (mme_runtime/base/janitor.py).
             mark_failed_load(config.runtime_dir, spec.name, failure.status)
             connection.sendall(create_load_model_response(failure.status, failure.message))
             time.sleep(REPLY_LINGER_SECONDS)
-        # Otherwise close without a reply: MMS fails the LOAD with 500 and unregisters the model cleanly.
+        # Otherwise close without a reply: MMS fails the LOAD with 500 and unregisters the model
+        # cleanly.
     except OSError as exc:
         logger.info("model=%s frontend gone before its LOAD was refused: %s", spec.name, exc)
     finally:
@@ -230,7 +241,8 @@ def refuse_load(
 
 
 def is_our_handler(handler: str) -> bool:
-    """Whether MMS names this container's handler (``handler_service``, with or without ``:handle``)."""
+    """Whether MMS names this container's handler (``handler_service``, with or without
+    ``:handle``)."""
     return Path(handler.partition(":")[0]).stem == OUR_HANDLER
 
 
@@ -275,8 +287,8 @@ def helper_modules(code_dir: Path, program: str) -> list[str]:
 
 
 def unmet_requirements(text: str) -> list[str]:
-    """The lines of a requirements file that the installed packages do not satisfy. Options, URLs and anything pip
-    alone understands count as unmet: only what can be checked here is trusted."""
+    """The lines of a requirements file that the installed packages do not satisfy. Options, URLs
+    and anything pip alone understands count as unmet: only what can be checked here is trusted."""
     unmet = []
     for raw in text.splitlines():
         line = raw.split(" #", 1)[0].strip()

@@ -1,10 +1,12 @@
-"""PEFT LoRA adapters served with no code: a directory with ``adapter_config.json`` and ``adapter_model.safetensors``
-is a model of its own over a base model, which is loaded once (``model_fn`` loads the base; equal bases are one
-package, ``package_cache.py``, and their tensors one copy, ``tensor_store.py``).
+"""PEFT LoRA adapters served with no code: a directory with ``adapter_config.json`` and
+``adapter_model.safetensors`` is a model of its own over a base model, which is loaded once
+(``model_fn`` loads the base; equal bases are one package, ``package_cache.py``, and their tensors
+one copy, ``tensor_store.py``).
 
-``read_adapter`` reads and checks an adapter, ``base_directory`` finds its base, and ``attach`` serves it over the
-base, row by row: each wrapped layer adds, for each row of a pass, the delta of that row's adapter, gathered in one
-batched product (no Python loop over adapters inside a pass), so the rows of many adapters share their passes.
+``read_adapter`` reads and checks an adapter, ``base_directory`` finds its base, and ``attach``
+serves it over the base, row by row: each wrapped layer adds, for each row of a pass, the delta of
+that row's adapter, gathered in one batched product (no Python loop over adapters inside a pass), so
+the rows of many adapters share their passes.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ TASK_TYPES = {
     "TOKEN_CLS": "token-classification",
     "FEATURE_EXTRACTION": "feature-extraction",
 }
-# Options whose effect this server does not reproduce: an adapter that sets one fails its LOAD rather than answer wrong.
+# Options whose effect this server does not reproduce: an adapter that sets one fails its LOAD
+# rather than answer wrong.
 UNSUPPORTED = ("use_dora", "layers_to_transform", "layer_replication", "lora_bias", "target_parameters", "use_qalora")
 
 
@@ -46,8 +49,9 @@ def is_adapter_directory(model_dir: Path) -> bool:
 
 @dataclass
 class Adapter:
-    """One adapter's tensors: ``lora`` maps a module path to its (A, B, scaling); ``saved`` maps a module path to the
-    state of the whole module the adapter replaces (PEFT's ``modules_to_save``, a classification head)."""
+    """One adapter's tensors: ``lora`` maps a module path to its (A, B, scaling); ``saved`` maps a
+    module path to the state of the whole module the adapter replaces (PEFT's ``modules_to_save``, a
+    classification head)."""
 
     task: str | None
     lora: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
@@ -61,7 +65,8 @@ class Adapter:
 
 
 def read_adapter(model_dir: Path) -> Adapter:
-    """The adapter in ``model_dir``; ``ModelLoadError`` naming the problem when it is not one this server serves."""
+    """The adapter in ``model_dir``; ``ModelLoadError`` naming the problem when it is not one this
+    server serves."""
     from safetensors.torch import load_file
 
     try:
@@ -109,9 +114,10 @@ def _pattern(pattern: dict[str, Any], module: str, default: float) -> float:
 
 
 def find_base(model_dir: Path, base_model: str | None, config: Config) -> Path:
-    """The adapter's base directory (``base_directory``), or for ``base_model=s3://bucket/key.tar.gz`` the archive
-    fetched once per ETag into ``MME_CACHE_DIR/bases`` (``code_fetcher.py``): its top, or its one directory that
-    holds a model."""
+    """The adapter's base directory (``base_directory``), or for
+    ``base_model=s3://bucket/key.tar.gz`` the archive fetched once per ETag into
+    ``MME_CACHE_DIR/bases`` (``code_fetcher.py``): its top, or its one directory that holds a
+    model."""
     if base_model is not None and base_model.startswith("s3://"):
         fetched = CodeFetcher(config.cache_dir / "bases", config.s3_timeout_seconds).fetch(base_model)
         return fetched if _holds_model(fetched) else _one_inside(fetched, f"the archive {base_model}")
@@ -120,9 +126,10 @@ def find_base(model_dir: Path, base_model: str | None, config: Config) -> Path:
 
 
 def base_directory(model_dir: Path, base_model: str | None, model_root: Path | None) -> Path:
-    """The adapter's local base: ``base_model=`` in its ``serving.properties`` (a path under ``model_root``, None:
-    anywhere, or relative to the adapter), else the one directory inside the adapter's that holds a model (a Hugging
-    Face ``config.json``, or a PyTorch ``model.pt``/``model.pth`` with the ``code/`` that builds it)."""
+    """The adapter's local base: ``base_model=`` in its ``serving.properties`` (a path under
+    ``model_root``, None: anywhere, or relative to the adapter), else the one directory inside the
+    adapter's that holds a model (a Hugging Face ``config.json``, or a PyTorch
+    ``model.pt``/``model.pth`` with the ``code/`` that builds it)."""
     if base_model is not None:
         candidate = Path(base_model) if Path(base_model).is_absolute() else (model_dir / base_model)
         base = candidate.resolve()
@@ -153,7 +160,8 @@ def _holds_model(directory: Path) -> bool:
 
 
 class LoraLinear(torch.nn.Module):
-    """A base linear layer and the low-rank updates of the adapters that target it, picked row by row."""
+    """A base linear layer and the low-rank updates of the adapters that target it, picked row by
+    row."""
 
     def __init__(self, base: torch.nn.Linear, adapters: AdapterSet) -> None:
         super().__init__()
@@ -175,7 +183,8 @@ class LoraLinear(torch.nn.Module):
 
 
 class SavedModule(torch.nn.Module):
-    """A module some adapters replace whole (a classification head): each row goes through its adapter's copy."""
+    """A module some adapters replace whole (a classification head): each row goes through its
+    adapter's copy."""
 
     def __init__(self, base: torch.nn.Module, adapters: AdapterSet) -> None:
         super().__init__()
@@ -197,8 +206,9 @@ class SavedModule(torch.nn.Module):
 
 
 class AdapterSet:
-    """The adapters over one base module, and which adapter each row of the pass under way uses. One pass at a
-    time: ``selecting`` holds a lock for the pass (the adapters' shared batcher runs one anyway)."""
+    """The adapters over one base module, and which adapter each row of the pass under way uses. One
+    pass at a time: ``selecting`` holds a lock for the pass (the adapters' shared batcher runs one
+    anyway)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
@@ -211,7 +221,8 @@ class AdapterSet:
         self._users: set[str] = set()
 
     def add(self, name: str, adapter: Adapter) -> None:
-        """Wraps the layers the adapter targets (once per layer) and gives them its tensors, on the module's device."""
+        """Wraps the layers the adapter targets (once per layer) and gives them its tensors, on the
+        module's device."""
         with self._lock:
             modules = dict(self.module.named_modules())
             missing = [path for path in (*adapter.lora, *adapter.saved) if path not in modules]
@@ -237,7 +248,8 @@ class AdapterSet:
             return self._batcher
 
     def leave(self, name: str) -> None:
-        """``name``'s model is unloaded: its adapter goes, and the shared batcher with the last of them."""
+        """``name``'s model is unloaded: its adapter goes, and the shared batcher with the last of
+        them."""
         self.remove(name)
         with self._lock:
             self._users.discard(name)
@@ -260,7 +272,8 @@ class AdapterSet:
 
     @contextmanager
     def selecting(self, names: list[str | None]) -> Iterator[None]:
-        """Each row of the pass in this block uses the adapter named for it (None: the base alone)."""
+        """Each row of the pass in this block uses the adapter named for it (None: the base
+        alone)."""
         device = next(self.module.parameters()).device
         positions: dict[int, list[int]] = {}
         for row, name in enumerate(names):
@@ -297,7 +310,8 @@ class AdapterSet:
 
 
 def _replaced(base: torch.nn.Module, state: dict[str, torch.Tensor], path: str) -> torch.nn.Module:
-    """A copy of ``base`` holding the adapter's own state for it (same shapes, or the LOAD fails)."""
+    """A copy of ``base`` holding the adapter's own state for it (same shapes, or the LOAD
+    fails)."""
     replacement = copy.deepcopy(base)
     own = replacement.state_dict()
     for key, tensor in state.items():
@@ -316,7 +330,8 @@ _SETS_LOCK = threading.Lock()
 
 
 def attach(model: Any, module: torch.nn.Module, name: str, adapter: Adapter) -> AdapterSet:
-    """Adds ``name``'s adapter to the adapter set of ``module`` (the base ``model`` holds), made on the first."""
+    """Adds ``name``'s adapter to the adapter set of ``module`` (the base ``model`` holds), made on
+    the first."""
     with _SETS_LOCK:
         adapters = getattr(model, "adapters", None)
         if adapters is None:

@@ -1,12 +1,15 @@
-"""A loaded model turned into bytes and one shared-memory file, so that a device host can take it without running
-``model_fn`` again: the preload runs once in a CUDA-free loader, the host maps the weights.
+"""A loaded model turned into bytes and one shared-memory file, so that a device host can take it
+without running ``model_fn`` again: the preload runs once in a CUDA-free loader, the host maps the
+weights.
 
-``pack`` pickles what ``model_fn`` returned with every tensor storage written once into a ``memfd`` (tied weights stay
-tied), each a ``Blob`` with the digest of its bytes, and every TorchScript module saved whole (TorchScript objects do
-not pickle). The pickle names blobs by their index in the package's table, so the warm process can point a blob at an
-equal one another package holds (``tensor_store.py``) without touching the pickle. ``unpack`` maps the files
-copy-on-write: on the CPU the host's tensors are the files' pages, with no copy; placing the model on a GPU copies them
-there. The warm process keeps the files, so a replaced host maps the same weights again. Never touches CUDA.
+``pack`` pickles what ``model_fn`` returned with every tensor storage written once into a ``memfd``
+(tied weights stay tied), each a ``Blob`` with the digest of its bytes, and every TorchScript module
+saved whole (TorchScript objects do not pickle). The pickle names blobs by their index in the
+package's table, so the warm process can point a blob at an equal one another package holds
+(``tensor_store.py``) without touching the pickle. ``unpack`` maps the files copy-on-write: on the
+CPU the host's tensors are the files' pages, with no copy; placing the model on a GPU copies them
+there. The warm process keeps the files, so a replaced host maps the same weights again. Never
+touches CUDA.
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ import xxhash
 
 ALIGNMENT = 64
 PAGE = mmap.PAGESIZE
-# A storage of at least this many bytes starts on a page and ends its pages alone, so that its pages can be given back
-# on their own (a hole punched in the file) once no model uses them: a LayerNorm's 3 KiB too, at the price of a page.
-# Smaller ones (a bias of a few classes) are packed at ALIGNMENT, never shared: padding them would cost more.
+# A storage of at least this many bytes starts on a page and ends its pages alone, so that its pages
+# can be given back on their own (a hole punched in the file) once no model uses them: a LayerNorm's
+# 3 KiB too, at the price of a page. Smaller ones (a bias of a few classes) are packed at ALIGNMENT,
+# never shared: padding them would cost more.
 OWN_PAGES_BYTES = 1024
 _hashing = ThreadPoolExecutor(1, thread_name_prefix="mme-hash")  # started on first use: a loader's, never the warm one
-# A storage this large is hashed on that thread while the packer goes on; a smaller one right away (xxh3 takes about
-# 30 us for 1 MiB, less than handing it over).
+# A storage this large is hashed on that thread while the packer goes on; a smaller one right away
+# (xxh3 takes about 30 us for 1 MiB, less than handing it over).
 HASHED_ASIDE_BYTES = 1 << 20
 PROTOCOL = 5
 _FILE = object()  # stands for a TorchScript archive packed as it is
@@ -44,8 +48,9 @@ class NotPackable(Exception):
 
 @dataclass(frozen=True)
 class Blob:
-    """One tensor storage of a package: its bytes at ``offset`` in the package's segment number ``segment`` (0: the
-    package's own file), and the digest of their content ("" when it was not hashed)."""
+    """One tensor storage of a package: its bytes at ``offset`` in the package's segment number
+    ``segment`` (0: the package's own file), and the digest of their content ("" when it was not
+    hashed)."""
 
     segment: int
     offset: int
@@ -55,11 +60,12 @@ class Blob:
 
 @dataclass(frozen=True)
 class Package:
-    """A packed model: its own shared-memory file (``fd``, owned by whoever holds the package) with the weights first
-    and the pickle at ``pickle_offset``, and the table of its tensor storages (``blobs``). Blobs that equal another
-    package's point into that package's file: ``segments`` holds those files' descriptors (the tensor store's, not
-    the package's) and ``segment_ids`` names every file the blobs use, its own first. ``layout`` is what travels
-    beside the descriptors (``fds``)."""
+    """A packed model: its own shared-memory file (``fd``, owned by whoever holds the package) with
+    the weights first and the pickle at ``pickle_offset``, and the table of its tensor storages
+    (``blobs``). Blobs that equal another package's point into that package's file: ``segments``
+    holds those files' descriptors (the tensor store's, not the package's) and ``segment_ids`` names
+    every file the blobs use, its own first. ``layout`` is what travels beside the descriptors
+    (``fds``)."""
 
     fd: int
     pickle_offset: int
@@ -139,7 +145,8 @@ class _Writer:
             array: Any = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()  # a view, no copy
             index, digest = len(self.blobs), ""
             if self.hashed and array.nbytes >= HASHED_ASIDE_BYTES:
-                # Hashed on another core while this one packs on (both release the GIL): it costs no extra time.
+                # Hashed on another core while this one packs on (both release the GIL): it costs no
+                # extra time.
                 self._digests[index] = _hashing.submit(xxhash.xxh3_128_hexdigest, array)
             elif self.hashed and array.nbytes:
                 digest = xxhash.xxh3_128_hexdigest(array)
@@ -176,8 +183,9 @@ class _Pickler(pickle.Pickler):
 
 
 def pack_torchscript_file(path: Path, name: str) -> Package:
-    """A TorchScript archive as it is on disk: what ``torch.jit.save`` would write again, when the default
-    ``model_fn`` would only load it (its bytes reach the host with no load and save here)."""
+    """A TorchScript archive as it is on disk: what ``torch.jit.save`` would write again, when the
+    default ``model_fn`` would only load it (its bytes reach the host with no load and save
+    here)."""
     writer = _Writer(name)
     offset, size = writer.append_file(path)
     buffer = io.BytesIO()
@@ -197,8 +205,8 @@ def model_file(model_dir: Path) -> Path | None:
 
 
 def is_torchscript(path: Path) -> bool:
-    """Whether ``path`` is a TorchScript archive (``torch.jit.save``: code and constants beside the data), not a
-    ``torch.save`` checkpoint; read from the zip's directory only."""
+    """Whether ``path`` is a TorchScript archive (``torch.jit.save``: code and constants beside the
+    data), not a ``torch.save`` checkpoint; read from the zip's directory only."""
     try:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
@@ -208,8 +216,9 @@ def is_torchscript(path: Path) -> bool:
 
 
 def pack(model: Any, name: str, hashed: bool = True) -> Package:
-    """``model`` as a package; ``NotPackable`` with the reason when it cannot be pickled (a lambda, a lock, an open
-    file or a GPU tensor in it). ``hashed``: each storage's digest taken (what sharing weights needs)."""
+    """``model`` as a package; ``NotPackable`` with the reason when it cannot be pickled (a lambda,
+    a lock, an open file or a GPU tensor in it). ``hashed``: each storage's digest taken (what
+    sharing weights needs)."""
     writer = _Writer(name, hashed)
     buffer = io.BytesIO()
     try:
@@ -252,7 +261,8 @@ class _Unpickler(pickle.Unpickler):
             if blob.nbytes == 0:
                 self.storages[index] = torch.UntypedStorage(0)  # type: ignore[no-untyped-call]
             else:
-                # Shares the mapping's pages (frombuffer keeps the mapping alive as long as the storage lives).
+                # Shares the mapping's pages (frombuffer keeps the mapping alive as long as the
+                # storage lives).
                 data = self.maps[blob.segment]
                 view = torch.frombuffer(data, dtype=torch.uint8, count=blob.nbytes, offset=blob.offset)
                 self.storages[index] = view.untyped_storage()
@@ -261,19 +271,21 @@ class _Unpickler(pickle.Unpickler):
 
 @dataclass
 class Unpacked:
-    """An unpacked model, and where each of its storages came from: ``locations`` maps a storage's address to its
-    blob's place (segment id, offset), what equal tensors of two models have in common (``tensor_store.py``)."""
+    """An unpacked model, and where each of its storages came from: ``locations`` maps a storage's
+    address to its blob's place (segment id, offset), what equal tensors of two models have in
+    common (``tensor_store.py``)."""
 
     model: Any
     locations: dict[int, tuple[int, int]]
 
 
 def unpack(package: Package, trial: bool = False) -> Unpacked:
-    """The model, its weights mapped copy-on-write from the package's files (the caller keeps or closes the
-    descriptors: the mappings do not need them). Each call maps the files anew, so a write by one model's tensors
-    stays in that model. The model's classes must be importable here: the host imports the model's script under the
-    same unique module name first. ``trial``: only whether it unpacks (what pickles may still not unpickle: an exported
-    program's module does not), its TorchScript modules not loaded."""
+    """The model, its weights mapped copy-on-write from the package's files (the caller keeps or
+    closes the descriptors: the mappings do not need them). Each call maps the files anew, so a
+    write by one model's tensors stays in that model. The model's classes must be importable here:
+    the host imports the model's script under the same unique module name first. ``trial``: only
+    whether it unpacks (what pickles may still not unpickle: an exported program's module does not),
+    its TorchScript modules not loaded."""
     maps = [mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_PRIVATE) for fd in package.fds]
     own = maps[0]
     pickled = bytes(own[package.pickle_offset : package.pickle_offset + package.pickle_bytes])

@@ -1,13 +1,15 @@
 """Tensors held once by content: in the warm process's shared-memory files, and on each GPU's card.
 
-A package arrives from its loader with the digest of each storage (``model_package.py``). ``TensorStore.add`` points
-each blob whose digest is known, and whose bytes really are equal (compared, never assumed from the digest), at the
-copy already held, and gives the duplicate's pages back to the system (a hole punched in the new file). Each place a
-blob lives is counted by the packages that use it: ``release`` (UNLOAD) punches out what no package uses any more and
-closes a file once nothing in it is used, so no model loses a tensor another still needs. Never touches CUDA.
+A package arrives from its loader with the digest of each storage (``model_package.py``).
+``TensorStore.add`` points each blob whose digest is known, and whose bytes really are equal
+(compared, never assumed from the digest), at the copy already held, and gives the duplicate's pages
+back to the system (a hole punched in the new file). Each place a blob lives is counted by the
+packages that use it: ``release`` (UNLOAD) punches out what no package uses any more and closes a
+file once nothing in it is used, so no model loses a tensor another still needs. Never touches CUDA.
 
-On a GPU, ``DeviceTensors`` (a device host's) makes the tensors of two models whose bytes are one place in host
-memory one tensor on the card, refuses in-place writes to such a tensor, and frees it with its last model.
+On a GPU, ``DeviceTensors`` (a device host's) makes the tensors of two models whose bytes are one
+place in host memory one tensor on the card, refuses in-place writes to such a tensor, and frees it
+with its last model.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from mme_runtime.models.model_package import OWN_PAGES_BYTES, PAGE, Blob, Packag
 
 logger = logging.getLogger(__name__)
 
-# A smaller blob shares its page with others (``model_package.py``): it is kept where it is (bytes, per model).
+# A smaller blob shares its page with others (``model_package.py``): it is kept where it is (bytes,
+# per model).
 MIN_SHARED_BYTES = OWN_PAGES_BYTES
-# Descriptors one message may carry to a device host (SCM_RIGHTS takes 253): a package uses at most this many files.
+# Descriptors one message may carry to a device host (SCM_RIGHTS takes 253): a package uses at most
+# this many files.
 MAX_SEGMENTS = 200
 _FALLOC_FL_KEEP_SIZE = 1
 _FALLOC_FL_PUNCH_HOLE = 2
@@ -41,7 +45,8 @@ Location = tuple[int, int]  # where bytes are held in host memory: (segment id, 
 
 @dataclass
 class _Segment:
-    """One package's file: alive while its package is, or while another package uses a blob in it."""
+    """One package's file: alive while its package is, or while another package uses a blob in
+    it."""
 
     fd: int
     owned: bool = True  # its own package is still loaded
@@ -63,8 +68,9 @@ class TensorStore:
         return [segment.fd for segment in self.segments.values()]
 
     def add(self, package: Package, share: bool = True) -> Package:
-        """Takes ``package`` (its own file now belongs to the store) and returns it with every blob that equals one
-        already held pointing there. ``share=False`` (the model opted out): its blobs stay its own, unshared."""
+        """Takes ``package`` (its own file now belongs to the store) and returns it with every blob
+        that equals one already held pointing there. ``share=False`` (the model opted out): its
+        blobs stay its own, unshared."""
         segment_id, self._next_id = self._next_id, self._next_id + 1
         own = self.segments[segment_id] = _Segment(package.fd)
         ids = [segment_id]
@@ -117,13 +123,14 @@ class TensorStore:
         return sum(blob.nbytes for blob in blobs)
 
     def shared_bytes(self, package: Package) -> int:
-        """The bytes of the package's blobs that another package uses too (each such tensor counted here once)."""
+        """The bytes of the package's blobs that another package uses too (each such tensor counted
+        here once)."""
         ids = package.segment_ids
         return sum(blob.nbytes for blob in package.blobs if ids and self.uses[(ids[blob.segment], blob.offset)] > 1)
 
     def _equal_held(self, blob: Blob, fd: int) -> Location | None:
-        """Where a blob of equal bytes is held already; None when none is (or the digest lied: compared byte for
-        byte, so a crafted collision gets its own copy)."""
+        """Where a blob of equal bytes is held already; None when none is (or the digest lied:
+        compared byte for byte, so a crafted collision gets its own copy)."""
         if not blob.digest or blob.nbytes < MIN_SHARED_BYTES:
             return None
         place = self.index.get(blob.digest)
@@ -142,13 +149,15 @@ class TensorStore:
         return nbytes
 
     def _unused(self, segment_id: int) -> bool:
-        """Whether a file can go: its package is unloaded and no other package uses a tensor in it."""
+        """Whether a file can go: its package is unloaded and no other package uses a tensor in
+        it."""
         segment = self.segments.get(segment_id)
         return segment is not None and not segment.owned and not any(p[0] == segment_id for p in self.uses)
 
 
 def _same_bytes(fd_a: int, offset_a: int, fd_b: int, offset_b: int, nbytes: int) -> bool:
-    """Whether two files hold the same bytes at these offsets (memcmp over read-only mappings, unmapped after)."""
+    """Whether two files hold the same bytes at these offsets (memcmp over read-only mappings,
+    unmapped after)."""
     start_a, start_b = offset_a - offset_a % PAGE, offset_b - offset_b % PAGE
     with (
         mmap.mmap(fd_a, offset_a - start_a + nbytes, mmap.MAP_SHARED, mmap.PROT_READ, offset=start_a) as a,
@@ -162,8 +171,9 @@ def _same_bytes(fd_a: int, offset_a: int, fd_b: int, offset_b: int, nbytes: int)
 
 
 def _punch(fd: int, offset: int, nbytes: int) -> None:
-    """Gives the pages of ``[offset, offset + nbytes)`` back to the system; the file keeps its size. Only for what
-    ``model_package`` packed on pages of its own (a blob of a page or more, or the pickle, last in its file)."""
+    """Gives the pages of ``[offset, offset + nbytes)`` back to the system; the file keeps its size.
+    Only for what ``model_package`` packed on pages of its own (a blob of a page or more, or the
+    pickle, last in its file)."""
     if offset % PAGE or nbytes < MIN_SHARED_BYTES:
         return
     start, end = offset, -(-(offset + nbytes) // PAGE) * PAGE
@@ -195,7 +205,8 @@ class _Held:
 
 
 class DeviceTensors:
-    """The shared tensors of one device host's models on its device, by their place in host memory."""
+    """The shared tensors of one device host's models on its device, by their place in host
+    memory."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -209,9 +220,10 @@ class DeviceTensors:
             return sum(nbytes for place, nbytes in set(places) if place not in self._held)
 
     def place(self, module: torch.nn.Module, locations: dict[int, Location], owner: str) -> int:
-        """Moves ``module``'s tensors whose storage came from a shared place onto the device (the one storage every
-        model there uses); returns the bytes it found there already, held for another model (what its LOAD did not
-        add). ``locations`` maps a host storage's address to its place (``model_package.unpack``)."""
+        """Moves ``module``'s tensors whose storage came from a shared place onto the device (the
+        one storage every model there uses); returns the bytes it found there already, held for
+        another model (what its LOAD did not add). ``locations`` maps a host storage's address to
+        its place (``model_package.unpack``)."""
         borrowed: dict[Location, int] = {}
 
         def move(tensor: torch.Tensor) -> torch.Tensor:
@@ -230,7 +242,8 @@ class DeviceTensors:
         return sum(borrowed.values())
 
     def join(self, owner: str, places: list[Location]) -> None:
-        """``owner`` uses the tensors already here at ``places`` too (the very model another one unpacked)."""
+        """``owner`` uses the tensors already here at ``places`` too (the very model another one
+        unpacked)."""
         with self._lock:
             for place in places:
                 held = self._held.get(place)
@@ -238,7 +251,8 @@ class DeviceTensors:
                     held.owners.add(owner)
 
     def check_writes(self, owner: str) -> None:
-        """Raises ``SharedWeightWritten`` (and undoes the write) when ``owner`` wrote in place to a shared tensor."""
+        """Raises ``SharedWeightWritten`` (and undoes the write) when ``owner`` wrote in place to a
+        shared tensor."""
         watched = self._watched.get(owner, [])
         changed = [place for tensor, version, place in watched if tensor._version != version]
         if not changed:
@@ -271,8 +285,8 @@ class DeviceTensors:
                     del self._held[place]
 
     def _hold(self, place: Location, source: torch.UntypedStorage, owner: str) -> tuple[_Held, bool]:
-        """The device's tensor for ``place`` (made now from ``source`` if there is none), and whether another model
-        had it there already."""
+        """The device's tensor for ``place`` (made now from ``source`` if there is none), and
+        whether another model had it there already."""
         with self._lock:
             held = self._held.get(place)
             found = held is not None and bool(held.owners - {owner})
@@ -293,14 +307,16 @@ class DeviceTensors:
 
 
 def _to_device(source: torch.UntypedStorage, device: torch.device) -> torch.UntypedStorage:
-    """A copy of ``source`` on ``device`` (a copy even on the CPU: what the tests use to run this module's code)."""
+    """A copy of ``source`` on ``device`` (a copy even on the CPU: what the tests use to run this
+    module's code)."""
     copy = torch.empty(source.nbytes(), dtype=torch.uint8, device=device)
     copy.copy_(torch.empty(0, dtype=torch.uint8).set_(source))
     return copy.untyped_storage()
 
 
 def module_of(model: Any) -> torch.nn.Module | None:
-    """The module whose tensors a model's placement moves (a Hugging Face model's own module), if any."""
+    """The module whose tensors a model's placement moves (a Hugging Face model's own module), if
+    any."""
     inner = getattr(model, "model", None)
     if isinstance(model, torch.nn.Module):
         return model

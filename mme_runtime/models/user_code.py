@@ -2,13 +2,14 @@
 fetched from S3): installs its ``requirements.txt``, imports its script by file path, and binds its contract
 functions once.
 
-Each script is imported under a module name unique to the model, so two models whose scripts are both called
-``inference.py`` never see each other's functions. Whether a function takes ``context`` is decided here, once.
-Requirements are installed at LOAD, before the code is imported, once per file content: into
-``<cache>/<sha256 of the file>`` (reused by later loads, serialised by a file lock) and onto this process's
-``sys.path`` only, after the server's own packages, so they add libraries and never replace torch or the serving
-stack (the server's installed versions are pip's constraints). A model whose requirements the image does not already
-satisfy gets a device host of its own (``loading.py``).
+Each script is imported under a module name unique to the model, so two models whose scripts are
+both called ``inference.py`` never see each other's functions. Whether a function takes ``context``
+is decided here, once. Requirements are installed at LOAD, before the code is imported, once per
+file content: into ``<cache>/<sha256 of the file>`` (reused by later loads, serialised by a file
+lock) and onto this process's ``sys.path`` only, after the server's own packages, so they add
+libraries and never replace torch or the serving stack (the server's installed versions are pip's
+constraints). A model whose requirements the image does not already satisfy gets a device host of
+its own (``loading.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class RequirementsError(ModelLoadError):
 
 
 def install_requirements(code_dir: Path, cache_dir: Path, timeout_seconds: int) -> Path | None:
-    """Installs ``code_dir/requirements.txt`` if present and returns the directory to put on ``sys.path``."""
+    """Installs ``code_dir/requirements.txt`` if present and returns the directory to put on
+    ``sys.path``."""
     requirements = code_dir / REQUIREMENTS
     if not requirements.is_file():
         return None
@@ -59,7 +61,8 @@ def install_requirements(code_dir: Path, cache_dir: Path, timeout_seconds: int) 
 
 
 def add_to_path(directory: Path) -> None:
-    """After the server's own packages, so a requirement can add a library but never swap torch underneath us."""
+    """After the server's own packages, so a requirement can add a library but never swap torch
+    underneath us."""
     entry = str(directory)
     if entry not in sys.path:
         sys.path.append(entry)
@@ -146,7 +149,8 @@ class UserFunction:
 
 
 def _takes_context(name: str, function: Callable[..., Any]) -> bool:
-    """True when the function's trailing parameter is ``context``, or (toolkit rule) it has one extra parameter."""
+    """True when the function's trailing parameter is ``context``, or (toolkit rule) it has one
+    extra parameter."""
     try:
         parameters = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError):
@@ -183,7 +187,8 @@ def find_script(code_dir: Path | None, program: str) -> Path | None:
 
 
 def import_script(model_name: str, script: Path) -> ModuleType:
-    """Imports ``script`` under a name unique to the model; its directory goes on ``sys.path`` for its helpers."""
+    """Imports ``script`` under a name unique to the model; its directory goes on ``sys.path`` for
+    its helpers."""
     code_dir = str(script.parent.resolve())
     if code_dir not in sys.path:
         sys.path.insert(0, code_dir)

@@ -1,17 +1,20 @@
-"""Per-model CloudWatch metrics where nothing scrapes ``/metrics`` (SageMaker): every ``MME_CLOUDWATCH_METRICS_SECONDS``
-the entrypoint prints one Embedded Metric Format (EMF) line per model, and one for the container, to stdout. SageMaker
-sends stdout to CloudWatch Logs, which turns each such line into metrics.
+"""Per-model CloudWatch metrics where nothing scrapes ``/metrics`` (SageMaker): every
+``MME_CLOUDWATCH_METRICS_SECONDS`` the entrypoint prints one Embedded Metric Format (EMF) line per
+model, and one for the container, to stdout. SageMaker sends stdout to CloudWatch Logs, which turns
+each such line into metrics.
 
-The values are the ones ``/metrics`` shows (``ModelMetrics.snapshot``). Counts are what happened since the previous
-lines: what a model counted before its UNLOAD is reported once, by the next lines, from its stopped server's series, so
-an UNLOAD and a re-LOAD never give a negative or a repeated count. Latency is the interval's average and its 99th
-percentile interpolated in the histogram's buckets (as Prometheus's ``histogram_quantile``: only as fine as they are).
-Memory is the current value. A model's LOAD time is reported once, by the first lines after its LOAD; the LOAD and
-UNLOAD counts are the container's, as on ``/metrics``.
+The values are the ones ``/metrics`` shows (``ModelMetrics.snapshot``). Counts are what happened
+since the previous lines: what a model counted before its UNLOAD is reported once, by the next
+lines, from its stopped server's series, so an UNLOAD and a re-LOAD never give a negative or a
+repeated count. Latency is the interval's average and its 99th percentile interpolated in the
+histogram's buckets (as Prometheus's ``histogram_quantile``: only as fine as they are). Memory is
+the current value. A model's LOAD time is reported once, by the first lines after its LOAD; the LOAD
+and UNLOAD counts are the container's, as on ``/metrics``.
 
-The JSON is written here, not with AWS's ``aws-embedded-metrics``: importing that package imports aiohttp and asyncio
-for sinks we do not use (230 ms and 23 MiB more in the entrypoint, 9 more packages in the image), and it reads
-``AWS_EMF_*`` variables. Our lines hold a few fixed keys, which the tests check against the specification's schema.
+The JSON is written here, not with AWS's ``aws-embedded-metrics``: importing that package imports
+aiohttp and asyncio for sinks we do not use (230 ms and 23 MiB more in the entrypoint, 9 more
+packages in the image), and it reads ``AWS_EMF_*`` variables. Our lines hold a few fixed keys, which
+the tests check against the specification's schema.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ LATENCY = "mme_request_duration_seconds"
 def emf_line(
     namespace: str, dimensions: dict[str, str], data: list[Datum], properties: dict[str, object], timestamp_ms: int
 ) -> str:
-    """One EMF document on one line: each datum under ``dimensions`` (none: a metric of the namespace alone)."""
+    """One EMF document on one line: each datum under ``dimensions`` (none: a metric of the
+    namespace alone)."""
     directive = {
         "Namespace": namespace,
         "Dimensions": [list(dimensions)],
@@ -59,7 +63,8 @@ def emf_line(
 
 
 def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
-    """Prometheus's ``histogram_quantile`` on cumulative ``(upper bound, count)`` pairs, ``+Inf`` last."""
+    """Prometheus's ``histogram_quantile`` on cumulative ``(upper bound, count)`` pairs, ``+Inf``
+    last."""
     if not buckets or buckets[-1][1] <= 0:
         return None
     rank, lower, below = q * buckets[-1][1], 0.0, 0.0
@@ -92,7 +97,8 @@ def named(samples: Samples, name: str) -> dict[Labels, float]:
 
 
 class EmfLines:
-    """Makes each interval's lines from a snapshot, remembering the counts the previous lines reported."""
+    """Makes each interval's lines from a snapshot, remembering the counts the previous lines
+    reported."""
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
@@ -120,11 +126,12 @@ class EmfLines:
         return lines
 
     def _deltas(self, model: str, now: Samples, gone: Samples) -> Samples:
-        """Each count since the previous lines: now, plus what a stopped server took away, less what was reported."""
+        """Each count since the previous lines: now, plus what a stopped server took away, less what
+        was reported."""
         seen = self._seen.get(model, {})
         deltas = {key: max(0.0, now.get(key, 0.0) + gone.get(key, 0.0) - seen.get(key, 0.0)) for key in now | gone}
-        # A count lower than reported with no stop behind it (a file left out of this merge) keeps its mark, so that
-        # its values are not reported again when the file is back.
+        # A count lower than reported with no stop behind it (a file left out of this merge) keeps
+        # its mark, so that its values are not reported again when the file is back.
         self._seen[model] = {key: max(value, seen.get(key, 0.0) - gone.get(key, 0.0)) for key, value in now.items()}
         return deltas
 
@@ -202,7 +209,8 @@ class CloudWatchMetrics:
 
 
 def start(config: Config, collector: ModelMetrics | None) -> CloudWatchMetrics | None:
-    """Prints the lines every ``cloudwatch_metrics_seconds``; None when that is 0 or metrics are off."""
+    """Prints the lines every ``cloudwatch_metrics_seconds``; None when that is 0 or metrics are
+    off."""
     if config.cloudwatch_metrics_seconds == 0:
         return None
     if collector is None:

@@ -1,17 +1,20 @@
-"""The Prometheus endpoint: ``GET /metrics`` on ``MME_METRICS_PORT``, served from a thread of the entrypoint.
+"""The Prometheus endpoint: ``GET /metrics`` on ``MME_METRICS_PORT``, served from a thread of the
+entrypoint.
 
-Each scrape merges the files the model processes wrote (``metrics.py``) with prometheus_client's own multiprocess
-reader, and adds what is read live: the model servers running and the host memory of each model's processes. The
-HTTP thread runs beside MMS, so it answers while a model loads. Only ``mme_`` series are shown: a library in a model
-process that makes prometheus_client metrics of its own writes them to the same files. ``snapshot`` gives the same
-to the CloudWatch lines (``cloudwatch_metrics.py``).
+Each scrape merges the files the model processes wrote (``metrics.py``) with prometheus_client's own
+multiprocess reader, and adds what is read live: the model servers running and the host memory of
+each model's processes. The HTTP thread runs beside MMS, so it answers while a model loads. Only
+``mme_`` series are shown: a library in a model process that makes prometheus_client metrics of its
+own writes them to the same files. ``snapshot`` gives the same to the CloudWatch lines
+(``cloudwatch_metrics.py``).
 
-Files of processes that ended are folded: their counters and histograms are added to a file this process owns, and
-their gauges dropped. A stopped model server's directory (``metrics/unloaded/``) folds into ``metrics/retired/``,
-keeping only the container's series, so the model's own go away and the container's totals never step back; the
-files of an executor that ended fold into its server's directory. Only this process writes those files, under one
-lock shared by the scrape thread and the supervisor's sweep; a directory or file is moved aside before its values
-are added, so a fold that fails halfway is never counted twice.
+Files of processes that ended are folded: their counters and histograms are added to a file this
+process owns, and their gauges dropped. A stopped model server's directory (``metrics/unloaded/``)
+folds into ``metrics/retired/``, keeping only the container's series, so the model's own go away and
+the container's totals never step back; the files of an executor that ended fold into its server's
+directory. Only this process writes those files, under one lock shared by the scrape thread and the
+supervisor's sweep; a directory or file is moved aside before its values are added, so a fold that
+fails halfway is never counted twice.
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ PREFIX = "mme_"
 ADDITIVE_KINDS = ("counter", "histogram")  # what folds add up; gauges end with their process
 FOLDING_SUFFIX = ".folding"  # a file or directory being folded: out of every merge
 EXITED = "exited"  # the pid part of the files that hold what a server's ended executors counted
-# Reading a process's proportional set size makes the kernel walk its page tables (8 ms for a torch process here):
-# each process's value is read at most this often, so frequent scrapes cost the models' cores nothing noticeable.
+# Reading a process's proportional set size makes the kernel walk its page tables (8 ms for a torch
+# process here): each process's value is read at most this often, so frequent scrapes cost the
+# models' cores nothing noticeable.
 HOST_MEMORY_SECONDS = 10.0
 
 
@@ -72,8 +76,9 @@ class ModelMetrics:
         yield from families
 
     def snapshot(self) -> tuple[list[Metric], list[Metric]]:
-        """What a scrape shows, and what the servers folded since the last snapshot had recorded (their model series,
-        gone from a scrape; kept from the first call on): ``cloudwatch_metrics`` reports what stopped models counted."""
+        """What a scrape shows, and what the servers folded since the last snapshot had recorded
+        (their model series, gone from a scrape; kept from the first call on):
+        ``cloudwatch_metrics`` reports what stopped models counted."""
         with self._lock:
             families = self._families()
             folded, self._folded = self._folded or [], []
@@ -85,8 +90,9 @@ class ModelMetrics:
         return merged + list(self._live_gauges())
 
     def sweep(self) -> None:
-        """Folds what ended: servers that died without stopping (once MMS no longer has their model), and executors
-        that ended inside running servers. A failure is logged and tried again at the next sweep."""
+        """Folds what ended: servers that died without stopping (once MMS no longer has their
+        model), and executors that ended inside running servers. A failure is logged and tried again
+        at the next sweep."""
         for server_dir in self._server_dirs():
             try:
                 if server_alive(server_dir):
@@ -124,7 +130,8 @@ class ModelMetrics:
         return sorted(str(path) for path in paths if not _of_ended_process(path))
 
     def _fold_unloaded(self) -> None:
-        """Adds the container's counters of each stopped server to retired/, then deletes its directory."""
+        """Adds the container's counters of each stopped server to retired/, then deletes its
+        directory."""
         for directory in scan(unloaded_dir(self.metrics_dir), "*"):
             if directory.name.endswith(FOLDING_SUFFIX):
                 shutil.rmtree(directory, ignore_errors=True)  # added already, by a fold that then failed to delete
@@ -144,8 +151,8 @@ class ModelMetrics:
             shutil.rmtree(folding, ignore_errors=True)
 
     def _fold_exited_executors(self, server_dir: Path) -> None:
-        """Adds the counts of the server's executors that ended to the server's ``exited`` files, removing theirs:
-        an executor crashing again and again adds nothing to scrape."""
+        """Adds the counts of the server's executors that ended to the server's ``exited`` files,
+        removing theirs: an executor crashing again and again adds nothing to scrape."""
         ended = [path for path in scan(server_dir, "*.db") if _of_ended_process(path, gauges_only=False)]
         if not ended:
             return
@@ -217,7 +224,8 @@ Values = dict[str, dict[str, float]]  # file kind -> mmap key -> value
 
 
 def _read_values(paths: list[Path], keep: Callable[[dict[str, str]], bool]) -> Values:
-    """The additive ``mme_`` values of ``paths`` whose labels ``keep`` accepts; unreadable files are left out."""
+    """The additive ``mme_`` values of ``paths`` whose labels ``keep`` accepts; unreadable files are
+    left out."""
     values: Values = {}
     for path in sorted(paths):
         kind = path.name.split("_")[0]
@@ -248,8 +256,8 @@ def _add_values(values: Values, store_for: Callable[[str], Path]) -> None:
 
 
 def _of_ended_process(path: Path, gauges_only: bool = True) -> bool:
-    """Whether ``path`` (``<kind>_<pid>.db``, ``gauge_<mode>_<pid>.db``) belongs to a process that ended: its gauges
-    end with it (``gauges_only``), its other values are folded by a sweep."""
+    """Whether ``path`` (``<kind>_<pid>.db``, ``gauge_<mode>_<pid>.db``) belongs to a process that
+    ended: its gauges end with it (``gauges_only``), its other values are folded by a sweep."""
     parts = path.stem.split("_")
     if gauges_only and parts[0] != "gauge":
         return False
@@ -278,8 +286,8 @@ def start(config: Config) -> ModelMetrics | None:
     try:
         start_http_server(config.metrics_port, registry=registry)
     except OSError as exc:
-        # Serving models matters more than their metrics: say so loudly and go on without them. The collector is
-        # kept all the same: its sweep still clears what unloaded models leave behind.
+        # Serving models matters more than their metrics: say so loudly and go on without them. The
+        # collector is kept all the same: its sweep still clears what unloaded models leave behind.
         logger.error("metrics not served: cannot listen on port %d: %s", config.metrics_port, exc)
         return collector
     logger.info("Prometheus metrics on port %d at /metrics", config.metrics_port)

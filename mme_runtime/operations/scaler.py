@@ -1,15 +1,16 @@
 """Gives a batching model the frontend connections that fill its batches.
 
-MMS sends a model at most one request per worker connection at a time, so a batch of ``batch_size`` needs that many
-connections per device. They cost a frontend thread and a device host thread each, not a process or a copy of the
-weights. A batching model's device host asks for them in two steps (``ConnectionDemand`` in
-``serving/connection.py``): a few at LOAD, the whole batch once its requests overlap. Each ask is a request file in
-the runtime directory; the entrypoint's supervisor, which knows the management port, raises the model's worker count
-with MMS's scale call (``PUT /models/{name}?min_worker=N``). The LOAD's ask waits until the LOAD has completed, and
-half a second more: MMS answers a LOAD after its worker is READY, comparing its workers with the model's minimum
-then, so a minimum raised in between would turn that LOAD's 200 into 210 "Workers scaling in progress...". An ask
-from a model that serves is acted on at once. It never lowers a count someone set higher. Neither side imports
-torch.
+MMS sends a model at most one request per worker connection at a time, so a batch of ``batch_size``
+needs that many connections per device. They cost a frontend thread and a device host thread each,
+not a process or a copy of the weights. A batching model's device host asks for them in two steps
+(``ConnectionDemand`` in ``serving/connection.py``): a few at LOAD, the whole batch once its
+requests overlap. Each ask is a request file in the runtime directory; the entrypoint's supervisor,
+which knows the management port, raises the model's worker count with MMS's scale call (``PUT
+/models/{name}?min_worker=N``). The LOAD's ask waits until the LOAD has completed, and half a second
+more: MMS answers a LOAD after its worker is READY, comparing its workers with the model's minimum
+then, so a minimum raised in between would turn that LOAD's 200 into 210 "Workers scaling in
+progress...". An ask from a model that serves is acted on at once. It never lowers a count someone
+set higher. Neither side imports torch.
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ def requests_dir(runtime_dir: Path) -> Path:
 
 
 def request_workers(runtime_dir: Path, model_name: str, per_device: int, serving: bool = False) -> None:
-    """Written by a device host: ``model_name`` wants ``per_device`` frontend connections on each device. ``serving``:
-    asked by a model that answers requests, so its LOAD has answered and the scaler need not wait."""
+    """Written by a device host: ``model_name`` wants ``per_device`` frontend connections on each
+    device. ``serving``: asked by a model that answers requests, so its LOAD has answered and the
+    scaler need not wait."""
     write_marker(requests_dir(runtime_dir), model_name, {"per_device": per_device, "serving": serving})
 
 
 class Scaler:
-    """Raises models' worker counts as their device hosts asked, on ``devices`` devices (GPUs, or 1 for the CPU)."""
+    """Raises models' worker counts as their device hosts asked, on ``devices`` devices (GPUs, or 1
+    for the CPU)."""
 
     def __init__(self, runtime_dir: Path, port: int, devices: int) -> None:
         self.directory = requests_dir(runtime_dir)
@@ -79,7 +82,8 @@ class Scaler:
         if not isinstance(description, dict) or not any(
             worker.get("status") == "READY" for worker in description.get("workers") or []
         ):
-            # Not registered, or its LOAD has not completed: scaling now would race the LOAD's own workers.
+            # Not registered, or its LOAD has not completed: scaling now would race the LOAD's own
+            # workers.
             if expired:
                 logger.warning("model=%s never became ready: its %d batching workers were not added", model, workers)
             return expired

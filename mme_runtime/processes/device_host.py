@@ -1,19 +1,22 @@
-"""A device host: the one process that serves every shareable model on one device (a GPU, or the CPU), or a model
-that needs isolation on it (a private host: the same process, with one tenant).
+"""A device host: the one process that serves every shareable model on one device (a GPU, or the
+CPU), or a model that needs isolation on it (a private host: the same process, with one tenant).
 
-The warm process forks it, CUDA-free, for the first connection assigned to its device; the host binds its GPU before
-its first CUDA call, so a GPU holds one CUDA context and one caching allocator however many models it serves. The
-warm process sends it, over the control socket, each model once (``load``, with the model packed by the loader, or
-with no package when ``model_fn`` must run here) and then each frontend connection for it (``connect``). Each model
-keeps its own handler (user module, batcher, settings, context: a ``HostedModel``), loaded on a thread of its own;
-each connection is served from a thread of its own. ``unload`` lets a model go; its memory goes back to the system
-once per burst of UNLOADs (``MemoryRelease``).
+The warm process forks it, CUDA-free, for the first connection assigned to its device; the host
+binds its GPU before its first CUDA call, so a GPU holds one CUDA context and one caching allocator
+however many models it serves. The warm process sends it, over the control socket, each model once
+(``load``, with the model packed by the loader, or with no package when ``model_fn`` must run here)
+and then each frontend connection for it (``connect``). Each model keeps its own handler (user
+module, batcher, settings, context: a ``HostedModel``), loaded on a thread of its own; each
+connection is served from a thread of its own. ``unload`` lets a model go; its memory goes back to
+the system once per burst of UNLOADs (``MemoryRelease``).
 
-Every thread the host runs for a model is marked as that model's on the crash board (``crash_board.py``), and a fatal
-signal writes the threads' stacks to a file: if user code kills the host, the warm process can tell whose it was.
+Every thread the host runs for a model is marked as that model's on the crash board
+(``crash_board.py``), and a fatal signal writes the threads' stacks to a file: if user code kills
+the host, the warm process can tell whose it was.
 
-On a GPU, tensors that several models hold at one place in host memory are one tensor on the card (``DeviceTensors``
-in ``tensor_store.py``); on the CPU, the models' copy-on-write mappings of that place are one copy already.
+On a GPU, tensors that several models hold at one place in host memory are one tensor on the card
+(``DeviceTensors`` in ``tensor_store.py``); on the CPU, the models' copy-on-write mappings of that
+place are one copy already.
 """
 
 from __future__ import annotations
@@ -132,7 +135,8 @@ class DeviceHost:
         elif op == "unload":
             leaving = self.models.pop(name, None)
             if leaving is not None:
-                # Its series go now, before a LOAD of the same name (the next message, maybe) makes their directory.
+                # Its series go now, before a LOAD of the same name (the next message, maybe) makes
+                # their directory.
                 metrics.stop_hosted(self.config, leaving.series)
                 unloading = threading.Thread(target=self._unload, args=(leaving,), name=f"unload-{name}", daemon=True)
                 self.unloading = {key: thread for key, thread in self.unloading.items() if thread.is_alive()}
@@ -142,8 +146,9 @@ class DeviceHost:
     def _load(
         self, model: HostedModel, package: Package | None, fds: list[int], batch_size: int, restart: bool
     ) -> None:
-        """The model's handler here: the packed model adopted (or ``model_fn`` run here when there is no package),
-        placed on this host's device and warmed up; then the connections that waited for it are served."""
+        """The model's handler here: the packed model adopted (or ``model_fn`` run here when there
+        is no package), placed on this host's device and warmed up; then the connections that waited
+        for it are served."""
         spec = model.spec
         if model.after is not None:  # what the old model holds under this name goes before the new one takes it
             model.after.join(self.config.response_timeout_seconds)
@@ -167,8 +172,9 @@ class DeviceHost:
             for fd in fds:
                 os.close(fd)
             self.board.done()
-        # What loading freed back to the system: after its first large free glibc raises its mmap threshold, and the
-        # temporary buffers of every later load would stay as free heap (about 3x the model) until an UNLOAD.
+        # What loading freed back to the system: after its first large free glibc raises its mmap
+        # threshold, and the temporary buffers of every later load would stay as free heap (about 3x
+        # the model) until an UNLOAD.
         release_memory(None)
         self._report({"model": spec.name, "loaded": model.loaded is not None, "package_unused": model.package_unused})
         with model.lock:
@@ -177,8 +183,8 @@ class DeviceHost:
             self._connect(model, connection, assignment)
 
     def _our_handler(self, model: HostedModel, package: Package | None, batch_size: int) -> LoadedModel:
-        """The model's own ``HandlerService``: the package adopted (or ``model_fn`` run), placed, its threads marked
-        as the model's on the crash board, its batching started."""
+        """The model's own ``HandlerService``: the package adopted (or ``model_fn`` run), placed,
+        its threads marked as the model's on the crash board, its batching started."""
         spec = model.spec
         loaded = model_handler(spec, self.config, self.gpu, self.ordinal, batch_size)
         handler = loaded.module
@@ -203,9 +209,10 @@ class DeviceHost:
         return loaded
 
     def _unpack(self, hosted: HostedModel, package: Package) -> Any:
-        """The model in the package; a package that another model here unpacked already (the same artifacts under
-        two names: the warm process's package cache) gives the same object, so its weights are here once. On a GPU,
-        its tensors held for other models too go to the card once (``DeviceTensors`` in ``tensor_store.py``)."""
+        """The model in the package; a package that another model here unpacked already (the same
+        artifacts under two names: the warm process's package cache) gives the same object, so its
+        weights are here once. On a GPU, its tensors held for other models too go to the card once
+        (``DeviceTensors`` in ``tensor_store.py``)."""
         name = hosted.spec.name
         identity = (os.fstat(package.fd).st_ino, package.pickle_offset, package.pickle_bytes)
         with self._control_lock:
@@ -225,7 +232,8 @@ class DeviceHost:
         return model
 
     def _new_bytes(self, package: Package | None) -> int | None:
-        """What the package's tensors add to this host's GPU, beyond those its models hold there already."""
+        """What the package's tensors add to this host's GPU, beyond those its models hold there
+        already."""
         if package is None or self.shared is None or not package.blobs:
             return None
         places = [((package.segment_ids[blob.segment], blob.offset), blob.nbytes) for blob in package.blobs]
@@ -276,7 +284,8 @@ class DeviceHost:
             self.board.done()
 
     def _unload(self, model: HostedModel) -> None:
-        """Closes the model's connections, ends its batcher and drops every reference, then gives the memory back."""
+        """Closes the model's connections, ends its batcher and drops every reference, then gives
+        the memory back."""
         if model.loading is not None:
             model.loading.join()  # an UNLOAD during the load: what the load makes must not outlive the model
         with model.lock:
@@ -308,10 +317,12 @@ class DeviceHost:
 
 
 def run_host(control: socket.socket, config: Config, gpu: int | None, board: CrashBoard) -> int:
-    """The host's life, in the child the warm process forked (``fork_child``); returns its exit status."""
+    """The host's life, in the child the warm process forked (``fork_child``); returns its exit
+    status."""
     configure_logging(config.log_level)
-    # MMS's per-request "[METRICS]" lines: the frontend files a model process's away, but a host's stdout is the
-    # container's (a CloudWatch Logs line per request on SageMaker). Our own metrics count every request.
+    # MMS's per-request "[METRICS]" lines: the frontend files a model process's away, but a host's
+    # stdout is the container's (a CloudWatch Logs line per request on SageMaker). Our own metrics
+    # count every request.
     logging.getLogger("mms.service").setLevel(logging.WARNING)
     devices.set_threads(devices.DEFAULT_THREADS)
     metrics.start_container(config)  # the host's own directory; each model gets one of its own too
@@ -324,7 +335,8 @@ def run_host(control: socket.socket, config: Config, gpu: int | None, board: Cra
 
 @dataclass
 class HostedModel:
-    """One model in the host: its handler once loaded, or why it failed, and the connections that wait or run."""
+    """One model in the host: its handler once loaded, or why it failed, and the connections that
+    wait or run."""
 
     spec: ModelSpec
     slot: int
@@ -348,8 +360,8 @@ class HostedModel:
 def model_handler(
     spec: ModelSpec, config: Config, gpu: int | None, ordinal: int | None, batch_size: int
 ) -> LoadedModel:
-    """A handler of the model's own (the module-level ``handler_service`` one is one per process), wrapped in MMS's
-    ``Service`` as MMS's own worker's is."""
+    """A handler of the model's own (the module-level ``handler_service`` one is one per process),
+    wrapped in MMS's ``Service`` as MMS's own worker's is."""
     from handler_service import HandlerService
 
     handler = HandlerService(config)
@@ -366,9 +378,10 @@ def model_handler(
 
 
 def start_batching(spec: ModelSpec, config: Config, loaded: LoadedModel) -> ConnectionDemand | None:
-    """From here on the handler is called from many threads; our handler then batches their forward passes. A
-    batching model asks for the frontend connections that fill its batches as it comes to need them: the returned
-    ``ConnectionDemand`` watches its connections (``serving/connection.py``)."""
+    """From here on the handler is called from many threads; our handler then batches their forward
+    passes. A batching model asks for the frontend connections that fill its batches as it comes to
+    need them: the returned ``ConnectionDemand`` watches its connections
+    (``serving/connection.py``)."""
     if not hasattr(loaded.module, "start_batcher"):
         return None  # another handler (MMS's ``module:function``): it is called from the connections' threads as it is
     settings = loaded.module.start_batcher()

@@ -1,9 +1,10 @@
-"""The warm process's device hosts, keyed by device and tenant: one per device (a card, or one of the CPU's pool) for
-every model that shares, and one per device for each model that needs isolation (tenant: its name). Each is forked
-CUDA-free on first use, with the crash board that says, once it has died, whose code killed it (``crash_board.py``).
+"""The warm process's device hosts, keyed by device and tenant: one per device (a card, or one of
+the CPU's pool) for every model that shares, and one per device for each model that needs isolation
+(tenant: its name). Each is forked CUDA-free on first use, with the crash board that says, once it
+has died, whose code killed it (``crash_board.py``).
 
-``shared_models.py`` decides what goes to which host and what a crash costs a model; this module starts hosts, talks
-to them and reads what a dead one left behind.
+``shared_models.py`` decides what goes to which host and what a crash costs a model; this module
+starts hosts, talks to them and reads what a dead one left behind.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ SHARED = "shared"  # the tenant of every model that shares its device's host
 
 @dataclass(frozen=True)
 class HostKey:
-    """Which host: its device (the card's name within CUDA_VISIBLE_DEVICES, ``cpu=N`` for one of the CPU's pool of
-    shared hosts, ``cpu`` for a private one) and its tenant (``SHARED``, or the one model a private host serves)."""
+    """Which host: its device (the card's name within CUDA_VISIBLE_DEVICES, ``cpu=N`` for one of the
+    CPU's pool of shared hosts, ``cpu`` for a private one) and its tenant (``SHARED``, or the one
+    model a private host serves)."""
 
     device: str
     tenant: str = SHARED
@@ -58,8 +60,9 @@ class Host:
 
 @dataclass(frozen=True)
 class Crash:
-    """What a dead host left: how it ended, the slot of the model whose thread took the fatal signal (if one did),
-    the slots with a call running, and the crashed thread's stack (faulthandler's, for a fatal signal)."""
+    """What a dead host left: how it ended, the slot of the model whose thread took the fatal signal
+    (if one did), the slots with a call running, and the crashed thread's stack (faulthandler's, for
+    a fatal signal)."""
 
     host: Host
     cause: str
@@ -69,7 +72,8 @@ class Crash:
 
 
 class CrashCount:
-    """Crashes by model name, kept across a model's UNLOAD and LOAD: the second one quarantines the model."""
+    """Crashes by model name, kept across a model's UNLOAD and LOAD: the second one quarantines the
+    model."""
 
     def __init__(self) -> None:
         self.crashes: dict[str, int] = {}
@@ -107,9 +111,10 @@ class DeviceHosts:
         self.hosts: dict[HostKey, Host] = {}
 
     def get(self, key: HostKey, gpu: int | None, env: dict[str, str], in_hand: socket.socket) -> Host:
-        """The host of ``key``, forked now if there is none, with the environment MMS gives its model processes (it
-        reads some of it, such as ``MMS_DECODE_INPUT_REQUEST``, while answering). ``in_hand``: the connection being
-        routed, which a new host must not keep a copy of (the frontend would never see it close)."""
+        """The host of ``key``, forked now if there is none, with the environment MMS gives its
+        model processes (it reads some of it, such as ``MMS_DECODE_INPUT_REQUEST``, while
+        answering). ``in_hand``: the connection being routed, which a new host must not keep a copy
+        of (the frontend would never see it close)."""
         host = self.hosts.get(key)
         if host is not None:
             return host
@@ -141,7 +146,8 @@ class DeviceHosts:
         return message
 
     def exited(self, pid: int, code: int) -> Crash | None:
-        """The crash of host ``pid`` (its report read, the host forgotten); None if ``pid`` was no host of ours."""
+        """The crash of host ``pid`` (its report read, the host forgotten); None if ``pid`` was no
+        host of ours."""
         host = next((host for host in self.hosts.values() if host.pid == pid), None)
         if host is None:
             return None
@@ -159,8 +165,8 @@ class DeviceHosts:
         return crash
 
     def retire(self, host: Host) -> None:
-        """Ends a private host whose model has gone: with its control socket closed it lets its models go and exits
-        (its exit is no crash: it is no host of ours any more)."""
+        """Ends a private host whose model has gone: with its control socket closed it lets its
+        models go and exits (its exit is no crash: it is no host of ours any more)."""
         if self.hosts.get(host.key) is host:
             del self.hosts[host.key]
             host.control.close()

@@ -1,5 +1,6 @@
-"""The loader: a short-lived child of the warm process that runs one model's ``model_fn``, CUDA-free, and packs the
-result for its device hosts (``model_package``), then exits: the package outlives it in the warm process.
+"""The loader: a short-lived child of the warm process that runs one model's ``model_fn``,
+CUDA-free, and packs the result for its device hosts (``model_package``), then exits: the package
+outlives it in the warm process.
 
 It resolves the model once (``loading.resolve_model``) and reports one message to the warm process: ``package``
 (with the shared-memory file), ``host_loads`` (the model cannot leave this process: the host runs ``model_fn``
@@ -55,15 +56,17 @@ from mme_runtime.processes.warm_protocol import send
 
 logger = logging.getLogger(__name__)
 
-# How long a failed LOAD waits after logging its cause, before MMS hears of the failure (_let_the_cause_be_read).
+# How long a failed LOAD waits after logging its cause, before MMS hears of the failure
+# (_let_the_cause_be_read).
 CAUSE_READ_SECONDS = 0.2
 
 
 def start_loader(
     spec: ModelSpec, request: dict[str, Any], stdio: list[int], close_fds: list[int]
 ) -> tuple[int, socket.socket]:
-    """Forks the model's loader with the stub's stdio, directory and environment (``request``); returns its pid and
-    the socket its report arrives on. ``close_fds``: what the forked child must not keep."""
+    """Forks the model's loader with the stub's stdio, directory and environment (``request``);
+    returns its pid and the socket its report arrives on. ``close_fds``: what the forked child must
+    not keep."""
     result, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     run = functools.partial(_run_loader, theirs, spec, request["cwd"])
     title = f"mme-loader {spec.name}"
@@ -176,9 +179,10 @@ def _plain_torchscript(model_dir: Path, resolved: ResolvedModel, config: Config)
 
 
 def _let_the_cause_be_read() -> None:
-    """The cause of a failed LOAD is logged to the model's stdout, which MMS reads on a thread of its own; once our
-    failure reaches MMS it kills the model's process and stops that thread, dropping lines it had not read yet (it
-    lost the cause now and then on a busy machine). A failed LOAD waits a moment for it: no other model waits."""
+    """The cause of a failed LOAD is logged to the model's stdout, which MMS reads on a thread of
+    its own; once our failure reaches MMS it kills the model's process and stops that thread,
+    dropping lines it had not read yet (it lost the cause now and then on a busy machine). A failed
+    LOAD waits a moment for it: no other model waits."""
     sys.stdout.flush()
     sys.stderr.flush()
     time.sleep(CAUSE_READ_SECONDS)

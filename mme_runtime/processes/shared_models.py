@@ -1,17 +1,18 @@
 """The warm process's side of the device hosts: every model, its load, its connections, its hosts.
 
-For each model MMS starts, the warm process binds the model's socket and forks a loader (``model_loader``), which
-runs ``model_fn`` once, CUDA-free, and hands back a package (or says why the host must load it, or why the LOAD
-fails), and whether the model needs a host of its own. Meanwhile the frontend's connections wait in the socket's
-backlog. Once the model is ready, each connection's LOAD message is read here and the connection goes to the host of
-its device and tenant (``device_hosts.py``), forked on first use; the model is sent to that host once, before its
-first connection. Each model is a ``SharedModel``: the stub MMS started for it, its own socket where the frontend
-connects, its loader's result socket, its package and its hosts.
+For each model MMS starts, the warm process binds the model's socket and forks a loader
+(``model_loader``), which runs ``model_fn`` once, CUDA-free, and hands back a package (or says why
+the host must load it, or why the LOAD fails), and whether the model needs a host of its own.
+Meanwhile the frontend's connections wait in the socket's backlog. Once the model is ready, each
+connection's LOAD message is read here and the connection goes to the host of its device and tenant
+(``device_hosts.py``), forked on first use; the model is sent to that host once, before its first
+connection. Each model is a ``SharedModel``: the stub MMS started for it, its own socket where the
+frontend connects, its loader's result socket, its package and its hosts.
 
-When the stub goes (UNLOAD), every host lets the model go (its package may be kept for a re-LOAD), and a private
-host ends. When a host dies, the model whose code killed it is named (``crash_board.py``); one named in two crashes of
-a shared host moves to a host of its own; the others are loaded again from their packages into a new host as the
-frontend reconnects.
+When the stub goes (UNLOAD), every host lets the model go (its package may be kept for a re-LOAD),
+and a private host ends. When a host dies, the model whose code killed it is named
+(``crash_board.py``); one named in two crashes of a shared host moves to a host of its own; the
+others are loaded again from their packages into a new host as the frontend reconnects.
 """
 
 from __future__ import annotations
@@ -42,15 +43,16 @@ from mme_runtime.serving.connection import device_of, read_assignment
 
 logger = logging.getLogger(__name__)
 
-# The frontend sends its LOAD message as soon as it connects; one that does not within this is dropped.
+# The frontend sends its LOAD message as soon as it connects; one that does not within this is
+# dropped.
 LOAD_MESSAGE_SECONDS = 2.0
 # How long the warm process waits for the rest of a loader's report once it has begun to arrive.
 RESULT_SECONDS = 1.0
 
 
 class SharedModels:
-    """Every model and device host of the warm process. The methods follow a model's life: what the warm process's
-    loop asks, a model arrives, its connections, a host dies, a model goes."""
+    """Every model and device host of the warm process. The methods follow a model's life: what the
+    warm process's loop asks, a model arrives, its connections, a host dies, a model goes."""
 
     def __init__(self, config: Config, watcher: Watcher, close_in_children: Callable[[], list[int]]) -> None:
         self.config = config
@@ -64,7 +66,8 @@ class SharedModels:
         self.cache = PackageCache(config, self.store.release)
 
     def descriptors(self) -> list[int]:
-        """What a forked child must close: every socket and package of ours (a copy would keep them alive)."""
+        """What a forked child must close: every socket and package of ours (a copy would keep them
+        alive)."""
         fds = [sock.fileno() for sock in self.watcher.sockets()]
         for model in self.models.values():
             fds += [model.listener.fileno(), model.stub.fileno(), *(fd for fd in model.stdio if fd >= 0)]
@@ -89,8 +92,9 @@ class SharedModels:
         self.hosts.stop()
 
     def add(self, spec: ModelSpec, request: dict[str, Any], stub: socket.socket, stdio: list[int]) -> None:
-        """Binds the model's socket, tells the frontend it may connect, and starts the model's loader (unless the
-        same artifacts are loaded under another name already: then the model takes their package)."""
+        """Binds the model's socket, tells the frontend it may connect, and starts the model's
+        loader (unless the same artifacts are loaded under another name already: then the model
+        takes their package)."""
         if (existing := self.models.get(spec.name)) is not None:  # unloaded, and loaded again before its stub went
             self._unload(existing)
         if len(self.models) >= SLOTS:
@@ -117,7 +121,8 @@ class SharedModels:
         self.watcher.watch(model.result, lambda: self._loader_reported(model))
 
     def forget(self, name: str) -> bool:
-        """After ``add`` failed halfway: lets go of what it took; True if that included the stub and its stdio."""
+        """After ``add`` failed halfway: lets go of what it took; True if that included the stub and
+        its stdio."""
         model = self.models.get(name)
         if model is None:
             return False
@@ -206,7 +211,8 @@ class SharedModels:
             connection.close()  # the host holds its own descriptor now
 
     def _send_model(self, host: Host, model: SharedModel, batch_size: int) -> None:
-        """The model to a host, before its first connection there (whose LOAD message carries MMS's batch size)."""
+        """The model to a host, before its first connection there (whose LOAD message carries MMS's
+        batch size)."""
         self.hosts.send(host, model.load_message(batch_size), [] if model.package is None else model.package.fds)
         host.models.add(model.spec.name)
 
@@ -224,8 +230,9 @@ class SharedModels:
             self._release_package(model, keep=False)  # other hosts run its model_fn too
 
     def _host_died(self, crash: Crash) -> None:
-        """Names the model whose code killed the host and counts the crash against it (a second one in a shared host
-        moves it to a host of its own); the frontend's reconnections start a new host and send it the models again."""
+        """Names the model whose code killed the host and counts the crash against it (a second one
+        in a shared host moves it to a host of its own); the frontend's reconnections start a new
+        host and send it the models again."""
         key = crash.host.key
         self.watcher.forget(crash.host.control)
         on_host = [model for model in self.models.values() if key in model.hosts]
@@ -246,7 +253,8 @@ class SharedModels:
         self._unload(model)  # its end of the stub closed (or broke)
 
     def _unload(self, model: SharedModel) -> None:
-        """The model's process in MMS is gone (UNLOAD, or MMS stopping): every host lets it go, its memory is freed."""
+        """The model's process in MMS is gone (UNLOAD, or MMS stopping): every host lets it go, its
+        memory is freed."""
         name = model.spec.name
         if self.models.get(name) is not model:
             return
@@ -265,7 +273,8 @@ class SharedModels:
         logger.info("model=%s unloaded", name)
 
     def _release_package(self, model: SharedModel, keep: bool) -> None:
-        """The model lets go of its package: kept for a re-LOAD if it has a key, ``keep`` and it fits; else freed."""
+        """The model lets go of its package: kept for a re-LOAD if it has a key, ``keep`` and it
+        fits; else freed."""
         if model.package is not None and model.cache_key is not None:
             self.cache.release(model.cache_key, model.spec.name, keep)
         elif model.package is not None:
@@ -290,13 +299,15 @@ class SharedModels:
         model.hosts.clear()
 
     def _free_slot(self) -> int:
-        """A slot no loaded model holds: one an UNLOAD gave back, else the next never used (called below SLOTS)."""
+        """A slot no loaded model holds: one an UNLOAD gave back, else the next never used (called
+        below SLOTS)."""
         return self._free_slots.pop() if self._free_slots else len(self.models)
 
 
 @dataclass
 class SharedModel:
-    """One model MMS started, in the warm process: its stub, its socket, its loader, its package, its hosts."""
+    """One model MMS started, in the warm process: its stub, its socket, its loader, its package,
+    its hosts."""
 
     spec: ModelSpec
     request: dict[str, Any]  # the stub's command line, environment and directory: its hosts' environment
@@ -323,14 +334,15 @@ class SharedModel:
     resolved: dict[str, Any] | None = None  # what its loader resolved (None: a kept package's host resolves it)
 
     def host_key(self, device: str | None, models: Iterable[SharedModel], cpu_hosts: int) -> HostKey:
-        """The host of a connection assigned ``device`` (a card's name; None for the CPU): on the CPU, a shared model
-        goes to one of the pool (``cpu_host_for``), a private one to its own."""
+        """The host of a connection assigned ``device`` (a card's name; None for the CPU): on the
+        CPU, a shared model goes to one of the pool (``cpu_host_for``), a private one to its own."""
         if self.tenant != SHARED:
             return HostKey(device or "cpu", self.tenant)
         return HostKey(device or cpu_host_for(self, models, cpu_hosts))
 
     def load_message(self, batch_size: int) -> dict[str, Any]:
-        """The model as a host takes it (its package's descriptors go beside), before its first connection there."""
+        """The model as a host takes it (its package's descriptors go beside), before its first
+        connection there."""
         return {
             "op": "load",
             "model": self.spec.name,
@@ -345,8 +357,9 @@ class SharedModel:
         }
 
     def loader_failure(self, exit_code: int | None) -> LoadFailure:
-        """The LOAD's failure when the loader ended with no report: how it ended (``exit_code``: None if unknown).
-        507 when the kernel's out-of-memory killer ended it, so that SageMaker makes room and tries again."""
+        """The LOAD's failure when the loader ended with no report: how it ended (``exit_code``:
+        None if unknown). 507 when the kernel's out-of-memory killer ended it, so that SageMaker
+        makes room and tries again."""
         if exit_code is None:
             return LoadFailure(500, f"model {self.spec.name}: its loader died before it reported (see the log)")
         cause = failures.exit_cause(exit_code, self.oom_kills)
@@ -360,9 +373,10 @@ class SharedModel:
             pass  # the stub is gone: its unload follows
 
     def accept(self) -> socket.socket | None:
-        """A frontend connection waiting on the model's socket (None if there is none after all). MMS connects once it
-        has read "MMS worker started." and counted the model's process started: from then on the stub's pipes may end
-        (earlier, MMS would fail the LOAD: "Backend stream closed")."""
+        """A frontend connection waiting on the model's socket (None if there is none after all).
+        MMS connects once it has read "MMS worker started." and counted the model's process started:
+        from then on the stub's pipes may end (earlier, MMS would fail the LOAD: "Backend stream
+        closed")."""
         try:
             connection, _ = self.listener.accept()
         except OSError:  # BlockingIOError (none waits after all), InterruptedError, a socket closing
@@ -371,9 +385,10 @@ class SharedModel:
         return connection
 
     def stop_logging(self) -> None:
-        """Lets go of the stub's stdout and stderr once the model is served: its loader has written all it will (a
-        host logs to the container's own output), and the stub (``cat`` now) holds /dev/null instead. MMS reads each
-        of the two pipes with a thread of its own, about 90 KiB each, which ends at the pipe's end."""
+        """Lets go of the stub's stdout and stderr once the model is served: its loader has written
+        all it will (a host logs to the container's own output), and the stub (``cat`` now) holds
+        /dev/null instead. MMS reads each of the two pipes with a thread of its own, about 90 KiB
+        each, which ends at the pipe's end."""
         for index in (1, 2):
             if self.stdio[index] >= 0:
                 os.close(self.stdio[index])
@@ -396,9 +411,10 @@ class SharedModel:
 
 
 def cpu_host_for(model: SharedModel, models: Iterable[SharedModel], cpu_hosts: int) -> str:
-    """The CPU host of the pool (MME_CPU_HOSTS) that serves the model: the one with the fewest models when its first
-    connection arrived (one GIL per host: a pool lets Python-bound models run side by side), or the one that has its
-    artifacts under another name (so that they are there once)."""
+    """The CPU host of the pool (MME_CPU_HOSTS) that serves the model: the one with the fewest
+    models when its first connection arrived (one GIL per host: a pool lets Python-bound models run
+    side by side), or the one that has its artifacts under another name (so that they are there
+    once)."""
     if model.cpu_host is None:
         pool = [f"cpu={index}" for index in range(cpu_hosts)]
         others = list(models)

@@ -1,4 +1,5 @@
-"""Starts the MMS frontend, keeps the process we started, and stops it with every worker on SIGTERM or SIGINT.
+"""Starts the MMS frontend, keeps the process we started, and stops it with every worker on SIGTERM
+or SIGINT.
 
 Runs in the entrypoint (often PID 1). Signal handlers only record the signal; the loop acts on it.
 It never imports torch.
@@ -59,7 +60,8 @@ class Supervisor:
     def install_signal_handlers(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
-        # Orphaned workers re-parent to us even when we are not PID 1, so we can reap and account for them.
+        # Orphaned workers re-parent to us even when we are not PID 1, so we can reap and account
+        # for them.
         prctl(PR_SET_CHILD_SUBREAPER, 1, "PR_SET_CHILD_SUBREAPER")
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
@@ -70,7 +72,8 @@ class Supervisor:
         return bool(self._pending)
 
     def run(self) -> int:
-        """Starts MMS (retrying a failed start), then supervises it until it exits or we are told to stop."""
+        """Starts MMS (retrying a failed start), then supervises it until it exits or we are told to
+        stop."""
         try:
             return self._run()
         except BaseException:
@@ -134,18 +137,20 @@ class Supervisor:
             self._kill_group(signal.SIGKILL)
             self._wait_for_group(KILL_WAIT_SECONDS)
         self.exit_status = None
-        # One process group holds the warm process, MMS and every model process: one group to signal.
+        # One process group holds the warm process, MMS and every model process: one group to
+        # signal.
         self.group = self._start_warm_process()
         logger.info("starting MMS: %s", " ".join(self.command))
         self.process = start_program(self.command, self.env, self.cwd, group=self.group)
         self._wait_until_ready()
 
     def _start_warm_process(self) -> int:
-        """Starts the warm process, which leads a new process group, and waits until it accepts; the start fails
-        (and is tried again) if it does not."""
+        """Starts the warm process, which leads a new process group, and waits until it accepts; the
+        start fails (and is tried again) if it does not."""
         socket_path = self.config.warm_socket
         socket_path.unlink(missing_ok=True)
-        # A new process group (not session: MMS must be able to join the group, which needs the same session).
+        # A new process group (not session: MMS must be able to join the group, which needs the same
+        # session).
         self.warm_process = start_program(self.warm_command, self.env, self.cwd, group=0)
         deadline = time.monotonic() + WARM_START_TIMEOUT_SECONDS
         while time.monotonic() < deadline and not self.stopping:
@@ -192,7 +197,8 @@ class Supervisor:
             pass
 
     def _wait_for_group(self, timeout: float) -> bool:
-        """Waits until no process of the MMS group is left (reaping as we go); True if they all ended."""
+        """Waits until no process of the MMS group is left (reaping as we go); True if they all
+        ended."""
         if self.group is None:
             return True
         deadline = time.monotonic() + timeout
@@ -205,7 +211,8 @@ class Supervisor:
         return not _group_alive(self.group)
 
     def _reap(self) -> None:
-        """Collects every exited child: MMS itself and orphans re-parented to us (waitpid until 0 or ECHILD)."""
+        """Collects every exited child: MMS itself and orphans re-parented to us (waitpid until 0 or
+        ECHILD)."""
         for pid, code in exited_children():
             if self.process is not None and pid == self.process.pid:
                 self.exit_status = code

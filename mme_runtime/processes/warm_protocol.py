@@ -10,7 +10,8 @@ import os
 import socket
 import struct
 
-# Every model's stub imports this module as it starts: typing (3 ms there) is for the type checker only.
+# Every model's stub imports this module as it starts: typing (3 ms there) is for the type checker
+# only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any

@@ -1,10 +1,10 @@
-"""Warm start: a CUDA-free process with torch and the handler stack imported, from which every model process is
-forked: the loaders and the device hosts (``shared_models.py``).
+"""Warm start: a CUDA-free process with torch and the handler stack imported, from which every model
+process is forked: the loaders and the device hosts (``shared_models.py``).
 
-MMS still launches one process per model (the stub in MODEL_SERVER_HOME, ``warm_stub.py``); the stub hands its
-command line, environment and stdio to the warm process over a unix socket (SCM_RIGHTS), then becomes ``cat``
-reading that connection. MMS kills the stub to UNLOAD: the model leaves its hosts when the connection closes. User
-code is imported only after a fork.
+MMS still launches one process per model (the stub in MODEL_SERVER_HOME, ``warm_stub.py``); the stub
+hands its command line, environment and stdio to the warm process over a unix socket (SCM_RIGHTS),
+then becomes ``cat`` reading that connection. MMS kills the stub to UNLOAD: the model leaves its
+hosts when the connection closes. User code is imported only after a fork.
 """
 
 from __future__ import annotations
@@ -44,13 +44,14 @@ WARM_MODULES = (
     "mme_runtime.processes.device_host",
     "mme_runtime.serving.served_model",
 )
-# Imported where installed: the AWS SDK, which only code in S3 needs (the GPU proof's kit carries none).
+# Imported where installed: the AWS SDK, which only code in S3 needs (the GPU proof's kit carries
+# none).
 OPTIONAL_WARM_MODULES = ("boto3",)
 
 
 class WarmProcess:
-    """Accepts stub connections and takes each model in (``shared_models.py``): its loader, its connections, its
-    hosts."""
+    """Accepts stub connections and takes each model in (``shared_models.py``): its loader, its
+    connections, its hosts."""
 
     def __init__(self, listener: socket.socket, config: Config) -> None:
         from mme_runtime.processes.shared_models import SharedModels
@@ -120,8 +121,9 @@ class WarmProcess:
             self.shared.child_exited(pid, code)
 
     def _warm_imports(self, argv: list[str]) -> None:
-        """Before the first model that needs one of ``LAZY_IMPORTS``, imports it here, once: every later such model's
-        processes inherit it instead of importing it again. Containers that serve none never pay."""
+        """Before the first model that needs one of ``LAZY_IMPORTS``, imports it here, once: every
+        later such model's processes inherit it instead of importing it again. Containers that serve
+        none never pay."""
         model_dir = _model_dir(argv)
         if model_dir is None:
             return
@@ -147,7 +149,8 @@ def _uses_pt2(model_dir: Path) -> bool:
 
 # What only some models need, imported once before the first of them (``_warm_imports``).
 LAZY_IMPORTS: tuple[tuple[str, str, Callable[[Path], bool]], ...] = (
-    # torch.export's archive reader (model.pt2, compile=true): it brings torch's compiler (about 1.2 s and 70 MiB).
+    # torch.export's archive reader (model.pt2, compile=true): it brings torch's compiler (about 1.2
+    # s and 70 MiB).
     ("PyTorch 2 loader", "torch.export.pt2_archive._package", _uses_pt2),
     # transformers and its pipelines, for a Hugging Face directory served with no code
     # (``huggingface/loading.py``).
@@ -156,7 +159,8 @@ LAZY_IMPORTS: tuple[tuple[str, str, Callable[[Path], bool]], ...] = (
 
 
 def _spec(argv: list[str]) -> ModelSpec | None:
-    """The model MMS started this server for, from the arguments it passes (``--model-name``, ``--model-path``, ...)."""
+    """The model MMS started this server for, from the arguments it passes (``--model-name``,
+    ``--model-path``, ...)."""
     values = dict(zip(argv[1::2], argv[2::2], strict=False))
     try:
         return ModelSpec(values["--model-name"], values["--model-path"], values["--handler"], values["--tmp-dir"])
@@ -186,8 +190,9 @@ def main() -> int:
 
     metrics.start_container(config)  # what this process counts; each forked loader and host writes its own
     devices.single_threaded()  # loaders and hosts are forked from here: no OpenMP pool for them to inherit
-    # What the imports made lives as long as every process forked from here: out of the collector's way, so a full
-    # collection in a device host (each UNLOAD runs one) walks the models' objects, not torch's.
+    # What the imports made lives as long as every process forked from here: out of the collector's
+    # way, so a full collection in a device host (each UNLOAD runs one) walks the models' objects,
+    # not torch's.
     gc.freeze()
     raise_descriptor_limit()
     path = Path(config.warm_socket)

@@ -1,12 +1,14 @@
-"""One frontend connection, from the socket to the handler and back: its first message (the LOAD, which names the
-GPU the frontend assigned it) read by the warm process, which routes the connection to its device's host; there its
-LOAD is answered, then each inference message read with MMS's protocol (``mms.protocol``), answered by MMS's
-``Service`` (which calls ``handler_service.handle`` and so the model's ``ServedModel``, ``served_model.py``), and
-written back, with the request metrics recorded after.
+"""One frontend connection, from the socket to the handler and back: its first message (the LOAD,
+which names the GPU the frontend assigned it) read by the warm process, which routes the connection
+to its device's host; there its LOAD is answered, then each inference message read with MMS's
+protocol (``mms.protocol``), answered by MMS's ``Service`` (which calls ``handler_service.handle``
+and so the model's ``ServedModel``, ``served_model.py``), and written back, with the request metrics
+recorded after.
 
-A device host runs it on a thread per connection: every connection of a model answers at once. A batching model's
-``ConnectionDemand`` counts its busy connections and asks for more once they are all busy (MMS sends one request per
-connection at a time, so a batch of ``batch_size`` needs that many).
+A device host runs it on a thread per connection: every connection of a model answers at once. A
+batching model's ``ConnectionDemand`` counts its busy connections and asks for more once they are
+all busy (MMS sends one request per connection at a time, so a batch of ``batch_size`` needs that
+many).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from mme_runtime.operations import metrics
 
 
 class ConnectionDemand:
-    """Counts one model's connections on this device and the requests they are answering; calls ``ask_for(full)``
-    once, the first time the ``at_load`` connections (or more) are all busy."""
+    """Counts one model's connections on this device and the requests they are answering; calls
+    ``ask_for(full)`` once, the first time the ``at_load`` connections (or more) are all busy."""
 
     def __init__(self, ask_for: Callable[[int], None], at_load: int, full: int) -> None:
         self._ask_for = ask_for
@@ -64,7 +66,8 @@ class ConnectionDemand:
         """Brackets one request, from its message read to its answer sent."""
         with self._lock:
             self._busy += 1
-            # Not before the LOAD's connections are all open: until then one request alone fills them.
+            # Not before the LOAD's connections are all open: until then one request alone fills
+            # them.
             grow = not self._asked and self._open >= self._at_load and self._busy >= self._open
             self._asked = self._asked or grow
         if grow:
@@ -94,8 +97,9 @@ class Assignment:
 
 
 def read_assignment(connection: socket.socket, model_name: str, timeout: float) -> Assignment | None:
-    """Reads a frontend connection's first message, its LOAD (the GPU the frontend assigned it); None, with the
-    connection closed and the cause logged, when something else or nothing arrives within ``timeout``."""
+    """Reads a frontend connection's first message, its LOAD (the GPU the frontend assigned it);
+    None, with the connection closed and the cause logged, when something else or nothing arrives
+    within ``timeout``."""
     try:
         connection.settimeout(timeout)
         command, message = retrieve_msg(connection)
@@ -122,9 +126,10 @@ def serve_connection(
     running: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     demand: ConnectionDemand | None = None,
 ) -> None:
-    """One frontend connection: its LOAD answered, then its inference messages, one at a time, until it closes.
-    ``running`` brackets each message's handling (a device host marks whose code runs); a batching model's
-    ``demand`` counts its busy connections, to open more when they are all busy (``ConnectionDemand``, below)."""
+    """One frontend connection: its LOAD answered, then its inference messages, one at a time, until
+    it closes. ``running`` brackets each message's handling (a device host marks whose code runs); a
+    batching model's ``demand`` counts its busy connections, to open more when they are all busy
+    (``ConnectionDemand``, below)."""
     try:
         with demand.connection() if demand else contextlib.nullcontext():
             connection.sendall(create_load_model_response(200, f"loaded model {spec.name}. [PID]:{os.getpid()}"))
@@ -155,11 +160,13 @@ def _answer_messages(
 
 
 def _answer(loaded: LoadedModel, message: list[dict[str, Any]]) -> tuple[Any, bytes]:
-    """MMS's own ``Service.predict`` for one message (its metrics, its statuses for errors outside the handler), on a
-    copy of the service whose context is the message's own: the connections' threads answer at once. Returns that
-    context, which holds each request's status, with the answer."""
+    """MMS's own ``Service.predict`` for one message (its metrics, its statuses for errors outside
+    the handler), on a copy of the service whose context is the message's own: the connections'
+    threads answer at once. Returns that context, which holds each request's status, with the
+    answer."""
     service = copy.copy(loaded.service)
-    # Service keeps its context in ``_context`` (MMS 1.1.11, pinned); the copy shares system_properties, not requests.
+    # Service keeps its context in ``_context`` (MMS 1.1.11, pinned); the copy shares
+    # system_properties, not requests.
     service._context = copy.copy(loaded.service.context)
     response = service.predict(message)
     if service.context.metrics is not None and SERVICE_LOG.isEnabledFor(logging.INFO):  # off in a device host
@@ -168,8 +175,8 @@ def _answer(loaded: LoadedModel, message: list[dict[str, Any]]) -> tuple[Any, by
 
 
 def _statuses(context: Any, response: bytes) -> list[int]:
-    """Each request's HTTP status: the response's own code when ``Service.predict`` failed them all (it leads the
-    response), else what the handler set for each."""
+    """Each request's HTTP status: the response's own code when ``Service.predict`` failed them all
+    (it leads the response), else what the handler set for each."""
     requests = context.request_ids or {}
     code = int.from_bytes(response[:4], "big", signed=True)
     if code != 200:

@@ -1,10 +1,11 @@
-"""What goes in and out of a request: content types (parsing media types, negotiating ``Accept``, the JSON/CSV/NPY
-codecs for tensors), and each request's answer: its status and, for a failure, its error body.
+"""What goes in and out of a request: content types (parsing media types, negotiating ``Accept``,
+the JSON/CSV/NPY codecs for tensors), and each request's answer: its status and, for a failure, its
+error body.
 
 Decoding failures raise ``InvalidInput`` (400), unknown types ``UnsupportedContentType`` (415) and
-``UnsupportedAccept`` (406): the client sees which types are supported. A failed step's status comes from the error
-(``StepError``; out of memory with the numbers, 507), and its body says what went wrong in JSON with the request's
-id, never a traceback (the log has it).
+``UnsupportedAccept`` (406): the client sees which types are supported. A failed step's status comes
+from the error (``StepError``; out of memory with the numbers, 507), and its body says what went
+wrong in JSON with the request's id, never a traceback (the log has it).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ CSV = "text/csv"
 NPY = "application/x-npy"
 ANY = "*/*"
 SUPPORTED = (JSON, CSV, NPY)
-# Decoded to str before reaching input_fn, as the toolkit does, so user scripts get text for text formats.
-# Arrays and numpy scalars as JSON numbers (float32 in its shortest form); keys that are not strings as strings.
+# Decoded to str before reaching input_fn, as the toolkit does, so user scripts get text for text
+# formats. Arrays and numpy scalars as JSON numbers (float32 in its shortest form); keys that are
+# not strings as strings.
 ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 TEXT_TYPES = frozenset({JSON, CSV, "text/plain", "application/jsonlines", "application/x-www-form-urlencoded"})
 
@@ -89,7 +91,8 @@ def _matches(media_range: str, candidate: str) -> bool:
 
 
 def negotiate(accept: str | None, default: str, supported: Sequence[str] = SUPPORTED) -> str:
-    """Picks the response type: the best supported match for ``accept``, ``default`` for none or ``*/*``."""
+    """Picks the response type: the best supported match for ``accept``, ``default`` for none or
+    ``*/*``."""
     if accept is None or not accept.strip():
         return default
     for _, _, media_range in _accept_ranges(accept):
@@ -153,8 +156,8 @@ def _decode_json(text: str) -> Any:
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError:
-        # The standard library's parser names the problem better, and accepts NaN and Infinity, which the caller
-        # then hears about by name; it runs only for bodies orjson refused.
+        # The standard library's parser names the problem better, and accepts NaN and Infinity,
+        # which the caller then hears about by name; it runs only for bodies orjson refused.
         try:
             value = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -257,7 +260,8 @@ MAX_CHAINED = 8  # exceptions followed through __cause__ and __context__
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """Host or device memory exhaustion (``failures.is_out_of_memory``), raised by a contract function or not."""
+    """Host or device memory exhaustion (``failures.is_out_of_memory``), raised by a contract
+    function or not."""
     return failures.is_out_of_memory(exc.cause if isinstance(exc, StepError) else exc)
 
 
@@ -265,8 +269,9 @@ def is_client_error(exc: BaseException) -> bool:
     return isinstance(exc, BaseInferenceToolkitError) and 400 <= int(exc.status_code) < 500
 
 
-# What input_fn raises when it cannot decode the request (json.JSONDecodeError and UnicodeDecodeError are ValueErrors,
-# a missing key a KeyError): the client's bad input, answered 400. Anything else it raises stays 500.
+# What input_fn raises when it cannot decode the request (json.JSONDecodeError and
+# UnicodeDecodeError are ValueErrors, a missing key a KeyError): the client's bad input,
+# answered 400. Anything else it raises stays 500.
 DECODING_ERRORS = (ValueError, TypeError, KeyError, IndexError)
 
 
@@ -291,8 +296,9 @@ def release_cached_device_memory() -> None:
 
 
 def release_memory_of(exc: BaseException) -> None:
-    """After an out-of-memory error is answered and logged: the frames its tracebacks hold let go of their tensors,
-    and torch's cache gives what they held back to the card, so the next request finds it."""
+    """After an out-of-memory error is answered and logged: the frames its tracebacks hold let go of
+    their tensors, and torch's cache gives what they held back to the card, so the next request
+    finds it."""
     seen: BaseException | None = exc
     for _ in range(MAX_CHAINED):
         if seen is None:
@@ -303,8 +309,9 @@ def release_memory_of(exc: BaseException) -> None:
 
 
 class StepError(Exception):
-    """A failure inside a user (or default) contract function: 500, naming the function. ``explained``: the answer's
-    message where it was written when the error was caught (out of memory: the numbers as they were then)."""
+    """A failure inside a user (or default) contract function: 500, naming the function.
+    ``explained``: the answer's message where it was written when the error was caught (out of
+    memory: the numbers as they were then)."""
 
     def __init__(self, step: str, cause: Exception, explained: str | None = None) -> None:
         super().__init__(f"{step}: {cause}")
@@ -314,7 +321,8 @@ class StepError(Exception):
 
 
 def error_response(exc: Exception, request: Any) -> tuple[bytes, str]:
-    """The body and content type answering ``request`` (an ``InferenceContext``) with ``exc``; logs it."""
+    """The body and content type answering ``request`` (an ``InferenceContext``) with ``exc``; logs
+    it."""
     status = http_status(exc)
     if isinstance(exc, StepError) and exc.explained:
         message, error_type = exc.explained, "InsufficientMemory" if status == 507 else type(exc.cause).__name__
@@ -345,15 +353,17 @@ def error_response(exc: Exception, request: Any) -> tuple[bytes, str]:
 
 
 def _traceback_of(exc: Exception) -> BaseException | None:
-    """What a failed request's log line shows the traceback of: what the user's function raised; none for a timeout."""
+    """What a failed request's log line shows the traceback of: what the user's function raised;
+    none for a timeout."""
     if isinstance(exc, RequestTimeout):
         return None
     return exc.cause if isinstance(exc, StepError) else exc
 
 
 def load_failure(step: str, exc: Exception) -> ContainerError:
-    """The error a failed load step answers with (507 for memory, the user's own status, else 500), in words
-    (``failures.raised``): the process that fails the LOAD logs it once, with the traceback of what user code raised."""
+    """The error a failed load step answers with (507 for memory, the user's own status, else 500),
+    in words (``failures.raised``): the process that fails the LOAD logs it once, with the traceback
+    of what user code raised."""
     if isinstance(exc, ContainerError) and type(exc).__module__.startswith("mme_runtime."):
         # Ours, in words of its own (no model file, say): the step goes before them.
         return type(exc)(f"{step} failed: {exc.message}"[:MAX_MESSAGE_CHARS], int(exc.status_code), exc.trace)
@@ -373,7 +383,8 @@ def phrase(status: int) -> str:
 
 @dataclass(eq=False)
 class RequestInFlight:
-    """One request on its way through the contract: its context, the Accept it is answered with, and the answer."""
+    """One request on its way through the contract: its context, the Accept it is answered with, and
+    the answer."""
 
     context: InferenceContext
     accept: str
@@ -394,7 +405,8 @@ def request_body(item: Any) -> Any:
 
 
 def to_bytes(result: Any) -> bytes:
-    """What ``output_fn`` returned, as the answer's bytes (anything else JSON-encoded, or a 500 naming the type)."""
+    """What ``output_fn`` returned, as the answer's bytes (anything else JSON-encoded, or a 500
+    naming the type)."""
     if isinstance(result, (bytes, bytearray)):
         return bytes(result)
     if isinstance(result, str):

@@ -1,8 +1,10 @@
-"""A model's contract functions: the user's ``model_fn``, ``input_fn``, ``predict_fn``, ``output_fn`` or
-``transform_fn`` over the PyTorch defaults, each bound once, and how a load step or a request step calls them.
+"""A model's contract functions: the user's ``model_fn``, ``input_fn``, ``predict_fn``,
+``output_fn`` or ``transform_fn`` over the PyTorch defaults, each bound once, and how a load step or
+a request step calls them.
 
-A failing request step raises ``StepError`` (its status decided in ``content.py``; out of memory, with the numbers
-as they were when it was caught); a failing load step fails the LOAD with the step named.
+A failing request step raises ``StepError`` (its status decided in ``content.py``; out of memory,
+with the numbers as they were when it was caught); a failing load step fails the LOAD with the step
+named.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class Contract:
         self._functions = dict(functions or {})
         self.accepts = tuple(accepts)  # what the default output_fn writes
         self.answers_whole = "transform_fn" in self._functions  # no batching: the request goes in and out whole
-        # Decided once per model, not per request: only our default output_fn needs Accept negotiated up front.
+        # Decided once per model, not per request: only our default output_fn needs Accept
+        # negotiated up front.
         self.negotiates_accept = not self.answers_whole and "output_fn" not in user
 
     @classmethod
@@ -61,7 +64,8 @@ class Contract:
             raise StepError(name, exc) from exc
 
     def run_load_step(self, name: str, context: InferenceContext, *args: Any) -> Any:
-        """A load step (``pre_model_fn``, ``model_fn``, ``model_warmup_fn``), skipped when the model has none."""
+        """A load step (``pre_model_fn``, ``model_fn``, ``model_warmup_fn``), skipped when the model
+        has none."""
         function = self._functions.get(name)
         if function is None:
             return None

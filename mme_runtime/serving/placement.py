@@ -1,9 +1,9 @@
-"""Once per device host, before its first request: the model placed on its device, compiled for it if asked, and
-the model's sample request.
+"""Once per device host, before its first request: the model placed on its device, compiled for it
+if asked, and the model's sample request.
 
-``place_model`` moves a module there (or loads an artifact that only loads on its device); ``warmup_sample`` finds
-the request in the model's ``code/`` that the host answers at LOAD (its dry run), and that ``compile=true``
-traces the model with (``compiled``).
+``place_model`` moves a module there (or loads an artifact that only loads on its device);
+``warmup_sample`` finds the request in the model's ``code/`` that the host answers at LOAD (its dry
+run), and that ``compile=true`` traces the model with (``compiled``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from mme_runtime.serving.contract import Contract
 
 logger = logging.getLogger(__name__)
 
-# An optional sample request in the model's code/, answered once per device host at LOAD (the dry run users enable).
+# An optional sample request in the model's code/, answered once per device host at LOAD (the dry
+# run users enable).
 WARMUP_SAMPLES = {"warmup.json": content.JSON, "warmup.csv": content.CSV, "warmup.npy": content.NPY}
 
 
@@ -36,8 +37,9 @@ class PlacesItself(Protocol):
 
 
 def place_model(model: Any, device: torch.device) -> Any:
-    """Moves a module to ``device`` and switches it to eval mode, once per device host (not per request). An artifact
-    that must be loaded on its device (an AOTInductor package) is loaded there."""
+    """Moves a module to ``device`` and switches it to eval mode, once per device host (not per
+    request). An artifact that must be loaded on its device (an AOTInductor package) is loaded
+    there."""
     if isinstance(model, PlacesItself):
         return model.place(device)
     if isinstance(model, torch.nn.Module):
@@ -50,7 +52,8 @@ def place_model(model: Any, device: torch.device) -> Any:
 
 
 def warmup_sample(code_dir: Path | None) -> tuple[str, Any, str] | None:
-    """The model's sample request in its ``code/``: file name, payload and content type; None when it has none."""
+    """The model's sample request in its ``code/``: file name, payload and content type; None when
+    it has none."""
     if code_dir is None:
         return None
     sample = next((name for name in WARMUP_SAMPLES if (code_dir / name).is_file()), None)
@@ -69,8 +72,8 @@ def compiled(
     config: Config,
     code_dir: Path | None,
 ) -> Any:
-    """``compile=true``: the model compiled for the context's device (traced on its decoded warm-up sample), or the
-    model as it is (eager), with the reason logged."""
+    """``compile=true``: the model compiled for the context's device (traced on its decoded warm-up
+    sample), or the model as it is (eager), with the reason logged."""
     found = warmup_sample(code_dir)
     if found is None:
         logger.warning(

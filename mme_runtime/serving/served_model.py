@@ -1,13 +1,14 @@
 """One model's contract, from its LOAD to its UNLOAD, and each message's requests through it.
 
-``load`` runs ``model_fn`` in a CUDA-free loader (model on host memory); ``adopt`` takes the model ``model_fn`` built
-there (a device host); ``attach`` runs once the host's GPU is bound: it places the model, may compile it, answers its
-warm-up sample, and ``start_batcher`` then lets many threads call ``transform``: each message's requests, each read
-on its own, ``input_fn`` for each, one ``predict_fn`` per batch (through the batcher, so requests from many
-connections share a forward pass), ``output_fn`` for each. Each request carries its own status (``content.py``): one
-bad request never fails its neighbours, and tracebacks go to the log, never to clients. A request whose forward pass
-is not done within ``SAGEMAKER_MODEL_SERVER_TIMEOUT`` is answered 504 (the pass runs on: a thread cannot be
-stopped). ``close`` lets the model go.
+``load`` runs ``model_fn`` in a CUDA-free loader (model on host memory); ``adopt`` takes the model
+``model_fn`` built there (a device host); ``attach`` runs once the host's GPU is bound: it places
+the model, may compile it, answers its warm-up sample, and ``start_batcher`` then lets many threads
+call ``transform``: each message's requests, each read on its own, ``input_fn`` for each, one
+``predict_fn`` per batch (through the batcher, so requests from many connections share a forward
+pass), ``output_fn`` for each. Each request carries its own status (``content.py``): one bad request
+never fails its neighbours, and tracebacks go to the log, never to clients. A request whose forward
+pass is not done within ``SAGEMAKER_MODEL_SERVER_TIMEOUT`` is answered 504 (the pass runs on: a
+thread cannot be stopped). ``close`` lets the model go.
 """
 
 from __future__ import annotations
@@ -60,15 +61,17 @@ from mme_runtime.serving.placement import compiled, place_model, warmup_sample
 logger = logging.getLogger(__name__)
 
 HOST = torch.device("cpu")
-# MMS times each request too, and past its timer answers 500 "Worker died." and drops the connection: ours answers
-# a moment before, in words (its timer is SAGEMAKER_MODEL_SERVER_TIMEOUT or longer, started a moment before ours).
+# MMS times each request too, and past its timer answers 500 "Worker died." and drops the
+# connection: ours answers a moment before, in words (its timer is SAGEMAKER_MODEL_SERVER_TIMEOUT or
+# longer, started a moment before ours).
 TIMEOUT_MARGIN_SECONDS = 1.0
 T = TypeVar("T")
 
 
 class ServedModel(ToolkitTransformer):  # type: ignore[misc]
-    """One model's contract: loaded once, placed on its device once, then answering each message's requests (the
-    toolkit's Transformer, answering per request: per-item batches and status-carrying errors)."""
+    """One model's contract: loaded once, placed on its device once, then answering each message's
+    requests (the toolkit's Transformer, answering per request: per-item batches and status-carrying
+    errors)."""
 
     def __init__(self, default_inference_handler: Any, config: Config) -> None:
         super().__init__(default_inference_handler=default_inference_handler)
@@ -79,17 +82,21 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         self._attached = False
         self._settings = ServingSettings(1, 0, "none")
         self._batcher: Batcher | None = None
-        # torch's grad mode is per thread: the connections' threads get the one the loading thread had after model_fn.
+        # torch's grad mode is per thread: the connections' threads get the one the loading thread
+        # had after model_fn.
         self._grad_enabled: bool | None = None
-        # Called after each forward pass; what it raises fails the pass's requests (a write to shared weights).
+        # Called after each forward pass; what it raises fails the pass's requests (a write to
+        # shared weights).
         self.after_forward: Callable[[], None] | None = None
-        # Run first and last in each thread its batcher starts and ends, now or later (a device host marks the thread
-        # its model's: crash_board.py).
+        # Run first and last in each thread its batcher starts and ends, now or later (a device host
+        # marks the thread its model's: crash_board.py).
         self.thread_started: Callable[[], None] = lambda: None
         self.thread_ended: Callable[[], None] = lambda: None
-        # A GPU device host's threads for every model's passes (``batcher.PassThreads``); None: each model's own.
+        # A GPU device host's threads for every model's passes (``batcher.PassThreads``); None: each
+        # model's own.
         self.pass_threads: PassThreads | None = None
-        # LoRA adapters over a plain module (``lora.py``): each job's rows use its own model's adapter.
+        # LoRA adapters over a plain module (``lora.py``): each job's rows use its own model's
+        # adapter.
         self.row_adapters: Any = None
         self._defaults = default_inference_handler
         self._loaded = False
@@ -184,9 +191,10 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         self._code_dir = code_dir
 
     def _adapter_base(self, context: InferenceContext, model_dir: Path) -> tuple[Path, lora.Adapter | None]:
-        """Where the model's code and ``model_fn`` come from: its own directory, or for a LoRA adapter over a plain
-        PyTorch base (a ``code/inference.py`` of its own), that base's, with the adapter (a base
-        that registered defaults serve, a Hugging Face one, is theirs to load)."""
+        """Where the model's code and ``model_fn`` come from: its own directory, or for a LoRA
+        adapter over a plain PyTorch base (a ``code/inference.py`` of its own), that base's, with
+        the adapter (a base that registered defaults serve, a Hugging Face one, is theirs to
+        load)."""
         if not lora.is_adapter_directory(model_dir):
             return model_dir, None
         try:
@@ -252,8 +260,9 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         )
 
     def start_batcher(self) -> ServingSettings:
-        """From now on ``transform`` may be called from many threads at once: their forward passes go through one
-        batcher (one at a time, gathered up to ``batch_size``). Called by the host once the model is attached."""
+        """From now on ``transform`` may be called from many threads at once: their forward passes
+        go through one batcher (one at a time, gathered up to ``batch_size``). Called by the host
+        once the model is attached."""
         if self._context is None:
             raise RuntimeError("attach the model before starting its batcher")
         self._grad_enabled = torch.is_grad_enabled()
@@ -265,8 +274,9 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
             size, delay, name = self._settings.batch_size, self._settings.max_batch_delay_ms, self._context.model_name
             adapters = getattr(self._model, "adapters", None)
             if adapters is not None:  # one queue for every adapter of the base: their requests share its passes
-                # Its threads are no one adapter's (none is marked the culprit of a crash in a pass over them all),
-                # and it outlives the adapter that made it: of that adapter's hooks it takes the unmarking alone.
+                # Its threads are no one adapter's (none is marked the culprit of a crash in a pass
+                # over them all), and it outlives the adapter that made it: of that adapter's hooks
+                # it takes the unmarking alone.
                 unmarked = functools.partial(self.on_pass_thread, mark=False)
                 make = functools.partial(
                     Batcher, run_by_first, size, delay, name, thread_ended=self.thread_ended, run_pass=unmarked
@@ -282,12 +292,13 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
 
     @property
     def scheduler_threads(self) -> list[threading.Thread]:
-        """The generation scheduler's thread, which lives as long as the model (a batcher's threads run
-        ``thread_started`` and ``thread_ended`` themselves)."""
+        """The generation scheduler's thread, which lives as long as the model (a batcher's threads
+        run ``thread_started`` and ``thread_ended`` themselves)."""
         return [] if self._scheduling is None else list(self._scheduling.threads)
 
     def close(self) -> None:
-        """Lets go of the model (its UNLOAD in a device host): the batcher's threads end, the user module goes."""
+        """Lets go of the model (its UNLOAD in a device host): the batcher's threads end, the user
+        module goes."""
         adapters = getattr(self._model, "adapters", None)
         if adapters is not None and self._context is not None:
             if self._batcher is not None:
@@ -307,8 +318,9 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         self._attached = self._loaded = False
 
     def _dry_run(self, context: InferenceContext) -> None:
-        """Answers the model's sample request (``code/warmup.json``, ``.csv`` or ``.npy``) once per device host, so
-        TorchScript profiling and lazy initialisation are paid at LOAD, not by the first caller."""
+        """Answers the model's sample request (``code/warmup.json``, ``.csv`` or ``.npy``) once per
+        device host, so TorchScript profiling and lazy initialisation are paid at LOAD, not by the
+        first caller."""
         found = warmup_sample(self._code_dir)
         if found is None:
             return
@@ -327,15 +339,16 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
             self.attach(context, HOST)
 
     def on_pass_thread(self, function: Callable[[], T], mark: bool = True) -> T:
-        """``function()`` on the device's pass threads, marked as this model's there (unless ``mark`` is false: a
-        pass over several models), or on this thread where there are none."""
+        """``function()`` on the device's pass threads, marked as this model's there (unless
+        ``mark`` is false: a pass over several models), or on this thread where there are none."""
         if self.pass_threads is None:
             return function()
         started = self.thread_started if mark else (lambda: None)
         return cast(T, self.pass_threads.run(function, metrics.current(), started, self.thread_ended))
 
     def transform(self, data: list[Any], context: Any) -> list[bytes]:
-        """Answers one message's requests (MMS's ``context`` is this message's own); safe from many threads."""
+        """Answers one message's requests (MMS's ``context`` is this message's own); safe from many
+        threads."""
         if not self._attached:
             self.validate_and_initialize(context=context)
         assert self._context is not None
@@ -389,9 +402,10 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         content_types: list[str | None],
         deadline: float | None = None,
     ) -> None:
-        """The contract on requests that have no error yet: ``input_fn`` for each, one ``predict_fn`` per batch,
-        ``output_fn`` for each (or ``transform_fn`` for each, alone). Sets each request's body or error; a request
-        whose pass is not done by ``deadline`` (``time.monotonic``) gets a ``RequestTimeout``."""
+        """The contract on requests that have no error yet: ``input_fn`` for each, one
+        ``predict_fn`` per batch, ``output_fn`` for each (or ``transform_fn`` for each, alone). Sets
+        each request's body or error; a request whose pass is not done by ``deadline``
+        (``time.monotonic``) gets a ``RequestTimeout``."""
         jobs = []
         for request, payload, content_type in zip(requests, payloads, content_types, strict=True):
             if request.error is None:
@@ -454,7 +468,8 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
                     job.result, job.error = None, exc
 
     def _selecting(self, jobs: list[Job]) -> AbstractContextManager[Any]:
-        """The rows of a pass over adapters: a lone job's are all its model's; a batch's, each job's own."""
+        """The rows of a pass over adapters: a lone job's are all its model's; a batch's, each job's
+        own."""
         adapters = self.row_adapters
         if adapters is None:
             return nullcontext()
@@ -491,6 +506,6 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
 
 
 def _retry_in_halves(exc: BaseException) -> bool:
-    """A failed batch is retried in halves when a smaller one may pass: out of memory, or a client error that one of
-    its requests may have caused alone."""
+    """A failed batch is retried in halves when a smaller one may pass: out of memory, or a client
+    error that one of its requests may have caused alone."""
     return is_out_of_memory(exc) or is_client_error(exc)
