@@ -74,7 +74,8 @@ def _not_torchscript(path: Path, jit_error: RuntimeError) -> ModelLoadError:
     """Explains what ``path`` holds when it is not TorchScript, and what the user must supply."""
     try:
         state = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception:  # not a weights-only checkpoint either: report the TorchScript error, the likelier intent
+    except Exception:
+        # not a weights-only checkpoint either: report the TorchScript error, the likelier intent
         return ModelLoadError(
             f"{path.name} is not a TorchScript model ({str(jit_error).splitlines()[0]}); "
             "supply model_fn in code/inference.py to load it"

@@ -84,7 +84,8 @@ class _Tee(io.StringIO):
     def flush(self) -> None:
         self.echo.flush()
 
-    def fileno(self) -> int:  # for code that hands stdout to a subprocess: it writes to the terminal, uncaptured
+    def fileno(self) -> int:
+        # for code that hands stdout to a subprocess: it writes to the terminal, uncaptured
         return self.echo.fileno()
 
     def isatty(self) -> bool:
@@ -95,7 +96,9 @@ class _Tee(io.StringIO):
 class Result:
     status: int  # 0: success
     output: str  # what it printed on stdout
-    returned: bool  # its main returned, rather than raising (an exception, or SystemExit for --help or a bad option)
+    # its main returned, rather than raising (an exception, or SystemExit for --help or a bad
+    # option)
+    returned: bool
 
 
 def run(name: str, argv: Sequence[str]) -> Result:
@@ -137,7 +140,8 @@ def _cpu() -> str:
                 return " ".join(line.partition(":")[2].split())
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "an unknown CPU"  # ARM's cpuinfo has no model name
+    # ARM's cpuinfo has no model name
+    return platform.processor() or platform.machine() or "an unknown CPU"
 
 
 def _gpus() -> str:
@@ -171,7 +175,8 @@ def _section(text: str, name: str, path: Path) -> tuple[int, int]:
 
 def _read(path: Path) -> str:
     try:
-        with open(path, encoding="utf-8", newline="") as file:  # newline="": keep the prose's line endings as they are
+        with open(path, encoding="utf-8", newline="") as file:
+            # newline="": keep the prose's line endings as they are
             return file.read()
     except OSError as error:
         raise DocsError(f"cannot read {path}: {error.strerror}") from error
@@ -247,7 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(flush=True)
         if result.status != 0:
             failed.append(f"{name} (exit status {result.status})")
-        elif docs is not None and result.returned and result.output.strip():  # --setup, say, has no results
+        elif docs is not None and result.returned and result.output.strip():
+            # --setup, say, has no results
             try:
                 write_section(docs, name, heading, result.output)
             except DocsError as error:  # the file changed while the benchmark ran

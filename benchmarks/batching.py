@@ -135,7 +135,8 @@ def drive(url: str, case: Case, clients: int, total: int) -> tuple[list[float], 
     def client(share: int) -> tuple[list[float], int]:
         latencies, failed = [], 0
         with requests.Session() as session:
-            session.post(url, data=case.body, headers=headers, timeout=TIMEOUT_SECONDS)  # opens the connection
+            # opens the connection
+            session.post(url, data=case.body, headers=headers, timeout=TIMEOUT_SECONDS)
             ready.wait()
             for _ in range(share):
                 started = time.perf_counter()
@@ -193,7 +194,8 @@ class Stacks:
                 properties = f"batch_size={self.args.batch_size}\nmax_batch_delay={self.args.max_batch_delay}\n"
                 (model_dir / "serving.properties").write_text(properties)
         _check(server.load(name, model_dir), f"{stack} LOAD {name}")  # type: ignore[arg-type]
-        if stack == "ours batched":  # the server adds the connections that fill a batch right after LOAD
+        if stack == "ours batched":
+            # the server adds the connections that fill a batch right after LOAD
             self._wait_for_workers(server, name, self.args.batch_size)
         return f"{server.url}/models/{name}/invoke"
 
@@ -269,7 +271,8 @@ def main(argv: Sequence[str] = ()) -> int:
     with ExitStack() as resources:
         root = Path(resources.enter_context(tempfile.TemporaryDirectory(prefix="bench-batching-", dir="/tmp")))
         cases = build_cases(root / "models", args.size_mb, args.scale)
-        one_worker = {"SAGEMAKER_MODEL_SERVER_WORKERS": "1"}  # ours batched scales itself to --batch-size
+        # ours batched scales itself to --batch-size
+        one_worker = {"SAGEMAKER_MODEL_SERVER_WORKERS": "1"}
         ours_command, ours_env, ours_port = our_server(root / "ours", {**one_worker, **BATCH_CONNECTIONS_AT_LOAD})
         stock_command, stock_env, stock_port, _ = stock_server(root / "stock", env=one_worker)
         ours = resources.enter_context(serve_isolated("ours", ours_command, ours_env, root / "ours", ours_port))

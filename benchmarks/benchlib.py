@@ -39,7 +39,8 @@ from ports import free_port  # tests/, which the benchmarks package puts on the 
 from serving import device_hosts, is_stub, pss_mib
 
 REPO = Path(__file__).resolve().parent.parent
-SETTLE_SECONDS = 2.0  # before each memory reading: let exits, frees and the device hosts' unloads finish
+# before each memory reading: let exits, frees and the device hosts' unloads finish
+SETTLE_SECONDS = 2.0
 # Unrelated tiny models loaded before any memory is measured: one per CPU device host
 # (MME_CPU_HOSTS, 2 by default), since a shareable model goes to the host with the fewest models and
 # each host is forked on first use.
@@ -95,7 +96,8 @@ class Server:
         named = []
         for process in self.tree():
             try:
-                words = " ".join(process.cmdline()).split()  # a retitled process's command line is one string
+                # a retitled process's command line is one string
+                words = " ".join(process.cmdline()).split()
             except psutil.Error:
                 continue
             if "--model-name" in words[:-1] and words[words.index("--model-name") + 1] == name:
@@ -273,7 +275,8 @@ def our_server(work_dir: Path, env: Mapping[str, str] | None = None) -> tuple[li
     full_env = {
         "SAGEMAKER_BIND_TO_PORT": str(port),
         "MME_RUNTIME_DIR": str(work_dir / "run"),
-        "MME_ALLOW_ANY_MODEL_LOCATION": "true",  # benchmarks load from their own temporary directories
+        # benchmarks load from their own temporary directories
+        "MME_ALLOW_ANY_MODEL_LOCATION": "true",
         "TMPDIR": str(work_dir),
         "MME_METRICS_PORT": str(free_port()),  # not 9090: benchmarks run servers side by side
         **(env or {}),

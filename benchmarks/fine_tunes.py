@@ -40,7 +40,8 @@ from benchmarks.hugging_face import call, connect, load_until_first_answer
 
 TEXT = "a good movie about paris"
 CHECKED = 2  # fine-tunes whose answers are compared with transformers in this process
-RAW = {"top_k": None, "function_to_apply": "none"}  # every label's logit: softmax saturates at 1.0 on random heads
+# every label's logit: softmax saturates at 1.0 on random heads
+RAW = {"top_k": None, "function_to_apply": "none"}
 
 
 def progress(message: str) -> None:
@@ -102,7 +103,8 @@ def fine_tunes_memory(
     server: Server, tunes: list[Path], body: bytes, expected: list[dict[str, float]]
 ) -> dict[str, float]:
     names = [f"tune-{index}" for index in range(len(tunes))]
-    for index in range(BASELINE_MODELS):  # each CPU device host started (a host stays once forked), then none left
+    for index in range(BASELINE_MODELS):
+        # each CPU device host started (a host stays once forked), then none left
         load_until_first_answer(server, f"warm-up-{index}", tunes[index], body)
     for index in range(BASELINE_MODELS):
         server.unload_and_wait(f"warm-up-{index}")

@@ -331,6 +331,7 @@ def main(argv: Sequence[str] = ()) -> int:
 
 
 def _torch_version() -> str:
-    import torch  # the benchmark's own process: the server's processes decide about CUDA for themselves
+    # the benchmark's own process: the server's processes decide about CUDA for themselves
+    import torch
 
     return f"{torch.__version__} (CUDA {torch.version.cuda})" if torch.version.cuda else torch.__version__

@@ -99,7 +99,8 @@ def measure(stock: bool, requests: int) -> tuple[float, float]:
     profile.disable()
     print(f"{STOCK_LABEL if stock else 'ours'}:", file=sys.stderr)
     pstats.Stats(profile, stream=sys.stderr).sort_stats("cumulative").print_stats(12)
-    torch.set_num_threads(threads)  # benchmarks run in one process: leave torch as the next one expects it
+    # benchmarks run in one process: leave torch as the next one expects it
+    torch.set_num_threads(threads)
     return statistics.median(timings), timings[int(len(timings) * 0.99)]
 
 
@@ -132,7 +133,8 @@ def main(argv: Sequence[str] = ()) -> int:
     if args.requests < 1:
         parser.error("--requests must be >= 1")
 
-    if args.stock:  # the stock stack's venv has neither requests nor pytest: no table from benchlib here
+    if args.stock:
+        # the stock stack's venv has neither requests nor pytest: no table from benchlib here
         median, p99 = measure(True, args.requests)
         print(f"{STOCK_LABEL}: Service.predict median {median:.0f} us, p99 {p99:.0f} us over {args.requests} calls")
         return 0

@@ -102,7 +102,8 @@ def measure(servers: dict[str, Server], name: str, paths: dict[str, Path], args:
     while not workers_ready(servers["ours"], name, args.clients) and time.monotonic() < deadline:
         time.sleep(0.5)
     for server in servers.values():
-        many_clients(server, name, texts, args.clients, args.clients)  # warm-up: every connection once
+        # warm-up: every connection once
+        many_clients(server, name, texts, args.clients, args.clients)
     connections = {stack: connect(server) for stack, server in servers.items()}
     progress(f"{name}: one client, the stacks taking turns request by request")
     for index in range(args.gen_lone):

@@ -45,7 +45,9 @@ from pathlib import Path
 
 import requests
 import torch
-from fake_nvidia_smi import install as fake_gpus  # tests/, which the benchmarks package puts on the path
+
+# tests/, which the benchmarks package puts on the path
+from fake_nvidia_smi import install as fake_gpus
 from model_factory import torchscript_model
 
 from benchmarks.benchlib import (
@@ -171,7 +173,8 @@ def main(argv: Sequence[str] = ()) -> int:
                     f"{on_load / off_load:.2f}",
                     f"{on_mem:.0f}",
                     f"{off_mem:.0f}",
-                    f"{on_mem / off_mem:.2f}" if off_mem > 0 else "-",  # a difference: never divide by ~0
+                    # a difference: never divide by ~0
+                    f"{on_mem / off_mem:.2f}" if off_mem > 0 else "-",
                 ]
             )
     style = "TorchScript" if args.style == "torchscript" else "state dict + load_state_dict script,"

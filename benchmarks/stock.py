@@ -107,7 +107,8 @@ class Sample:
     rps_1: float
     rps_n: float
     failed: int
-    memory_added_mib: float  # the server tree's PSS + unmapped shm after the warm-up invokes, minus before the LOAD
+    # the server tree's PSS + unmapped shm after the warm-up invokes, minus before the LOAD
+    memory_added_mib: float
     first_body: object
 
 
@@ -384,7 +385,8 @@ def run_rounds(
         round_label = f"{round_index + 1}/{args.rounds}" if round_index >= 0 else "warm-up"
         for case_index, case in enumerate(cases):
             for stack in order:
-                name = f"m{case_index}-r{round_index + args.warmup_rounds}"  # never reused: no LOAD 409
+                # never reused: no LOAD 409
+                name = f"m{case_index}-r{round_index + args.warmup_rounds}"
                 scraped = metrics_url if stack == "ours" else None
                 sample = measure(servers[stack], name, case, stack.replace("-metrics-off", ""), args, scraped)
                 if round_index >= 0:
@@ -435,7 +437,8 @@ def main(argv: Sequence[str] = ()) -> int:
                 f"{len(server.tree())} processes, {device_host_count(server)} device hosts"
             )
         samples = run_rounds(servers, cases, args, f"http://127.0.0.1:{metrics_port}/metrics")
-        for server in servers.values():  # MMS stopped by SIGTERM leaves its workers behind (serve_isolated kills them)
+        for server in servers.values():
+            # MMS stopped by SIGTERM leaves its workers behind (serve_isolated kills them)
             for index in range(BASELINE_MODELS):
                 server.unload_and_wait(f"baseline{index}")
     for case in cases:

@@ -79,7 +79,8 @@ def aot_compile(source: Path, destination: Path) -> Path:
 
     try:
         program = torch.export.load(str(source))
-    except Exception as exc:  # boundary: an AOTInductor package or a foreign file is not a program to compile
+    except Exception as exc:
+        # boundary: an AOTInductor package or a foreign file is not a program to compile
         reason = str(exc).strip().splitlines()[0]
         raise config_error(f"--aot needs an exported program in {source.name}: {reason}") from exc
     options = {"aot_inductor.metadata": _input_metadata(program)}

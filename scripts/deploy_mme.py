@@ -191,10 +191,12 @@ def upload_archives(s3: BaseClient, specs: Sequence[ModelSpec], prefix: str) -> 
         try:
             if spec.source.startswith("s3://"):
                 source_bucket, source_key = parse_s3_uri(spec.source)
-                s3.copy({"Bucket": source_bucket, "Key": source_key}, bucket, key)  # multipart above 8 MiB
+                # multipart above 8 MiB
+                s3.copy({"Bucket": source_bucket, "Key": source_key}, bucket, key)
             else:
                 s3.upload_file(spec.source, bucket, key)
-        except S3UploadFailedError as exc:  # boto3 wraps NoSuchBucket, AccessDenied, ... in this one type
+        except S3UploadFailedError as exc:
+            # boto3 wraps NoSuchBucket, AccessDenied, ... in this one type
             raise ScriptError(f"upload of {spec.source} to {prefix} failed: {exc}") from exc
         except botocore.exceptions.ClientError as exc:
             if aws_error_code(exc) in ("404", "NoSuchKey"):
@@ -237,7 +239,8 @@ def create_endpoint(
             _reuse_model(session.client("sagemaker"), args.name, args.image_uri, prefix, env)
         EndpointConfig.create(endpoint_config_name=endpoint_name, production_variants=[variant], **where)
         Endpoint.create(endpoint_name=endpoint_name, endpoint_config_name=endpoint_name, **where)
-    except pydantic.ValidationError as exc:  # v3 describes each resource after creating it, and validates the answer
+    except pydantic.ValidationError as exc:
+        # v3 describes each resource after creating it, and validates the answer
         reason = str(exc).strip().splitlines()[0]
         raise ScriptError(f"SageMaker took the request, but SDK v3 could not read its answer back: {reason}") from exc
     return endpoint_name
@@ -426,7 +429,8 @@ def _json_payload(args: argparse.Namespace, payload: bytes) -> Any:
 
 def cmd_invoke(args: argparse.Namespace) -> int:
     payload = _read_payload(args)
-    data = _json_payload(args, payload) if args.client == "sdk" else None  # bad input fails before any AWS call
+    # bad input fails before any AWS call
+    data = _json_payload(args, payload) if args.client == "sdk" else None
     session = boto_session(args.region)
     require_in_service(session.client("sagemaker"), args.endpoint_name)
     if args.client == "sdk":

@@ -166,7 +166,8 @@ def write_archive(entries: Mapping[str, Path], output: Path) -> None:
                 else:
                     with source.open("rb") as data:
                         tar.addfile(_tar_info(name, source), data)
-        os.chmod(tmp_name, 0o666 & ~_umask())  # mkstemp makes it 0600: an archive is for others to read and upload
+        # mkstemp makes it 0600: an archive is for others to read and upload
+        os.chmod(tmp_name, 0o666 & ~_umask())
         os.replace(tmp_name, output)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
@@ -200,7 +201,8 @@ def upload_destination(s3_uri: str, archive_name: str) -> tuple[str, str]:
 def upload_archive(s3: BaseClient, archive: Path, bucket: str, key: str) -> str:
     try:
         s3.upload_file(str(archive), bucket, key)
-    except S3UploadFailedError as exc:  # boto3 wraps NoSuchBucket, AccessDenied, ... in this one type
+    except S3UploadFailedError as exc:
+        # boto3 wraps NoSuchBucket, AccessDenied, ... in this one type
         raise ScriptError(f"upload of {archive} to s3://{bucket}/{key} failed: {exc}") from exc
     return f"s3://{bucket}/{key}"
 

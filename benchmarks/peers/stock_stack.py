@@ -109,7 +109,8 @@ def stock_server(
     """
     work_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    tmp = work_dir / "tmp"  # MMS keeps its pid file in TMPDIR and (via TEMP) its worker sockets in java.io.tmpdir
+    # MMS keeps its pid file in TMPDIR and (via TEMP) its worker sockets in java.io.tmpdir
+    tmp = work_dir / "tmp"
     tmp.mkdir(exist_ok=True)
     sagemaker_env = {
         "SAGEMAKER_MULTI_MODEL": "true",
@@ -180,7 +181,8 @@ def _leftovers(groups: set[int], since: float) -> list[psutil.Process]:
 
 def _describe(process: psutil.Process) -> str:
     try:
-        command = " ".join(process.cmdline()) or process.name()  # empty while a child is between fork and exec
+        # empty while a child is between fork and exec
+        command = " ".join(process.cmdline()) or process.name()
         return f"pid {process.pid} (parent {process.ppid()}): {command[:100]}"
     except psutil.Error:
         return str(process.pid)

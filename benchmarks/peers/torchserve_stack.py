@@ -45,7 +45,8 @@ TORCHSERVE_REQUIREMENTS = (
     "numpy",
 )
 _PACKAGES = ("torch", "torchserve", "torch-model-archiver", "numpy")
-HANDLER_MODULE = "bench_ts_handler"  # TorchServe imports the handler by its file name: keep it unlikely to clash
+# TorchServe imports the handler by its file name: keep it unlikely to clash
+HANDLER_MODULE = "bench_ts_handler"
 REQUEST_TIMEOUT_SECONDS = 600
 
 # The handler every archive gets. TorchServe calls handle(None, context) once when a worker starts,
@@ -270,12 +271,15 @@ def torchserve_properties(
         # authorization on.
         "enable_model_api": "true",
         "disable_token_authorization": "true",
-        "default_workers_per_model": "1",  # default: one per CPU core (or GPU); register() sets it anyway
-        "job_queue_size": "1000",  # default 100: requests beyond it answer 503 under high concurrency
+        # default: one per CPU core (or GPU); register() sets it anyway
+        "default_workers_per_model": "1",
+        # default 100: requests beyond it answer 503 under high concurrency
+        "job_queue_size": "1000",
         "max_request_size": str(100 * 2**20),  # default 6553500 bytes
         "max_response_size": str(100 * 2**20),
         "vmargs": "-Xmx1g -XX:+ExitOnOutOfMemoryError",
-        "disable_system_metrics": "true",  # else a Python process is started every minute to collect them
+        # else a Python process is started every minute to collect them
+        "disable_system_metrics": "true",
         "install_py_dep_per_model": "false",
         **(extra or {}),
     }

@@ -72,8 +72,10 @@ def fork_child(
     try:
         for target, fd in enumerate(stdio):
             os.dup2(fd, target)
-        _become_child(title, {fd for fd in (*close, *stdio) if fd > 2}, environment)  # stdio: copied to 0-2
-        if os.getppid() != parent:  # it died before the kernel was asked to tell us: nobody waits for us
+        # stdio: copied to 0-2
+        _become_child(title, {fd for fd in (*close, *stdio) if fd > 2}, environment)
+        if os.getppid() != parent:
+            # it died before the kernel was asked to tell us: nobody waits for us
             return status
         status = run()
     except BaseException:  # noqa: BLE001 - whatever happens, the child ends here
@@ -87,7 +89,8 @@ def fork_child(
 def _become_child(title: str, close_fds: Iterable[int], environment: Mapping[str, str]) -> None:
     import setproctitle
 
-    setproctitle.setproctitle(title)  # before the environment is replaced: it finds the argv memory through it
+    # before the environment is replaced: it finds the argv memory through it
+    setproctitle.setproctitle(title)
     os.environ.clear()
     os.environ.update(environment)
     prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), "PR_SET_PDEATHSIG")

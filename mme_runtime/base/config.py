@@ -21,7 +21,8 @@ from mme_runtime.base.failures import cgroup_memory
 from mme_runtime.base.parsing import MIB, parse_bool
 from mme_runtime.base.settings import RETIRED, SETTINGS
 
-KEEP_UNLOADED_MB = 2048  # the most kept packages may hold by default, and their share of the container's memory:
+# the most kept packages may hold by default, and their share of the container's memory:
+KEEP_UNLOADED_MB = 2048
 KEEP_UNLOADED_SHARE = 16
 
 SAGEMAKER_CLOUDWATCH_SECONDS = 60
@@ -47,7 +48,8 @@ class Config:
     cache_dir: Path = Path("/tmp/mme/cache")
     s3_timeout_seconds: int = 30
     model_cache_mb: int = 2048
-    keep_unloaded_mb: int = KEEP_UNLOADED_MB  # from the environment: default_keep_unloaded_mb() unless set
+    # from the environment: default_keep_unloaded_mb() unless set
+    keep_unloaded_mb: int = KEEP_UNLOADED_MB
     memory_headroom_mb: int = 256
     batch_size: int = 1
     max_batch_delay_ms: int = 10
@@ -65,7 +67,8 @@ class Config:
     start_attempts: int = 3
     stop_grace_seconds: int = 20
     java_home: str | None = None
-    vmargs: str | None = None  # the frontend's JVM arguments; None: the properties file's, else DEFAULT_VMARGS
+    # the frontend's JVM arguments; None: the properties file's, else DEFAULT_VMARGS
+    vmargs: str | None = None
     # Read, not set, by us: the GPUs this container may use; workers pick theirs among them.
     cuda_visible_devices: str | None = None
     # torch's is_available() must ask NVML, not the CUDA driver, or a process that asks poisons its

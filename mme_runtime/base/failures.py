@@ -89,7 +89,8 @@ def gpu_memory() -> str | None:
     try:
         free, total = torch.cuda.mem_get_info()
         allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    except Exception:  # noqa: BLE001 - the numbers are a courtesy: a context the error left unusable has none
+    except Exception:  # noqa: BLE001
+        # the numbers are a courtesy: a context the error left unusable has none
         return None
     return (
         f"GPU memory: {free // MIB} MiB free of {total // MIB} MiB; this process: {allocated // MIB} MiB allocated, "

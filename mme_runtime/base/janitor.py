@@ -96,7 +96,8 @@ class Janitor:
             return True
         leftover = not description.get("workers") and description.get("maxWorkers") == 0
         if not leftover:
-            return age > SETTLE_SECONDS  # still failing, or loaded again properly since: not ours to touch
+            # still failing, or loaded again properly since: not ours to touch
+            return age > SETTLE_SECONDS
         try:
             urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=REQUEST_TIMEOUT_SECONDS)
         except (urllib.error.URLError, OSError) as exc:

@@ -67,7 +67,8 @@ class AudioRunner:
             return self._run(pipeline, requests)
 
     def _run(self, pipeline: Any, requests: list[TaskRequest]) -> list[Any]:
-        plans: list[tuple[int, int, dict[str, Any]]] = []  # (first row, rows, postprocess parameters) per clip
+        # (first row, rows, postprocess parameters) per clip
+        plans: list[tuple[int, int, dict[str, Any]]] = []
         rows: list[dict[str, Any]] = []
         forwards: list[dict[str, Any]] = []  # each row's forward (generation) parameters
         for request in requests:
@@ -82,7 +83,8 @@ class AudioRunner:
                 rows += prepared
                 forwards += [forward] * len(prepared)
         outputs = self._forward(pipeline, rows, forwards)
-        chunked = self.task == "automatic-speech-recognition"  # a ChunkPipeline: postprocess takes a clip's rows
+        # a ChunkPipeline: postprocess takes a clip's rows
+        chunked = self.task == "automatic-speech-recognition"
         return [
             postprocess(pipeline, outputs[first : first + count] if chunked else outputs[first], after)
             for first, count, after in plans
@@ -122,7 +124,8 @@ class AudioRunner:
             elif isinstance(value, list):
                 value = value[index]
             values[key] = value
-        return values if type(batch) is dict else type(batch)(values)  # a classifier's ModelOutput stays one
+        # a classifier's ModelOutput stays one
+        return values if type(batch) is dict else type(batch)(values)
 
     def _frames(self, prepared: dict[str, Any]) -> int | None:
         """How many frames the model makes of the row's samples (its outputs past these are
@@ -151,7 +154,8 @@ class AudioRunner:
             raise InvalidInput(f"parameters {sorted(refused)} are not accepted here")
         try:
             before, forward, after = pipeline._sanitize_parameters(**request.parameters)
-        except Exception as exc:  # noqa: BLE001 - whatever the pipeline refuses in them is the request's
+        except Exception as exc:  # noqa: BLE001
+            # whatever the pipeline refuses in them is the request's
             raise InvalidInput(f"parameters {request.parameters}: {exc}") from exc
         if self.task == "automatic-speech-recognition":
             _check_generation(forward, self._generates, self._vocabulary)
@@ -178,7 +182,8 @@ def pass_groups(rows: list[dict[str, Any]], forwards: list[dict[str, Any]], mask
     for index, (row, forward) in enumerate(zip(rows, forwards, strict=True)):
         main = _main_input(row)
         shape = "any" if maskable else tuple(main.shape)
-        names = sorted(row)  # a chunk's "stride" too: the pass hands it on only where every row has one
+        # a chunk's "stride" too: the pass hands it on only where every row has one
+        names = sorted(row)
         kinds.setdefault(json.dumps([forward, str(shape), names], sort_keys=True, default=str), []).append(index)
     groups: list[list[int]] = []
     for members in kinds.values():

@@ -41,7 +41,8 @@ class Row:
     generator: torch.Generator | None = None  # None: the global generator, as the pipeline draws
     stopped: Callable[[Row], bool] | None = None  # a stop sequence seen (checked by the scheduler)
     deadline: float = float("inf")  # time.monotonic() after which it is cut
-    tokens: list[int] = field(default_factory=list)  # the decoder's: prompt + new (decoder-only), or start + new
+    # the decoder's: prompt + new (decoder-only), or start + new
+    tokens: list[int] = field(default_factory=list)
     generated: int = 0
     finish: str | None = None
     joined_at: float = 0.0
@@ -147,7 +148,8 @@ class DecodingBatch:
         tokens = pick_tokens(list(rows), outputs.logits[:, -1].to(copy=True, dtype=torch.float32), self.device)
         cache = outputs.past_key_values
         if not all_plain(cache):
-            self.joinable = False  # sliding windows or linear attention: padding caches together is not safe
+            # sliding windows or linear attention: padding caches together is not safe
+            self.joinable = False
         if not self.rows:
             regrow(cache)
             self.rows, self.cache, self.mask, self.positions, self.next = list(rows), cache, mask, positions, tokens

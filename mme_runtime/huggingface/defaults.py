@@ -109,7 +109,8 @@ class HuggingFaceDefaults:
         if self.task in vision.TASKS:  # a bad parameter is refused before the request joins a batch
             vision.check_parameters(self.task, request.parameters)
         if self.adapter is not None and context is not None:
-            request.adapter = context.model_name  # the rows it adds to a pass use this model's adapter
+            # the rows it adds to a pass use this model's adapter
+            request.adapter = context.model_name
         return request
 
     def default_predict_fn(self, data: TaskRequest | TaskBatch, model: Any, context: Any = None) -> list[Any]:

@@ -77,7 +77,8 @@ TEXT_TO_TEXT_PARAMETERS = frozenset({"truncation", "clean_up_tokenization_spaces
 @dataclass(frozen=True)
 class GenerationLimits:
     max_new_tokens: int = Config.max_new_tokens  # a request asking more answers 400
-    max_new_tokens_from: str = "MME_MAX_NEW_TOKENS"  # where that cap was set, for the answer that names it
+    # where that cap was set, for the answer that names it
+    max_new_tokens_from: str = "MME_MAX_NEW_TOKENS"
     seconds: float = 60.0 - TIME_MARGIN_SECONDS
     max_rows: int = 1  # rows decoded together at most: the model's batch_size
 
@@ -102,7 +103,8 @@ class GenerationRunner:
         )
         self._scheduler = Scheduler(DecodingBatch(model.model), limits.max_rows, name, run_pass)
         self._vocabulary = vocabulary(model.model)
-        self._stop_tokenizer = copy.deepcopy(model.tokenizer)  # the scheduler thread's, for stop sequences
+        # the scheduler thread's, for stop sequences
+        self._stop_tokenizer = copy.deepcopy(model.tokenizer)
         self._alone = threading.Lock()  # generate alone: one at a time
         self._alone_tokenizer = copy.deepcopy(model.tokenizer)
 
@@ -154,7 +156,8 @@ class GenerationRunner:
         """The rows of one input (None: it runs ``generate`` alone), and its generation config."""
         model: Any = self.model.model
         ids = prompt.ids or _first_token(model)
-        start = 1 if model.config.is_encoder_decoder else len(ids)  # the decoder's tokens before the first new one
+        # the decoder's tokens before the first new one
+        start = 1 if model.config.is_encoder_decoder else len(ids)
         arguments = dict(prompt.generate)
         base = arguments.pop("generation_config", None)
         # As generate tells them: a length nobody set, or one the request, the task or the model
@@ -184,7 +187,8 @@ class GenerationRunner:
         rows = []
         for index in range(config.num_return_sequences or 1):
             row = Row(ids, config.max_new_tokens, ends, processors if len(processors) else None, bool(config.do_sample))
-            if seed is not None and config.do_sample:  # its own draws: the rows beside it change nothing
+            if seed is not None and config.do_sample:
+                # its own draws: the rows beside it change nothing
                 row.generator = torch.Generator(device=self._device).manual_seed(seed + index)
             row.stopped = self._stop_check(stops) if stops else None
             row.deadline = deadline
@@ -388,7 +392,8 @@ class TextGeneration:
                 if length in arguments and new_tokens not in arguments:
                     arguments[length] += prefix_length
         ids = inputs["input_ids"][0].tolist()
-        prompt_ids = inputs["input_ids"] if ids else None  # an empty prompt starts from the model's first token
+        # an empty prompt starts from the model's first token
+        prompt_ids = inputs["input_ids"] if ids else None
 
         def answer(sequence: list[int]) -> dict[str, Any]:
             outputs = {"generated_sequence": torch.tensor([[sequence]]), "input_ids": prompt_ids, "prompt_text": text}
@@ -410,7 +415,8 @@ class TextToText:
         self._name = TEXT_TO_TEXT_NAMES[base_task(task)]
         config = model.model.config
         specific = dict(getattr(config, "task_specific_params", None) or {})
-        if task == "translation":  # as transformers 4.57: the model's first translation task, if it names one
+        if task == "translation":
+            # as transformers 4.57: the model's first translation task, if it names one
             task = next((key for key in specific if key.startswith("translation")), task)
         self.task = task
         parts = task.split("_")
@@ -441,12 +447,14 @@ class TextToText:
         extra = {
             key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask", "token_type_ids")
         }
-        arguments.update(extra)  # forced_bos_token_id of a multilingual tokenizer's translation inputs, say
+        # forced_bos_token_id of a multilingual tokenizer's translation inputs, say
+        arguments.update(extra)
         clean = bool(parameters.get("clean_up_tokenization_spaces", False))
         key = f"{self._name}_text"
 
         def answer(sequence: list[int]) -> dict[str, Any]:
-            with lent_tokenizer(self._model.tokenizer) as own:  # made later, maybe on another thread
+            with lent_tokenizer(self._model.tokenizer) as own:
+                # made later, maybe on another thread
                 text = own.decode(sequence, skip_special_tokens=True, clean_up_tokenization_spaces=clean)
             return {key: text}
 
@@ -466,7 +474,8 @@ def _pipeline_generation_config(loaded: HuggingFaceModel, specific: dict[str, An
     config = copy.deepcopy(model.generation_config)
     config.update(**defaults)
     if "max_new_tokens" in defaults and own.get("max_length") not in (None, 20):
-        config.max_new_tokens = None  # a max_length the model chose wins over the pipeline's default
+        # a max_length the model chose wins over the pipeline's default
+        config.max_new_tokens = None
     specific = dict(specific)
     prefix = specific.pop("prefix", None)
     config.update(**specific)

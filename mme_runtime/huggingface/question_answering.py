@@ -86,7 +86,8 @@ def _windows(tokenizer: Any, question: str, context: str, options: dict[str, Any
             return_overflowing_tokens=True,
             return_offsets_mapping=True,
         )
-    except Exception as exc:  # noqa: BLE001 - the tokenizer refuses this question/context pair: the client's input
+    except Exception as exc:  # noqa: BLE001
+        # the tokenizer refuses this question/context pair: the client's input
         raise InvalidInput(f"the question could not be tokenized with its context: {exc}") from exc
     windows = []
     cls = tokenizer.cls_token_id
@@ -114,7 +115,8 @@ def _answer(windows: list[dict[str, Any]], outputs: list[dict[str, Any]], contex
         null_score = min(null_score, float(start[0] * end[0]))
         start[0] = end[0] = 0.0  # [CLS] is no span
         scores = np.outer(start, end)
-        spans = np.triu(scores) - np.triu(scores, options["max_answer_len"])  # 0 <= end - start < max_answer_len
+        # 0 <= end - start < max_answer_len
+        spans = np.triu(scores) - np.triu(scores, options["max_answer_len"])
         # Extra candidates: two spans inside one word are one answer once aligned to words.
         for flat in np.argsort(-spans, axis=None, kind="stable")[: options["top_k"] * 2 + 10]:
             first, last = (int(i) for i in np.unravel_index(flat, spans.shape))

@@ -64,11 +64,13 @@ MAX_SAMPLING_RATE = 96_000
 # Clips in one request: Whisper pads each to a 30 s window (480,000 samples, 80x3000 features)
 # however short it is.
 MAX_CLIPS = 64
-BLOCK_FRAMES = 1 << 16  # decoded and mixed down a block at a time: never all channels of the clip at once
+# decoded and mixed down a block at a time: never all channels of the clip at once
+BLOCK_FRAMES = 1 << 16
 # An array of samples (an NPY body) says no rate: it is taken at the model's, as the pipeline takes
 # a bare array.
 MODELS_RATE = 0
-NOMINAL_RATE = 16_000  # what such a clip's length is counted at, against the cap: speech models' usual rate
+# what such a clip's length is counted at, against the cap: speech models' usual rate
+NOMINAL_RATE = 16_000
 # The array kinds an NPY body may hold (``npy_inputs``), and what an answer with no NPY form says.
 TEXT_KINDS = "US"  # unicode, and bytes read as UTF-8
 NUMBER_KINDS = "biuf"
@@ -83,7 +85,8 @@ class TaskRequest:
     inputs: list[Any]
     parameters: dict[str, Any] = field(default_factory=dict)
     single: bool = True
-    adapter: str | None = None  # the LoRA adapter (its model's name) its rows use; None: the model as it is
+    # the LoRA adapter (its model's name) its rows use; None: the model as it is
+    adapter: str | None = None
 
     # What the batcher asks of an input it collates (``batcher.py``): every request of one model can
     # share a pass.
@@ -111,7 +114,8 @@ def decode(body: Any, content_type: str | None, task: str) -> TaskRequest:
     ``UnsupportedContentType`` (415) naming what is accepted."""
     media = content.media_type(content_type) or content.JSON
     if media in IMAGE_TYPES:
-        if task not in IMAGE_TASKS:  # as audio for a model that takes none: the type is refused, 415
+        if task not in IMAGE_TASKS:
+            # as audio for a model that takes none: the type is refused, 415
             raise UnsupportedContentType(f"content type {content_type!r} is an image, which {task} does not take")
         return TaskRequest([_image(body)])
     if media in AUDIO_TYPES:  # speech models
@@ -274,7 +278,8 @@ def npy_inputs(body: bytes | bytearray | str) -> Any:
     if array.dtype.kind in NUMBER_KINDS:
         if array.dtype.kind == "f" and not np.isfinite(array).all():
             raise InvalidInput("the NPY array holds NaN or infinity")
-        if array.ndim == 2 and len(array) > MAX_CLIPS:  # before six million rows become six million arrays
+        if array.ndim == 2 and len(array) > MAX_CLIPS:
+            # before six million rows become six million arrays
             raise InvalidInput(f"an NPY body holds one clip a row: {len(array)} rows, at most {MAX_CLIPS}")
         return list(array) if array.ndim == 2 else array
     raise InvalidInput(f"an NPY body must hold strings or numbers, not {array.dtype}")
@@ -374,13 +379,16 @@ def decode_audio(raw: bytes) -> Audio:
             blocks = []
             for block in sound.blocks(BLOCK_FRAMES, dtype="float32", always_2d=True):
                 blocks.append(block.mean(axis=1, dtype=np.float32) if block.shape[1] > 1 else block[:, 0])
-    except (RuntimeError, TypeError, ValueError) as exc:  # soundfile.LibsndfileError is a RuntimeError
-        reason = getattr(exc, "error_string", None) or str(exc)  # its str() names the BytesIO object
+    # soundfile.LibsndfileError is a RuntimeError
+    except (RuntimeError, TypeError, ValueError) as exc:
+        # its str() names the BytesIO object
+        reason = getattr(exc, "error_string", None) or str(exc)
         raise InvalidInput(f"the body is not audio this server reads (WAV, FLAC, OGG or MP3): {reason}") from exc
     samples = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.float32)
     if not len(samples):
         raise InvalidInput("the audio holds no samples")
-    if not np.isfinite(samples).all():  # a float WAV may: a classifier's scores would be NaN, which JSON cannot write
+    if not np.isfinite(samples).all():
+        # a float WAV may: a classifier's scores would be NaN, which JSON cannot write
         raise InvalidInput("the audio holds samples that are not finite numbers (NaN or infinity)")
     return Audio(samples, rate)
 

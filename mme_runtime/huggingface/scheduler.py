@@ -48,7 +48,8 @@ class Scheduler:
         self._ready = threading.Condition()
         self._closed = False
         self._held = 0  # steps the waiting rows have been held back to gather
-        self._failure: BaseException = ModelUnloaded("the model was unloaded")  # what a row submitted too late gets
+        # what a row submitted too late gets
+        self._failure: BaseException = ModelUnloaded("the model was unloaded")
         self._series = metrics.current()  # a device host's threads each record for their own model
         self.thread = threading.Thread(target=self._run_forever, name=f"generation-{name}", daemon=True)
         self.thread.start()
@@ -84,7 +85,8 @@ class Scheduler:
             with torch.inference_mode():
                 while (joining := self._next_rows()) is not None:
                     self._run_pass(functools.partial(self._iterate, joining))
-        except Exception as exc:  # noqa: BLE001 - a fault of the loop itself: its callers must not wait forever
+        except Exception as exc:  # noqa: BLE001
+            # a fault of the loop itself: its callers must not wait forever
             logger.exception("the generation scheduler stopped")
             error = RuntimeError(f"the generation scheduler stopped: {exc}")
         with self._ready:
@@ -124,7 +126,8 @@ class Scheduler:
             if self._closed:
                 return None
             if self.batch.rows and not self.batch.joinable:
-                return []  # this model's rows cannot join a running batch: they wait for it to empty
+                # this model's rows cannot join a running batch: they wait for it to empty
+                return []
             live = len(self.batch.live)
             if self._waiting and 2 * live >= self.max_rows and len(self._waiting) < GATHER_ROWS:
                 # A busy batch: a lone arrival waits a step or two for others to share its prefill

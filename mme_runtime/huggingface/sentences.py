@@ -144,7 +144,8 @@ def _lower_case(tokenizer: Any) -> None:
     current = backend.normalizer
     steps = [] if current is None else [current]
     if isinstance(current, Sequence):
-        steps = list(current)  # type: ignore[call-overload]  # it iterates over its steps: its stub does not say so
+        # it iterates over its steps: its stub does not say so
+        steps = list(current)  # type: ignore[call-overload]
     if not any(isinstance(step, Lowercase) for step in steps):
         backend.normalizer = Sequence([Lowercase(), *steps])
 
@@ -207,7 +208,8 @@ def request(inputs: Any, parameters: dict[str, Any], task: str) -> Rows:
     """A request's rows (its sentences, the source first for similarity, or its pairs), its
     parameters and whether it sent one input. A ranking's parameters are the toolkit pipeline's:
     ``query`` and ``return_documents``. Raises ``InvalidInput`` naming what the task takes."""
-    if parameters:  # the Hugging Face toolkit drops them unread: a client relying on one would be misled
+    if parameters:
+        # the Hugging Face toolkit drops them unread: a client relying on one would be misled
         raise InvalidInput(f"{task} takes no parameters, not {sorted(parameters)}")
     if task == "sentence-similarity":
         if not isinstance(inputs, dict) or set(inputs) != {"source_sentence", "sentences"}:
@@ -249,7 +251,8 @@ def _ranking(inputs: Any) -> Rows:
 def _pairs(inputs: Any) -> Rows:
     if not isinstance(inputs, (list, tuple)) or not inputs:
         raise InvalidInput(PAIRS)
-    single = not isinstance(inputs[0], (list, tuple))  # as CrossEncoder.predict tells one pair from a list
+    # as CrossEncoder.predict tells one pair from a list
+    single = not isinstance(inputs[0], (list, tuple))
     pairs = [inputs] if single else list(inputs)
     for pair in pairs:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not all(isinstance(text, str) for text in pair):

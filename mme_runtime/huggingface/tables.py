@@ -94,7 +94,8 @@ def run(pipeline: Any, model: HuggingFaceModel, requests: Sequence[TaskFields], 
     import pandas
 
     rows: list[dict[str, Any]] = []
-    plans: list[tuple[Any, list[int] | Any]] = []  # (table, the input's rows) or (table, its sequential outputs)
+    # (table, the input's rows) or (table, its sequential outputs)
+    plans: list[tuple[Any, list[int] | Any]] = []
     for request in requests:
         preprocess: dict[str, Any] = {
             key: request.parameters[key] for key in ("padding", "truncation") if key in request.parameters
@@ -128,7 +129,8 @@ def _prepare(pipeline: Any, model: HuggingFaceModel, table: Any, query: Any, opt
     table)."""
     try:
         prepared = pipeline.preprocess({"table": table, "query": query}, **options)
-    except Exception as exc:  # noqa: BLE001 - the tokenizer refuses this table or query: the client's input
+    except Exception as exc:  # noqa: BLE001
+        # the tokenizer refuses this table or query: the client's input
         raise InvalidInput(f"the table and query could not be prepared for the model: {exc}") from exc
     length = prepared["input_ids"].shape[-1]
     if model.max_length is not None and length > model.max_length:

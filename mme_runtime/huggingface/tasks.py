@@ -58,7 +58,8 @@ PASS_COST_TOKENS = 64
 MAX_ROWS_PLANNED = 256
 # The copies of each tokenizer in this process (``copies_of``).
 _registry_lock = threading.Lock()
-_copies: dict[int, TokenizerCopies] = {}  # by id() of the tokenizer; an entry leaves with its tokenizer
+# by id() of the tokenizer; an entry leaves with its tokenizer
+_copies: dict[int, TokenizerCopies] = {}
 
 
 class TaskRunner:
@@ -95,14 +96,16 @@ class TaskRunner:
             return self._run_texts(pipeline, requests)
 
     def _run_texts(self, pipeline: Any, requests: list[TaskRequest]) -> list[Any]:
-        plans: list[tuple[int, int, dict[str, Any]]] = []  # (first row, rows, postprocess parameters) per input
+        # (first row, rows, postprocess parameters) per input
+        plans: list[tuple[int, int, dict[str, Any]]] = []
         rows: list[dict[str, Any]] = []
         adapters: list[str | None] = []  # the LoRA adapter of each row (its request's)
         forward_parameters: dict[str, Any] | None = None
         for request in requests:
             before, forward, after = _parameters(pipeline, request, self.model)
             if forward_parameters is not None and forward != forward_parameters:
-                raise InvalidInput("requests with different forward parameters cannot share a pass")  # split, retried
+                # split, retried
+                raise InvalidInput("requests with different forward parameters cannot share a pass")
             forward_parameters = forward
             for item in request.inputs:
                 prepared = prepare(pipeline, item, before)
@@ -180,7 +183,8 @@ def _parameters(
             parameters.setdefault("max_length", limit)
     try:
         before, forward, after = pipeline._sanitize_parameters(**parameters)
-    except Exception as exc:  # noqa: BLE001 - whatever the pipeline refuses in them is the request's
+    except Exception as exc:  # noqa: BLE001
+        # whatever the pipeline refuses in them is the request's
         raise InvalidInput(f"parameters {request.parameters}: {exc}") from exc
     return (
         {**pipeline._preprocess_params, **before},
@@ -202,7 +206,8 @@ def prepare(pipeline: Any, item: Any, parameters: dict[str, Any], what: str = "i
 def postprocess(pipeline: Any, outputs: Any, parameters: dict[str, Any]) -> Any:
     try:
         return pipeline.postprocess(outputs, **parameters)
-    except (TypeError, ValueError, KeyError, IndexError) as exc:  # a top_k of "abc", say: the batch is split
+    except (TypeError, ValueError, KeyError, IndexError) as exc:
+        # a top_k of "abc", say: the batch is split
         raise InvalidInput(f"the answer could not be made with these parameters: {exc}") from exc
 
 
@@ -232,7 +237,8 @@ def length_groups(lengths: list[int]) -> list[list[int]]:
     the longer ones would."""
     order = sorted(range(len(lengths)), key=lambda index: lengths[index])
     groups: list[list[int]] = []
-    for start in range(0, len(order), MAX_ROWS_PLANNED):  # the plan is quadratic in rows: plan long lists in windows
+    for start in range(0, len(order), MAX_ROWS_PLANNED):
+        # the plan is quadratic in rows: plan long lists in windows
         window = order[start : start + MAX_ROWS_PLANNED]
         # best[i]: the cheapest cost of the first i rows, and where its last group starts.
         best = [(0, 0)] + [(0, 0)] * len(window)

@@ -122,7 +122,8 @@ def _check_label_length(pipeline: Any, row: dict[str, Any]) -> None:
 def _prepare(pipeline: Any, image: Any, parameters: dict[str, Any]) -> dict[str, Any]:
     try:
         return dict(pipeline.preprocess(image, **parameters))
-    except Exception as exc:  # noqa: BLE001 - what the processor refuses in this image is this request's fault
+    except Exception as exc:  # noqa: BLE001
+        # what the processor refuses in this image is this request's fault
         raise InvalidInput(f"the image could not be prepared for the model: {exc}") from exc
 
 

@@ -46,7 +46,8 @@ def check_parameters(parameters: dict[str, Any], texts: Sequence[str] = ("",)) -
             f"pairs, each a row of the model's passes; at most {MAX_PAIRS} in one request"
         )
     multi_label = parameters.get("multi_label", False)
-    if not isinstance(multi_label, bool):  # the pipeline reads any truthy value as true: "false" would be true
+    if not isinstance(multi_label, bool):
+        # the pipeline reads any truthy value as true: "false" would be true
         raise InvalidInput(f"multi_label must be true or false, not {multi_label!r}")
     template = parameters.get("hypothesis_template", "This example is {}.")
     if not isinstance(template, str):

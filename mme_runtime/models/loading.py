@@ -187,7 +187,8 @@ def load_model(
             module.attach(service.context)
         else:
             entry_point(None, service.context)
-    except Exception as exc:  # boundary: the LOAD reply carries the status and cause; the traceback is logged
+    except Exception as exc:
+        # boundary: the LOAD reply carries the status and cause; the traceback is logged
         raise fail_load(spec, gpu, exc) from exc
     return LoadedModel(module, service)
 

@@ -96,7 +96,8 @@ def read_adapter(model_dir: Path) -> Adapter:
                 raise ModelLoadError(f"the adapter has lora_A for {module} but no lora_B")
             r, a = _pattern(ranks, module, rank), _pattern(alphas, module, alpha)
             scaling = a / r**0.5 if config.get("use_rslora") else a / r
-            lora[module] = (tensor, up, scaling)  # (A: rank x in, B: out x rank); fan_in_fan_out is Conv1D's: refused
+            # (A: rank x in, B: out x rank); fan_in_fan_out is Conv1D's: refused
+            lora[module] = (tensor, up, scaling)
         elif ".lora_B." not in path:
             module, _, parameter = path.rpartition(".")
             saved.setdefault(module, {})[parameter] = tensor
@@ -213,7 +214,8 @@ class AdapterSet:
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self.index: dict[str, int] = {}
-        self.groups: dict[int, torch.Tensor | None] = {}  # adapter -> the rows of the pass that use it (None: all)
+        # adapter -> the rows of the pass that use it (None: all)
+        self.groups: dict[int, torch.Tensor | None] = {}
         self.pass_lock = threading.Lock()
         self._lock = threading.Lock()
         self._next = 0
@@ -277,7 +279,8 @@ class AdapterSet:
         device = next(self.module.parameters()).device
         positions: dict[int, list[int]] = {}
         for row, name in enumerate(names):
-            if name in self.index:  # None (the base alone), or an adapter unloaded under its request
+            if name in self.index:
+                # None (the base alone), or an adapter unloaded under its request
                 positions.setdefault(self.index[name], []).append(row)
         with self.pass_lock:
             self.groups = {index: torch.tensor(rows, device=device) for index, rows in positions.items()}

@@ -34,7 +34,8 @@ PAGE = mmap.PAGESIZE
 # 3 KiB too, at the price of a page. Smaller ones (a bias of a few classes) are packed at ALIGNMENT,
 # never shared: padding them would cost more.
 OWN_PAGES_BYTES = 1024
-_hashing = ThreadPoolExecutor(1, thread_name_prefix="mme-hash")  # started on first use: a loader's, never the warm one
+# started on first use: a loader's, never the warm one
+_hashing = ThreadPoolExecutor(1, thread_name_prefix="mme-hash")
 # A storage this large is hashed on that thread while the packer goes on; a smaller one right away
 # (xxh3 takes about 30 us for 1 MiB, less than handing it over).
 HASHED_ASIDE_BYTES = 1 << 20
@@ -73,7 +74,8 @@ class Package:
     blobs: tuple[Blob, ...] = ()
     segments: tuple[int, ...] = ()
     segment_ids: tuple[int, ...] = ()
-    code: str | None = None  # the inference code directory model_fn ran with (a fetched one is named by its ETag)
+    # the inference code directory model_fn ran with (a fetched one is named by its ETag)
+    code: str | None = None
 
     @property
     def fds(self) -> list[int]:
@@ -110,7 +112,8 @@ class _Writer:
         self.hashed = hashed
         self.blobs: list[Blob] = []
         self._storages: dict[tuple[int, int], int] = {}  # (address, bytes) -> index in blobs
-        self._digests: dict[int, Future[str]] = {}  # blob index -> its digest, still being taken aside
+        # blob index -> its digest, still being taken aside
+        self._digests: dict[int, Future[str]] = {}
 
     def append(self, data: memoryview | bytes) -> int:
         view = memoryview(data).cast("B")
@@ -196,7 +199,8 @@ def pack_torchscript_file(path: Path, name: str) -> Package:
     return Package(writer.fd, pickle_offset, buffer.getbuffer().nbytes)
 
 
-MODEL_FILES = ("model.pt", "model.pth")  # where a model directory holds its TorchScript (or a state dict)
+# where a model directory holds its TorchScript (or a state dict)
+MODEL_FILES = ("model.pt", "model.pth")
 
 
 def model_file(model_dir: Path) -> Path | None:
@@ -238,7 +242,8 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(file)
         self.package = package
         self.maps = maps
-        self.trial = trial  # TorchScript saved whole loads again: a trial skips it (its one costly part)
+        # TorchScript saved whole loads again: a trial skips it (its one costly part)
+        self.trial = trial
         self.storages: dict[int, torch.UntypedStorage] = {}  # by blob index
 
     def persistent_load(self, pid: Any) -> Any:

@@ -56,7 +56,8 @@ def register_weight_files(names: Iterable[str]) -> None:
             _weight_files.append(name)
 
 
-Key = tuple[str, int, int]  # a path, its size and its modification time: what names one set of artifacts
+# a path, its size and its modification time: what names one set of artifacts
+Key = tuple[str, int, int]
 
 
 def key_for(path: Path) -> Key:
@@ -70,7 +71,8 @@ def key_for(path: Path) -> Key:
 class _Entry:
     package: Package
     users: set[str] = field(default_factory=set)
-    private: str | None = None  # why its models need a device host of their own (their loader said), if they do
+    # why its models need a device host of their own (their loader said), if they do
+    private: str | None = None
     threads: int | None = None  # the intra-op threads its model_fn chose, for such a host
 
     @property
@@ -83,7 +85,8 @@ class _Entry:
 class PackageCache:
     def __init__(self, config: Config, release: Callable[[Package], None]) -> None:
         self.config = config
-        self.release_package = release  # the tensor store's: a package's tensors may be other packages' too
+        # the tensor store's: a package's tensors may be other packages' too
+        self.release_package = release
         self.entries: OrderedDict[Key, _Entry] = OrderedDict()  # least recently used first
 
     @property

@@ -65,7 +65,8 @@ def kind(path: Path) -> Kind:
             raise ValueError("its format record is not a PT2 archive's")
         version = archive.get_record(constants.ARCHIVE_VERSION_PATH).decode()
         names = archive.get_all_records()
-    except Exception as exc:  # boundary: torch's reader raises RuntimeError for a file that is not a zip archive
+    except Exception as exc:
+        # boundary: torch's reader raises RuntimeError for a file that is not a zip archive
         reason = first_line(exc)
         raise ModelLoadError(f"{path.name} is not a PT2 archive ({reason})") from exc
     if version != constants.ARCHIVE_VERSION_VALUE:
@@ -98,7 +99,8 @@ def load(path: Path) -> Any:
         return AOTIPackage(path)
     try:
         return torch.export.load(str(path)).module()
-    except Exception as exc:  # boundary: the LOAD fails with torch's reason (an opset or schema it cannot read)
+    except Exception as exc:
+        # boundary: the LOAD fails with torch's reason (an opset or schema it cannot read)
         reason = first_line(exc)
         raise ModelLoadError(f"{path.name}: the exported program cannot be loaded: {reason}") from exc
 
@@ -130,7 +132,8 @@ class AOTIRunner:
     own tree spec."""
 
     def __init__(self, path: Path, device: torch.device) -> None:
-        loader_class: Any = torch._C._aoti.AOTIModelPackageLoader  # its static metadata reader is not in the stubs
+        # its static metadata reader is not in the stubs
+        loader_class: Any = torch._C._aoti.AOTIModelPackageLoader
         metadata = dict(loader_class.load_metadata_from_package(str(path), "model"))
         _check_device(metadata, device)
         index = device.index if device.type == "cuda" and device.index is not None else -1
@@ -258,7 +261,8 @@ def compile_model(
         metrics.record_cache_lookup("compiled", hit=not built)
         try:
             runner = AOTIRunner(entry / PACKAGE, device)
-        except Exception as exc:  # noqa: BLE001 - a cache entry that does not load (damaged, say) is built again
+        except Exception as exc:  # noqa: BLE001
+            # a cache entry that does not load (damaged, say) is built again
             if built:
                 raise
             logger.warning("model=%s compile cache entry %s unusable (%s): compiling again", model_name, entry, exc)
@@ -266,7 +270,8 @@ def compile_model(
             built = build_once(entry, build)
             runner = AOTIRunner(entry / PACKAGE, device)
         compiled = CompiledModule(model, runner, sample.to(device))
-    except Exception as exc:  # boundary: a compile that fails leaves the model eager, never fails the LOAD
+    except Exception as exc:
+        # boundary: a compile that fails leaves the model eager, never fails the LOAD
         reason = first_line(exc)
         logger.debug("model=%s compile failed", model_name, exc_info=exc)
         return _eager(model_name, f"{type(exc).__name__}: {reason}", model)
@@ -287,7 +292,8 @@ def _compile_into(
     from torch._inductor import aoti_compile_and_package  # heavy (1.5 s): imported only to compile
 
     if sample.shape[0] == 1:
-        sample = torch.cat([sample, sample])  # torch.export fixes a dimension traced at size 1: trace with two rows
+        # torch.export fixes a dimension traced at size 1: trace with two rows
+        sample = torch.cat([sample, sample])
     # DYNAMIC, not a named range: a module exported before (an ExportedProgram's) brings its own
     # bounds for the rows.
     with torch.no_grad():
@@ -334,12 +340,14 @@ class CompiledModule(torch.nn.Module):
         """``.to()``, ``.half()``, ``.cuda()``: the module's tensors are new ones, so the compiled
         code is pointed at them, or, when they no longer have the dtype, device, shape and layout it
         was built for, left aside: the module runs eager."""
-        runner, self.runner = self.runner, None  # a forward on another thread runs eager while the tensors change
+        # a forward on another thread runs eager while the tensors change
+        runner, self.runner = self.runner, None
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         if runner is not None:
             tensors = _tensors(self.module)
             if all(tensors[name].data_ptr() == pointer for name, pointer in self.pointers.items()):
-                self.runner = runner  # .to() the device it is on already (the AWS-style predict_fn does it each call)
+                # .to() the device it is on already (the AWS-style predict_fn does it each call)
+                self.runner = runner
             elif all(_layout(tensors[name]) == built for name, built in self.constants.items()):
                 self._point(runner, tensors)
                 self.runner = runner

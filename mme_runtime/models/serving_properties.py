@@ -67,11 +67,15 @@ class ServingSettings:
     isolation: str | None = None  # "process": a host of its own; "shared": the shared host; None: the rules
     task: str | None = None  # a Hugging Face model's task; None: HF_TASK, else its architecture's
     trust_remote_code: bool = False
-    pooling: str | None = None  # feature-extraction: mean, cls or none; None: what the directory says
-    share_weights: bool = True  # tensors equal to another model's are held once (MME_SHARE_WEIGHTS can turn it off)
-    base_model: str | None = None  # a LoRA adapter's base: a directory under the model root, or relative to its own
+    # feature-extraction: mean, cls or none; None: what the directory says
+    pooling: str | None = None
+    # tensors equal to another model's are held once (MME_SHARE_WEIGHTS can turn it off)
+    share_weights: bool = True
+    # a LoRA adapter's base: a directory under the model root, or relative to its own
+    base_model: str | None = None
     max_new_tokens: int | None = None  # a generative model's cap; None: the container's
-    max_generation_seconds: float | None = None  # when a generation is cut; None: before the request's timeout
+    # when a generation is cut; None: before the request's timeout
+    max_generation_seconds: float | None = None
 
     @property
     def batching(self) -> bool:

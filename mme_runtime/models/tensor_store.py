@@ -50,7 +50,8 @@ class _Segment:
 
     fd: int
     owned: bool = True  # its own package is still loaded
-    digests: dict[int, str] = field(default_factory=dict)  # offset -> digest, for what the index points at here
+    # offset -> digest, for what the index points at here
+    digests: dict[int, str] = field(default_factory=dict)
 
 
 class TensorStore:
@@ -75,7 +76,8 @@ class TensorStore:
         own = self.segments[segment_id] = _Segment(package.fd)
         ids = [segment_id]
         blobs: list[Blob] = []
-        taken: set[Location] = set()  # a place this package uses already: two of its storages must not become one
+        # a place this package uses already: two of its storages must not become one
+        taken: set[Location] = set()
         for blob in package.blobs:
             place = self._equal_held(blob, package.fd) if share and self.enabled else None
             if place is not None and place not in taken and (place[0] in ids or len(ids) < MAX_SEGMENTS):
@@ -113,7 +115,8 @@ class TensorStore:
         self.segments[ids[0]].owned = False
         unused.append(((ids[0], package.pickle_offset), package.pickle_bytes))
         closing = {segment_id for segment_id in ids if self._unused(segment_id)}
-        for (segment_id, offset), nbytes in unused:  # a file that stays for others' tensors gives these pages back
+        for (segment_id, offset), nbytes in unused:
+            # a file that stays for others' tensors gives these pages back
             if segment_id not in closing:
                 _punch(self.segments[segment_id].fd, offset, nbytes)
         for segment_id in closing:  # the rest goes whole (punching it first would only cost time)
@@ -211,7 +214,8 @@ class DeviceTensors:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._held: dict[Location, _Held] = {}
-        self._watched: dict[str, list[tuple[torch.Tensor, int, Location]]] = {}  # owner -> (tensor, version, place)
+        # owner -> (tensor, version, place)
+        self._watched: dict[str, list[tuple[torch.Tensor, int, Location]]] = {}
         self._lock = threading.Lock()  # models load on threads of their own
 
     def new_bytes(self, places: list[tuple[Location, int]]) -> int:
@@ -264,7 +268,8 @@ class DeviceTensors:
                 if held is not None and len(held.owners) > 1:
                     held.storage.copy_(held.source)
                     written.append(place)
-                elif held is not None:  # its own alone: it keeps its change, and a later model gets a fresh copy
+                elif held is not None:
+                    # its own alone: it keeps its change, and a later model gets a fresh copy
                     del self._held[place]
         self._watched[owner] = [(tensor, tensor._version, place) for tensor, _, place in watched if place in self._held]
         if not written:

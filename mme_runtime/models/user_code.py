@@ -200,9 +200,11 @@ def import_script(model_name: str, script: Path) -> ModuleType:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:  # boundary: any failure in user code at import fails the LOAD with its cause
+    except Exception as exc:
+        # boundary: any failure in user code at import fails the LOAD with its cause
         del sys.modules[name]
-        where = f"{script.parent.name}/{script.name}"  # code/inference.py, in the model or fetched from S3
+        # code/inference.py, in the model or fetched from S3
+        where = f"{script.parent.name}/{script.name}"
         if isinstance(exc, ImportError):
             raise UserCodeError(failures.import_error(exc, where)) from exc
         raise UserCodeError(failures.raised(f"importing {where}", exc)) from exc
@@ -237,7 +239,8 @@ def load_user_code(model_name: str, code_dir: Path | None, source: str, config: 
         script = find_script(code_dir, config.program)
         module = import_script(model_name, script) if script is not None else None
         user = bind_functions(module)
-    except UserCodeError as exc:  # what the script raised, if anything, is the traceback worth logging
+    except UserCodeError as exc:
+        # what the script raised, if anything, is the traceback worth logging
         raise ModelLoadError(str(exc), trace=exc.__cause__) from exc
     logger.info(
         "model=%s code=%s script=%s functions=%s",

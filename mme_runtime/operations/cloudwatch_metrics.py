@@ -104,20 +104,23 @@ class EmfLines:
         self.namespace = namespace
         self._seen: dict[str, Samples] = {}  # model -> the counts as of the previous lines
         self._refused: set[str] = set()  # names CloudWatch takes no dimension of, told once
-        self._load_seconds: dict[str, float] = {}  # model -> its LOAD's seconds, reported once per LOAD
+        # model -> its LOAD's seconds, reported once per LOAD
+        self._load_seconds: dict[str, float] = {}
 
     def lines(self, families: list[Metric], stopped: list[Metric], timestamp_ms: int) -> list[str]:
         """``families`` and ``stopped`` as ``ModelMetrics.snapshot`` gives them."""
         counts, gauges = by_model(families, additive=True), by_model(families, additive=False)
         gone = by_model(stopped, additive=True)
-        gone.pop(CONTAINER, None)  # the container's part of a stopped server counts on, in ``families``
+        # the container's part of a stopped server counts on, in ``families``
+        gone.pop(CONTAINER, None)
         deltas = {model: self._deltas(model, counts.get(model, {}), gone.get(model, {})) for model in counts | gone}
         self._seen = {model: seen for model, seen in self._seen.items() if model in counts}
         self._load_seconds = {model: seconds for model, seconds in self._load_seconds.items() if model in gauges}
         lines = [self._container_line(deltas.get(CONTAINER, {}), gauges.get(CONTAINER, {}), timestamp_ms)]
         for model in sorted((deltas.keys() | gauges.keys()) - {CONTAINER}):
             if model not in counts and model not in gauges and not any(deltas[model].values()):
-                continue  # gone with nothing to report: a LOAD that failed is no model of CloudWatch's
+                # gone with nothing to report: a LOAD that failed is no model of CloudWatch's
+                continue
             if model.isascii() and len(model) <= MAX_DIMENSION_VALUE:
                 lines.append(self._model_line(model, deltas.get(model, {}), gauges.get(model, {}), timestamp_ms))
             elif model not in self._refused:
@@ -149,7 +152,8 @@ class EmfLines:
             if (tail := quantile(LATENCY_QUANTILE, buckets)) is not None:
                 data.append(("ModelLatencyP99", 1000 * tail, "Milliseconds"))
         loaded = gauges.get(("mme_model_load_seconds", ()))
-        if loaded is not None and self._load_seconds.get(model) != loaded:  # a new LOAD (a gauge repeats its value)
+        if loaded is not None and self._load_seconds.get(model) != loaded:
+            # a new LOAD (a gauge repeats its value)
             self._load_seconds[model] = loaded
             data.append(("LoadTime", loaded, "Seconds"))
         if (host := gauges.get(("mme_model_host_memory_bytes", ()))) is not None:
@@ -185,7 +189,8 @@ class CloudWatchMetrics:
         self._thread = threading.Thread(target=self._run, name="cloudwatch-metrics", daemon=True)
 
     def start(self) -> None:
-        self.collector.snapshot()  # from now on, what stopped servers counted is kept for the next lines
+        # from now on, what stopped servers counted is kept for the next lines
+        self.collector.snapshot()
         self._thread.start()
 
     def stop(self) -> None:
@@ -199,7 +204,8 @@ class CloudWatchMetrics:
             for line in self.emf.lines(families, stopped, int(time.time() * 1000)):
                 self.stream.write(line + "\n")
                 self.stream.flush()
-        except Exception:  # noqa: BLE001 - metrics must never stop the server; the next interval tries again
+        except Exception:  # noqa: BLE001
+            # metrics must never stop the server; the next interval tries again
             logger.exception("CloudWatch metrics not written")
 
     def _run(self) -> None:

@@ -62,7 +62,8 @@ class Series:
                 # last in this list.
                 self._close_files = values._multi_process_cleanups[-1]
         self._children: dict[tuple[int, tuple[Any, ...]], Any] = {}
-        self.device_bytes: int | None = None  # a hosted model's own tensors on its GPU (not the process's pool)
+        # a hosted model's own tensors on its GPU (not the process's pool)
+        self.device_bytes: int | None = None
         self.gpu: str | None = None  # the host's card, once it reports its GPU memory
         self.batch_sizes: Histogram | None = None
         # registry=None: the exporter reads the files; nothing in a model process exposes a
@@ -144,7 +145,8 @@ class Series:
             "mme_cache_lookups", "Cache lookups, by cache and result (hit or miss).", ["cache", "result"], registry=None
         )
         if model is not None:
-            for restarts in (self.restarts, self.executor_restarts):  # 0 from the start, not after the first restart
+            for restarts in (self.restarts, self.executor_restarts):
+                # 0 from the start, not after the first restart
                 self.child(restarts, model)
 
     def child(self, family: Any, *labels: Any) -> Any:

@@ -70,7 +70,8 @@ def move_to_unloaded(metrics_dir: Path, server_dir: Path) -> None:
     """Hands a model server's values over to the exporter's fold (``OSError`` if another process did
     it first)."""
     target = unloaded_dir(metrics_dir) / f"{server_dir.parent.name}@{server_dir.name}"
-    if target.exists():  # a host that served this model before (an UNLOAD and a re-LOAD): not folded yet
+    if target.exists():
+        # a host that served this model before (an UNLOAD and a re-LOAD): not folded yet
         target = target.with_name(f"{target.name}.{time.monotonic_ns()}")
     target.parent.mkdir(parents=True, exist_ok=True)
     server_dir.rename(target)
@@ -126,7 +127,8 @@ def claim(metrics_dir: Path, directory: Path) -> None:
 
 
 def make_directory(directory: Path) -> bool:
-    for attempt in range(MKDIR_ATTEMPTS):  # the exporter may remove an empty parent at the same moment
+    for attempt in range(MKDIR_ATTEMPTS):
+        # the exporter may remove an empty parent at the same moment
         try:
             directory.mkdir(parents=True, exist_ok=True)
             return True
@@ -145,7 +147,8 @@ _bound = threading.local()  # in a device host: the series of the model a thread
 def start_model(config: Config, model: str, server_pid: int) -> None:
     """Sends this process's values to the model's directory: a loader's, while it loads."""
     if _metrics is not None and _metrics.model == model:
-        return  # forked from the server: its objects already write here, to files of this process's own
+        # forked from the server: its objects already write here, to files of this process's own
+        return
     directory = models_dir(config.metrics_dir) / model_dir_name(model) / str(server_pid)
     if _start(config, model, directory) and server_pid == os.getpid():
         claim(config.metrics_dir, directory)
@@ -159,7 +162,8 @@ def start_hosted(config: Config, model: str, restart: bool = False) -> Series | 
     if _metrics is None or not make_directory(directory):
         return None  # metrics are off (the host's own series, start_container, is made first)
     try:
-        (directory / HOST_BYTES_FILE).write_text("0")  # a hosted model's directory, before the exporter reads it
+        # a hosted model's directory, before the exporter reads it
+        (directory / HOST_BYTES_FILE).write_text("0")
         if restart:
             carry_over(directory)
         claim(config.metrics_dir, directory)

@@ -67,8 +67,10 @@ class ModelMetrics:
         self.metrics_dir = metrics_dir
         self.models_url = f"http://127.0.0.1:{port}/models/"
         self._lock = threading.Lock()
-        self._host_memory: dict[tuple[int, float], tuple[float, int]] = {}  # (pid, start) -> (read at, bytes)
-        self._folded: list[Metric] | None = None  # what folded servers recorded, once a snapshot asks for it
+        # (pid, start) -> (read at, bytes)
+        self._host_memory: dict[tuple[int, float], tuple[float, int]] = {}
+        # what folded servers recorded, once a snapshot asks for it
+        self._folded: list[Metric] | None = None
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:  # scrapes may come concurrently; the sweep folds too
@@ -100,7 +102,8 @@ class ModelMetrics:
                         self._fold_exited_executors(server_dir)
                 elif self._registered(server_dir.parent.name) is False:
                     move_to_unloaded(self.metrics_dir, server_dir)
-            except (OSError, ValueError) as exc:  # it moved or ended meanwhile: the next sweep sees where it is now
+            except (OSError, ValueError) as exc:
+                # it moved or ended meanwhile: the next sweep sees where it is now
                 logger.debug("metrics sweep of %s: %s", server_dir, exc)
         with self._lock:
             self._fold_unloaded()
@@ -114,7 +117,8 @@ class ModelMetrics:
         while True:
             try:
                 return list(MultiProcessCollector.merge([f for f in files if f not in skipped], accumulate=True))
-            except Exception as exc:  # noqa: BLE001 - a file being written or moved: find it, leave it out
+            except Exception as exc:  # noqa: BLE001
+                # a file being written or moved: find it, leave it out
                 bad = [f for f in files if f not in skipped and not _readable(f)]
                 if not bad:
                     raise
@@ -134,7 +138,8 @@ class ModelMetrics:
         directory."""
         for directory in scan(unloaded_dir(self.metrics_dir), "*"):
             if directory.name.endswith(FOLDING_SUFFIX):
-                shutil.rmtree(directory, ignore_errors=True)  # added already, by a fold that then failed to delete
+                # added already, by a fold that then failed to delete
+                shutil.rmtree(directory, ignore_errors=True)
                 continue
             files = scan(directory, "*.db")
             values = _read_values(files, keep=lambda labels: "model" not in labels)
@@ -164,7 +169,8 @@ class ModelMetrics:
 
     def _live_gauges(self) -> Iterator[Metric]:
         servers: dict[str, list[psutil.Process]] = {}
-        hosted: dict[str, int] = {}  # a device host's models: their own tensors (the host's PSS is all of them)
+        # a device host's models: their own tensors (the host's PSS is all of them)
+        hosted: dict[str, int] = {}
         for directory in self._server_dirs():
             if not server_alive(directory):
                 continue
@@ -181,7 +187,8 @@ class ModelMetrics:
                 continue
             try:
                 children = server.children(recursive=True)
-            except psutil.Error:  # an executor ending at this moment: the server still counts, its memory next time
+            except psutil.Error:
+                # an executor ending at this moment: the server still counts, its memory next time
                 children = []
             processes = [server, *children]
             servers.setdefault(model, []).extend(processes)
@@ -233,7 +240,8 @@ def _read_values(paths: list[Path], keep: Callable[[dict[str, str]], bool]) -> V
             continue
         try:
             entries = MmapedDict.read_all_values_from_file(str(path))
-        except Exception as exc:  # noqa: BLE001 - cut short by a writer killed mid-creation: nothing to keep
+        except Exception as exc:  # noqa: BLE001
+            # cut short by a writer killed mid-creation: nothing to keep
             logger.warning("metrics: cannot read %s (%s): its values are lost", path, exc)
             continue
         for key, value, _, _ in entries:

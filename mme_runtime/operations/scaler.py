@@ -28,8 +28,10 @@ from mme_runtime.base.janitor import REQUEST_TIMEOUT_SECONDS, get_json, write_ma
 
 logger = logging.getLogger(__name__)
 
-REQUEST_LIFETIME_SECONDS = 120.0  # a LOAD slower than this gets no extra connections: the log says so
-READY_SECONDS = 0.5  # how long a model is seen READY before it is scaled: its LOAD's answer has left by then
+# a LOAD slower than this gets no extra connections: the log says so
+REQUEST_LIFETIME_SECONDS = 120.0
+# how long a model is seen READY before it is scaled: its LOAD's answer has left by then
+READY_SECONDS = 0.5
 
 
 def requests_dir(runtime_dir: Path) -> Path:
@@ -69,7 +71,8 @@ class Scaler:
             if self._settle(model, workers, time.time() - written.st_mtime, bool(wanted.get("serving"))):
                 self._ready_since.pop(model, None)
                 with contextlib.suppress(OSError):
-                    if request.stat().st_ino == written.st_ino:  # else a newer request replaced it meanwhile
+                    if request.stat().st_ino == written.st_ino:
+                        # else a newer request replaced it meanwhile
                         request.unlink()
 
     def _settle(self, model: str, workers: int, age: float, serving: bool) -> bool:
@@ -91,7 +94,8 @@ class Scaler:
             return True
         if not serving and time.monotonic() - self._ready_since.setdefault(model, time.monotonic()) < READY_SECONDS:
             return False  # its LOAD may not have answered yet
-        maximum = max(workers, int(description.get("maxWorkers") or 0))  # never lower a maximum set higher
+        # never lower a maximum set higher
+        maximum = max(workers, int(description.get("maxWorkers") or 0))
         query = urllib.parse.urlencode({"min_worker": workers, "max_worker": maximum, "synchronous": "false"})
         try:
             urllib.request.urlopen(

@@ -24,7 +24,8 @@ from typing import IO
 SLOTS = 1 << 16  # models: 256 KiB of counts, of which a host touches the pages of the slots it uses
 THREADS = 4096
 COUNT = struct.Struct("i")
-OWNER = struct.Struct("Qi")  # a thread's ident (threading.get_ident), the slot of the model it works for (-1: none)
+# a thread's ident (threading.get_ident), the slot of the model it works for (-1: none)
+OWNER = struct.Struct("Qi")
 NO_MODEL = -1
 # faulthandler's line for the thread that received the fatal signal, and its stack's lines after it.
 CRASHED_THREAD = re.compile(r"^Current thread (0x[0-9a-f]+)", re.MULTILINE)
@@ -60,7 +61,8 @@ class CrashBoard:
         with self._lock:
             cell = self._cells.get(ident)
             if cell is None:
-                if not self._free:  # a host with more threads than cells names fewer culprits, nothing worse
+                if not self._free:
+                    # a host with more threads than cells names fewer culprits, nothing worse
                     return
                 cell = self._cells[ident] = self._free.pop()
             OWNER.pack_into(self.memory, self._owner_offset(cell), ident, slot)

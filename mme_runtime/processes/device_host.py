@@ -74,20 +74,24 @@ class DeviceHost:
         self.board = board
         self.ordinal: int | None = None
         self.models: dict[str, HostedModel] = {}
-        self.unloading: dict[str, threading.Thread] = {}  # UNLOADs still letting go of their models, by name
+        # UNLOADs still letting go of their models, by name
+        self.unloading: dict[str, threading.Thread] = {}
         self._control_lock = threading.Lock()
         self._unpacked: weakref.WeakValueDictionary[tuple[int, int, int], Any] = weakref.WeakValueDictionary()
         self.shared: DeviceTensors | None = None  # on a GPU, with MME_SHARE_WEIGHTS
-        self.passes: PassThreads | None = None  # on a GPU: the threads that run every model's passes
+        # on a GPU: the threads that run every model's passes
+        self.passes: PassThreads | None = None
         self.release: MemoryRelease  # made once the GPU is bound
 
     def serve(self) -> None:
         self.ordinal = devices.bind_gpu(self.gpu, self.config.cuda_visible_devices)
-        device = devices.worker_device(self.ordinal)  # the CPU where torch has no CUDA, whatever nvidia-smi says
+        # the CPU where torch has no CUDA, whatever nvidia-smi says
+        device = devices.worker_device(self.ordinal)
         if device.type == "cuda" and self.config.share_weights:
             self.shared = DeviceTensors(device)
         self.release = MemoryRelease.of_host(self.ordinal)
-        if self.gpu is not None:  # on a card nvidia-smi lists (the tests' fake ones too): the same path
+        if self.gpu is not None:
+            # on a card nvidia-smi lists (the tests' fake ones too): the same path
             self.passes = PassThreads(self.config.gpu_pass_threads, f"gpu{self.gpu}")
         logger.info("device host pid=%d gpu=%s serving", os.getpid(), self.gpu)
         while True:
@@ -99,9 +103,11 @@ class DeviceHost:
                 break
             try:
                 self._dispatch(message, fds)
-            except Exception:  # noqa: BLE001 - one bad message must not take every model of the host down
+            except Exception:  # noqa: BLE001
+                # one bad message must not take every model of the host down
                 logger.exception("device host pid=%d: message %s not handled", os.getpid(), message.get("op"))
-        for unloading in list(self.unloading.values()):  # a private host's last model, say: its UNLOAD counted
+        for unloading in list(self.unloading.values()):
+            # a private host's last model, say: its UNLOAD counted
             unloading.join(UNLOAD_SECONDS)
         logger.info("device host pid=%d: the warm process let go, stopping", os.getpid())
 
@@ -110,14 +116,17 @@ class DeviceHost:
         name = message["model"]
         if op == "load":
             spec = ModelSpec(**message["spec"])
-            if message.get("threads"):  # a private host: the count its model's model_fn chose in the loader
+            if message.get("threads"):
+                # a private host: the count its model's model_fn chose in the loader
                 devices.set_threads(int(message["threads"]))
                 logger.info("model=%s threads=%d, as its model_fn chose", name, int(message["threads"]))
             series = metrics.start_hosted(self.config, name, restart=bool(message.get("restart")))
             model = self.models[name] = HostedModel(spec, int(message["slot"]), series, started=message["started"])
-            model.after = self.unloading.pop(name, None)  # the same name's UNLOAD, maybe still letting go
+            # the same name's UNLOAD, maybe still letting go
+            model.after = self.unloading.pop(name, None)
             package = None if message.get("package") is None else Package.from_layout(fds, message["package"])
-            if package is not None:  # blobs in other models' files: held for them first, counted there
+            if package is not None:
+                # blobs in other models' files: held for them first, counted there
                 model.borrowed_host_bytes = sum(blob.nbytes for blob in package.blobs if blob.segment)
             if message.get("resolved") is not None:  # what its loader resolved; else _our_handler resolves it
                 model.resolved = ResolvedModel.from_message(message["resolved"])
@@ -150,7 +159,8 @@ class DeviceHost:
         is no package), placed on this host's device and warmed up; then the connections that waited
         for it are served."""
         spec = model.spec
-        if model.after is not None:  # what the old model holds under this name goes before the new one takes it
+        if model.after is not None:
+            # what the old model holds under this name goes before the new one takes it
             model.after.join(self.config.response_timeout_seconds)
         metrics.bind(model.series)
         self.board.work_for(model.slot)
@@ -160,10 +170,13 @@ class DeviceHost:
             check_memory(spec, self.config, self.gpu, host=package is None, device_bytes=self._new_bytes(package))
             if is_our_handler(spec.handler):
                 loaded = self._our_handler(model, package, batch_size)
-            else:  # MMS's ``module:function``: initialised and called as MMS would, on this host's device
+            else:
+                # MMS's ``module:function``: initialised and called as MMS would, on this host's
+                # device
                 with self.board.running(model.slot):
                     loaded = load_model(spec, batch_size, "host", self.gpu, self.ordinal)
-        except BaseException as exc:  # noqa: BLE001 - boundary: user code's sys.exit too fails this LOAD alone
+        except BaseException as exc:  # noqa: BLE001
+            # boundary: user code's sys.exit too fails this LOAD alone
             model.failure = fail_load(spec, self.gpu, exc)
         else:
             model.loaded = loaded
@@ -220,14 +233,16 @@ class DeviceHost:
         if model is not None:
             logger.info("model=%s takes the model its package already gave this host (one copy)", name)
             hosted.borrows_all = True
-            if self.shared is not None:  # its tensors on the card stay while it uses them, whoever brought them
+            if self.shared is not None:
+                # its tensors on the card stay while it uses them, whoever brought them
                 self.shared.join(name, [(package.segment_ids[blob.segment], blob.offset) for blob in package.blobs])
             return model
         unpacked = unpack(package)
         model, module = unpacked.model, module_of(unpacked.model)
         if self.shared is not None and module is not None and unpacked.locations:
             hosted.borrowed_device_bytes = self.shared.place(module, unpacked.locations, name)
-        with self._control_lock, contextlib.suppress(TypeError):  # what cannot be weakly referenced is not shared
+        with self._control_lock, contextlib.suppress(TypeError):
+            # what cannot be weakly referenced is not shared
             self._unpacked[identity] = model
         return model
 
@@ -287,7 +302,8 @@ class DeviceHost:
         """Closes the model's connections, ends its batcher and drops every reference, then gives
         the memory back."""
         if model.loading is not None:
-            model.loading.join()  # an UNLOAD during the load: what the load makes must not outlive the model
+            # an UNLOAD during the load: what the load makes must not outlive the model
+            model.loading.join()
         with model.lock:
             waiting, model.waiting = model.waiting, []
         for connection, _ in waiting:
@@ -345,14 +361,19 @@ class HostedModel:
     failure: LoadFailure | None = None
     waiting: list[tuple[socket.socket, Assignment]] = field(default_factory=list)
     connections: set[socket.socket] = field(default_factory=set)
-    demand: ConnectionDemand | None = None  # a batching model's busy connections, to open more (serving/connection.py)
+    # a batching model's busy connections, to open more (serving/connection.py)
+    demand: ConnectionDemand | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     loading: threading.Thread | None = None
-    borrowed_host_bytes: int = 0  # its tensors in host memory that another model brought (held once, theirs)
+    # its tensors in host memory that another model brought (held once, theirs)
+    borrowed_host_bytes: int = 0
     borrowed_device_bytes: int = 0  # the same on its GPU
-    borrows_all: bool = False  # it took the very model another one here unpacked (one package: all of it theirs)
-    started: float = 0.0  # when its LOAD began (wall clock, the warm process's): its load time is counted from it
-    after: threading.Thread | None = None  # the UNLOAD of a model of the same name, to end before this one loads
+    # it took the very model another one here unpacked (one package: all of it theirs)
+    borrows_all: bool = False
+    # when its LOAD began (wall clock, the warm process's): its load time is counted from it
+    started: float = 0.0
+    # the UNLOAD of a model of the same name, to end before this one loads
+    after: threading.Thread | None = None
     package_unused: bool = False  # its package was made with other code: model_fn ran here
     resolved: ResolvedModel | None = None  # the model as its loader resolved it (None: resolved here)
 
@@ -383,7 +404,9 @@ def start_batching(spec: ModelSpec, config: Config, loaded: LoadedModel) -> Conn
     need them: the returned ``ConnectionDemand`` watches its connections
     (``serving/connection.py``)."""
     if not hasattr(loaded.module, "start_batcher"):
-        return None  # another handler (MMS's ``module:function``): it is called from the connections' threads as it is
+        # another handler (MMS's ``module:function``): it is called from the connections' threads as
+        # it is
+        return None
     settings = loaded.module.start_batcher()
     if not settings.batching or settings.source == "LOAD":
         return None  # MMS's own batching (LOAD's batch_size) fills its batches itself

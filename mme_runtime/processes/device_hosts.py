@@ -25,7 +25,8 @@ from mme_runtime.processes.warm_protocol import receive, send
 
 logger = logging.getLogger(__name__)
 
-HOST_TITLE = "mme-device-host"  # what ps shows, then its device (and model, for a host of one model's own)
+# what ps shows, then its device (and model, for a host of one model's own)
+HOST_TITLE = "mme-device-host"
 CONTROL_SECONDS = 10.0
 CRASHES_BEFORE_QUARANTINE = 2
 SHARED = "shared"  # the tenant of every model that shares its device's host
@@ -55,7 +56,8 @@ class Host:
     control: socket.socket
     board: CrashBoard
     models: set[str] = field(default_factory=set)  # names sent to it
-    oom_kills: dict[str, int] = field(default_factory=failures.oom_kills)  # the kernel's count when it started
+    # the kernel's count when it started
+    oom_kills: dict[str, int] = field(default_factory=failures.oom_kills)
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,8 @@ class CrashCount:
         running = sorted(name for slot, name in on_host.items() if slot in crash.running)
         culprit = None if crash.culprit is None else on_host.get(crash.culprit)
         if crash.culprit is None and len(running) == 1:
-            culprit = running[0]  # no fatal signal to go by (an exit, SIGKILL): the one model that was running
+            # no fatal signal to go by (an exit, SIGKILL): the one model that was running
+            culprit = running[0]
         logger.error(
             "device host pid=%d gpu=%s %s while running model %s (calls running: %s); the other models load again "
             "from their packages",

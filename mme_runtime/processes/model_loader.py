@@ -79,13 +79,15 @@ def start_loader(
 
 def _run_loader(result: socket.socket, spec: ModelSpec, cwd: str) -> int:
     """In the forked child, its stdio already the model's: load, report. Returns its exit status."""
-    faulthandler.enable(all_threads=False)  # a crash in model_fn prints its stack to the model's log
+    # a crash in model_fn prints its stack to the model's log
+    faulthandler.enable(all_threads=False)
     os.chdir(cwd)
     config = Config.from_process_env()
     configure_logging(config.log_level)
     metrics.start_model(config, spec.name, os.getpid())  # counted as loading until it reports
     report, fds = _load(spec, config)
-    metrics.stop_model(config)  # what it counted for the container stays; the model's series are the host's
+    # what it counted for the container stays; the model's series are the host's
+    metrics.stop_model(config)
     if "failure" in report:
         _let_the_cause_be_read()
     send(result, report, fds)
@@ -113,7 +115,8 @@ def _load(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
         report["resolved"] = resolved.message()
     if private is not None and "failure" not in report:
         report["private"] = private
-        if "package" in report and torch.get_num_threads() != 1:  # model_fn chose it: its own host runs with it
+        if "package" in report and torch.get_num_threads() != 1:
+            # model_fn chose it: its own host runs with it
             report["threads"] = torch.get_num_threads()
     return report, fds
 
@@ -133,7 +136,8 @@ def _load_here(spec: ModelSpec, config: Config, resolved: ResolvedModel) -> tupl
             return {"package": {**package.layout, "code": code}}, [package.fd]
         loaded = load_model(spec, batch_size=1, phase="preload", resolved=resolved)
     except LoadFailure as failure:
-        if devices.cuda_initialized():  # on whichever card it took here (all are visible): the host has its own
+        if devices.cuda_initialized():
+            # on whichever card it took here (all are visible): the host has its own
             return {
                 "host_loads": f"model_fn initialised CUDA and failed here ({failure.message}): it runs in the "
                 "device host, on the host's GPU"

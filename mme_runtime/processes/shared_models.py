@@ -56,13 +56,16 @@ class SharedModels:
 
     def __init__(self, config: Config, watcher: Watcher, close_in_children: Callable[[], list[int]]) -> None:
         self.config = config
-        self.watcher = watcher  # the warm process's: every socket of ours it waits on, with what to do
+        # the warm process's: every socket of ours it waits on, with what to do
+        self.watcher = watcher
         self.close_in_children = close_in_children
         self.models: dict[str, SharedModel] = {}
-        self._free_slots: list[int] = []  # slots on the crash board given back by UNLOADs, taken first
+        # slots on the crash board given back by UNLOADs, taken first
+        self._free_slots: list[int] = []
         self.hosts = DeviceHosts(config, close_in_children)
         self.crash_count = CrashCount()
-        self.store = TensorStore(config.share_weights)  # every package, its tensors held once by content
+        # every package, its tensors held once by content
+        self.store = TensorStore(config.share_weights)
         self.cache = PackageCache(config, self.store.release)
 
     def descriptors(self) -> list[int]:
@@ -84,7 +87,8 @@ class SharedModels:
             if model.loader == pid:
                 model.loader = None
                 if (model.result is not None or model.loader_silent) and not model.ready and model.failure is None:
-                    self._loader_reported(model, exit_code=code)  # its report, if it sent one before it exited
+                    # its report, if it sent one before it exited
+                    self._loader_reported(model, exit_code=code)
                 return True
         return False
 
@@ -95,7 +99,8 @@ class SharedModels:
         """Binds the model's socket, tells the frontend it may connect, and starts the model's
         loader (unless the same artifacts are loaded under another name already: then the model
         takes their package)."""
-        if (existing := self.models.get(spec.name)) is not None:  # unloaded, and loaded again before its stub went
+        if (existing := self.models.get(spec.name)) is not None:
+            # unloaded, and loaded again before its stub went
             self._unload(existing)
         if len(self.models) >= SLOTS:
             raise RuntimeError(f"{SLOTS} shared models are loaded already: the device hosts track no more")
@@ -104,7 +109,8 @@ class SharedModels:
         model = SharedModel(spec, request, stub, stdio, listener, self._free_slot(), time.time())
         self.models[spec.name] = model
         self.watcher.watch(stub, lambda: self._stub_readable(model))
-        if check_location(spec, self.config) is None:  # else its loader refuses it: nothing of its files is read
+        if check_location(spec, self.config) is None:
+            # else its loader refuses it: nothing of its files is read
             model.cache_key = self.cache.key(spec)
             model.package = None if model.cache_key is None else self.cache.take(model.cache_key, spec.name)
             if model.package is not None and model.cache_key is not None:
@@ -114,10 +120,13 @@ class SharedModels:
                 self._ready(model)
                 return
             loading = sum(other.artifact_bytes for other in self.models.values() if other.loader is not None)
-            model.artifact_bytes = self.cache.make_room(spec, loading)  # kept packages give way to what loaders need
-        model.oom_kills = failures.oom_kills()  # should it die: whether the kernel's out-of-memory killer did it
+            # kept packages give way to what loaders need
+            model.artifact_bytes = self.cache.make_room(spec, loading)
+        # should it die: whether the kernel's out-of-memory killer did it
+        model.oom_kills = failures.oom_kills()
         model.loader, model.result = start_loader(spec, request, stdio, self.close_in_children())
-        model.result.settimeout(RESULT_SECONDS)  # a loader's child could hold the socket open after the loader died
+        # a loader's child could hold the socket open after the loader died
+        model.result.settimeout(RESULT_SECONDS)
         self.watcher.watch(model.result, lambda: self._loader_reported(model))
 
     def forget(self, name: str) -> bool:
@@ -141,7 +150,8 @@ class SharedModels:
             model.result = None
         spec = model.spec
         if report is None and exit_code is None and model.loader is not None:
-            model.loader_silent = True  # it died before it reported: how it ended, once reaped, says why
+            # it died before it reported: how it ended, once reaped, says why
+            model.loader_silent = True
             return
         if report is None:
             model.failure = model.loader_failure(exit_code)
@@ -205,7 +215,8 @@ class SharedModels:
                 model.hosts.add(key)
             payload = {"op": "connect", "model": model.spec.name, "gpu": assignment.gpu}
             self.hosts.send(host, {**payload, "batch_size": assignment.batch_size}, [connection.fileno()])
-        except OSError as exc:  # the host is dying: the frontend reconnects, and its reap starts a new one
+        except OSError as exc:
+            # the host is dying: the frontend reconnects, and its reap starts a new one
             logger.warning("model=%s gpu=%s device host unreachable: %s", model.spec.name, key, exc)
         finally:
             connection.close()  # the host holds its own descriptor now
@@ -226,7 +237,8 @@ class SharedModels:
         if model is not None and not model.load_recorded:
             metrics.record_load(bool(message.get("loaded")), time.time() - model.started)
             model.load_recorded = True
-        if model is not None and message.get("package_unused"):  # made with code the model no longer has
+        if model is not None and message.get("package_unused"):
+            # made with code the model no longer has
             self._release_package(model, keep=False)  # other hosts run its model_fn too
 
     def _host_died(self, crash: Crash) -> None:
@@ -310,9 +322,11 @@ class SharedModel:
     its hosts."""
 
     spec: ModelSpec
-    request: dict[str, Any]  # the stub's command line, environment and directory: its hosts' environment
+    # the stub's command line, environment and directory: its hosts' environment
+    request: dict[str, Any]
     stub: socket.socket  # closes when MMS ends the model's process (UNLOAD)
-    stdio: list[int]  # the stub's stdin, stdout and stderr: the model's log (-1: closed once it was served)
+    # the stub's stdin, stdout and stderr: the model's log (-1: closed once it was served)
+    stdio: list[int]
     listener: socket.socket
     slot: int
     started: float
@@ -322,13 +336,15 @@ class SharedModel:
     ready: bool = False  # connections are routed from now on
     failure: LoadFailure | None = None
     hosts: set[HostKey] = field(default_factory=set)
-    tenant: str = SHARED  # or its own name: it needs a host of its own (the loader said why, or it crashed twice)
+    # or its own name: it needs a host of its own (the loader said why, or it crashed twice)
+    tenant: str = SHARED
     threads: int | None = None  # the intra-op threads its model_fn chose, for a host of its own
     cache_key: Key | None = None  # its package's in the package cache (package_cache.py)
     cpu_host: str | None = None  # which of the CPU's hosts serves it
     served: bool = False  # a host has had it
     load_recorded: bool = False
-    oom_kills: dict[str, int] = field(default_factory=dict)  # the kernel's OOM kill counts as its loader started
+    # the kernel's OOM kill counts as its loader started
+    oom_kills: dict[str, int] = field(default_factory=dict)
     loader_silent: bool = False  # its loader died before it reported
     artifact_bytes: int = 0  # its files' size: what its loader's memory check counts
     resolved: dict[str, Any] | None = None  # what its loader resolved (None: a kept package's host resolves it)
@@ -352,8 +368,10 @@ class SharedModel:
             "resolved": self.resolved,
             "batch_size": batch_size,
             "restart": self.served,  # served before, by a host that has died since
-            "started": time.time() if self.served else self.started,  # its load time counts from this
-            "threads": None if self.tenant == SHARED else self.threads,  # a shared host keeps torch's default
+            # its load time counts from this
+            "started": time.time() if self.served else self.started,
+            # a shared host keeps torch's default
+            "threads": None if self.tenant == SHARED else self.threads,
         }
 
     def loader_failure(self, exit_code: int | None) -> LoadFailure:
@@ -379,7 +397,8 @@ class SharedModel:
         closed")."""
         try:
             connection, _ = self.listener.accept()
-        except OSError:  # BlockingIOError (none waits after all), InterruptedError, a socket closing
+        except OSError:
+            # BlockingIOError (none waits after all), InterruptedError, a socket closing
             return None
         self.stop_logging()
         return connection

@@ -115,7 +115,8 @@ class Supervisor:
     def _sweep_metrics(model_metrics: ModelMetrics) -> None:
         try:
             model_metrics.sweep()
-        except Exception:  # noqa: BLE001 - metrics must never stop the server; the sweep runs again in a second
+        except Exception:  # noqa: BLE001
+            # metrics must never stop the server; the sweep runs again in a second
             logger.exception("metrics sweep failed")
 
     def _start_with_retry(self) -> None:

@@ -80,7 +80,8 @@ class WarmProcess:
         from mme_runtime.base import devices
 
         connection, _ = self.listener.accept()
-        connection.settimeout(REQUEST_TIMEOUT_SECONDS)  # a client that connects and stalls must not stall us
+        # a client that connects and stalls must not stall us
+        connection.settimeout(REQUEST_TIMEOUT_SECONDS)
         try:
             request, fds = receive(connection, with_fds=STDIO_FDS)
         except (OSError, ValueError):
@@ -102,9 +103,11 @@ class WarmProcess:
             loader = getattr(self.shared.models.get(spec.name), "loader", None)
             if loader is not None:
                 self.deaths.watch(loader, f"model={spec.name} load failed: its loader pid={loader}")
-        except Exception:  # noqa: BLE001 - one model's arrival must never end the process every model needs
+        except Exception:  # noqa: BLE001
+            # one model's arrival must never end the process every model needs
             logger.exception("model=%s could not be taken in: its LOAD fails", spec.name)
-            if not self.shared.forget(spec.name):  # else the stub and its stdio went with the model: closed once
+            if not self.shared.forget(spec.name):
+                # else the stub and its stdio went with the model: closed once
                 for fd in fds:
                     os.close(fd)
                 connection.close()
@@ -131,13 +134,16 @@ class WarmProcess:
             try:
                 if module in sys.modules or not needs(model_dir):
                     continue
-                from mme_runtime.base import devices  # imports torch: not before the warm process has it
+                # imports torch: not before the warm process has it
+                from mme_runtime.base import devices
 
                 started = time.monotonic()
                 importlib.import_module(module)
-                devices.single_threaded()  # as after the imports at start: nothing for the forks to inherit
+                # as after the imports at start: nothing for the forks to inherit
+                devices.single_threaded()
                 logger.info("warm process: %s imported seconds=%.2f", label, time.monotonic() - started)
-            except Exception as exc:  # noqa: BLE001 - the warm process serves every model: the loader imports it
+            except Exception as exc:  # noqa: BLE001
+                # the warm process serves every model: the loader imports it
                 logger.warning("warm process: %s not imported for %s: %s", label, model_dir, exc)
 
 
@@ -188,8 +194,10 @@ def main() -> int:
     from mme_runtime.base import devices
     from mme_runtime.operations import metrics
 
-    metrics.start_container(config)  # what this process counts; each forked loader and host writes its own
-    devices.single_threaded()  # loaders and hosts are forked from here: no OpenMP pool for them to inherit
+    # what this process counts; each forked loader and host writes its own
+    metrics.start_container(config)
+    # loaders and hosts are forked from here: no OpenMP pool for them to inherit
+    devices.single_threaded()
     # What the imports made lives as long as every process forked from here: out of the collector's
     # way, so a full collection in a device host (each UNLOAD runs one) walks the models' objects,
     # not torch's.

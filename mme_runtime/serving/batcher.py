@@ -161,15 +161,18 @@ class Job:
     """One request's decoded input, waiting for its share of a forward pass."""
 
     data: Any
-    request: Any  # what the job answers (the contract's request); a lone job's predict gets it as its context
+    # what the job answers (the contract's request); a lone job's predict gets it as its context
+    request: Any
     signature: Signature | None  # None: runs alone
     rows: int
     result: Any = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
     queued_at: float = 0.0
-    run_by: Callable[[list[Job]], None] | None = None  # its model's runner, for a batcher several models share
-    late: str | None = None  # past its caller's deadline: "queued" (taken out, never run) or "running"
+    # its model's runner, for a batcher several models share
+    run_by: Callable[[list[Job]], None] | None = None
+    # past its caller's deadline: "queued" (taken out, never run) or "running"
+    late: str | None = None
 
 
 def group(jobs: Iterable[Job], batch_size: int) -> list[list[Job]]:
@@ -221,7 +224,8 @@ def run_batch(
         for job in jobs:
             job.error = exc
         return
-    except Exception as exc:  # noqa: BLE001 - each request of the batch answers with it, unless halves retry
+    except Exception as exc:  # noqa: BLE001
+        # each request of the batch answers with it, unless halves retry
         if len(jobs) == 1 or not retry_in_halves(exc):
             for job in jobs:
                 job.error = exc
@@ -326,7 +330,8 @@ class Batcher:
             self._queue.extend(jobs)
             self._awaited = max(0, self._awaited - len(jobs))
             while len(self.threads) - self._running < len(self._queue) and len(self.threads) < self._concurrency:
-                self._start_dispatcher()  # every dispatcher busy: one more, as the model's concurrency allows
+                # every dispatcher busy: one more, as the model's concurrency allows
+                self._start_dispatcher()
             self._ready.notify()
         for job in jobs:
             if job.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
@@ -358,9 +363,11 @@ class Batcher:
     def _dispatch(self) -> None:
         while (batch := self._next_batch()) is not None:
             started = time.monotonic()
-            try:  # timed from when the pass started (a GPU's pass threads may hold it back a moment)
+            try:
+                # timed from when the pass started (a GPU's pass threads may hold it back a moment)
                 started = self._run_pass(functools.partial(self._timed_run, batch))
-            except BaseException as exc:  # noqa: BLE001 - the runner answers its own errors; this is a last guard
+            except BaseException as exc:  # noqa: BLE001
+                # the runner answers its own errors; this is a last guard
                 logger.exception("batch runner failed")
                 for job in batch:
                     if job.result is None and job.error is None:
@@ -390,7 +397,8 @@ class Batcher:
                     if self._closed:
                         return None
                     if not self._ready.wait(self._idle_seconds) and not self._queue and not self._closed:
-                        self.threads.remove(threading.current_thread())  # a request from now on starts another
+                        # a request from now on starts another
+                        self.threads.remove(threading.current_thread())
                         return None
                     continue
                 if self._awaited and not self._full():
@@ -398,7 +406,8 @@ class Batcher:
                     if remaining > 0:
                         self._ready.wait(remaining)
                         continue
-                    self._awaited = 0  # those clients are not coming back soon: stop holding anyone for them
+                    # those clients are not coming back soon: stop holding anyone for them
+                    self._awaited = 0
                 self._running += 1
                 return self._take()
 

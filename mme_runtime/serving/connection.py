@@ -134,7 +134,8 @@ def serve_connection(
         with demand.connection() if demand else contextlib.nullcontext():
             connection.sendall(create_load_model_response(200, f"loaded model {spec.name}. [PID]:{os.getpid()}"))
             _answer_messages(connection, loaded, running, demand)
-    except (ValueError, OSError) as exc:  # the frontend disconnected (mms.protocol raises ValueError): a normal end
+    except (ValueError, OSError) as exc:
+        # the frontend disconnected (mms.protocol raises ValueError): a normal end
         logger.debug("model=%s connection closed: %s", spec.name, exc)
     finally:
         connection.close()
@@ -169,7 +170,8 @@ def _answer(loaded: LoadedModel, message: list[dict[str, Any]]) -> tuple[Any, by
     # system_properties, not requests.
     service._context = copy.copy(loaded.service.context)
     response = service.predict(message)
-    if service.context.metrics is not None and SERVICE_LOG.isEnabledFor(logging.INFO):  # off in a device host
+    if service.context.metrics is not None and SERVICE_LOG.isEnabledFor(logging.INFO):
+        # off in a device host
         emit_metrics(service.context.metrics.store)
     return service.context, bytes(response)
 

@@ -125,11 +125,15 @@ def encode(prediction: Any, accept: str) -> bytes:
     """Encodes a prediction (tensor, array, list or scalar) as JSON, CSV or NPY."""
     array = _to_numpy(prediction)
     if accept == JSON:
-        if _finite(array):  # orjson would write NaN and infinity as null: those keep the standard library's spelling
+        if _finite(array):
+            # orjson would write NaN and infinity as null: those keep the standard library's
+            # spelling
             try:
                 return orjson.dumps(array, option=ORJSON_OPTIONS)
             except TypeError:
-                pass  # a type orjson does not know (a non-contiguous array, say): the slower path below decides
+                # a type orjson does not know (a non-contiguous array, say): the slower path below
+                # decides
+                pass
         try:
             return json.dumps(_jsonable(array), allow_nan=True).encode("utf-8")
         except TypeError as exc:
@@ -303,7 +307,8 @@ def release_memory_of(exc: BaseException) -> None:
     for _ in range(MAX_CHAINED):
         if seen is None:
             break
-        traceback.clear_frames(seen.__traceback__)  # frames still running (none here) are left as they are
+        # frames still running (none here) are left as they are
+        traceback.clear_frames(seen.__traceback__)
         seen = seen.__cause__ or seen.__context__
     release_cached_device_memory()
 
@@ -327,7 +332,8 @@ def error_response(exc: Exception, request: Any) -> tuple[bytes, str]:
     if isinstance(exc, StepError) and exc.explained:
         message, error_type = exc.explained, "InsufficientMemory" if status == 507 else type(exc.cause).__name__
     elif isinstance(exc, StepError):
-        cause = first_line(exc.cause) if status < 500 else str(exc.cause)  # a client sees what it sent wrong
+        # a client sees what it sent wrong
+        cause = first_line(exc.cause) if status < 500 else str(exc.cause)
         message = f"{exc.step} raised {type(exc.cause).__name__}: {cause}"
         error_type = type(exc.cause).__name__
     elif isinstance(exc, BaseInferenceToolkitError):
@@ -368,7 +374,8 @@ def load_failure(step: str, exc: Exception) -> ContainerError:
         # Ours, in words of its own (no model file, say): the step goes before them.
         return type(exc)(f"{step} failed: {exc.message}"[:MAX_MESSAGE_CHARS], int(exc.status_code), exc.trace)
     message = failures.raised(step, exc)[:MAX_MESSAGE_CHARS]
-    if isinstance(exc, BaseInferenceToolkitError):  # the user's, with a status of its choosing: deliberate
+    if isinstance(exc, BaseInferenceToolkitError):
+        # the user's, with a status of its choosing: deliberate
         return ContainerError(message, int(exc.status_code))
     kind = InsufficientMemory if is_out_of_memory(exc) else ModelLoadError
     return kind(message, trace=exc)

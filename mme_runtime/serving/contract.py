@@ -36,7 +36,8 @@ class Contract:
     ) -> None:
         self._functions = dict(functions or {})
         self.accepts = tuple(accepts)  # what the default output_fn writes
-        self.answers_whole = "transform_fn" in self._functions  # no batching: the request goes in and out whole
+        # no batching: the request goes in and out whole
+        self.answers_whole = "transform_fn" in self._functions
         # Decided once per model, not per request: only our default output_fn needs Accept
         # negotiated up front.
         self.negotiates_accept = not self.answers_whole and "output_fn" not in user
@@ -71,7 +72,8 @@ class Contract:
             return None
         try:
             return function(*args, context=context)
-        except Exception as exc:  # boundary: the LOAD fails with the cause named; the traceback is logged
+        except Exception as exc:
+            # boundary: the LOAD fails with the cause named; the traceback is logged
             raise load_failure(name, exc) from exc
 
 

@@ -23,7 +23,8 @@ HELD_SECONDS = 1.0
 IDLE_SECONDS = 60.0
 
 
-RunPass = Callable[[Callable[[], Any]], Any]  # runs a pass (a function) somewhere and returns what it returned
+# runs a pass (a function) somewhere and returns what it returned
+RunPass = Callable[[Callable[[], Any]], Any]
 
 
 def run_here(function: Callable[[], Any]) -> Any:
@@ -54,7 +55,8 @@ class PassThreads:
         self._idle = 0  # threads not running a pass
         self._pending = 0  # passes handed over and not started yet
         self._passes_since: dict[int, float] = {}  # thread ident -> when its current pass started
-        self._mine = threading.local()  # set on the pool's threads: a pass that runs a pass runs it in place
+        # set on the pool's threads: a pass that runs a pass runs it in place
+        self._mine = threading.local()
         self._started = 0
         self.threads: list[threading.Thread] = []
 
@@ -90,7 +92,8 @@ class PassThreads:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
                 outcome[1] = exc
             finally:
-                with self._lock:  # idle before its caller wakes: the caller's next pass finds this thread free
+                with self._lock:
+                    # idle before its caller wakes: the caller's next pass finds this thread free
                     self._idle += 1
                     del self._passes_since[threading.get_ident()]
                 done.set()

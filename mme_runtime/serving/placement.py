@@ -85,7 +85,8 @@ def compiled(
     _, payload, content_type = found
     try:
         sample = contract.call("input_fn", context, payload, content_type)
-    except Exception as exc:  # boundary: the dry run after this reports a sample the model cannot take
+    except Exception as exc:
+        # boundary: the dry run after this reports a sample the model cannot take
         logger.warning(
             "model=%s compile=true: serving eager: input_fn refused the warm-up sample: %s", context.model_name, exc
         )

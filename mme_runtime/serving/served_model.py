@@ -78,7 +78,8 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         self._config = config
         self._contract = Contract()
         self._model: Any = None
-        self._context: InferenceContext | None = None  # the model's, once it is placed on its device
+        # the model's, once it is placed on its device
+        self._context: InferenceContext | None = None
         self._attached = False
         self._settings = ServingSettings(1, 0, "none")
         self._batcher: Batcher | None = None
@@ -102,9 +103,12 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         self._loaded = False
         self._code_dir: Path | None = None
         self._user_modules: dict[str, ModuleType] = {}
-        self._adapter: lora.Adapter | None = None  # a LoRA adapter's directory: attached over its base when placed
-        self._source_dir: Path | None = None  # where model_fn and the code come from: the model's, or its base's
-        self._scheduling: Any = None  # a generative model's defaults: its scheduler batches, not the batcher
+        # a LoRA adapter's directory: attached over its base when placed
+        self._adapter: lora.Adapter | None = None
+        # where model_fn and the code come from: the model's, or its base's
+        self._source_dir: Path | None = None
+        # a generative model's defaults: its scheduler batches, not the batcher
+        self._scheduling: Any = None
 
     @property
     def model(self) -> Any:
@@ -238,7 +242,8 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
             if self._adapter is not None:
                 module = self._model if isinstance(self._model, torch.nn.Module) else self._model.model
                 adapters = lora.attach(self._model, module, self._context.model_name, self._adapter)
-                if self._source_dir != Path(self._context.model_dir):  # a plain module: its rows picked per job
+                if self._source_dir != Path(self._context.model_dir):
+                    # a plain module: its rows picked per job
                     self.row_adapters = adapters
         except Exception as exc:  # boundary: a model that cannot be placed fails the host's LOAD
             raise load_failure("placing the model", exc) from exc
@@ -273,7 +278,8 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         if self._batcher is None:
             size, delay, name = self._settings.batch_size, self._settings.max_batch_delay_ms, self._context.model_name
             adapters = getattr(self._model, "adapters", None)
-            if adapters is not None:  # one queue for every adapter of the base: their requests share its passes
+            if adapters is not None:
+                # one queue for every adapter of the base: their requests share its passes
                 # Its threads are no one adapter's (none is marked the culprit of a crash in a pass
                 # over them all), and it outlives the adapter that made it: of that adapter's hooks
                 # it takes the unmarking alone.
@@ -303,7 +309,8 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         if adapters is not None and self._context is not None:
             if self._batcher is not None:
                 self._batcher.withdraw(self._run_jobs)
-            adapters.leave(self._context.model_name)  # its adapter goes; the shared batcher with the last one
+            # its adapter goes; the shared batcher with the last one
+            adapters.leave(self._context.model_name)
         elif self._batcher is not None:
             self._batcher.close()
         self._batcher = None
@@ -312,7 +319,8 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
             self._scheduling = None
         self._model = None
         for name, module in self._user_modules.items():  # its script, under the model's unique name
-            if sys.modules.get(name) is module:  # not a LOAD of the same name that imported it again since
+            if sys.modules.get(name) is module:
+                # not a LOAD of the same name that imported it again since
                 del sys.modules[name]
         self._contract = Contract()
         self._attached = self._loaded = False
@@ -328,7 +336,8 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         started = time.monotonic()
         request = RequestInFlight(context, self._config.default_accept)
         self._answer([request], [payload], [content_type])
-        if request.error is not None:  # a sample the model cannot answer fails the LOAD, with the cause
+        if request.error is not None:
+            # a sample the model cannot answer fails the LOAD, with the cause
             cause = request.error.cause if isinstance(request.error, StepError) else request.error
             raise load_failure(f"warm-up request code/{sample}", cause) from request.error
         logger.info("model=%s warm-up request seconds=%.3f", context.model_name, time.monotonic() - started)
@@ -374,7 +383,8 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
                 status = http_status(request.error)
                 context.set_response_status(status, phrase(status), index)
                 if is_out_of_memory(request.error):
-                    release_memory_of(request.error)  # so the next request finds the memory this one could not
+                    # so the next request finds the memory this one could not
+                    release_memory_of(request.error)
             context.set_response_content_type(index, request.content_type)
             results.append(request.body)
         return results
