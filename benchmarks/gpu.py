@@ -309,7 +309,7 @@ PARTS: dict[str, Callable[[Path, argparse.Namespace], list[list[object]]]] = {
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks gpu", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", action="append", choices=list(PARTS), help="run these parts (default: all)")
     parser.add_argument("--work", type=Path, help="where models and servers go (default: a temporary folder)")
     parser.add_argument("--models", type=int, default=10, help="tiny models in the models part")

@@ -198,7 +198,7 @@ def measure(server: Server, name: str, path: Path, texts: list[bytes], args: arg
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks hugging_face --", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks hugging_face --", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", type=int, default=20, help="models loaded for the memory rows")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=320, help="requests of the many-clients round, in all")

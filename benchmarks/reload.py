@@ -108,7 +108,7 @@ def re_loads(servers: dict[str, Server], name: str, model_dir: Path, body: bytes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks reload", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks reload", description=__doc__.split("\n\n")[0])
     parser.add_argument("--loads", type=int, default=5, help="re-LOADs per model and stack")
     args = parser.parse_args(argv)
     if args.loads < 1:

@@ -25,7 +25,7 @@ HEADERS = ("measurement", "sharing on", "sharing off", "on/off", "goal")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks sharing", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks sharing", description=__doc__.split("\n\n")[0])
     fine_tunes.add_arguments(parser)
     lora_adapters.add_arguments(parser)
     args = parser.parse_args(argv)
