@@ -62,7 +62,8 @@ HF_REQUIREMENTS = (
 )
 HF_HANDLER = "sagemaker_huggingface_inference_toolkit.handler_service"
 HF_PACKAGES = ("torch", "multi-model-server", "sagemaker-huggingface-inference-toolkit", "transformers")
-INFERENCE_PY = '''"""The same model through code of one's own: what a user writes without zero-code loading."""
+INFERENCE_PY = '''"""The same model through code of one's own: what a user writes without
+zero-code loading."""
 import json
 
 from transformers import pipeline

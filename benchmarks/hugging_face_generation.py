@@ -3,7 +3,8 @@ that generates: ours, whose scheduler decodes every client's rows together step 
 AWS Hugging Face stack.
 
     .venv/bin/python -m benchmarks hugging_face -- --part generation [--clients 16
-                                                                      --gen-requests 160 --gen-lone 40]
+                                                                      --gen-requests 160
+                                                                      --gen-lone 40]
 
 Models, built here with random weights and tokenizers trained here (tests/hf_models.py), the same
 files (hard links) for both stacks: a GPT-2-shaped causal LM (4 layers, hidden 256) as

@@ -23,8 +23,8 @@ examples:
   scripts/deploy_mme.py add-model --endpoint-name mme-gpu vit.tar.gz
   scripts/deploy_mme.py invoke --endpoint-name mme-gpu --target-model resnet.tar.gz \\
       --data '[[0.1, 0.2, 0.3, 0.4]]'
-  scripts/deploy_mme.py invoke --endpoint-name mme-gpu --target-model resnet.tar.gz --client boto3 \\
-      --content-type application/x-npy --data-file batch.npy --output result.npy
+  scripts/deploy_mme.py invoke --endpoint-name mme-gpu --target-model resnet.tar.gz \\
+      --client boto3 --content-type application/x-npy --data-file batch.npy --output result.npy
   scripts/deploy_mme.py deploy ... --min-instances 1 --max-instances 4 \\
       --target-invocations-per-instance 600
   scripts/deploy_mme.py scale --endpoint-name mme-gpu --min-instances 2 --max-instances 8

@@ -42,7 +42,8 @@ HANDLER_SERVICE = "sagemaker_pytorch_serving_container.handler_service"
 # predict_fn call an EI-only torch API. So a stock model directory needs this one function; it is
 # the handler's own EI-branch load, nothing more. The other three functions stay the handler's
 # defaults.
-STOCK_MODEL_FN = '''"""model_fn for the AWS PyTorch handler 1.5.1, whose default loads only under Elastic Inference."""
+STOCK_MODEL_FN = '''"""model_fn for the AWS PyTorch handler 1.5.1, whose default loads only under
+Elastic Inference."""
 import os
 
 import torch

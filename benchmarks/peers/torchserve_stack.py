@@ -54,7 +54,8 @@ REQUEST_TIMEOUT_SECONDS = 600
 # decoded JSON bodies (Content-Type application/json) into Python objects; other bodies arrive as
 # bytes. Requests whose inputs share a trailing shape and dtype run as one forward pass; each
 # answers only its own rows, or a 400 of its own.
-HANDLER_SOURCE = '''"""TorchServe handler for benchmarks: TorchScript model.pt; JSON rows or NPY in, JSON rows out."""
+HANDLER_SOURCE = '''"""TorchServe handler for benchmarks: TorchScript model.pt; JSON rows or NPY in,
+JSON rows out."""
 import io
 import json
 import os

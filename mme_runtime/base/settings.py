@@ -352,10 +352,11 @@ SETTINGS: tuple[Setting, ...] = (*SAGEMAKER, *MODELS, *BATCHING, *PROCESSES, *ME
 INTRODUCTION = """\
 # Configuration
 
-Every variable the container reads, with its default. SageMaker's own variables come first; the project's own
-start with `MME_`. The container logs its effective configuration once at start. A model's own settings
-(`batch_size`, `max_batch_delay`, `max_concurrency`, `isolation`, `compile`) go in its `serving.properties`
-(see [batching](batching.md)); where both are set, the model's file wins.
+Every variable the container reads, with its default. SageMaker's own variables come first; the
+project's own start with `MME_`. The container logs its effective configuration once at start. A
+model's own settings (`batch_size`, `max_batch_delay`, `max_concurrency`, `isolation`, `compile`) go
+in its `serving.properties` (see [batching](batching.md)); where both are set, the model's file
+wins.
 
 This page is generated from `mme_runtime/base/settings.py`; edit the descriptions there.
 """
@@ -370,9 +371,10 @@ def markdown_table(settings: tuple[Setting, ...]) -> str:
 RETIRED_INTRODUCTION = """\
 ## Retired settings
 
-These chose between process designs that no longer exist: since every model is served by a device host (one per
-device, or one of its own), the container refuses to start with one of them set, naming what replaced it. So does
-`preload_model_gpu=false` in the MME properties file (`MME_PROPERTIES_FILE`), which the entrypoint writes `true`.
+These chose between process designs that no longer exist: since every model is served by a device
+host (one per device, or one of its own), the container refuses to start with one of them set,
+naming what replaced it. So does `preload_model_gpu=false` in the MME properties file
+(`MME_PROPERTIES_FILE`), which the entrypoint writes `true`.
 """
 
 
