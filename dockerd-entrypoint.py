@@ -51,7 +51,9 @@ def serve() -> int:
     properties = mms_properties(config, mme, workers)
     write_properties(properties_file, properties)
     home = prepare_mms_home(config.runtime_dir)
-    logger.info("effective configuration: %s workers_per_model_effective=%d", config.describe(), workers)
+    logger.info(
+        "effective configuration: %s workers_per_model_effective=%d", config.describe(), workers
+    )
 
     command = frontend_command(config, properties_file, home, jvm_arguments(config, mme))
     env = config.child_environment({"MODEL_SERVER_HOME": str(home), "PYTHONUNBUFFERED": "1"})

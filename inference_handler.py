@@ -34,15 +34,18 @@ class DefaultPytorchInferenceHandler(DefaultInferenceHandler):  # type: ignore[m
         path = model_package.model_file(Path(model_dir))
         if path is None:
             raise ModelLoadError(
-                f"no {' or '.join((pt2.PT2_FILE, *MODEL_FILES))} in {model_dir}: save a model there "
-                "(torch.export, AOTInductor or TorchScript), or supply model_fn in code/inference.py"
+                f"no {' or '.join((pt2.PT2_FILE, *MODEL_FILES))} in {model_dir}: save a model "
+                "there (torch.export, AOTInductor or TorchScript), or supply model_fn in "
+                "code/inference.py"
             )
         try:
             return torch.jit.load(str(path), map_location="cpu")  # type: ignore[no-untyped-call,unused-ignore]
         except RuntimeError as jit_error:
             raise _not_torchscript(path, jit_error) from jit_error
 
-    def default_input_fn(self, input_data: Any, content_type: str | None, context: Any = None) -> torch.Tensor:
+    def default_input_fn(
+        self, input_data: Any, content_type: str | None, context: Any = None
+    ) -> torch.Tensor:
         """Decodes JSON, CSV or NPY into a tensor (float32 for the text formats, as the AWS handler
         does)."""
         return content.decode(input_data, content_type)
@@ -62,7 +65,9 @@ class DefaultPytorchInferenceHandler(DefaultInferenceHandler):  # type: ignore[m
                 # the wrong shape or type: the caller's error, with the model's own words.
                 shape = tuple(data.shape) if isinstance(data, torch.Tensor) else type(data).__name__
                 reason = first_line(exc)
-                raise InvalidInput(f"the model rejected an input of shape {shape}: {reason}") from exc
+                raise InvalidInput(
+                    f"the model rejected an input of shape {shape}: {reason}"
+                ) from exc
 
     def default_output_fn(self, prediction: Any, accept: str, context: Any = None) -> bytes:
         """Encodes the prediction as JSON, CSV or NPY; ``accept`` was negotiated from the request's
@@ -80,7 +85,11 @@ def _not_torchscript(path: Path, jit_error: RuntimeError) -> ModelLoadError:
             f"{path.name} is not a TorchScript model ({str(jit_error).splitlines()[0]}); "
             "supply model_fn in code/inference.py to load it"
         )
-    kind = f"a state dict with {len(state)} entries" if isinstance(state, dict) else f"a {type(state).__name__}"
+    kind = (
+        f"a state dict with {len(state)} entries"
+        if isinstance(state, dict)
+        else f"a {type(state).__name__}"
+    )
     return ModelLoadError(
         f"{path.name} holds {kind}, not a TorchScript model: supply model_fn in code/inference.py "
         "that builds the model and loads these weights"

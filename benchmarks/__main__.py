@@ -148,7 +148,9 @@ def _gpus() -> str:
     """What ``nvidia-smi -L`` lists, as "2x NVIDIA H100 80GB HBM3"; "no GPU" without it or with
     nothing listed."""
     try:
-        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60, check=True).stdout
+        listed = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60, check=True
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return "no GPU"
     lines = [line.strip() for line in listed.splitlines() if line.startswith("GPU")]
@@ -165,10 +167,14 @@ def markers(name: str) -> tuple[str, str]:
 def _section(text: str, name: str, path: Path) -> tuple[int, int]:
     """Where the text between ``name``'s markers starts and ends."""
     opening, closing = markers(name)
-    if text.count(opening) != 1 or text.count(closing) != 1 or text.index(opening) > text.index(closing):
+    if (
+        text.count(opening) != 1
+        or text.count(closing) != 1
+        or text.index(opening) > text.index(closing)
+    ):
         raise DocsError(
-            f"{path} needs exactly one {opening} ... {closing} pair, in that order, where the {name} tables belong "
-            "(the output is written between them, never appended)"
+            f"{path} needs exactly one {opening} ... {closing} pair, in that order, where the "
+            f"{name} tables belong (the output is written between them, never appended)"
         )
     return text.index(opening) + len(opening), text.index(closing)
 
@@ -214,22 +220,32 @@ def parse(argv: Sequence[str]) -> tuple[list[str], Path | None, list[str]]:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("names", nargs="*", metavar="NAME", help=f"one of: {', '.join(BENCHMARKS)} (default: all)")
+    parser.add_argument(
+        "names", nargs="*", metavar="NAME", help=f"one of: {', '.join(BENCHMARKS)} (default: all)"
+    )
     parser.add_argument(
         "--write-docs",
         nargs="?",
         const=DEFAULT_DOCS,
         type=Path,
         metavar="PATH",
-        help="write each benchmark's output between its markers in PATH (default: docs/benchmarks.md)",
+        help="write each benchmark's output between its markers in PATH (default: "
+        "docs/benchmarks.md)",
     )
     args = parser.parse_args(own)
     unknown = [name for name in args.names if name not in BENCHMARKS]
     if unknown:
-        parser.error(f"no benchmark named {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+        parser.error(
+            f"no benchmark named {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}"
+        )
     if args.write_docs is not None and str(args.write_docs) in BENCHMARKS:
-        parser.error(f"--write-docs took {args.write_docs} for its PATH: name the benchmarks before --write-docs")
-    names = list(dict.fromkeys(args.names)) or [name for name in BENCHMARKS if name not in WHEN_NAMED]
+        parser.error(
+            f"--write-docs took {args.write_docs} for its PATH: name the benchmarks before "
+            "--write-docs"
+        )
+    names = list(dict.fromkeys(args.names)) or [
+        name for name in BENCHMARKS if name not in WHEN_NAMED
+    ]
     if extra and len(names) != 1:
         parser.error("options after -- go to one benchmark: name exactly one")
     return names, args.write_docs, extra

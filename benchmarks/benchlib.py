@@ -112,11 +112,16 @@ class Server:
         shared = any(is_stub(process) for process in self.model_processes(name))
         unloaded = self.unload(name)
         if unloaded.status_code != 200:
-            raise RuntimeError(f"UNLOAD {name} answered {unloaded.status_code}: {unloaded.text[:300]}; see {self.log}")
+            raise RuntimeError(
+                f"UNLOAD {name} answered {unloaded.status_code}: {unloaded.text[:300]}; see "
+                f"{self.log}"
+            )
         deadline = time.monotonic() + timeout
         while self.model_processes(name) or (shared and not self._hosts_unloaded(name)):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{name}: not unloaded {timeout:.0f} s after UNLOAD; see {self.log}")
+                raise RuntimeError(
+                    f"{name}: not unloaded {timeout:.0f} s after UNLOAD; see {self.log}"
+                )
             time.sleep(0.1)
 
     def _hosts_unloaded(self, name: str) -> bool:
@@ -128,27 +133,37 @@ class Server:
         ready = len(re.findall(model + "device=", text))
         return len(re.findall(model + "unloaded from the device host", text)) >= max(ready, 1)
 
-    def load_and_answer(self, name: str, path: Path, body: bytes, timeout: float = 300, **extra: object) -> None:
+    def load_and_answer(
+        self, name: str, path: Path, body: bytes, timeout: float = 300, **extra: object
+    ) -> None:
         """LOAD, then invoke until the model answers 200 (MMS answers LOAD once its workers are up,
         but a caller counts from the first answer)."""
         loaded = self.load(name, path, **extra)
         if loaded.status_code != 200:
-            raise RuntimeError(f"LOAD {name} answered {loaded.status_code}: {loaded.text[:300]}; see {self.log}")
+            raise RuntimeError(
+                f"LOAD {name} answered {loaded.status_code}: {loaded.text[:300]}; see {self.log}"
+            )
         deadline = time.monotonic() + timeout
         url = f"{self.url}/models/{name}/invoke"
         with requests.Session() as session:
             while time.monotonic() < deadline:
                 try:
-                    reply = session.post(url, data=body, headers={"Content-Type": "application/json"}, timeout=60)
+                    reply = session.post(
+                        url, data=body, headers={"Content-Type": "application/json"}, timeout=60
+                    )
                     if reply.status_code == 200:
                         return
                 except requests.RequestException:
                     pass
                 time.sleep(0.05)
-        raise RuntimeError(f"{name}: no successful invoke within {timeout:.0f} s of LOAD; see {self.log}")
+        raise RuntimeError(
+            f"{name}: no successful invoke within {timeout:.0f} s of LOAD; see {self.log}"
+        )
 
 
-def load_baseline(server: Server, model_dirs: Sequence[Path], body: bytes, workers: int | None = None) -> float:
+def load_baseline(
+    server: Server, model_dirs: Sequence[Path], body: bytes, workers: int | None = None
+) -> float:
     """Loads the unrelated models in ``model_dirs`` as ``baseline0``, ``baseline1``, ... (each its
     own directory: our server puts another name for the same files on the same host), with
     ``workers`` workers each (None: the server's default), has each answer ``body`` once, and leaves
@@ -200,7 +215,9 @@ def device_host_count(server: Server) -> int:
 
 
 @contextmanager
-def serve(command: Sequence[str], env: Mapping[str, str], work_dir: Path, port: int) -> Iterator[Server]:
+def serve(
+    command: Sequence[str], env: Mapping[str, str], work_dir: Path, port: int
+) -> Iterator[Server]:
     work_dir.mkdir(parents=True, exist_ok=True)
     log = work_dir / "server.out"
     with open(log, "wb") as out:
@@ -258,7 +275,12 @@ def ensure_venv(venv: Path, requirements: Sequence[str], label: str, force: bool
     installed, so a run with the same requirements installs nothing."""
     marker = venv / ".bench-installed"
     wanted = "\n".join(requirements)
-    if not force and marker.exists() and marker.read_text() == wanted and venv_python(venv).exists():
+    if (
+        not force
+        and marker.exists()
+        and marker.read_text() == wanted
+        and venv_python(venv).exists()
+    ):
         return
     print(f"installing {label} into {venv} (a minute or so)", file=sys.stderr, flush=True)
     if not venv_python(venv).exists():
@@ -269,7 +291,9 @@ def ensure_venv(venv: Path, requirements: Sequence[str], label: str, force: bool
     marker.write_text(wanted)
 
 
-def our_server(work_dir: Path, env: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str], int]:
+def our_server(
+    work_dir: Path, env: Mapping[str, str] | None = None
+) -> tuple[list[str], dict[str, str], int]:
     """Command, environment and port that start this project's server."""
     port = free_port()
     full_env = {
@@ -298,6 +322,9 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     it is."""
     cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in cells]
+    lines = [
+        "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
+        for row in cells
+    ]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)

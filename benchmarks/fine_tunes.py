@@ -50,7 +50,9 @@ def progress(message: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fine-tunes", type=int, default=20, help="fine-tunes of the 100 MB base")
-    parser.add_argument("--large-loads", type=int, default=5, help="LOADs of the 500 MB model per stack")
+    parser.add_argument(
+        "--large-loads", type=int, default=5, help="LOADs of the 500 MB model per stack"
+    )
 
 
 def head_bytes(model_dir: Path) -> int:
@@ -71,7 +73,9 @@ def label_scores(answer: object) -> dict[str, float]:
 def in_process(model_dir: Path) -> dict[str, float]:
     import transformers
 
-    return label_scores(transformers.pipeline("text-classification", model=str(model_dir))(TEXT, **RAW))
+    return label_scores(
+        transformers.pipeline("text-classification", model=str(model_dir))(TEXT, **RAW)
+    )
 
 
 def check_answers(server: Server, names: list[str], expected: list[dict[str, float]]) -> None:
@@ -86,10 +90,14 @@ def check_answers(server: Server, names: list[str], expected: list[dict[str, flo
         answers.append(label_scores(json.loads(answer)))
     connection.close()
     if len({tuple(sorted(scores.items())) for scores in answers}) != len(names):
-        raise RuntimeError(f"fine-tunes with different heads answered alike: {answers}; see {server.log}")
+        raise RuntimeError(
+            f"fine-tunes with different heads answered alike: {answers}; see {server.log}"
+        )
     for name, got, want in zip(names, answers, expected, strict=False):
         if got.keys() != want.keys() or any(abs(got[label] - want[label]) > 1e-4 for label in want):
-            raise RuntimeError(f"{name} answered {got}, transformers in process {want}; see {server.log}")
+            raise RuntimeError(
+                f"{name} answered {got}, transformers in process {want}; see {server.log}"
+            )
 
 
 def linked(source: Path, dest: Path) -> Path:
@@ -131,7 +139,9 @@ def fine_tunes_memory(
     }
 
 
-def large_loads(servers: dict[str, Server], large: Path, models: Path, count: int, body: bytes) -> dict[str, float]:
+def large_loads(
+    servers: dict[str, Server], large: Path, models: Path, count: int, body: bytes
+) -> dict[str, float]:
     """LOAD to first answer of fresh copies of ``large``, the stacks taking turns (drift on a noisy
     machine hits both alike), each copy unloaded before the next; the median per stack, ms."""
     seconds: dict[str, list[float]] = {label: [] for label in servers}
@@ -148,7 +158,10 @@ def measure(work: Path, args: argparse.Namespace) -> list[list[object]]:
     models = work / "fine-tune-models"
     progress(f"making a 100 MB base, {args.fine_tunes} fine-tunes and a 500 MB model")
     base = hf_models.bert_sized_vocabulary(hf_models.bert(models / "base", hidden=768, layers=5))
-    tunes = [hf_models.fine_tune(base, models / f"tune-{index}", index) for index in range(args.fine_tunes)]
+    tunes = [
+        hf_models.fine_tune(base, models / f"tune-{index}", index)
+        for index in range(args.fine_tunes)
+    ]
     large = hf_models.bert(models / "large", hidden=1024, layers=15)
     large_mb = sum(path.stat().st_size for path in large.glob("*.safetensors")) / 1e6
     body = json.dumps({"inputs": TEXT}).encode()
@@ -161,7 +174,9 @@ def measure(work: Path, args: argparse.Namespace) -> list[list[object]]:
         for label, env in stacks:
             env = {**env, "MME_KEEP_UNLOADED_MB": "0"}
             command, full_env, port = our_server(work / f"tunes-{label}", env)
-            servers[label] = stack.enter_context(serve(command, full_env, work / f"tunes-{label}", port))
+            servers[label] = stack.enter_context(
+                serve(command, full_env, work / f"tunes-{label}", port)
+            )
             progress(f"sharing {label}: {args.fine_tunes} fine-tunes")
             results[label] = fine_tunes_memory(servers[label], tunes, body, expected)
         progress(f"{args.large_loads} LOADs of the {large_mb:.0f} MB model on each stack, in turns")

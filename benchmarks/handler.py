@@ -58,7 +58,8 @@ STOCK_LABEL = "AWS PyTorch handler 1.5.1"
 # Run by the stock stack's interpreter from the repository root: the AWS handler's timings, as JSON
 # on stdout.
 _STOCK_PROBE = (
-    "import json, sys; from benchmarks.handler import measure; print(json.dumps(measure(True, int(sys.argv[1]))))"
+    "import json, sys; from benchmarks.handler import measure; print(json.dumps(measure(True, "
+    "int(sys.argv[1]))))"
 )
 
 
@@ -126,7 +127,9 @@ def main(argv: Sequence[str] = ()) -> int:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--ours", action="store_true", help="time this project's handler alone")
     which.add_argument(
-        "--stock", action="store_true", help="time the AWS handler alone, in this interpreter (the stock stack's venv)"
+        "--stock",
+        action="store_true",
+        help="time the AWS handler alone, in this interpreter (the stock stack's venv)",
     )
     parser.add_argument("--requests", type=int, default=3000, help="timed calls per handler")
     args = parser.parse_args(list(argv))
@@ -136,7 +139,10 @@ def main(argv: Sequence[str] = ()) -> int:
     if args.stock:
         # the stock stack's venv has neither requests nor pytest: no table from benchlib here
         median, p99 = measure(True, args.requests)
-        print(f"{STOCK_LABEL}: Service.predict median {median:.0f} us, p99 {p99:.0f} us over {args.requests} calls")
+        print(
+            f"{STOCK_LABEL}: Service.predict median {median:.0f} us, p99 {p99:.0f} us over "
+            f"{args.requests} calls"
+        )
         return 0
     from benchmarks.benchlib import table
 
@@ -144,9 +150,14 @@ def main(argv: Sequence[str] = ()) -> int:
     if not args.ours:
         rows.append((STOCK_LABEL, *measure_in_stock_venv(args.requests)))
     print(
-        f"one JSON invoke of the tiny model through MMS's Service.predict, no Java frontend: median and p99 of "
-        f"{args.requests} calls after 200 untimed, one torch thread"
+        "one JSON invoke of the tiny model through MMS's Service.predict, no Java frontend: "
+        f"median and p99 of {args.requests} calls after 200 untimed, one torch thread"
     )
     print()
-    print(table(["handler", "median, us", "p99, us"], [[name, f"{m:.0f}", f"{p:.0f}"] for name, m, p in rows]))
+    print(
+        table(
+            ["handler", "median, us", "p99, us"],
+            [[name, f"{m:.0f}", f"{p:.0f}"] for name, m, p in rows],
+        )
+    )
     return 0

@@ -47,8 +47,12 @@ def progress(message: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapters", type=int, default=50, help="adapters loaded with sharing on")
-    parser.add_argument("--adapters-off", type=int, default=8, help="adapters loaded with sharing off")
-    parser.add_argument("--requests", type=int, default=640, help="requests per throughput run (16 clients)")
+    parser.add_argument(
+        "--adapters-off", type=int, default=8, help="adapters loaded with sharing off"
+    )
+    parser.add_argument(
+        "--requests", type=int, default=640, help="requests per throughput run (16 clients)"
+    )
 
 
 def make_models(root: Path, count: int) -> tuple[Path, list[Path], int]:
@@ -58,18 +62,27 @@ def make_models(root: Path, count: int) -> tuple[Path, list[Path], int]:
     shutil.copytree(base, root / "base-unbatched")
     adapters = []
     for index in range(count):
-        directory = lora_models.adapter(base, root / f"adapter-{index}", seed=index, targets=("query", "value"))
+        directory = lora_models.adapter(
+            base, root / f"adapter-{index}", seed=index, targets=("query", "value")
+        )
         (directory / "serving.properties").write_text(BATCHED)
         adapters.append(directory)
-    nbytes = sum(tensor.nbytes for tensor in load_file(str(adapters[0] / "adapter_model.safetensors")).values())
+    nbytes = sum(
+        tensor.nbytes
+        for tensor in load_file(str(adapters[0] / "adapter_model.safetensors")).values()
+    )
     return base, adapters, nbytes
 
 
 def texts(count: int) -> list[bytes]:
-    return [json.dumps({"inputs": hf_models.text_of_tokens(24, seed)}).encode() for seed in range(count)]
+    return [
+        json.dumps({"inputs": hf_models.text_of_tokens(24, seed)}).encode() for seed in range(count)
+    ]
 
 
-def adapters_memory(server: Server, adapters: list[Path], count: int, body: bytes) -> tuple[float, float, list[float]]:
+def adapters_memory(
+    server: Server, adapters: list[Path], count: int, body: bytes
+) -> tuple[float, float, list[float]]:
     """PSS per extra adapter (``count`` loaded, each answering once), the frontend's part of it, and
     each LOAD's time to its first answer."""
     loads = [load_until_first_answer(server, "adapter-0", adapters[0], body)]
@@ -122,19 +135,27 @@ def measure(work: Path, args: argparse.Namespace) -> list[list[object]]:
         with serve(command, full_env, work / f"lora-{label}", port) as server:
             progress(f"sharing {label}: {loaded} adapters")
             per_adapter, frontend, loads = adapters_memory(server, adapters, loaded, bodies[0])
-            row = {"memory": per_adapter, "frontend": frontend, "load_p50": statistics.median(loads[1:]) * 1000}
+            row = {
+                "memory": per_adapter,
+                "frontend": frontend,
+                "load_p50": statistics.median(loads[1:]) * 1000,
+            }
             row.update(early=statistics.median(loads[1:6]), late=statistics.median(loads[-5:]))
             if label == "on":
                 progress("16 clients: one adapter, 8 adapters, 8 adapters unbatched")
                 row["one"] = clients(server, ["adapter-0"], bodies, args.requests)
-                row["eight"] = clients(server, [f"adapter-{i}" for i in range(8)], bodies, args.requests)
+                row["eight"] = clients(
+                    server, [f"adapter-{i}" for i in range(8)], bodies, args.requests
+                )
                 for index in range(8):
                     plain = models / f"unbatched-{index}"
                     if not plain.exists():
                         shutil.copytree(adapters[index], plain)
                         (plain / "serving.properties").write_text(UNBATCHED)
                     load_until_first_answer(server, f"unbatched-{index}", plain, bodies[0])
-                row["unbatched"] = clients(server, [f"unbatched-{i}" for i in range(8)], bodies, args.requests)
+                row["unbatched"] = clients(
+                    server, [f"unbatched-{i}" for i in range(8)], bodies, args.requests
+                )
             results[label] = row
     on, off = results["on"], results["off"]
     own_mib = adapter_bytes / 2**20

@@ -82,14 +82,18 @@ def big_model(model_dir: Path, size_mb: int, style: str = "torchscript") -> Path
     script."""
     layers = max(1, round(size_mb * 2**20 / (4 * (FEATURES * FEATURES + FEATURES))))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(FEATURES, FEATURES) for _ in range(layers)]).eval()
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(FEATURES, FEATURES) for _ in range(layers)]
+    ).eval()
     model_dir.mkdir(parents=True, exist_ok=True)
     if style == "torchscript":
         torch.jit.script(model).save(str(model_dir / "model.pt"))
         return model_dir
     torch.save(model.state_dict(), model_dir / "model.pth")
     (model_dir / "code").mkdir()
-    (model_dir / "code" / "inference.py").write_text(STATE_DICT_SCRIPT.format(features=FEATURES, layers=layers))
+    (model_dir / "code" / "inference.py").write_text(
+        STATE_DICT_SCRIPT.format(features=FEATURES, layers=layers)
+    )
     return model_dir
 
 
@@ -106,7 +110,10 @@ def measure(server: Server, name: str, model_dir: Path, workers: int) -> tuple[f
     body = json.dumps([[0.0] * FEATURES])
     for _ in range(workers * 2):
         reply = requests.post(
-            f"{server.url}/models/{name}/invoke", data=body, headers={"Content-Type": "application/json"}, timeout=120
+            f"{server.url}/models/{name}/invoke",
+            data=body,
+            headers={"Content-Type": "application/json"},
+            timeout=120,
         )
         reply.raise_for_status()
     added = server.tree_memory_mib() - before
@@ -128,7 +135,9 @@ def main(argv: Sequence[str] = ()) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--size-mb", type=int, default=300)
-    parser.add_argument("--setups", type=parse_setup, nargs="+", default=[(1, 1), (1, 8), (2, 2), (4, 4)])
+    parser.add_argument(
+        "--setups", type=parse_setup, nargs="+", default=[(1, 1), (1, 8), (2, 2), (4, 4)]
+    )
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--style", choices=["state_dict", "torchscript"], default="state_dict")
     args = parser.parse_args(list(argv))
@@ -139,7 +148,8 @@ def main(argv: Sequence[str] = ()) -> int:
         model_dir = big_model(root / "models" / "big", args.size_mb, args.style)
         size = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file()) / 2**20
         baseline_dirs = [
-            torchscript_model(root / "models" / f"baseline{index}", seed=index + 1) for index in range(BASELINE_MODELS)
+            torchscript_model(root / "models" / f"baseline{index}", seed=index + 1)
+            for index in range(BASELINE_MODELS)
         ]
         baseline_body = json.dumps([[1.0] * 4]).encode()
         for devices, workers in args.setups:
@@ -151,10 +161,13 @@ def main(argv: Sequence[str] = ()) -> int:
                     work = root / f"{mode}-{devices}x{workers}"
                     command, env, port = our_server(work, {"MME_SHARE_DEVICE": flag, **gpus})
                     servers[mode] = stack.enter_context(serve(command, env, work, port))
-                    baseline = load_baseline(servers[mode], baseline_dirs, baseline_body, workers=devices)
+                    baseline = load_baseline(
+                        servers[mode], baseline_dirs, baseline_body, workers=devices
+                    )
                     print(
-                        f"{devices}x{workers} {mode} host: baseline tree memory {baseline:.0f} MiB, "
-                        f"{len(servers[mode].tree())} processes, {device_host_count(servers[mode])} device hosts",
+                        f"{devices}x{workers} {mode} host: baseline tree memory {baseline:.0f} "
+                        f"MiB, {len(servers[mode].tree())} processes, "
+                        f"{device_host_count(servers[mode])} device hosts",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -162,8 +175,12 @@ def main(argv: Sequence[str] = ()) -> int:
                     for mode, server in servers.items():
                         name = f"big_{mode}_{round_index}"
                         results[mode].append(measure(server, name, model_dir, workers))
-            on_load, off_load = (statistics.median(r[0] for r in results[mode]) for mode in ("shared", "own"))
-            on_mem, off_mem = (statistics.median(r[1] for r in results[mode]) for mode in ("shared", "own"))
+            on_load, off_load = (
+                statistics.median(r[0] for r in results[mode]) for mode in ("shared", "own")
+            )
+            on_mem, off_mem = (
+                statistics.median(r[1] for r in results[mode]) for mode in ("shared", "own")
+            )
             rows.append(
                 [
                     devices,
@@ -178,11 +195,14 @@ def main(argv: Sequence[str] = ()) -> int:
                 ]
             )
     style = "TorchScript" if args.style == "torchscript" else "state dict + load_state_dict script,"
-    print(f"model: {style} MLP, {size:.0f} MiB on disk; median of {args.repeat} runs; hosts on the CPU")
     print(
-        "MiB added: PSS of every process under the server plus the shared-memory files they hold but do not map, "
-        "after the model's 2 x W answers minus before its LOAD "
-        f"(each after a {SETTLE_SECONDS:g} s pause), with {BASELINE_MODELS} unrelated tiny models already loaded "
+        f"model: {style} MLP, {size:.0f} MiB on disk; median of {args.repeat} runs; hosts on the "
+        "CPU"
+    )
+    print(
+        "MiB added: PSS of every process under the server plus the shared-memory files they hold "
+        "but do not map, after the model's 2 x W answers minus before its LOAD (each after a "
+        f"{SETTLE_SECONDS:g} s pause), with {BASELINE_MODELS} unrelated tiny models already loaded "
         "(D workers each), so the device hosts already run"
     )
     print()  # a Markdown table starts after a blank line

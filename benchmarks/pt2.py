@@ -71,7 +71,9 @@ def build_variants(
     shutil.copy(dirs["ExportedProgram"] / "model.pt2", dirs["compile=true"] / "model.pt2")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch._inductor.aoti_compile_and_package(program, package_path=str(dirs["AOTInductor"] / "model.pt2"))
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=str(dirs["AOTInductor"] / "model.pt2")
+        )
     for variant, directory in dirs.items():
         extra = "compile=true\n" if variant == "compile=true" else ""
         (directory / "serving.properties").write_text(properties + extra)
@@ -129,7 +131,9 @@ def measure(server: Server, model_dir: Path, case: Case, tag: str) -> dict[str, 
 
 def main(argv: Sequence[str] = ()) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks pt2 --", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks pt2 --",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--size-mb", type=int, default=100)
@@ -142,12 +146,19 @@ def main(argv: Sequence[str] = ()) -> int:
     }
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     with ExitStack() as resources:
-        root = Path(resources.enter_context(tempfile.TemporaryDirectory(prefix="bench-pt2-", dir="/tmp")))
+        root = Path(
+            resources.enter_context(tempfile.TemporaryDirectory(prefix="bench-pt2-", dir="/tmp"))
+        )
         cases = {}
         for label, (model, shape, requests_1, requests_n) in nets.items():
             body = npy(rng.standard_normal((1, *shape[1:])).astype(np.float32))
-            dirs = build_variants(root / "models", label.split()[0], model, torch.randn(*shape), body)
-            cases[label] = (Case(label, dirs["TorchScript"], body, "application/x-npy", requests_1, requests_n), dirs)
+            dirs = build_variants(
+                root / "models", label.split()[0], model, torch.randn(*shape), body
+            )
+            cases[label] = (
+                Case(label, dirs["TorchScript"], body, "application/x-npy", requests_1, requests_n),
+                dirs,
+            )
             print(f"built {label}", file=sys.stderr, flush=True)
         for round_index in range(args.rounds):
             # A fresh server and compile cache each round: "cold" is a first compile, "cached" a
@@ -155,21 +166,32 @@ def main(argv: Sequence[str] = ()) -> int:
             work = root / f"server-{round_index}"
             # A first compile counts against the LOAD's time limit (360 s by default: docs/api.md,
             # Long LOADs).
-            env_extra = {"MME_CACHE_DIR": str(work / "cache"), "SAGEMAKER_MODEL_SERVER_TIMEOUT": "600"}
+            env_extra = {
+                "MME_CACHE_DIR": str(work / "cache"),
+                "SAGEMAKER_MODEL_SERVER_TIMEOUT": "600",
+            }
             command, env, port = our_server(work, env_extra)
             with serve_isolated("ours", command, env, work, port) as server:
                 for label, (case, dirs) in cases.items():
                     for index, variant in enumerate(VARIANTS):
-                        sample = measure(server, dirs[variant], case, f"r{round_index}v{index}{label[0]}")
+                        sample = measure(
+                            server, dirs[variant], case, f"r{round_index}v{index}{label[0]}"
+                        )
                         results.setdefault((label, variant), []).append(sample)
-                        print(f"round {round_index + 1} {label} {variant}: {json.dumps(sample)}", file=sys.stderr)
+                        print(
+                            f"round {round_index + 1} {label} {variant}: {json.dumps(sample)}",
+                            file=sys.stderr,
+                        )
     rows = []
     for label in nets:
         eager_load = statistics.median(s["cached"] for s in results[(label, "ExportedProgram")])
         script_p50 = statistics.median(s["p50"] for s in results[(label, "TorchScript")])
         for variant in VARIANTS:
             samples = results[(label, variant)]
-            med = {key: statistics.median(s[key] for s in samples) for key in ("cold", "cached", "p50", "rps")}
+            med = {
+                key: statistics.median(s[key] for s in samples)
+                for key in ("cold", "cached", "p50", "rps")
+            }
             rows.append(
                 [
                     label,

@@ -81,7 +81,13 @@ from benchmarks.benchlib import (
     percentile,
     table,
 )
-from benchmarks.peers.stock_stack import STOCK_VENV, ensure_venv, serve_isolated, stock_model_dir, stock_server
+from benchmarks.peers.stock_stack import (
+    STOCK_VENV,
+    ensure_venv,
+    serve_isolated,
+    stock_model_dir,
+    stock_server,
+)
 from benchmarks.preload import FEATURES, big_model
 
 STACKS = ("ours", "ours-metrics-off", "stock")
@@ -131,7 +137,9 @@ def load_until_first_response(
         loaded = server.load(name, model_dir)
         load_call = time.perf_counter() - started
         if loaded.status_code != 200:
-            raise RuntimeError(f"LOAD {name} answered {loaded.status_code}: {loaded.text[:300]}; see {server.log}")
+            raise RuntimeError(
+                f"LOAD {name} answered {loaded.status_code}: {loaded.text[:300]}; see {server.log}"
+            )
         # MMS answers LOAD once its workers are up, but retry anyway: "first response" is what a
         # caller sees.
         while time.perf_counter() - started < timeout_s:
@@ -139,7 +147,9 @@ def load_until_first_response(
             if reply is not None and reply.status_code == 200:
                 return load_call, time.perf_counter() - started, reply.json()
             time.sleep(0.05)
-    raise RuntimeError(f"{name}: no successful invoke within {timeout_s:.0f} s of LOAD; see {server.log}")
+    raise RuntimeError(
+        f"{name}: no successful invoke within {timeout_s:.0f} s of LOAD; see {server.log}"
+    )
 
 
 def sequential(url: str, body: bytes, count: int) -> tuple[list[float], float, int]:
@@ -223,7 +233,12 @@ class Scraper:
 
 
 def measure(
-    server: Server, name: str, case: ModelCase, stack: str, args: argparse.Namespace, metrics_url: str | None
+    server: Server,
+    name: str,
+    case: ModelCase,
+    stack: str,
+    args: argparse.Namespace,
+    metrics_url: str | None,
 ) -> Sample:
     before = server.tree_memory_mib()
     load_call, load_to_first, first_body = load_until_first_response(
@@ -231,22 +246,36 @@ def measure(
     )
     workers = requests.get(f"{server.url}/models/{name}", timeout=30).json()["workers"]
     if len(workers) != args.workers:  # the comparison is only fair with equal workers
-        raise RuntimeError(f"{stack} runs {len(workers)} workers for {name}, not {args.workers}; see {server.log}")
+        raise RuntimeError(
+            f"{stack} runs {len(workers)} workers for {name}, not {args.workers}; see {server.log}"
+        )
     url = f"{server.url}/models/{name}/invoke"
     # Untimed: TorchScript's profiling executor optimises a graph over its first calls.
     with requests.Session() as session:
         warm_failed = sum(
-            1 for _ in range(args.warmup) if (r := invoke(session, url, case.body)) is None or r.status_code != 200
+            1
+            for _ in range(args.warmup)
+            if (r := invoke(session, url, case.body)) is None or r.status_code != 200
         )
     added = server.tree_memory_mib() - before
     with Scraper(metrics_url, args.scrape_interval) as scraper:
         latencies, rps_1, seq_failed = sequential(url, case.body, args.requests)
         rps_n, conc_failed = concurrent(url, case.body, args.clients, args.concurrent_requests)
     if scraper.failed:
-        raise RuntimeError(f"{scraper.failed} of {scraper.scrapes} scrapes of {metrics_url} failed; see {server.log}")
+        raise RuntimeError(
+            f"{scraper.failed} of {scraper.scrapes} scrapes of {metrics_url} failed; see "
+            f"{server.log}"
+        )
     server.unload_and_wait(name)
     return Sample(
-        load_call, load_to_first, latencies, rps_1, rps_n, warm_failed + seq_failed + conc_failed, added, first_body
+        load_call,
+        load_to_first,
+        latencies,
+        rps_1,
+        rps_n,
+        warm_failed + seq_failed + conc_failed,
+        added,
+        first_body,
     )
 
 
@@ -260,7 +289,11 @@ def build_models(root: Path, size_mb: int) -> list[ModelCase]:
     big = big_model(root / "ours" / "mlp", size_mb)
     big_mib = (big / "model.pt").stat().st_size / 2**20
     return [
-        ModelCase("tiny", {"ours": tiny, "stock": stock_model_dir(tiny, root / "stock" / "tiny")}, row(IN_FEATURES)),
+        ModelCase(
+            "tiny",
+            {"ours": tiny, "stock": stock_model_dir(tiny, root / "stock" / "tiny")},
+            row(IN_FEATURES),
+        ),
         ModelCase(
             f"MLP {big_mib:.0f} MiB",
             {"ours": big, "stock": stock_model_dir(big, root / "stock" / "mlp")},
@@ -272,7 +305,10 @@ def build_models(root: Path, size_mb: int) -> list[ModelCase]:
 def build_baseline(root: Path) -> dict[str, list[Path]]:
     """The unrelated tiny models every server loads first and keeps (benchlib.load_baseline), per
     stack."""
-    ours = [torchscript_model(root / "ours" / f"baseline{index}", seed=index + 1) for index in range(BASELINE_MODELS)]
+    ours = [
+        torchscript_model(root / "ours" / f"baseline{index}", seed=index + 1)
+        for index in range(BASELINE_MODELS)
+    ]
     stock = [stock_model_dir(path, root / "stock" / path.name) for path in ours]
     return {"ours": ours, "stock": stock}
 
@@ -287,7 +323,9 @@ def same_answer(a: object, b: object) -> bool:
     return a == b
 
 
-def report(cases: list[ModelCase], samples: dict[Key, list[Sample]], rounds: int, clients: int) -> str:
+def report(
+    cases: list[ModelCase], samples: dict[Key, list[Sample]], rounds: int, clients: int
+) -> str:
     metrics: list[tuple[str, Callable[[Sample], float], str]] = [
         ("LOAD to first response, s", lambda s: s.load_to_first_s, "{:.2f}"),
         ("  of which the LOAD call, s", lambda s: s.load_call_s, "{:.2f}"),
@@ -295,17 +333,32 @@ def report(cases: list[ModelCase], samples: dict[Key, list[Sample]], rounds: int
         ("warm latency p99, ms", lambda s: percentile(s.latencies_ms, 99), "{:.1f}"),
         ("throughput, 1 client, req/s", lambda s: s.rps_1, "{:.0f}"),
         (f"throughput, {clients} clients, req/s", lambda s: s.rps_n, "{:.0f}"),
-        ("memory added by the model (PSS + unmapped shm), MiB", lambda s: s.memory_added_mib, "{:.0f}"),
+        (
+            "memory added by the model (PSS + unmapped shm), MiB",
+            lambda s: s.memory_added_mib,
+            "{:.0f}",
+        ),
     ]
     rows: list[list[object]] = []
     for case in cases:
         for metric, value, fmt in metrics:
-            ours, off, stock = (statistics.median(value(s) for s in samples[(case.label, stack)]) for stack in STACKS)
+            ours, off, stock = (
+                statistics.median(value(s) for s in samples[(case.label, stack)])
+                for stack in STACKS
+            )
             formatted = [fmt.format(v) for v in (ours, off, stock)]
             rows.append([case.label, metric, *formatted, _ratio(ours, stock), _ratio(ours, off)])
         failed = [sum(s.failed for s in samples[(case.label, stack)]) for stack in STACKS]
         rows.append([case.label, f"failed requests (all {rounds} rounds)", *failed, "-", "-"])
-    headers = ["model", "metric", "ours", "ours, metrics off", "stock", "ours/stock", "metrics on/off"]
+    headers = [
+        "model",
+        "metric",
+        "ours",
+        "ours, metrics off",
+        "stock",
+        "ours/stock",
+        "metrics on/off",
+    ]
     return table(headers, rows)
 
 
@@ -315,7 +368,9 @@ def _ratio(value: float, reference: float) -> str:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks stock --", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks stock --",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--setup",
@@ -328,9 +383,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=STOCK_VENV,
         help="virtual environment of the stock stack; created on first use",
     )
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per stack and model; medians are reported")
     parser.add_argument(
-        "--warmup-rounds", type=int, default=1, help="rounds run first and not reported (JVM JIT, page cache)"
+        "--rounds", type=int, default=5, help="rounds per stack and model; medians are reported"
+    )
+    parser.add_argument(
+        "--warmup-rounds",
+        type=int,
+        default=1,
+        help="rounds run first and not reported (JVM JIT, page cache)",
     )
     parser.add_argument(
         "--requests",
@@ -339,27 +399,53 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="sequential requests per round (latency p50/p99 and 1-client throughput)",
     )
     parser.add_argument(
-        "--concurrent-requests", type=int, default=640, help="requests per round shared by the concurrent clients"
-    )
-    parser.add_argument("--clients", type=int, default=16, help="concurrent clients (threads) for N-client throughput")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed requests after the first response")
-    parser.add_argument(
-        "--scrape-interval", type=float, default=1.0, help="seconds between scrapes of our /metrics while it serves"
+        "--concurrent-requests",
+        type=int,
+        default=640,
+        help="requests per round shared by the concurrent clients",
     )
     parser.add_argument(
-        "--workers", type=int, default=1, help="MMS workers per model, both stacks (SAGEMAKER_MODEL_SERVER_WORKERS)"
+        "--clients",
+        type=int,
+        default=16,
+        help="concurrent clients (threads) for N-client throughput",
     )
-    parser.add_argument("--size-mb", type=int, default=100, help="size of the MLP's float32 weights")
+    parser.add_argument(
+        "--warmup", type=int, default=20, help="untimed requests after the first response"
+    )
+    parser.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=1.0,
+        help="seconds between scrapes of our /metrics while it serves",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="MMS workers per model, both stacks (SAGEMAKER_MODEL_SERVER_WORKERS)",
+    )
+    parser.add_argument(
+        "--size-mb", type=int, default=100, help="size of the MLP's float32 weights"
+    )
     parser.add_argument(
         "--load-timeout",
         type=float,
         default=300,
         help="seconds from LOAD to a first successful invoke before the benchmark gives up",
     )
-    parser.add_argument("--keep", action="store_true", help="keep the work directory (models, server logs)")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the work directory (models, server logs)"
+    )
     args = parser.parse_args(list(argv))
-    if min(args.rounds, args.requests, args.clients, args.workers, args.size_mb) < 1 or args.concurrent_requests < 1:
-        parser.error("--rounds, --requests, --concurrent-requests, --clients, --workers and --size-mb must be >= 1")
+    if (
+        min(args.rounds, args.requests, args.clients, args.workers, args.size_mb) < 1
+        or args.concurrent_requests < 1
+    ):
+        parser.error(
+            "--rounds, --requests, --concurrent-requests, --clients, --workers and --size-mb must "
+            "be >= 1"
+        )
     if args.warmup < 0 or args.warmup_rounds < 0:
         parser.error("--warmup and --warmup-rounds must be >= 0")
     if args.scrape_interval <= 0:
@@ -388,12 +474,15 @@ def run_rounds(
                 # never reused: no LOAD 409
                 name = f"m{case_index}-r{round_index + args.warmup_rounds}"
                 scraped = metrics_url if stack == "ours" else None
-                sample = measure(servers[stack], name, case, stack.replace("-metrics-off", ""), args, scraped)
+                sample = measure(
+                    servers[stack], name, case, stack.replace("-metrics-off", ""), args, scraped
+                )
                 if round_index >= 0:
                     samples.setdefault((case.label, stack), []).append(sample)
                 progress(
-                    f"round {round_label:>7} {case.label:>12} {stack:>16}: "
-                    f"first response {sample.load_to_first_s:.2f} s, p50 {percentile(sample.latencies_ms, 50):.1f} ms, "
+                    f"round {round_label:>7} {case.label:>12} {stack:>16}: first response "
+                    f"{sample.load_to_first_s:.2f} s, p50 "
+                    f"{percentile(sample.latencies_ms, 50):.1f} ms, "
                     f"{sample.rps_1:.0f}/{sample.rps_n:.0f} req/s, failed {sample.failed}"
                 )
     return samples
@@ -411,30 +500,45 @@ def main(argv: Sequence[str] = ()) -> int:
         if args.keep:
             root = Path(tempfile.mkdtemp(prefix="bench-", dir="/tmp"))
         else:
-            root = Path(resources.enter_context(tempfile.TemporaryDirectory(prefix="bench-", dir="/tmp")))
+            root = Path(
+                resources.enter_context(tempfile.TemporaryDirectory(prefix="bench-", dir="/tmp"))
+            )
         cases = build_models(root / "models", args.size_mb)
         workers_env = {"SAGEMAKER_MODEL_SERVER_WORKERS": str(args.workers)}
         metrics_port = free_port()
         launches = {
-            "ours": our_server(root / "ours", {**workers_env, "MME_METRICS_PORT": str(metrics_port)}),
-            "ours-metrics-off": our_server(root / "ours-off", {**workers_env, "MME_METRICS_PORT": "0"}),
+            "ours": our_server(
+                root / "ours", {**workers_env, "MME_METRICS_PORT": str(metrics_port)}
+            ),
+            "ours-metrics-off": our_server(
+                root / "ours-off", {**workers_env, "MME_METRICS_PORT": "0"}
+            ),
         }
-        stock_command, stock_env, stock_port, versions = stock_server(root / "stock", args.stock_venv, workers_env)
+        stock_command, stock_env, stock_port, versions = stock_server(
+            root / "stock", args.stock_venv, workers_env
+        )
         launches["stock"] = (stock_command, stock_env, stock_port)
         servers: dict[str, Server] = {}
         start_seconds: dict[str, float] = {}
         for stack, (command, env, port) in launches.items():
             started = time.perf_counter()
-            servers[stack] = resources.enter_context(serve_isolated(stack, command, env, root / stack, port))
+            servers[stack] = resources.enter_context(
+                serve_isolated(stack, command, env, root / stack, port)
+            )
             start_seconds[stack] = time.perf_counter() - started
-            progress(f"{stack}: serving on port {port} after {start_seconds[stack]:.1f} s ({servers[stack].log})")
+            progress(
+                f"{stack}: serving on port {port} after {start_seconds[stack]:.1f} s "
+                f"({servers[stack].log})"
+            )
         baseline_dirs = build_baseline(root / "models")
         baseline_body = json.dumps([[1.0] * IN_FEATURES]).encode()
         for stack, server in servers.items():
-            baseline = load_baseline(server, baseline_dirs[stack.replace("-metrics-off", "")], baseline_body)
+            baseline = load_baseline(
+                server, baseline_dirs[stack.replace("-metrics-off", "")], baseline_body
+            )
             progress(
-                f"{stack}: {BASELINE_MODELS} baseline models loaded: tree memory {baseline:.0f} MiB, "
-                f"{len(server.tree())} processes, {device_host_count(server)} device hosts"
+                f"{stack}: {BASELINE_MODELS} baseline models loaded: tree memory {baseline:.0f} "
+                f"MiB, {len(server.tree())} processes, {device_host_count(server)} device hosts"
             )
         samples = run_rounds(servers, cases, args, f"http://127.0.0.1:{metrics_port}/metrics")
         for server in servers.values():
@@ -442,20 +546,27 @@ def main(argv: Sequence[str] = ()) -> int:
             for index in range(BASELINE_MODELS):
                 server.unload_and_wait(f"baseline{index}")
     for case in cases:
-        agree = same_answer(samples[(case.label, "ours")][0].first_body, samples[(case.label, "stock")][0].first_body)
+        agree = same_answer(
+            samples[(case.label, "ours")][0].first_body,
+            samples[(case.label, "stock")][0].first_body,
+        )
         progress(f"{case.label}: the two stacks' answers {'agree' if agree else 'DIFFER'}")
 
     print(
-        f"medians of {args.rounds} rounds (after {args.warmup_rounds} warm-up); {args.workers} worker(s) per model; "
-        f"{args.requests} sequential and {args.concurrent_requests} over {args.clients} clients per round; "
-        f"ours scraped every {args.scrape_interval:g} s; CPU only"
+        f"medians of {args.rounds} rounds (after {args.warmup_rounds} warm-up); {args.workers} "
+        f"worker(s) per model; {args.requests} sequential and {args.concurrent_requests} over "
+        f"{args.clients} clients per round; ours scraped every {args.scrape_interval:g} s; CPU only"
     )
-    print("stock stack: " + ", ".join(f"{package}=={version}" for package, version in versions.items()))
     print(
-        "memory added by the model: PSS of every process under the server plus the shared-memory files they hold "
-        f"but do not map, after the first response and {args.warmup} warm-up invokes minus before the LOAD (each "
-        f"after a {SETTLE_SECONDS:g} s pause), with {BASELINE_MODELS} unrelated tiny models already loaded on every "
-        "server (so our device hosts, and a stock worker, already run)"
+        "stock stack: "
+        + ", ".join(f"{package}=={version}" for package, version in versions.items())
+    )
+    print(
+        "memory added by the model: PSS of every process under the server plus the shared-memory "
+        f"files they hold but do not map, after the first response and {args.warmup} warm-up "
+        f"invokes minus before the LOAD (each after a {SETTLE_SECONDS:g} s pause), with "
+        f"{BASELINE_MODELS} unrelated tiny models already loaded on every server (so our device "
+        "hosts, and a stock worker, already run)"
     )
     print()
     print(report(cases, samples, args.rounds, args.clients))

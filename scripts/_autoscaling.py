@@ -38,12 +38,17 @@ class Scaling:
             raise config_error(f"--min-instances must be at least 1, not {self.min_instances}")
         if self.max_instances < self.min_instances:
             raise config_error(
-                f"--max-instances ({self.max_instances}) must be at least --min-instances ({self.min_instances})"
+                f"--max-instances ({self.max_instances}) must be at least --min-instances "
+                f"({self.min_instances})"
             )
         if self.target_invocations is not None and not self.target_invocations > 0:
-            raise config_error(f"--target-invocations-per-instance must be above 0, not {self.target_invocations}")
+            raise config_error(
+                f"--target-invocations-per-instance must be above 0, not {self.target_invocations}"
+            )
         if min(self.scale_in_cooldown, self.scale_out_cooldown) < 0:
-            raise config_error("--scale-in-cooldown and --scale-out-cooldown must be at least 0 seconds")
+            raise config_error(
+                "--scale-in-cooldown and --scale-out-cooldown must be at least 0 seconds"
+            )
 
 
 def add_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
@@ -56,14 +61,22 @@ def add_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
         type=float,
         help="invocations per instance per minute to keep each instance at (target tracking)",
     )
-    parser.add_argument("--scale-in-cooldown", type=int, default=300, help="seconds between removals (%(default)s)")
-    parser.add_argument("--scale-out-cooldown", type=int, default=60, help="seconds between additions (%(default)s)")
+    parser.add_argument(
+        "--scale-in-cooldown", type=int, default=300, help="seconds between removals (%(default)s)"
+    )
+    parser.add_argument(
+        "--scale-out-cooldown", type=int, default=60, help="seconds between additions (%(default)s)"
+    )
 
 
 def from_arguments(args: argparse.Namespace, default_min: int) -> Scaling | None:
     """The scaling ``args`` ask for; None when they ask for none (``deploy`` without scaling
     options)."""
-    if args.max_instances is None and args.target_invocations_per_instance is None and args.min_instances is None:
+    if (
+        args.max_instances is None
+        and args.target_invocations_per_instance is None
+        and args.min_instances is None
+    ):
         return None
     if args.max_instances is None:
         raise config_error("autoscaling needs --max-instances")
@@ -89,7 +102,9 @@ def variant_of(endpoint: dict[str, Any]) -> str:
     instances."""
     variants = endpoint.get("ProductionVariants") or []
     if not variants:
-        raise config_error(f"endpoint {endpoint['EndpointName']!r} has no production variant to scale")
+        raise config_error(
+            f"endpoint {endpoint['EndpointName']!r} has no production variant to scale"
+        )
     return str(variants[0]["VariantName"])
 
 
@@ -104,7 +119,9 @@ def apply(autoscaling: BaseClient, endpoint: str, variant: str, scaling: Scaling
         MinCapacity=scaling.min_instances,
         MaxCapacity=scaling.max_instances,
     )
-    done = [f"scalable target {resource}: {scaling.min_instances} to {scaling.max_instances} instances"]
+    done = [
+        f"scalable target {resource}: {scaling.min_instances} to {scaling.max_instances} instances"
+    ]
     if scaling.target_invocations is not None:
         autoscaling.put_scaling_policy(
             PolicyName=policy_name(endpoint),
@@ -119,7 +136,10 @@ def apply(autoscaling: BaseClient, endpoint: str, variant: str, scaling: Scaling
                 "ScaleOutCooldown": scaling.scale_out_cooldown,
             },
         )
-        done.append(f"policy {policy_name(endpoint)}: {scaling.target_invocations:g} invocations per instance")
+        done.append(
+            f"policy {policy_name(endpoint)}: {scaling.target_invocations:g} invocations per "
+            "instance"
+        )
     return done
 
 
@@ -128,7 +148,9 @@ def remove(autoscaling: BaseClient, endpoint: str, variant: str) -> list[str]:
     removed."""
     resource = resource_id(endpoint, variant)
     removed = []
-    policies = autoscaling.describe_scaling_policies(ServiceNamespace=NAMESPACE, ResourceId=resource)
+    policies = autoscaling.describe_scaling_policies(
+        ServiceNamespace=NAMESPACE, ResourceId=resource
+    )
     for policy in policies.get("ScalingPolicies", []):
         autoscaling.delete_scaling_policy(
             PolicyName=policy["PolicyName"],

@@ -21,8 +21,8 @@ EXIT_FAILURE = 1
 EXIT_CONFIG = 2
 
 NO_CREDENTIALS_MESSAGE = (
-    "no AWS credentials found: run `aws configure`, set AWS_PROFILE, or export AWS_ACCESS_KEY_ID and "
-    "AWS_SECRET_ACCESS_KEY"
+    "no AWS credentials found: run `aws configure`, set AWS_PROFILE, or export AWS_ACCESS_KEY_ID "
+    "and AWS_SECRET_ACCESS_KEY"
 )
 NO_REGION_MESSAGE = "no AWS region: pass --region or set AWS_DEFAULT_REGION"
 
@@ -83,7 +83,10 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
         message, code = NO_REGION_MESSAGE, EXIT_CONFIG
     except botocore.exceptions.ClientError as exc:
         operation = getattr(exc, "operation_name", "request")
-        message, code = f"AWS {operation} failed: {aws_error_code(exc)}: {aws_error_message(exc)}", EXIT_FAILURE
+        message, code = (
+            f"AWS {operation} failed: {aws_error_code(exc)}: {aws_error_message(exc)}",
+            EXIT_FAILURE,
+        )
     except botocore.exceptions.BotoCoreError as exc:
         # Endpoint unreachable, expired SSO session, unreadable config file: botocore's own text
         # says which.

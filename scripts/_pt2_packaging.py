@@ -25,7 +25,9 @@ def parse_example(text: str) -> tuple[int, ...]:
     except ValueError as exc:
         raise config_error(f"--example {text!r} must be a shape like 1,3,224,224") from exc
     if not shape or min(shape) < 1:
-        raise config_error(f"--example {text!r} must be a shape of positive sizes, like 1,3,224,224")
+        raise config_error(
+            f"--example {text!r} must be a shape of positive sizes, like 1,3,224,224"
+        )
     return shape
 
 
@@ -54,7 +56,9 @@ def export_module(spec: str, example_shape: tuple[int, ...], destination: Path) 
 
     model = load_factory(spec)()
     if not isinstance(model, torch.nn.Module):
-        raise config_error(f"--module {spec!r} returned a {type(model).__name__}, not a torch.nn.Module")
+        raise config_error(
+            f"--module {spec!r} returned a {type(model).__name__}, not a torch.nn.Module"
+        )
     model.eval()
     # torch.export fixes a dimension it traces at size 1: trace the rows with at least two.
     example = torch.randn(max(2, example_shape[0]), *example_shape[1:])
@@ -63,7 +67,9 @@ def export_module(spec: str, example_shape: tuple[int, ...], destination: Path) 
         with torch.no_grad():
             program = torch.export.export(model, (example,), dynamic_shapes=({0: rows},))
     except Exception as exc:  # boundary: the user's module cannot be traced; say why in one line
-        raise config_error(f"torch.export could not trace {spec}: {str(exc).strip().splitlines()[0]}") from exc
+        raise config_error(
+            f"torch.export could not trace {spec}: {str(exc).strip().splitlines()[0]}"
+        ) from exc
     torch.export.save(program, str(destination))
     return destination
 
@@ -84,7 +90,9 @@ def aot_compile(source: Path, destination: Path) -> Path:
         reason = str(exc).strip().splitlines()[0]
         raise config_error(f"--aot needs an exported program in {source.name}: {reason}") from exc
     options = {"aot_inductor.metadata": _input_metadata(program)}
-    return Path(aoti_compile_and_package(program, package_path=str(destination), inductor_configs=options))
+    return Path(
+        aoti_compile_and_package(program, package_path=str(destination), inductor_configs=options)
+    )
 
 
 def _input_metadata(program: Any) -> dict[str, str]:
@@ -97,7 +105,9 @@ def _input_metadata(program: Any) -> dict[str, str]:
 
     user_inputs = set(program.graph_signature.user_inputs)
     values = [
-        node.meta.get("val") for node in program.graph.nodes if node.op == "placeholder" and node.name in user_inputs
+        node.meta.get("val")
+        for node in program.graph.nodes
+        if node.op == "placeholder" and node.name in user_inputs
     ]
     if len(values) != 1 or not isinstance(values[0], torch.Tensor):
         return {}

@@ -60,11 +60,15 @@ def _resolve_inside(link: Path, root: Path) -> Path:
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop, on Python 3.11 and 3.12
         raise config_error(f"broken symlink {link}: {exc}") from exc
     if not target.is_relative_to(root):
-        raise config_error(f"refusing symlink {link} -> {target}: it leaves the model directory {root}")
+        raise config_error(
+            f"refusing symlink {link} -> {target}: it leaves the model directory {root}"
+        )
     return target
 
 
-def _collect_files(directory: Path, root: Path, prefix: str, ancestors: frozenset[Path]) -> dict[str, Path]:
+def _collect_files(
+    directory: Path, root: Path, prefix: str, ancestors: frozenset[Path]
+) -> dict[str, Path]:
     files: dict[str, Path] = {}
     for child in sorted(directory.iterdir(), key=lambda path: path.name):
         if child.name in SKIPPED_DIRS or child.name.endswith(SKIPPED_SUFFIXES):
@@ -90,7 +94,10 @@ def _explicit_file(path: Path, option: str) -> Path:
 
 
 def collect_entries(
-    model_dir: Path, inference: Path | None = None, requirements: Path | None = None, pt2: Path | None = None
+    model_dir: Path,
+    inference: Path | None = None,
+    requirements: Path | None = None,
+    pt2: Path | None = None,
 ) -> dict[str, Path]:
     """Maps each archive name to the file that provides it.
 
@@ -117,8 +124,9 @@ def validate_entries(entries: Mapping[str, Path], model_dir: Path) -> None:
     if ENTRY_POINT in entries or any(name in entries for name in MODEL_FILES):
         return
     raise config_error(
-        f"{model_dir} has neither {' nor '.join(MODEL_FILES)} nor {ENTRY_POINT}: the container would have "
-        "nothing to load (add the model file, or pass --inference with a script that defines model_fn)"
+        f"{model_dir} has neither {' nor '.join(MODEL_FILES)} nor {ENTRY_POINT}: the container "
+        "would have nothing to load (add the model file, or pass --inference with a script that "
+        "defines model_fn)"
     )
 
 
@@ -156,7 +164,9 @@ def write_archive(entries: Mapping[str, Path], output: Path) -> None:
         # GzipFile writes the file name and the current time into its header unless told otherwise.
         with (
             os.fdopen(handle, "wb") as raw,
-            gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=FIXED_MTIME, compresslevel=COMPRESS_LEVEL) as gz,
+            gzip.GzipFile(
+                filename="", mode="wb", fileobj=raw, mtime=FIXED_MTIME, compresslevel=COMPRESS_LEVEL
+            ) as gz,
             tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar,
         ):
             for name in sorted(members):
@@ -182,9 +192,13 @@ def _umask() -> int:
 
 def check_output_location(model_dir: Path, output: Path) -> None:
     if output.resolve().is_relative_to(model_dir.resolve()):
-        raise config_error(f"output {output} is inside the model directory: the archive would contain itself")
+        raise config_error(
+            f"output {output} is inside the model directory: the archive would contain itself"
+        )
     if not output.name.endswith(ARCHIVE_SUFFIX):
-        raise config_error(f"output {output} must end with {ARCHIVE_SUFFIX}: multi-model endpoints load only those")
+        raise config_error(
+            f"output {output} must end with {ARCHIVE_SUFFIX}: multi-model endpoints load only those"
+        )
 
 
 def upload_destination(s3_uri: str, archive_name: str) -> tuple[str, str]:
@@ -217,21 +231,41 @@ def sha256_of(path: Path) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="package_model.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="package_model.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model_dir", type=Path, help="directory with the artifacts and, optionally, code/")
-    parser.add_argument("-o", "--output", type=Path, help="archive to write (default: ./<model_dir name>.tar.gz)")
-    parser.add_argument("--inference", type=Path, help="script to ship as code/inference.py (replaces the directory's)")
+    parser.add_argument(
+        "model_dir", type=Path, help="directory with the artifacts and, optionally, code/"
+    )
+    parser.add_argument(
+        "-o", "--output", type=Path, help="archive to write (default: ./<model_dir name>.tar.gz)"
+    )
+    parser.add_argument(
+        "--inference",
+        type=Path,
+        help="script to ship as code/inference.py (replaces the directory's)",
+    )
     parser.add_argument("--requirements", type=Path, help="file to ship as code/requirements.txt")
     parser.add_argument(
         "--upload",
         metavar="S3_URI",
         help="upload to this prefix (s3://bucket/prefix/) or exact key (s3://bucket/key.tar.gz)",
     )
-    parser.add_argument("--region", help="AWS region for --upload (default: the AWS configuration's)")
-    parser.add_argument("--module", metavar="FILE.py:FUNCTION", help="export this nn.Module factory as model.pt2")
-    parser.add_argument("--example", type=parse_example, help="input shape to trace --module with, e.g. 1,3,224,224")
-    parser.add_argument("--aot", choices=["cpu"], help="compile model.pt2 ahead of time (AOTInductor) for this device")
+    parser.add_argument(
+        "--region", help="AWS region for --upload (default: the AWS configuration's)"
+    )
+    parser.add_argument(
+        "--module", metavar="FILE.py:FUNCTION", help="export this nn.Module factory as model.pt2"
+    )
+    parser.add_argument(
+        "--example", type=parse_example, help="input shape to trace --module with, e.g. 1,3,224,224"
+    )
+    parser.add_argument(
+        "--aot",
+        choices=["cpu"],
+        help="compile model.pt2 ahead of time (AOTInductor) for this device",
+    )
     return parser
 
 
@@ -248,7 +282,9 @@ def _pt2(args: argparse.Namespace, scratch: Path) -> Path | None:
             raise config_error("--module needs --example, the input shape to trace it with")
         source = export_module(args.module, args.example, scratch / "exported.pt2")
     elif not source.is_file():
-        raise config_error(f"--aot compiles a model.pt2: {args.model_dir} has none (pass --module to make one)")
+        raise config_error(
+            f"--aot compiles a model.pt2: {args.model_dir} has none (pass --module to make one)"
+        )
     if args.aot is None:
         return source
     return aot_compile(source, scratch / "compiled.pt2")
@@ -259,9 +295,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     output: Path = args.output or Path(args.model_dir.resolve().name + ARCHIVE_SUFFIX)
     check_output_location(args.model_dir, output)
     with tempfile.TemporaryDirectory(prefix="package-model-") as scratch:
-        entries = collect_entries(args.model_dir, args.inference, args.requirements, pt2=_pt2(args, Path(scratch)))
+        entries = collect_entries(
+            args.model_dir, args.inference, args.requirements, pt2=_pt2(args, Path(scratch))
+        )
         write_archive(entries, output)
-    print(f"wrote {output.resolve()} ({len(entries)} files, {output.stat().st_size} bytes, sha256 {sha256_of(output)})")
+    print(
+        f"wrote {output.resolve()} ({len(entries)} files, {output.stat().st_size} bytes, sha256 "
+        f"{sha256_of(output)})"
+    )
     if args.upload:
         bucket, key = upload_destination(args.upload, output.name)
         uri = upload_archive(boto_session(args.region).client("s3"), output, bucket, key)

@@ -126,7 +126,10 @@ def stock_server(
     )
     probe = json.loads(probe_out.read_text())
     if not probe["torch"].startswith("2.13.0"):
-        raise RuntimeError(f"{venv} has torch {probe['torch']}, not 2.13.0; run python -m benchmarks stock -- --setup")
+        raise RuntimeError(
+            f"{venv} has torch {probe['torch']}, not 2.13.0; run python -m benchmarks stock -- "
+            "--setup"
+        )
     properties = work_dir / "sagemaker-mms.properties"
     properties.write_text(probe["properties"], encoding="utf-8")
     command = [
@@ -208,7 +211,10 @@ def serve_isolated(
         leftovers = _leftovers(groups, since) if groups else []
         if leftovers:
             names = "; ".join(_describe(process) for process in leftovers)
-            print(f"{label}: killing {len(leftovers)} process(es) left after stopping: {names}", file=sys.stderr)
+            print(
+                f"{label}: killing {len(leftovers)} process(es) left after stopping: {names}",
+                file=sys.stderr,
+            )
         for process in leftovers:
             try:
                 process.kill()

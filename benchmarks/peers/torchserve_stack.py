@@ -131,7 +131,8 @@ model_server.start()
 
 # Run by the TorchServe venv's interpreter: the installed versions, without importing torch.
 _PROBE = (
-    "import json, sys; from importlib.metadata import version; print(json.dumps({n: version(n) for n in sys.argv[1:]}))"
+    "import json, sys; from importlib.metadata import version; print(json.dumps({n: version(n) for "
+    "n in sys.argv[1:]}))"
 )
 
 
@@ -143,16 +144,25 @@ def installed_versions(venv: Path = TORCHSERVE_VENV) -> dict[str, str]:
     """Versions of torch, torchserve, torch-model-archiver and numpy in ``venv``; raises if torch is
     not 2.13.0."""
     probe = subprocess.run(
-        [str(venv_python(venv)), "-c", _PROBE, *_PACKAGES], check=True, capture_output=True, text=True
+        [str(venv_python(venv)), "-c", _PROBE, *_PACKAGES],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     versions: dict[str, str] = json.loads(probe.stdout)
     if not versions["torch"].startswith("2.13.0"):
-        raise RuntimeError(f"{venv} has torch {versions['torch']}, not 2.13.0; rerun ensure_venv(force=True)")
+        raise RuntimeError(
+            f"{venv} has torch {versions['torch']}, not 2.13.0; rerun ensure_venv(force=True)"
+        )
     return versions
 
 
 def archive_model(
-    model_dir: Path, model_store: Path, name: str, venv: Path = TORCHSERVE_VENV, archive_format: str = "default"
+    model_dir: Path,
+    model_store: Path,
+    name: str,
+    venv: Path = TORCHSERVE_VENV,
+    archive_format: str = "default",
 ) -> Path:
     """``model_dir``'s TorchScript model.pt and :data:`HANDLER_SOURCE` as ``model_store/name.mar``;
     its path.
@@ -216,16 +226,24 @@ class TorchServe:
             "response_timeout": timeout_s,
             "synchronous": "true",
         }
-        return requests.post(f"{self.management_url}/models", params=params, timeout=REQUEST_TIMEOUT_SECONDS)
+        return requests.post(
+            f"{self.management_url}/models", params=params, timeout=REQUEST_TIMEOUT_SECONDS
+        )
 
     def unregister(self, name: str) -> requests.Response:
-        return requests.delete(f"{self.management_url}/models/{name}", timeout=REQUEST_TIMEOUT_SECONDS)
+        return requests.delete(
+            f"{self.management_url}/models/{name}", timeout=REQUEST_TIMEOUT_SECONDS
+        )
 
     def predictions_url(self, name: str) -> str:
         return f"{self.inference_url}/predictions/{name}"
 
     def predict(
-        self, name: str, body: bytes, content_type: str = "application/json", session: requests.Session | None = None
+        self,
+        name: str,
+        body: bytes,
+        content_type: str = "application/json",
+        session: requests.Session | None = None,
     ) -> requests.Response:
         post = (session or requests).post
         return post(
@@ -240,7 +258,9 @@ class TorchServe:
 
         Workers are ``python ts/model_service_worker.py`` children of the Java frontend; their
         command lines do not name the model, the management API does."""
-        described = requests.get(f"{self.management_url}/models/{name}", timeout=REQUEST_TIMEOUT_SECONDS)
+        described = requests.get(
+            f"{self.management_url}/models/{name}", timeout=REQUEST_TIMEOUT_SECONDS
+        )
         described.raise_for_status()
         processes = []
         for version in described.json():
@@ -308,7 +328,9 @@ def torchserve_server(
         ports[role] = port
     config = work_dir / "config.properties"
     settings = torchserve_properties(work_dir, ports, properties)
-    config.write_text("".join(f"{key}={value}\n" for key, value in settings.items()), encoding="utf-8")
+    config.write_text(
+        "".join(f"{key}={value}\n" for key, value in settings.items()), encoding="utf-8"
+    )
     command = [
         str(venv_python(venv)),
         "-c",

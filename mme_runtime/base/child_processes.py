@@ -42,7 +42,9 @@ def exited_children() -> Iterator[tuple[int, int]]:
         yield pid, os.waitstatus_to_exitcode(status)
 
 
-def start_program(command: Sequence[str], env: Mapping[str, str], cwd: Path, group: int) -> subprocess.Popen[bytes]:
+def start_program(
+    command: Sequence[str], env: Mapping[str, str], cwd: Path, group: int
+) -> subprocess.Popen[bytes]:
     """Starts ``command`` in process group ``group`` (0: a new one, led by it): the supervisor
     signals a group, not each process. Descriptors other than stdio are not inherited
     (``subprocess``'s default)."""

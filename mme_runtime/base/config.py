@@ -143,7 +143,9 @@ class Config:
         """Checks the MME properties file: its ``preload_model_gpu`` (written ``true`` once at
         start) must not say ``false``, which asked earlier designs to load each model in every
         worker."""
-        if not parse_bool("preload_model_gpu (properties)", properties.get("preload_model_gpu", "true")):
+        if not parse_bool(
+            "preload_model_gpu (properties)", properties.get("preload_model_gpu", "true")
+        ):
             raise ConfigError(
                 f"preload_model_gpu=false in {self.effective_properties_file} is no longer read: "
                 f"{RETIRED['MME_PRELOAD_MODEL_GPU']} (docs/configuration.md#retired-settings)"

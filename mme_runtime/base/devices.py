@@ -58,12 +58,16 @@ def bind_gpu(gpu_id: int | None, visible_devices: str | None) -> int | None:
     if gpu_id is None:
         return None
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        raise RuntimeError("CUDA was initialised before the device host bound its GPU; it cannot be isolated")
+        raise RuntimeError(
+            "CUDA was initialised before the device host bound its GPU; it cannot be isolated"
+        )
     os.environ[CUDA_VISIBLE_DEVICES] = visible_gpu(gpu_id, visible_devices)
     return 0
 
 
-def record_gpu(properties: MutableMapping[str, Any], assigned: int | None, ordinal: int | None) -> None:
+def record_gpu(
+    properties: MutableMapping[str, Any], assigned: int | None, ordinal: int | None
+) -> None:
     """Writes a device host's GPU into MMS's ``system_properties``: the CUDA ordinal as "gpu_id",
     the assignment beside."""
     properties["gpu_id"] = ordinal

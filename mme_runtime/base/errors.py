@@ -29,7 +29,9 @@ class ContainerError(BaseInferenceToolkitError):  # type: ignore[misc]
 
     status = 500
 
-    def __init__(self, message: str, status: int | None = None, trace: BaseException | None = None) -> None:
+    def __init__(
+        self, message: str, status: int | None = None, trace: BaseException | None = None
+    ) -> None:
         code = status if status is not None else self.status
         super().__init__(code, message, message)
         self.status = code

@@ -27,7 +27,9 @@ MAX_DETAIL_CHARS = 300
 CPU_ALLOCATOR_FAILURE = "DefaultCPUAllocator: can't allocate memory"
 # torch's CUDA message runs on for several sentences and a link; the numbers we add say the rest.
 TORCH_OOM_HEAD = re.compile(r"^(.*?Tried to allocate [\d.]+ ?[KMGT]?i?B)")
-MISSING_MODULE_HINT = "add the package that provides it to code/requirements.txt, or the module to code/"
+MISSING_MODULE_HINT = (
+    "add the package that provides it to code/requirements.txt, or the module to code/"
+)
 # Where the kernel counts its out-of-memory kills: the container's cgroup (v2, then v1), and the
 # whole machine.
 OOM_KILL_COUNTERS = (
@@ -38,7 +40,10 @@ OOM_KILL_COUNTERS = (
 # The container's memory limit and use (cgroup v2, then v1); v1 reports "no limit" as a huge number.
 CGROUP_MEMORY = (
     (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
-    (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")),
+    (
+        Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+        Path("/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ),
 )
 NO_CGROUP_LIMIT = 1 << 60
 
@@ -93,8 +98,8 @@ def gpu_memory() -> str | None:
         # the numbers are a courtesy: a context the error left unusable has none
         return None
     return (
-        f"GPU memory: {free // MIB} MiB free of {total // MIB} MiB; this process: {allocated // MIB} MiB allocated, "
-        f"{reserved // MIB} MiB reserved"
+        f"GPU memory: {free // MIB} MiB free of {total // MIB} MiB; this process: "
+        f"{allocated // MIB} MiB allocated, {reserved // MIB} MiB reserved"
     )
 
 
@@ -104,7 +109,10 @@ def out_of_memory(exc: BaseException, where: str | None = None) -> str:
     the error is caught)."""
     gpu = is_gpu_out_of_memory(exc)
     numbers = gpu_memory() if gpu else host_memory()
-    text = f"out of {'GPU' if gpu else 'host'} memory{f' in {where}' if where else ''}: {_oom_detail(exc)}"
+    text = (
+        f"out of {'GPU' if gpu else 'host'} memory{f' in {where}' if where else ''}: "
+        f"{_oom_detail(exc)}"
+    )
     return f"{text} ({numbers})" if numbers else text
 
 
@@ -179,7 +187,11 @@ def oom_killed(code: int, oom_kills_before: Mapping[str, int]) -> bool:
 
 
 def _oom_kills_risen(before: Mapping[str, int]) -> list[str]:
-    return [f"oom_kill {before[path]} -> {n} in {path}" for path, n in oom_kills().items() if n > before.get(path, n)]
+    return [
+        f"oom_kill {before[path]} -> {n} in {path}"
+        for path, n in oom_kills().items()
+        if n > before.get(path, n)
+    ]
 
 
 def _sigkill_cause(before: Mapping[str, int] | None) -> str:

@@ -99,7 +99,9 @@ class Janitor:
             # still failing, or loaded again properly since: not ours to touch
             return age > SETTLE_SECONDS
         try:
-            urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=REQUEST_TIMEOUT_SECONDS)
+            urllib.request.urlopen(
+                urllib.request.Request(url, method="DELETE"), timeout=REQUEST_TIMEOUT_SECONDS
+            )
         except (urllib.error.URLError, OSError) as exc:
             logger.warning("could not unregister %s after its failed LOAD: %s", model, exc)
             return False

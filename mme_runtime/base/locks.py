@@ -80,8 +80,8 @@ def hold_runtime_dir(runtime_dir: Path, port: int) -> int:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a server"
         os.close(fd)
         raise ConfigError(
-            f"MME_RUNTIME_DIR={runtime_dir} is in use by another server ({holder}): give each server a runtime "
-            "directory of its own"
+            f"MME_RUNTIME_DIR={runtime_dir} is in use by another server ({holder}): give each "
+            "server a runtime directory of its own"
         ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()}, port {port}\n".encode(), 0)

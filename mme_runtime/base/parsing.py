@@ -80,7 +80,9 @@ def namespace(name: str, value: str) -> str:
     """A CloudWatch namespace."""
     stripped = value.strip()
     if not NAMESPACE_PATTERN.fullmatch(stripped) or stripped.startswith("AWS/"):
-        raise ConfigError(f"{name}={value!r} is not a CloudWatch namespace (up to 255 of A-Z a-z 0-9 . _ / # : -)")
+        raise ConfigError(
+            f"{name}={value!r} is not a CloudWatch namespace (up to 255 of A-Z a-z 0-9 . _ / # : -)"
+        )
     return stripped
 
 
@@ -104,7 +106,9 @@ def parse_log_level(name: str, value: str) -> int:
         return int(stripped)
     level = logging.getLevelName(stripped.upper())
     if not isinstance(level, int):
-        raise ConfigError(f"{name}={value!r} is not a log level (DEBUG, INFO, WARNING, ERROR or a number)")
+        raise ConfigError(
+            f"{name}={value!r} is not a log level (DEBUG, INFO, WARNING, ERROR or a number)"
+        )
     return level
 
 

@@ -26,10 +26,14 @@ from mme_runtime.huggingface.loading import HuggingFaceModel
 from mme_runtime.huggingface.requests import Audio, TaskRequest, resample
 from mme_runtime.huggingface.tasks import length_groups, lent_pipeline, pad, postprocess, prepare
 
-REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout", "decoder_kwargs", "prompt_ids", "assistant_model"})
+REFUSED_PARAMETERS = frozenset(
+    {"return_tensors", "timeout", "decoder_kwargs", "prompt_ids", "assistant_model"}
+)
 # A generating recognizer's parameters beyond GenerationConfig's own names, as Whisper's generate
 # takes them.
-SPEECH_GENERATION_PARAMETERS = frozenset({"language", "task", "return_timestamps", "return_language"})
+SPEECH_GENERATION_PARAMETERS = frozenset(
+    {"language", "task", "return_timestamps", "return_language"}
+)
 MAX_BEAMS = 8  # each beam is a row of the generation: a request may not multiply its rows past this
 # A clip's main input, by model kind: raw samples (Wav2Vec2) or a spectrogram (Whisper).
 INPUT_KEYS = ("input_values", "input_features")
@@ -90,7 +94,9 @@ class AudioRunner:
             for first, count, after in plans
         ]
 
-    def _forward(self, pipeline: Any, rows: list[dict[str, Any]], forwards: list[dict[str, Any]]) -> list[Any]:
+    def _forward(
+        self, pipeline: Any, rows: list[dict[str, Any]], forwards: list[dict[str, Any]]
+    ) -> list[Any]:
         """The model over ``rows``, in the passes ``pass_groups`` plans, handed back row by row."""
         outputs: list[Any] = [None] * len(rows)
         for group in pass_groups(rows, forwards, self._masks_padding):
@@ -105,7 +111,9 @@ class AudioRunner:
                 # client's
                 raise InvalidInput(f"the model could not run with these parameters: {exc}") from exc
             for position, index in enumerate(group):
-                outputs[index] = result if len(members) == 1 else self._row(result, position, rows[index])
+                outputs[index] = (
+                    result if len(members) == 1 else self._row(result, position, rows[index])
+                )
         return outputs
 
     def _row(self, batch: Any, index: int, prepared: dict[str, Any]) -> Any:
@@ -148,7 +156,9 @@ class AudioRunner:
                 f"{self._sampling_rate} Hz make no frame of its output"
             )
 
-    def _parameters(self, pipeline: Any, request: TaskRequest) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    def _parameters(
+        self, pipeline: Any, request: TaskRequest
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         refused = (REFUSED_PARAMETERS | SERVER_PARAMETERS) & set(request.parameters)
         if refused:
             raise InvalidInput(f"parameters {sorted(refused)} are not accepted here")
@@ -174,7 +184,9 @@ def masks_padding(model: Any) -> bool:
     )
 
 
-def pass_groups(rows: list[dict[str, Any]], forwards: list[dict[str, Any]], maskable: bool) -> list[list[int]]:
+def pass_groups(
+    rows: list[dict[str, Any]], forwards: list[dict[str, Any]], maskable: bool
+) -> list[list[int]]:
     """Indices of ``rows`` in groups that share a pass: the same forward parameters, and the same
     shape unless the model masks padding; then grouped by length as text is
     (``tasks.length_groups``), in frames of 320 samples."""
@@ -184,7 +196,9 @@ def pass_groups(rows: list[dict[str, Any]], forwards: list[dict[str, Any]], mask
         shape = "any" if maskable else tuple(main.shape)
         # a chunk's "stride" too: the pass hands it on only where every row has one
         names = sorted(row)
-        kinds.setdefault(json.dumps([forward, str(shape), names], sort_keys=True, default=str), []).append(index)
+        kinds.setdefault(
+            json.dumps([forward, str(shape), names], sort_keys=True, default=str), []
+        ).append(index)
     groups: list[list[int]] = []
     for members in kinds.values():
         if not maskable:
@@ -221,7 +235,9 @@ def _cut_after_end(tokens: torch.Tensor, end: int | list[int] | None) -> torch.T
     return tokens[:, : hits[0] + 1] if hits else tokens
 
 
-def _check_generation(forward: dict[str, Any], generates: bool, vocabulary_size: int | None = None) -> None:
+def _check_generation(
+    forward: dict[str, Any], generates: bool, vocabulary_size: int | None = None
+) -> None:
     """A CTC model generates nothing: only ``return_timestamps`` reaches its pass. A generating one
     takes what its ``generate`` takes, ``num_beams`` up to ``MAX_BEAMS``, one sequence per clip, and
     token ids of its vocabulary: one past it (``decoder_start_token_id``, ``pad_token_id``) fails
@@ -230,16 +246,22 @@ def _check_generation(forward: dict[str, Any], generates: bool, vocabulary_size:
     if not generates:
         unknown = set(forward) - {"return_timestamps"}
         if unknown:
-            raise InvalidInput(f"a CTC speech model takes no generation parameters: {sorted(unknown)}")
+            raise InvalidInput(
+                f"a CTC speech model takes no generation parameters: {sorted(unknown)}"
+            )
         return
     transformers: Any = importlib.import_module("transformers")
     known = set(transformers.GenerationConfig().to_dict()) | SPEECH_GENERATION_PARAMETERS
     unknown = set(forward) - known
     if unknown:
-        raise InvalidInput(f"parameters {sorted(unknown)} are not generation parameters of this model")
+        raise InvalidInput(
+            f"parameters {sorted(unknown)} are not generation parameters of this model"
+        )
     beams = forward.get("num_beams", 1)
     if not isinstance(beams, int) or isinstance(beams, bool) or not 1 <= beams <= MAX_BEAMS:
         raise InvalidInput(f"num_beams must be an integer from 1 to {MAX_BEAMS}, not {beams!r}")
     if forward.get("num_return_sequences", 1) != 1:
-        raise InvalidInput("a speech recognizer answers one text per clip: num_return_sequences must be 1")
+        raise InvalidInput(
+            "a speech recognizer answers one text per clip: num_return_sequences must be 1"
+        )
     check_token_ids(forward, vocabulary_size)

@@ -55,23 +55,49 @@ TIME_MARGIN_SECONDS = 10.0
 STOP_KEYS = ("stop", "stop_sequence", "stop_strings")
 MAX_STOPS = 16
 REFUSED = frozenset(
-    {"return_tensors", "timeout", "generation_config", "streamer", "assistant_model", "assistant_tokenizer"}
-    | {"custom_generate", "trust_remote_code", "tokenizer", "return_dict_in_generate", "output_scores"}
+    {
+        "return_tensors",
+        "timeout",
+        "generation_config",
+        "streamer",
+        "assistant_model",
+        "assistant_tokenizer",
+    }
+    | {
+        "custom_generate",
+        "trust_remote_code",
+        "tokenizer",
+        "return_dict_in_generate",
+        "output_scores",
+    }
     | {"output_logits", "output_attentions", "output_hidden_states", "synced_gpus"}
     | SERVER_PARAMETERS
 )
 # Type and lower bound of the parameters clients send most: a wrong one answers 400 naming it.
-INTEGERS = {"max_new_tokens": 1, "min_new_tokens": 0, "max_length": 1, "min_length": 0, "top_k": 0, "seed": 0}
+INTEGERS = {
+    "max_new_tokens": 1,
+    "min_new_tokens": 0,
+    "max_length": 1,
+    "min_length": 0,
+    "top_k": 0,
+    "seed": 0,
+}
 INTEGERS |= {"num_return_sequences": 1, "num_beams": 1, "no_repeat_ngram_size": 0}
 NUMBERS = {"temperature", "top_p", "repetition_penalty", "length_penalty"}
 BOOLEANS = {"do_sample", "return_full_text", "early_stopping"}
 LOOP_MODES = frozenset({"greedy_search", "sample"})
-TEXT_TO_TEXT_NAMES = {"text2text-generation": "generated", "summarization": "summary", "translation": "translation"}
+TEXT_TO_TEXT_NAMES = {
+    "text2text-generation": "generated",
+    "summarization": "summary",
+    "translation": "translation",
+}
 # What transformers 4.57's text-to-text pipelines asked of generate unless the model's generation
 # config says otherwise.
 TEXT_TO_TEXT_DEFAULTS = {"max_new_tokens": 256, "num_beams": 4}
 # Pipeline parameters that only shape the answer or the tokens, never generate's arguments.
-TEXT_TO_TEXT_PARAMETERS = frozenset({"truncation", "clean_up_tokenization_spaces", "src_lang", "tgt_lang"})
+TEXT_TO_TEXT_PARAMETERS = frozenset(
+    {"truncation", "clean_up_tokenization_spaces", "src_lang", "tgt_lang"}
+)
 
 
 @dataclass(frozen=True)
@@ -99,7 +125,9 @@ class GenerationRunner:
         self._device = device
         self._run_pass = run_pass
         self._task: TextGeneration | TextToText = (
-            TextGeneration(model, device) if model.task == "text-generation" else TextToText(model, model.task)
+            TextGeneration(model, device)
+            if model.task == "text-generation"
+            else TextToText(model, model.task)
         )
         self._scheduler = Scheduler(DecodingBatch(model.model), limits.max_rows, name, run_pass)
         self._vocabulary = vocabulary(model.model)
@@ -131,7 +159,9 @@ class GenerationRunner:
             for index, (prompt, rows, config, stops) in enumerate(planned)
             if rows is None
         }
-        self._scheduler.submit([row for _, rows, _, _ in planned if rows is not None for row in rows])
+        self._scheduler.submit(
+            [row for _, rows, _, _ in planned if rows is not None for row in rows]
+        )
         answers = []
         for index, (prompt, rows, _, _) in enumerate(planned):
             if rows is None:
@@ -140,18 +170,27 @@ class GenerationRunner:
                 for row in rows:
                     if row.error is not None:
                         raise row.error
-                sequences, cut = [row.tokens for row in rows], any(row.finish == TIME for row in rows)
+                sequences, cut = (
+                    [row.tokens for row in rows],
+                    any(row.finish == TIME for row in rows),
+                )
             records = [prompt.answer(sequence) for sequence in sequences]
             if cut:
                 warning = (
-                    f"cut after {self.limits.seconds:.0f} s, the time limit of one request: answered what was generated"
+                    f"cut after {self.limits.seconds:.0f} s, the time limit of one request: "
+                    "answered what was generated"
                 )
                 records = [{**record, "warning": warning} for record in records]
             answers.append(records)
         return answers
 
     def _plan(
-        self, prompt: Prompt, sent: set[str], stops: tuple[str, ...], seed: int | None, deadline: float
+        self,
+        prompt: Prompt,
+        sent: set[str],
+        stops: tuple[str, ...],
+        seed: int | None,
+        deadline: float,
     ) -> tuple[list[Row] | None, Any]:
         """The rows of one input (None: it runs ``generate`` alone), and its generation config."""
         model: Any = self.model.model
@@ -163,22 +202,31 @@ class GenerationRunner:
         # As generate tells them: a length nobody set, or one the request, the task or the model
         # set.
         unset = [
-            key not in arguments and getattr(base, key, None) is None and getattr(model.generation_config, key) is None
+            key not in arguments
+            and getattr(base, key, None) is None
+            and getattr(model.generation_config, key) is None
             for key in ("max_length", "min_length")
         ]
         try:
             config, unused = model._prepare_generation_config(base, **arguments)
             if unused:
-                raise InvalidInput(f"parameters {sorted(unused)} are not generation parameters of this model")
+                raise InvalidInput(
+                    f"parameters {sorted(unused)} are not generation parameters of this model"
+                )
             config.validate()
             inputs = torch.tensor([ids], device=self._device)
             model._prepare_special_tokens(config, True, device=self._device)
-            config = model._prepare_generated_length(config, unset[0], unset[1], "input_ids", start, inputs)
+            config = model._prepare_generated_length(
+                config, unset[0], unset[1], "input_ids", start, inputs
+            )
             config.max_new_tokens = self._new_tokens(config.max_length - start, len(ids), sent)
             if config.get_generation_mode().value not in LOOP_MODES:
                 return None, config
             processors = model._get_logits_processor(
-                generation_config=config, input_ids_seq_length=start, encoder_input_ids=inputs, device=self._device
+                generation_config=config,
+                input_ids_seq_length=start,
+                encoder_input_ids=inputs,
+                device=self._device,
             )
         except ValueError as exc:
             raise InvalidInput(f"parameters {arguments}: {exc}") from exc
@@ -186,7 +234,13 @@ class GenerationRunner:
         ends = frozenset() if eos is None else frozenset(eos.view(-1).tolist())
         rows = []
         for index in range(config.num_return_sequences or 1):
-            row = Row(ids, config.max_new_tokens, ends, processors if len(processors) else None, bool(config.do_sample))
+            row = Row(
+                ids,
+                config.max_new_tokens,
+                ends,
+                processors if len(processors) else None,
+                bool(config.do_sample),
+            )
             if seed is not None and config.do_sample:
                 # its own draws: the rows beside it change nothing
                 row.generator = torch.Generator(device=self._device).manual_seed(seed + index)
@@ -205,13 +259,15 @@ class GenerationRunner:
         cap = self.limits.max_new_tokens
         if wanted > cap and asked:
             raise InvalidInput(
-                f"max_new_tokens={wanted} is over this model's limit of {cap} ({self.limits.max_new_tokens_from})"
+                f"max_new_tokens={wanted} is over this model's limit of {cap} "
+                f"({self.limits.max_new_tokens_from})"
             )
         model, settings = self.model, getattr(self.model.model, "config", None)
         if getattr(settings, "is_encoder_decoder", False):
             if model.max_length is not None and prompt_length > model.max_length:
                 raise InvalidInput(
-                    f"an input has {prompt_length} tokens and the model takes at most {model.max_length}: shorten it, "
+                    f"an input has {prompt_length} tokens and the model takes at most "
+                    f"{model.max_length}: shorten it, "
                     'or send "parameters": {"truncation": true}'
                 )
             room = getattr(settings, "max_position_embeddings", None)
@@ -219,16 +275,23 @@ class GenerationRunner:
         else:
             room = None if model.max_length is None else model.max_length - prompt_length
             if room is not None and room < 1:
-                raise InvalidInput(f"the prompt has {prompt_length} tokens: the model takes at most {model.max_length}")
+                raise InvalidInput(
+                    f"the prompt has {prompt_length} tokens: the model takes at most "
+                    f"{model.max_length}"
+                )
         if room is not None and wanted > room and asked:
-            raise InvalidInput(f"max_new_tokens={wanted} does not fit: the model has room for {room} more tokens")
+            raise InvalidInput(
+                f"max_new_tokens={wanted} does not fit: the model has room for {room} more tokens"
+            )
         return max(1, min(wanted, cap, room if room is not None else wanted))
 
     def _stop_check(self, stops: tuple[str, ...]) -> Any:
         tokenizer: Any = self._stop_tokenizer
 
         def stopped(row: Row) -> bool:
-            text = tokenizer.decode(row.tokens[len(row.tokens) - row.generated :], skip_special_tokens=True)
+            text = tokenizer.decode(
+                row.tokens[len(row.tokens) - row.generated :], skip_special_tokens=True
+            )
             return any(stop in text for stop in stops)
 
         return stopped
@@ -248,7 +311,9 @@ class GenerationRunner:
         self, prompt: Prompt, config: Any, stops: tuple[str, ...], deadline: float
     ) -> tuple[list[list[int]], bool]:
         model: Any = self.model.model
-        arguments = {key: value for key, value in prompt.generate.items() if key != "generation_config"}
+        arguments = {
+            key: value for key, value in prompt.generate.items() if key != "generation_config"
+        }
         arguments["max_new_tokens"] = config.max_new_tokens
         with torch.inference_mode():
             remaining = deadline - time.monotonic()
@@ -281,7 +346,9 @@ def _parameters(parameters: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, 
         raise InvalidInput(f"parameters {sorted(refused)} are not accepted here")
     for key, least in INTEGERS.items():
         value = parameters.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < least
+        ):
             raise InvalidInput(f"{key} must be an integer of at least {least}, not {value!r}")
     for key in NUMBERS:
         value = parameters.get(key)
@@ -299,8 +366,12 @@ def _parameters(parameters: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, 
     for key in STOP_KEYS:
         value = parameters.get(key)
         value = [value] if isinstance(value, str) else value
-        if value is not None and (not isinstance(value, list) or not all(isinstance(s, str) and s for s in value)):
-            raise InvalidInput(f"{key} must be a string or a list of strings, not {parameters[key]!r}")
+        if value is not None and (
+            not isinstance(value, list) or not all(isinstance(s, str) and s for s in value)
+        ):
+            raise InvalidInput(
+                f"{key} must be a string or a list of strings, not {parameters[key]!r}"
+            )
         stops += value or []
     if len(stops) > MAX_STOPS:
         raise InvalidInput(f"at most {MAX_STOPS} stop sequences, not {len(stops)}")
@@ -328,7 +399,9 @@ def check_token_ids(parameters: dict[str, Any], vocabulary: int | None) -> None:
         if key.endswith(TOKEN_ID_SUFFIXES):
             outside = [token for token in _integers(value) if not 0 <= token < vocabulary]
             if outside:
-                raise InvalidInput(f"{key} names token ids {outside[:5]} outside the model's {vocabulary} tokens")
+                raise InvalidInput(
+                    f"{key} names token ids {outside[:5]} outside the model's {vocabulary} tokens"
+                )
 
 
 def vocabulary(model: Any) -> int | None:
@@ -388,7 +461,10 @@ class TextGeneration:
         except (ValueError, TypeError, KeyError) as exc:
             raise InvalidInput(f"parameters {parameters}: {exc}") from exc
         if prefix_length:  # as the pipeline does: a total length includes the prefix
-            for length, new_tokens in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
+            for length, new_tokens in (
+                ("max_length", "max_new_tokens"),
+                ("min_length", "min_new_tokens"),
+            ):
                 if length in arguments and new_tokens not in arguments:
                     arguments[length] += prefix_length
         ids = inputs["input_ids"][0].tolist()
@@ -396,12 +472,18 @@ class TextGeneration:
         prompt_ids = inputs["input_ids"] if ids else None
 
         def answer(sequence: list[int]) -> dict[str, Any]:
-            outputs = {"generated_sequence": torch.tensor([[sequence]]), "input_ids": prompt_ids, "prompt_text": text}
+            outputs = {
+                "generated_sequence": torch.tensor([[sequence]]),
+                "input_ids": prompt_ids,
+                "prompt_text": text,
+            }
             try:
                 with lent_pipeline(self._pipeline) as own:  # made later, maybe on another thread
                     return own.postprocess(outputs, **after)[0]  # type: ignore[no-any-return]
             except (ValueError, TypeError, KeyError) as exc:
-                raise InvalidInput(f"the answer could not be made with these parameters: {exc}") from exc
+                raise InvalidInput(
+                    f"the answer could not be made with these parameters: {exc}"
+                ) from exc
 
         return Prompt(ids, arguments, answer)
 
@@ -420,12 +502,18 @@ class TextToText:
             task = next((key for key in specific if key.startswith("translation")), task)
         self.task = task
         parts = task.split("_")
-        self._languages = (parts[1], parts[3]) if len(parts) == 4 and parts[0] == "translation" else (None, None)
-        self.generation_config, prefix = _pipeline_generation_config(model, specific.get(task) or {})
+        self._languages = (
+            (parts[1], parts[3]) if len(parts) == 4 and parts[0] == "translation" else (None, None)
+        )
+        self.generation_config, prefix = _pipeline_generation_config(
+            model, specific.get(task) or {}
+        )
         self._prefix = prefix if prefix is not None else getattr(config, "prefix", None) or ""
 
     def prepare(self, text: str, parameters: dict[str, Any]) -> Prompt:
-        unknown = {"return_tensors", "return_text", "return_type", "return_full_text"} & set(parameters)
+        unknown = {"return_tensors", "return_text", "return_type", "return_full_text"} & set(
+            parameters
+        )
         if unknown:
             raise InvalidInput(f"{sorted(unknown)} are not parameters of {self.task}")
         with lent_tokenizer(self._model.tokenizer) as tokenizer:
@@ -433,19 +521,35 @@ class TextToText:
 
     def _prepare(self, tokenizer: Any, text: str, parameters: dict[str, Any]) -> Prompt:
         truncation = parameters.get("truncation", False)
-        source, target = parameters.get("src_lang", self._languages[0]), parameters.get("tgt_lang", self._languages[1])
+        source, target = (
+            parameters.get("src_lang", self._languages[0]),
+            parameters.get("tgt_lang", self._languages[1]),
+        )
         try:
-            if callable(getattr(tokenizer, "_build_translation_inputs", None)) and self._name == "translation":
+            if (
+                callable(getattr(tokenizer, "_build_translation_inputs", None))
+                and self._name == "translation"
+            ):
                 inputs = tokenizer._build_translation_inputs(
-                    text, return_tensors="pt", truncation=truncation, src_lang=source, tgt_lang=target
+                    text,
+                    return_tensors="pt",
+                    truncation=truncation,
+                    src_lang=source,
+                    tgt_lang=target,
                 )
             else:
-                inputs = tokenizer(self._prefix + text, padding=False, truncation=truncation, return_tensors="pt")
+                inputs = tokenizer(
+                    self._prefix + text, padding=False, truncation=truncation, return_tensors="pt"
+                )
         except (ValueError, TypeError, KeyError) as exc:
             raise InvalidInput(f"the input could not be tokenized: {exc}") from exc
-        arguments = {key: value for key, value in parameters.items() if key not in TEXT_TO_TEXT_PARAMETERS}
+        arguments = {
+            key: value for key, value in parameters.items() if key not in TEXT_TO_TEXT_PARAMETERS
+        }
         extra = {
-            key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask", "token_type_ids")
+            key: value
+            for key, value in inputs.items()
+            if key not in ("input_ids", "attention_mask", "token_type_ids")
         }
         # forced_bos_token_id of a multilingual tokenizer's translation inputs, say
         arguments.update(extra)
@@ -455,15 +559,21 @@ class TextToText:
         def answer(sequence: list[int]) -> dict[str, Any]:
             with lent_tokenizer(self._model.tokenizer) as own:
                 # made later, maybe on another thread
-                text = own.decode(sequence, skip_special_tokens=True, clean_up_tokenization_spaces=clean)
+                text = own.decode(
+                    sequence, skip_special_tokens=True, clean_up_tokenization_spaces=clean
+                )
             return {key: text}
 
         return Prompt(
-            inputs["input_ids"][0].tolist(), {"generation_config": self.generation_config, **arguments}, answer
+            inputs["input_ids"][0].tolist(),
+            {"generation_config": self.generation_config, **arguments},
+            answer,
         )
 
 
-def _pipeline_generation_config(loaded: HuggingFaceModel, specific: dict[str, Any]) -> tuple[Any, str | None]:
+def _pipeline_generation_config(
+    loaded: HuggingFaceModel, specific: dict[str, Any]
+) -> tuple[Any, str | None]:
     """The generation config transformers 4.57's text-to-text pipeline built once: its defaults
     where the model's generation config sets nothing, a ``max_length`` the model sets honoured, then
     the task's ``task_specific_params``, and the tokenizer's pad token where the model has none; and

@@ -67,11 +67,18 @@ TASKS = {
     "sentence-similarity": "AutoModel",
     "sentence-ranking": "AutoModelForSequenceClassification",
 }
-GENERATIVE_TASKS = frozenset({"text-generation", "text2text-generation", "summarization", "translation"})
+GENERATIVE_TASKS = frozenset(
+    {"text-generation", "text2text-generation", "summarization", "translation"}
+)
 ALIASES = {"sentiment-analysis": "text-classification", "ner": "token-classification"}
 ALIASES |= {"text-ranking": "sentence-ranking"}  # the Hugging Face toolkit's other name for it
 IMAGE_TASKS = frozenset(
-    {"image-classification", "object-detection", "image-segmentation", "zero-shot-image-classification"}
+    {
+        "image-classification",
+        "object-detection",
+        "image-segmentation",
+        "zero-shot-image-classification",
+    }
 )
 # its candidate labels are texts: a tokenizer too
 TEXT_AND_IMAGE_TASKS = frozenset({"zero-shot-image-classification"})
@@ -86,7 +93,10 @@ AUDIO_ARCHITECTURE_TASKS = {
 }
 # What the architecture alone would call a text task, and what it is when the directory holds an
 # audio feature extractor (a Wav2Vec2ForSequenceClassification, a WhisperForConditionalGeneration).
-AUDIO_READINGS = {"text-classification": "audio-classification", "text2text-generation": "automatic-speech-recognition"}
+AUDIO_READINGS = {
+    "text-classification": "audio-classification",
+    "text2text-generation": "automatic-speech-recognition",
+}
 # What an architecture's name ends with, and the task it serves (``BertForSequenceClassification``:
 # a classifier).
 ARCHITECTURE_TASKS = {
@@ -169,7 +179,11 @@ def is_hugging_face_directory(model_dir: Path) -> bool:
     """A ``save_pretrained`` directory: ``config.json`` naming a model type, and weights
     transformers reads."""
     config = _read_config(model_dir)
-    return config is not None and "model_type" in config and any((model_dir / f).is_file() for f in WEIGHT_FILES)
+    return (
+        config is not None
+        and "model_type" in config
+        and any((model_dir / f).is_file() for f in WEIGHT_FILES)
+    )
 
 
 def resolve_task(model_dir: Path, model_task: str | None, container_task: str | None) -> str:
@@ -184,22 +198,35 @@ def resolve_task(model_dir: Path, model_task: str | None, container_task: str | 
         return task
     config = _read_config(model_dir) or {}
     architectures = config.get("architectures") or []
-    found = {task for name in architectures for suffix, task in ARCHITECTURE_TASKS.items() if name.endswith(suffix)}
-    found = {ARCHITECTURE_NAMES[name] for name in architectures if name in ARCHITECTURE_NAMES} or found
+    found = {
+        task
+        for name in architectures
+        for suffix, task in ARCHITECTURE_TASKS.items()
+        if name.endswith(suffix)
+    }
+    found = {
+        ARCHITECTURE_NAMES[name] for name in architectures if name in ARCHITECTURE_NAMES
+    } or found
     if len(found) == 1:
         return audio_task(found.pop(), model_dir)
-    if config.get("is_encoder_decoder") and any(name.endswith(SEQ_TO_SEQ_SUFFIXES) for name in architectures):
+    if config.get("is_encoder_decoder") and any(
+        name.endswith(SEQ_TO_SEQ_SUFFIXES) for name in architectures
+    ):
         return audio_task("text2text-generation", model_dir)
-    if not architectures or all(name.endswith("Model") and "For" not in name for name in architectures):
+    if not architectures or all(
+        name.endswith("Model") and "For" not in name for name in architectures
+    ):
         # a bare encoder (BertModel): what it computes is its hidden states
         return "feature-extraction"
     raise ModelLoadError(
-        f"cannot tell the task from config.json's architectures {architectures}: set task= in serving.properties "
-        f"or HF_TASK; {_supported()}"
+        f"cannot tell the task from config.json's architectures {architectures}: set task= in "
+        f"serving.properties or HF_TASK; {_supported()}"
     )
 
 
-def load(model_dir: Path, task: str, trust_remote_code: bool, pooling: str | None = None) -> HuggingFaceModel:
+def load(
+    model_dir: Path, task: str, trust_remote_code: bool, pooling: str | None = None
+) -> HuggingFaceModel:
     """The model on the host, in eval mode, with what prepares its inputs. Never touches CUDA."""
     transformers = _transformers()
 
@@ -207,37 +234,53 @@ def load(model_dir: Path, task: str, trust_remote_code: bool, pooling: str | Non
     if "auto_map" in config:
         if not trust_remote_code:
             raise ModelLoadError(
-                f"config.json asks for code of its own (auto_map: {sorted(config['auto_map'])}); it runs only with "
-                "trust_remote_code=true in the model's serving.properties"
+                f"config.json asks for code of its own (auto_map: {sorted(config['auto_map'])}); "
+                "it runs only with trust_remote_code=true in the model's serving.properties"
             )
-        logger.warning("model_dir=%s runs the code its config.json names (trust_remote_code=true)", model_dir)
+        logger.warning(
+            "model_dir=%s runs the code its config.json names (trust_remote_code=true)", model_dir
+        )
     options: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     try:
         auto = _auto_class(transformers, base_task(task), config)
-        model, info = auto.from_pretrained(str(model_dir), weights_only=True, output_loading_info=True, **options)
+        model, info = auto.from_pretrained(
+            str(model_dir), weights_only=True, output_loading_info=True, **options
+        )
         tokenizer = image_processor = feature_extractor = None
         if task in IMAGE_TASKS:
-            image_processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir), **options)
+            image_processor = transformers.AutoImageProcessor.from_pretrained(
+                str(model_dir), **options
+            )
         if task in AUDIO_TASKS:
             feature_extractor, tokenizer = audio_processors(transformers, model_dir, task, options)
         elif task not in IMAGE_TASKS or task in TEXT_AND_IMAGE_TASKS:
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), **options)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelLoadError(f"transformers could not load {model_dir.name} for {task}: {exc}") from exc
+        raise ModelLoadError(
+            f"transformers could not load {model_dir.name} for {task}: {exc}"
+        ) from exc
     _check_head(model_dir, task, config, info)
     labels = getattr(model.config, "label2id", None) or {}
-    if task == "zero-shot-classification" and not any(str(label).lower().startswith("entail") for label in labels):
+    if task == "zero-shot-classification" and not any(
+        str(label).lower().startswith("entail") for label in labels
+    ):
         # The pipeline would score labels by whatever the model's last class means.
-        raise ModelLoadError(f"{model_dir.name} names no entailment label in label2id {sorted(labels)}: not NLI")
+        raise ModelLoadError(
+            f"{model_dir.name} names no entailment label in label2id {sorted(labels)}: not NLI"
+        )
     positions = getattr(model.config, "max_position_embeddings", None)
     if isinstance(positions, int) and config.get("model_type") in OFFSET_POSITIONS:
         # RoBERTa counts positions after the padding index
         positions -= int(config.get("pad_token_id") or 0) + 1
     tokenizer_limit = getattr(tokenizer, "model_max_length", None)
     limits = [n for n in (positions, tokenizer_limit) if isinstance(n, int) and 0 < n < 1_000_000]
-    logger.info("model_dir=%s loaded with transformers as %s (%s)", model_dir, task, type(model).__name__)
+    logger.info(
+        "model_dir=%s loaded with transformers as %s (%s)", model_dir, task, type(model).__name__
+    )
     limit = min(limits) if limits else None
-    loaded = HuggingFaceModel(task, model.eval(), tokenizer, image_processor, limit, "auto_map" in config)
+    loaded = HuggingFaceModel(
+        task, model.eval(), tokenizer, image_processor, limit, "auto_map" in config
+    )
     loaded.feature_extractor = feature_extractor
     if task == "feature-extraction" or task in sentences.EMBEDDING_TASKS:
         loaded.pooling, loaded.normalize = sentences.pooling(model_dir, pooling)
@@ -263,7 +306,9 @@ def _auto_class(transformers: Any, task: str, config: dict[str, Any]) -> Any:
     if task == "image-segmentation":
         mappings = transformers.models.auto.modeling_auto
         for kind in ("IMAGE", "SEMANTIC", "UNIVERSAL", "INSTANCE"):
-            if config.get("model_type") in getattr(mappings, f"MODEL_FOR_{kind}_SEGMENTATION_MAPPING_NAMES"):
+            if config.get("model_type") in getattr(
+                mappings, f"MODEL_FOR_{kind}_SEGMENTATION_MAPPING_NAMES"
+            ):
                 return getattr(transformers, f"AutoModelFor{kind.title()}Segmentation")
     return getattr(transformers, TASKS[task])
 
@@ -294,9 +339,9 @@ def _check_head(model_dir: Path, task: str, config: dict[str, Any], info: dict[s
         missing = [key for key in missing if "pooler" not in key]
     if missing:
         raise ModelLoadError(
-            f"{model_dir.name} holds {config.get('architectures')}, whose weights lack what {task} needs "
-            f"({', '.join(sorted(missing)[:4])}{', ...' if len(missing) > 4 else ''}): set the task that matches "
-            "the directory (task= in serving.properties, or HF_TASK)"
+            f"{model_dir.name} holds {config.get('architectures')}, whose weights lack what {task} "
+            f"needs ({', '.join(sorted(missing)[:4])}{', ...' if len(missing) > 4 else ''}): set "
+            "the task that matches the directory (task= in serving.properties, or HF_TASK)"
         )
 
 
@@ -327,7 +372,11 @@ def is_audio_directory(model_dir: Path) -> bool:
         settings = json.loads((model_dir / PREPROCESSOR_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(settings, dict) and "feature_extractor_type" in settings and "sampling_rate" in settings
+    return (
+        isinstance(settings, dict)
+        and "feature_extractor_type" in settings
+        and "sampling_rate" in settings
+    )
 
 
 def audio_task(task: str, model_dir: Path) -> str:
@@ -345,7 +394,9 @@ def audio_auto_class(task: str, config: dict[str, Any]) -> str:
     return "AutoModelForSpeechSeq2Seq" if config.get("is_encoder_decoder") else "AutoModelForCTC"
 
 
-def audio_processors(transformers: Any, model_dir: Path, task: str, options: dict[str, Any]) -> tuple[Any, Any]:
+def audio_processors(
+    transformers: Any, model_dir: Path, task: str, options: dict[str, Any]
+) -> tuple[Any, Any]:
     """The feature extractor, and for speech recognition the tokenizer that turns its tokens into
     text."""
     feature_extractor = transformers.AutoFeatureExtractor.from_pretrained(str(model_dir), **options)
@@ -368,7 +419,9 @@ def packed(tokenizer: Any) -> torch.Tensor:
     neutral.name_or_path = ""
     init_kwargs = getattr(tokenizer, "init_kwargs", None)
     if isinstance(init_kwargs, dict):
-        neutral.init_kwargs = {key: value for key, value in init_kwargs.items() if key != "name_or_path"}
+        neutral.init_kwargs = {
+            key: value for key, value in init_kwargs.items() if key != "name_or_path"
+        }
     return torch.frombuffer(bytearray(pickle.dumps(neutral, protocol=PROTOCOL)), dtype=torch.uint8)
 
 
@@ -381,7 +434,10 @@ def unpacked(data: torch.Tensor, task: str, name_or_path: str) -> Any:
     with _lock:
         held = _by_key.get(key)
     if held is not None:
-        logger.info("a tokenizer equal to one a model here holds (%d bytes pickled): taken, not unpickled", view.nbytes)
+        logger.info(
+            "a tokenizer equal to one a model here holds (%d bytes pickled): taken, not unpickled",
+            view.nbytes,
+        )
         return held
     tokenizer = pickle.loads(view)
     tokenizer.name_or_path = name_or_path

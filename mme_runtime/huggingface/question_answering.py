@@ -21,7 +21,13 @@ from mme_runtime.base.errors import InvalidInput
 from mme_runtime.huggingface.loading import HuggingFaceModel
 from mme_runtime.huggingface.requests import TaskRequest
 
-DEFAULTS = {"top_k": 1, "max_answer_len": 15, "max_seq_len": 384, "doc_stride": 128, "handle_impossible_answer": False}
+DEFAULTS = {
+    "top_k": 1,
+    "max_answer_len": 15,
+    "max_seq_len": 384,
+    "doc_stride": 128,
+    "handle_impossible_answer": False,
+}
 DEFAULTS |= {"align_to_words": True}
 # What the transformers 4 pipeline took and what changes nothing here: accepted, so its clients work
 # unchanged.
@@ -31,7 +37,9 @@ MASKED = -10_000.0
 Forward = Callable[[list[dict[str, Any]], Callable[[Any], Any]], list[dict[str, Any]]]
 
 
-def run(tokenizer: Any, model: HuggingFaceModel, requests: list[TaskRequest], forward: Forward) -> list[Any]:
+def run(
+    tokenizer: Any, model: HuggingFaceModel, requests: list[TaskRequest], forward: Forward
+) -> list[Any]:
     """Each question's answer, in order; ``forward`` runs the windows of all of them in one padded
     pass."""
     windows: list[dict[str, Any]] = []
@@ -42,17 +50,25 @@ def run(tokenizer: Any, model: HuggingFaceModel, requests: list[TaskRequest], fo
             prepared = _windows(tokenizer, item["question"], item["context"], options)
             plans.append((len(windows), len(prepared), item, options))
             windows += prepared
-    inputs = [{key: value for key, value in window.items() if key in _MODEL_KEYS} for window in windows]
+    inputs = [
+        {key: value for key, value in window.items() if key in _MODEL_KEYS} for window in windows
+    ]
 
     def run_model(batch: Any) -> Any:
         with torch.inference_mode():
             device = next(model.model.parameters()).device
             outputs = model.model(**{key: value.to(device) for key, value in batch.items()})
-        return {"start_logits": outputs.start_logits.cpu(), "end_logits": outputs.end_logits.cpu(), **batch}
+        return {
+            "start_logits": outputs.start_logits.cpu(),
+            "end_logits": outputs.end_logits.cpu(),
+            **batch,
+        }
 
     outputs = forward(inputs, run_model)
     return [
-        _answer(windows[first : first + count], outputs[first : first + count], item["context"], options)
+        _answer(
+            windows[first : first + count], outputs[first : first + count], item["context"], options
+        )
         for first, count, item, options in plans
     ]
 
@@ -63,8 +79,13 @@ _MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 def _options(parameters: dict[str, Any], max_length: int | None) -> dict[str, Any]:
     unknown = set(parameters) - set(DEFAULTS) - ACCEPTED
     if unknown:
-        raise InvalidInput(f"question-answering takes the parameters {sorted(DEFAULTS)}, not {sorted(unknown)}")
-    options = {**DEFAULTS, **{key: value for key, value in parameters.items() if key not in ACCEPTED}}
+        raise InvalidInput(
+            f"question-answering takes the parameters {sorted(DEFAULTS)}, not {sorted(unknown)}"
+        )
+    options = {
+        **DEFAULTS,
+        **{key: value for key, value in parameters.items() if key not in ACCEPTED},
+    }
     for key in ("top_k", "max_answer_len", "max_seq_len", "doc_stride"):
         if not isinstance(options[key], int) or isinstance(options[key], bool) or options[key] < 1:
             raise InvalidInput(f"{key} must be a positive integer, not {options[key]!r}")
@@ -74,7 +95,9 @@ def _options(parameters: dict[str, Any], max_length: int | None) -> dict[str, An
     return options
 
 
-def _windows(tokenizer: Any, question: str, context: str, options: dict[str, Any]) -> list[dict[str, Any]]:
+def _windows(
+    tokenizer: Any, question: str, context: str, options: dict[str, Any]
+) -> list[dict[str, Any]]:
     """The question with each window of the context, and which tokens are the context's."""
     try:
         encoded = tokenizer(
@@ -92,7 +115,9 @@ def _windows(tokenizer: Any, question: str, context: str, options: dict[str, Any
     windows = []
     cls = tokenizer.cls_token_id
     for index in range(len(encoded["input_ids"])):
-        window: dict[str, Any] = {key: torch.tensor([encoded[key][index]]) for key in _MODEL_KEYS if key in encoded}
+        window: dict[str, Any] = {
+            key: torch.tensor([encoded[key][index]]) for key in _MODEL_KEYS if key in encoded
+        }
         inside = np.array([sequence == 1 for sequence in encoded.sequence_ids(index)])
         # The first token ([CLS]) stands for "no answer": it takes part in the softmax, never in a
         # span.
@@ -103,7 +128,12 @@ def _windows(tokenizer: Any, question: str, context: str, options: dict[str, Any
     return windows
 
 
-def _answer(windows: list[dict[str, Any]], outputs: list[dict[str, Any]], context: str, options: dict[str, Any]) -> Any:
+def _answer(
+    windows: list[dict[str, Any]],
+    outputs: list[dict[str, Any]],
+    context: str,
+    options: dict[str, Any],
+) -> Any:
     """The best spans over the windows, as the pipeline gives them: one dict, or a list of
     ``top_k``. A span found in several windows (they overlap) counts once, with its scores added."""
     answers: dict[str, dict[str, Any]] = {}  # by the answer's text, lowercased
@@ -122,7 +152,9 @@ def _answer(windows: list[dict[str, Any]], outputs: list[dict[str, Any]], contex
             first, last = (int(i) for i in np.unravel_index(flat, spans.shape))
             if not (inside[first] and inside[last]):
                 continue
-            begin, finish = _characters(window["encoding"], first, last, bool(options["align_to_words"]))
+            begin, finish = _characters(
+                window["encoding"], first, last, bool(options["align_to_words"])
+            )
             text = context[begin:finish]
             found = answers.get(text.lower())
             if found is not None:
@@ -147,7 +179,9 @@ def _characters(encoding: Any, first: int, last: int, align_to_words: bool) -> t
     first_word, last_word = encoding.token_to_word(first), encoding.token_to_word(last)
     if not align_to_words or first_word is None or last_word is None:
         return int(encoding.offsets[first][0]), int(encoding.offsets[last][1])
-    return int(encoding.word_to_chars(first_word, 1)[0]), int(encoding.word_to_chars(last_word, 1)[1])
+    return int(encoding.word_to_chars(first_word, 1)[0]), int(
+        encoding.word_to_chars(last_word, 1)[1]
+    )
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:

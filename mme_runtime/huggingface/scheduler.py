@@ -39,7 +39,9 @@ class ModelUnloaded(RuntimeError):
 class Scheduler:
     """The queue in front of one model's generations and the thread that decodes them."""
 
-    def __init__(self, batch: DecodingBatch, max_rows: int, name: str, run_pass: RunPass = run_here) -> None:
+    def __init__(
+        self, batch: DecodingBatch, max_rows: int, name: str, run_pass: RunPass = run_here
+    ) -> None:
         self.batch = batch
         self._run_pass = run_pass  # where each step runs: a GPU's pass threads, or this thread
         self.max_rows = max(1, max_rows)
@@ -51,7 +53,9 @@ class Scheduler:
         # what a row submitted too late gets
         self._failure: BaseException = ModelUnloaded("the model was unloaded")
         self._series = metrics.current()  # a device host's threads each record for their own model
-        self.thread = threading.Thread(target=self._run_forever, name=f"generation-{name}", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run_forever, name=f"generation-{name}", daemon=True
+        )
         self.thread.start()
 
     def submit(self, rows: list[Row]) -> None:
@@ -136,7 +140,10 @@ class Scheduler:
                 if self._held <= GATHER_STEPS:
                     return []
             self._held = 0
-            return [self._waiting.popleft() for _ in range(min(self.max_rows - live, len(self._waiting)))]
+            return [
+                self._waiting.popleft()
+                for _ in range(min(self.max_rows - live, len(self._waiting)))
+            ]
 
     def _admit(self, rows: list[Row]) -> None:
         """Prefills the joining rows; if that fails they fail, and the running rows only if the

@@ -114,7 +114,9 @@ class TaskRunner:
                 plans.append((len(rows), len(prepared), after))
                 rows += prepared
                 adapters += [request.adapter] * len(prepared)
-        outputs = self._forward(rows, lambda batch: pipeline.forward(batch, **(forward_parameters or {})), adapters)
+        outputs = self._forward(
+            rows, lambda batch: pipeline.forward(batch, **(forward_parameters or {})), adapters
+        )
         if self.model.pooling is not None:
             return [self._pooled(outputs[first]) for first, _, _ in plans]
         chunked = _is_chunked(pipeline)
@@ -133,7 +135,10 @@ class TaskRunner:
         return vector.tolist()  # type: ignore[no-any-return]
 
     def _forward(
-        self, rows: list[dict[str, Any]], forward: Callable[[Any], Any], adapters: list[str | None] | None = None
+        self,
+        rows: list[dict[str, Any]],
+        forward: Callable[[Any], Any],
+        adapters: list[str | None] | None = None,
     ) -> list[dict[str, Any]]:
         """The model over ``rows``, handed back row by row as a pass over each alone gives it
         (``cut_back``): sorted by length, in groups padded to their longest, so that a batch of
@@ -143,24 +148,39 @@ class TaskRunner:
         pad_id = getattr(self.model.tokenizer, "pad_token_id", None)
         for group in length_groups([length(row) or 0 for row in rows]):
             members = [rows[index] for index in group]
-            with self._selecting(None if adapters is None else [adapters[index] for index in group]):
+            with self._selecting(
+                None if adapters is None else [adapters[index] for index in group]
+            ):
                 batch = forward(members[0] if len(members) == 1 else pad(members, pad_id))
             for position, index in enumerate(group):
-                outputs[index] = batch if len(members) == 1 else cut_back(batch, position, members[position])
+                outputs[index] = (
+                    batch if len(members) == 1 else cut_back(batch, position, members[position])
+                )
         return outputs
 
     def _selecting(self, adapters: list[str | None] | None) -> AbstractContextManager[Any]:
         """The pass in this block runs each row through its own adapter, when the model has
         adapters."""
         model_adapters = getattr(self.model, "adapters", None)
-        return nullcontext() if model_adapters is None else model_adapters.selecting(adapters or [None])
+        return (
+            nullcontext()
+            if model_adapters is None
+            else model_adapters.selecting(adapters or [None])
+        )
 
     def _check_length(self, row: dict[str, Any]) -> None:
         limit = self.model.max_length
         tokens = length(row)
         if limit is not None and tokens is not None and tokens > limit:
-            advice = ', or send "parameters": {"truncation": true}' if self.task in TRUNCATING_TASKS else ""
-            raise InvalidInput(f"an input has {tokens} tokens and the model takes at most {limit}: shorten it{advice}")
+            advice = (
+                ', or send "parameters": {"truncation": true}'
+                if self.task in TRUNCATING_TASKS
+                else ""
+            )
+            raise InvalidInput(
+                f"an input has {tokens} tokens and the model takes at most {limit}: shorten "
+                f"it{advice}"
+            )
 
 
 def _parameters(
@@ -178,7 +198,10 @@ def _parameters(
     if parameters.get("truncation") and model.task in TRUNCATING_TASKS:
         limit = model.truncate_to or model.max_length
         if limit is not None and model.task == "feature-extraction":
-            parameters["tokenize_kwargs"] = {"max_length": limit, **parameters.get("tokenize_kwargs", {})}
+            parameters["tokenize_kwargs"] = {
+                "max_length": limit,
+                **parameters.get("tokenize_kwargs", {}),
+            }
         elif limit is not None:
             parameters.setdefault("max_length", limit)
     try:
@@ -245,7 +268,8 @@ def length_groups(lengths: list[int]) -> list[list[int]]:
         for end in range(1, len(window) + 1):
             longest = lengths[window[end - 1]]
             best[end] = min(
-                (best[first][0] + PASS_COST_TOKENS + (end - first) * longest, first) for first in range(end)
+                (best[first][0] + PASS_COST_TOKENS + (end - first) * longest, first)
+                for first in range(end)
             )
         cuts, end = [], len(window)
         while end > 0:

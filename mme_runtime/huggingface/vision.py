@@ -32,7 +32,9 @@ ZERO_SHOT = "zero-shot-image-classification"
 # images from URLs).
 PARAMETERS = {
     "object-detection": frozenset({"threshold"}),
-    "image-segmentation": frozenset({"subtask", "threshold", "mask_threshold", "overlap_mask_area_threshold"}),
+    "image-segmentation": frozenset(
+        {"subtask", "threshold", "mask_threshold", "overlap_mask_area_threshold"}
+    ),
     ZERO_SHOT: frozenset({"candidate_labels", "hypothesis_template"}),
 }
 TASKS = frozenset(PARAMETERS)
@@ -50,31 +52,51 @@ def check_parameters(task: str, parameters: dict[str, Any]) -> None:
     a batch)."""
     unknown = set(parameters) - PARAMETERS[task]
     if unknown:
-        raise InvalidInput(f"{task} takes the parameters {sorted(PARAMETERS[task])}, not {sorted(unknown)}")
+        raise InvalidInput(
+            f"{task} takes the parameters {sorted(PARAMETERS[task])}, not {sorted(unknown)}"
+        )
     for key in NUMBERS & set(parameters):
         value = parameters[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
             raise InvalidInput(f"{key} must be a number, not {value!r}")
     if parameters.get("subtask") not in (None, *SUBTASKS):
-        raise InvalidInput(f"subtask must be one of {list(SUBTASKS)}, not {parameters['subtask']!r}")
+        raise InvalidInput(
+            f"subtask must be one of {list(SUBTASKS)}, not {parameters['subtask']!r}"
+        )
     if task == ZERO_SHOT:
         labels = parameters.get("candidate_labels")
         if labels is None:
             raise InvalidInput(
-                'zero-shot-image-classification needs "parameters": {"candidate_labels": [...]}: send the image as '
-                'base64 in JSON, {"inputs": "<base64>", "parameters": {"candidate_labels": ["cat", "dog"]}}'
+                'zero-shot-image-classification needs "parameters": {"candidate_labels": [...]}: '
+                'send the image as base64 in JSON, {"inputs": "<base64>", "parameters": '
+                '{"candidate_labels": ["cat", "dog"]}}'
             )
-        if not isinstance(labels, list) or not labels or not all(isinstance(label, str) for label in labels):
-            raise InvalidInput(f"candidate_labels must be a non-empty list of strings, not {labels!r}")
+        if (
+            not isinstance(labels, list)
+            or not labels
+            or not all(isinstance(label, str) for label in labels)
+        ):
+            raise InvalidInput(
+                f"candidate_labels must be a non-empty list of strings, not {labels!r}"
+            )
         if len(labels) > MAX_LABELS:
-            raise InvalidInput(f"candidate_labels names {len(labels)} labels; at most {MAX_LABELS} here")
+            raise InvalidInput(
+                f"candidate_labels names {len(labels)} labels; at most {MAX_LABELS} here"
+            )
         template = parameters.get("hypothesis_template", "{}")
         if not isinstance(template, str):
             raise InvalidInput(
-                f"hypothesis_template must be a string such as 'This is a photo of {{}}.', not {template!r}"
+                "hypothesis_template must be a string such as 'This is a photo of {}.', not "
+                f"{template!r}"
             )
         if zero_shot.hypothesis_characters(template, labels) > zero_shot.MAX_CHARACTERS:
-            raise InvalidInput(f"the hypotheses of these labels hold over {zero_shot.MAX_CHARACTERS} characters")
+            raise InvalidInput(
+                f"the hypotheses of these labels hold over {zero_shot.MAX_CHARACTERS} characters"
+            )
 
 
 def run(pipeline: Any, requests: list[TaskRequest]) -> list[Any]:
@@ -97,9 +119,14 @@ def run(pipeline: Any, requests: list[TaskRequest]) -> list[Any]:
     outputs: list[Any] = [None] * len(rows)
     for group in _shape_groups(rows).values():
         run_group = _zero_shot_pass if task == ZERO_SHOT else _pass
-        for index, output in zip(group, run_group(pipeline, [rows[index] for index in group]), strict=True):
+        for index, output in zip(
+            group, run_group(pipeline, [rows[index] for index in group]), strict=True
+        ):
             outputs[index] = output
-    return [_postprocess(pipeline, output, parameters) for output, parameters in zip(outputs, after, strict=True)]
+    return [
+        _postprocess(pipeline, output, parameters)
+        for output, parameters in zip(outputs, after, strict=True)
+    ]
 
 
 def _check_subtask(pipeline: Any, subtask: str | None) -> None:
@@ -107,7 +134,11 @@ def _check_subtask(pipeline: Any, subtask: str | None) -> None:
     for panoptic segments): refused before the pass, where the pipeline would fail after it."""
     if subtask is None or hasattr(pipeline.image_processor, f"post_process_{subtask}_segmentation"):
         return
-    served = [name for name in SUBTASKS if hasattr(pipeline.image_processor, f"post_process_{name}_segmentation")]
+    served = [
+        name
+        for name in SUBTASKS
+        if hasattr(pipeline.image_processor, f"post_process_{name}_segmentation")
+    ]
     raise InvalidInput(f"this model does not segment by subtask {subtask!r}; it does {served}")
 
 
@@ -116,7 +147,10 @@ def _check_label_length(pipeline: Any, row: dict[str, Any]) -> None:
     limit = getattr(text_config, "max_position_embeddings", None)
     width = int(row["text_inputs"][0]["input_ids"].shape[-1])
     if isinstance(limit, int) and width > limit:
-        raise InvalidInput(f"a candidate label has {width} tokens with its template; the model reads at most {limit}")
+        raise InvalidInput(
+            f"a candidate label has {width} tokens with its template; the model reads at most "
+            f"{limit}"
+        )
 
 
 def _prepare(pipeline: Any, image: Any, parameters: dict[str, Any]) -> dict[str, Any]:
@@ -189,7 +223,9 @@ def _zero_shot_pass(pipeline: Any, rows: list[dict[str, Any]]) -> list[dict[str,
     pad_id = getattr(pipeline.tokenizer, "pad_token_id", None) or 0
     width = max(int(text["input_ids"].shape[0]) for text in texts)
     padded = {
-        name: torch.stack([_pad(text[name], width, pad_id if name == "input_ids" else 0) for text in texts])
+        name: torch.stack(
+            [_pad(text[name], width, pad_id if name == "input_ids" else 0) for text in texts]
+        )
         for name in texts[0]
     }
     pixels = torch.cat([row["pixel_values"] for row in rows])

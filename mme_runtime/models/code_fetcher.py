@@ -46,7 +46,9 @@ class CodeFetchError(ModelLoadError):
     cause."""
 
 
-def locate_code(model_dir: Path, submit_directory: str | None, fetcher: CodeFetcher) -> tuple[Path | None, str]:
+def locate_code(
+    model_dir: Path, submit_directory: str | None, fetcher: CodeFetcher
+) -> tuple[Path | None, str]:
     """Where a model's inference code is: its ``code/``, else ``SAGEMAKER_SUBMIT_DIRECTORY``, else
     none (defaults).
 
@@ -60,7 +62,9 @@ def locate_code(model_dir: Path, submit_directory: str | None, fetcher: CodeFetc
             return fetcher.fetch(submit_directory), submit_directory
         local = Path(submit_directory)
         if not local.is_dir():
-            raise CodeFetchError(f"SAGEMAKER_SUBMIT_DIRECTORY={submit_directory}: no such directory")
+            raise CodeFetchError(
+                f"SAGEMAKER_SUBMIT_DIRECTORY={submit_directory}: no such directory"
+            )
         return local, str(local)
     return None, "defaults"
 
@@ -85,7 +89,9 @@ class CodeFetcher:
     def client(self) -> Any:
         if self._client is None:
             if boto3 is None:
-                raise CodeFetchError("fetching code from S3 needs boto3, which this Python does not have")
+                raise CodeFetchError(
+                    "fetching code from S3 needs boto3, which this Python does not have"
+                )
             # boto3 finds credentials and a custom endpoint (AWS_ENDPOINT_URL_S3) by itself.
             config = BotoConfig(
                 connect_timeout=min(5, self._timeout),
@@ -102,7 +108,9 @@ class CodeFetcher:
         try:
             return self._fetch(uri)
         except CodeFetchError as exc:
-            if boto3 is None or not isinstance(exc.__cause__, (ReadTimeoutError, ConnectTimeoutError)):
+            if boto3 is None or not isinstance(
+                exc.__cause__, (ReadTimeoutError, ConnectTimeoutError)
+            ):
                 raise
             setting = f"MME_S3_TIMEOUT_SECONDS={self._timeout} per call, {ATTEMPTS} attempts"
             message = failures.timed_out(time.monotonic() - started, setting, f"fetching {uri}")
@@ -112,7 +120,9 @@ class CodeFetcher:
         bucket, key = parse_s3_uri(uri)
         etag = self._etag(uri, bucket, key)
         entry = self.cache_dir / _entry_name(uri, etag)
-        built = build_once(entry, lambda staging: self._download_and_extract(uri, bucket, key, etag, staging))
+        built = build_once(
+            entry, lambda staging: self._download_and_extract(uri, bucket, key, etag, staging)
+        )
         metrics.record_cache_lookup("code", hit=not built)
         if built:
             logger.info("code %s etag=%s fetched to %s", uri, etag, entry)
@@ -128,7 +138,9 @@ class CodeFetcher:
             raise CodeFetchError(f"{uri}: {_describe(exc)}") from exc
         return str(head["ETag"]).strip('"')
 
-    def _download_and_extract(self, uri: str, bucket: str, key: str, etag: str, staging: Path) -> Path:
+    def _download_and_extract(
+        self, uri: str, bucket: str, key: str, etag: str, staging: Path
+    ) -> Path:
         archive = staging / "archive"
         client = self.client
         try:
@@ -155,7 +167,9 @@ def extract_archive(archive: Path, target: Path, uri: str) -> None:
     except tarfile.FilterError as exc:
         raise CodeFetchError(f"{uri}: unsafe archive entry refused: {exc}") from exc
     except (tarfile.TarError, EOFError, OSError) as exc:
-        raise CodeFetchError(f"{uri}: not a readable tar archive ({type(exc).__name__}: {exc})") from exc
+        raise CodeFetchError(
+            f"{uri}: not a readable tar archive ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def _check_member(member: tarfile.TarInfo, target: Path, uri: str) -> None:
@@ -168,7 +182,10 @@ def _check_member(member: tarfile.TarInfo, target: Path, uri: str) -> None:
         base = target if member.islnk() else (target / name).parent
         destination = (base / member.linkname).resolve()
         if not destination.is_relative_to(target.resolve()):
-            raise CodeFetchError(f"{uri}: unsafe archive entry refused: link {name!r} -> {member.linkname!r} leaves it")
+            raise CodeFetchError(
+                f"{uri}: unsafe archive entry refused: link {name!r} -> {member.linkname!r} leaves "
+                "it"
+            )
     elif not (member.isfile() or member.isdir()):
         raise CodeFetchError(f"{uri}: unsafe archive entry refused: {name!r} is a device or pipe")
 

@@ -120,7 +120,11 @@ class LoadFailure(Exception):
 
 
 def check_memory(
-    spec: ModelSpec, config: Config, gpu: int | None, host: bool = True, device_bytes: int | None = None
+    spec: ModelSpec,
+    config: Config,
+    gpu: int | None,
+    host: bool = True,
+    device_bytes: int | None = None,
 ) -> None:
     """507 before loading what will not fit: host memory where the model is loaded, GPU memory where
     it goes (in a process whose CUDA context exists, a device host, as that context sees it:
@@ -142,7 +146,10 @@ def check_location(spec: ModelSpec, config: Config) -> LoadFailure | None:
     under the model root (after resolving links and ``..``); URLs MMS downloaded land in its temp
     directory and are refused."""
     if not MODEL_NAME.fullmatch(spec.name):
-        message = f"model name {spec.name!r} must be letters, digits, '.', '_' or '-' (at most 255), not a path"
+        message = (
+            f"model name {spec.name!r} must be letters, digits, '.', '_' or '-' (at most 255), not "
+            "a path"
+        )
         logger.error("load failed status=500: %s", message)
         return LoadFailure(500, message)
     if not config.multi_model or config.allow_any_model_location:
@@ -200,7 +207,9 @@ def fail_load(spec: ModelSpec, gpu: int | None, exc: BaseException) -> LoadFailu
     if isinstance(exc, LoadFailure):
         return exc  # logged where it was decided
     status, cause, trace = describe(exc)
-    logger.error("model=%s gpu=%s load failed status=%d: %s", spec.name, gpu, status, cause, exc_info=trace)
+    logger.error(
+        "model=%s gpu=%s load failed status=%d: %s", spec.name, gpu, status, cause, exc_info=trace
+    )
     return LoadFailure(status, f"model {spec.name}: {cause}")
 
 
@@ -209,14 +218,22 @@ def describe(exc: BaseException) -> tuple[int, str, BaseException | None]:
     status, their words and what user code raised (``ContainerError.trace``); anything else is its
     type and message."""
     if hasattr(exc, "status_code"):
-        return int(exc.status_code), str(getattr(exc, "message", None) or exc), getattr(exc, "trace", None)
+        return (
+            int(exc.status_code),
+            str(getattr(exc, "message", None) or exc),
+            getattr(exc, "trace", None),
+        )
     if failures.is_out_of_memory(exc):
         return 507, failures.out_of_memory(exc, "loading"), exc
     return 500, failures.raised("loading", exc), exc
 
 
 def refuse_load(
-    connection: socket.socket, failure: LoadFailure, spec: ModelSpec, config: Config, drain: bool = True
+    connection: socket.socket,
+    failure: LoadFailure,
+    spec: ModelSpec,
+    config: Config,
+    drain: bool = True,
 ) -> None:
     """Fails a frontend connection's LOAD with ``failure`` (its LOAD message already read) and
     closes it. ``drain=False`` where the cause was logged by a process that has ended (its output is
@@ -264,14 +281,19 @@ def model_reason(model_dir: Path, resolved: ResolvedModel, config: Config) -> st
     if code_dir is None:
         return None
     if (code_dir / REQUIREMENTS).is_file():
-        unmet = unmet_requirements((code_dir / REQUIREMENTS).read_text(encoding="utf-8", errors="replace"))
+        unmet = unmet_requirements(
+            (code_dir / REQUIREMENTS).read_text(encoding="utf-8", errors="replace")
+        )
         if unmet:
-            return f"its {REQUIREMENTS} asks for what the image does not have: {', '.join(unmet[:3])}"
+            return (
+                f"its {REQUIREMENTS} asks for what the image does not have: {', '.join(unmet[:3])}"
+            )
     helpers = helper_modules(code_dir, config.program)
     if helpers and isolation != "shared" and code_dir == model_dir / "code":
         return (
-            f"its code/ holds modules beside {config.program} ({', '.join(helpers[:3])}), imported by names another "
-            "model of a shared host could hold (isolation=shared in serving.properties shares it all the same)"
+            f"its code/ holds modules beside {config.program} ({', '.join(helpers[:3])}), imported "
+            "by names another model of a shared host could hold (isolation=shared in "
+            "serving.properties shares it all the same)"
         )
     return None
 

@@ -40,7 +40,14 @@ TASK_TYPES = {
 }
 # Options whose effect this server does not reproduce: an adapter that sets one fails its LOAD
 # rather than answer wrong.
-UNSUPPORTED = ("use_dora", "layers_to_transform", "layer_replication", "lora_bias", "target_parameters", "use_qalora")
+UNSUPPORTED = (
+    "use_dora",
+    "layers_to_transform",
+    "layer_replication",
+    "lora_bias",
+    "target_parameters",
+    "use_qalora",
+)
 
 
 def is_adapter_directory(model_dir: Path) -> bool:
@@ -73,11 +80,15 @@ def read_adapter(model_dir: Path) -> Adapter:
         config = json.loads((model_dir / CONFIG_FILE).read_text(encoding="utf-8"))
         tensors = load_file(str(model_dir / WEIGHT_FILE))
     except FileNotFoundError as exc:
-        raise ModelLoadError(f"an adapter needs {CONFIG_FILE} and {WEIGHT_FILE}: {exc.filename} is missing") from exc
+        raise ModelLoadError(
+            f"an adapter needs {CONFIG_FILE} and {WEIGHT_FILE}: {exc.filename} is missing"
+        ) from exc
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"the adapter in {model_dir.name} cannot be read: {exc}") from exc
     if config.get("peft_type") != "LORA":
-        raise ModelLoadError(f"peft_type {config.get('peft_type')!r} is not served: only LORA adapters are")
+        raise ModelLoadError(
+            f"peft_type {config.get('peft_type')!r} is not served: only LORA adapters are"
+        )
     for option in UNSUPPORTED:
         if config.get(option):
             raise ModelLoadError(f"adapter option {option}={config[option]!r} is not served")
@@ -102,7 +113,9 @@ def read_adapter(model_dir: Path) -> Adapter:
             module, _, parameter = path.rpartition(".")
             saved.setdefault(module, {})[parameter] = tensor
     if not lora:
-        raise ModelLoadError(f"{WEIGHT_FILE} holds no LoRA matrices (keys like {PREFIX}<module>.lora_A.weight)")
+        raise ModelLoadError(
+            f"{WEIGHT_FILE} holds no LoRA matrices (keys like {PREFIX}<module>.lora_A.weight)"
+        )
     return Adapter(TASK_TYPES.get(config.get("task_type") or ""), lora, saved)
 
 
@@ -120,8 +133,12 @@ def find_base(model_dir: Path, base_model: str | None, config: Config) -> Path:
     ``MME_CACHE_DIR/bases`` (``code_fetcher.py``): its top, or its one directory that holds a
     model."""
     if base_model is not None and base_model.startswith("s3://"):
-        fetched = CodeFetcher(config.cache_dir / "bases", config.s3_timeout_seconds).fetch(base_model)
-        return fetched if _holds_model(fetched) else _one_inside(fetched, f"the archive {base_model}")
+        fetched = CodeFetcher(config.cache_dir / "bases", config.s3_timeout_seconds).fetch(
+            base_model
+        )
+        return (
+            fetched if _holds_model(fetched) else _one_inside(fetched, f"the archive {base_model}")
+        )
     allowed = config.allow_any_model_location or not config.multi_model
     return base_directory(model_dir, base_model, None if allowed else config.model_root)
 
@@ -136,9 +153,14 @@ def base_directory(model_dir: Path, base_model: str | None, model_root: Path | N
         base = candidate.resolve()
         allowed = model_root is None or base.is_relative_to(model_root.resolve())
         if not (allowed or base.is_relative_to(model_dir.resolve())):
-            raise ModelLoadError(f"base_model={base_model} is outside the model root {model_root}", status=400)
+            raise ModelLoadError(
+                f"base_model={base_model} is outside the model root {model_root}", status=400
+            )
         if not _holds_model(base):
-            message = f"base_model={base_model}: no model there (no config.json, model.pt or model.pth in {base})"
+            message = (
+                f"base_model={base_model}: no model there (no config.json, model.pt or model.pth "
+                f"in {base})"
+            )
             raise ModelLoadError(message, status=400)
         return base
     return _one_inside(model_dir, "the adapter's directory")
@@ -149,8 +171,9 @@ def _one_inside(directory: Path, where: str) -> Path:
     if len(inside) != 1:
         found = "none" if not inside else ", ".join(path.name for path in inside)
         raise ModelLoadError(
-            f"the adapter's base is not known: set base_model=<directory or s3://...tar.gz> in its serving.properties, "
-            f"or ship the base as one directory inside {where} (found: {found})",
+            "the adapter's base is not known: set base_model=<directory or s3://...tar.gz> in its "
+            f"serving.properties, or ship the base as one directory inside {where} (found: "
+            f"{found})",
             status=400,
         )
     return inside[0]
@@ -230,7 +253,9 @@ class AdapterSet:
             missing = [path for path in (*adapter.lora, *adapter.saved) if path not in modules]
             if missing:
                 names = ", ".join(missing[:5])
-                raise ModelLoadError(f"the adapter targets modules the base does not have: {names}", status=400)
+                raise ModelLoadError(
+                    f"the adapter targets modules the base does not have: {names}", status=400
+                )
             index, self._next = self._next, self._next + 1
             for path, (down, up, scaling) in adapter.lora.items():
                 layer = self._wrapped(path, modules, LoraLinear)
@@ -283,7 +308,9 @@ class AdapterSet:
                 # None (the base alone), or an adapter unloaded under its request
                 positions.setdefault(self.index[name], []).append(row)
         with self.pass_lock:
-            self.groups = {index: torch.tensor(rows, device=device) for index, rows in positions.items()}
+            self.groups = {
+                index: torch.tensor(rows, device=device) for index, rows in positions.items()
+            }
             try:
                 yield
             finally:
@@ -304,7 +331,10 @@ class AdapterSet:
         if isinstance(layer, kind):
             return layer
         if kind is LoraLinear and not isinstance(layer, torch.nn.Linear):
-            raise ModelLoadError(f"the adapter targets {path}, a {type(layer).__name__}: only Linear layers are served")
+            raise ModelLoadError(
+                f"the adapter targets {path}, a {type(layer).__name__}: only Linear layers are "
+                "served"
+            )
         parent_path, _, child = path.rpartition(".")
         wrapper = kind(layer, self)
         setattr(modules[parent_path] if parent_path else self.module, child, wrapper)
@@ -321,8 +351,9 @@ def _replaced(base: torch.nn.Module, state: dict[str, torch.Tensor], path: str) 
         if key not in own or own[key].shape != tensor.shape:
             expected = tuple(own[key].shape) if key in own else "nothing"
             raise ModelLoadError(
-                f"the adapter's {path}.{key} has shape {tuple(tensor.shape)}, the base's {expected}: the base's "
-                "config.json must describe the model the adapter was trained on (num_labels, for a head)",
+                f"the adapter's {path}.{key} has shape {tuple(tensor.shape)}, the base's "
+                f"{expected}: the base's config.json must describe the model the adapter was "
+                "trained on (num_labels, for a head)",
                 status=400,
             )
     replacement.load_state_dict(state, strict=False)

@@ -134,7 +134,9 @@ class _Writer:
         os.lseek(self.fd, offset, os.SEEK_SET)  # sendfile writes at the file's position
         copied = 0
         with path.open("rb") as source:
-            while copied < size and (sent := os.sendfile(self.fd, source.fileno(), copied, size - copied)):
+            while copied < size and (
+                sent := os.sendfile(self.fd, source.fileno(), copied, size - copied)
+            ):
                 copied += sent
         self.size = offset + copied
         return offset, copied
@@ -144,7 +146,9 @@ class _Writer:
         key = (storage.data_ptr(), storage.nbytes())
         if key not in self._storages:
             if storage.device.type != "cpu":
-                raise NotPackable(f"a tensor is on {storage.device}: model_fn must leave the model in host memory")
+                raise NotPackable(
+                    f"a tensor is on {storage.device}: model_fn must leave the model in host memory"
+                )
             array: Any = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()  # a view, no copy
             index, digest = len(self.blobs), ""
             if self.hashed and array.nbytes >= HASHED_ASIDE_BYTES:
@@ -216,7 +220,9 @@ def is_torchscript(path: Path) -> bool:
             names = archive.namelist()
     except (OSError, zipfile.BadZipFile):
         return False
-    return any(name.endswith("/constants.pkl") for name in names) and any("/code/" in name for name in names)
+    return any(name.endswith("/constants.pkl") for name in names) and any(
+        "/code/" in name for name in names
+    )
 
 
 def pack(model: Any, name: str, hashed: bool = True) -> Package:
@@ -232,13 +238,17 @@ def pack(model: Any, name: str, hashed: bool = True) -> Package:
         raise
     except Exception as exc:  # noqa: BLE001 - pickle raises many types for objects it cannot handle
         os.close(writer.fd)
-        raise NotPackable(f"{type(model).__name__} cannot be pickled: {type(exc).__name__}: {exc}") from exc
+        raise NotPackable(
+            f"{type(model).__name__} cannot be pickled: {type(exc).__name__}: {exc}"
+        ) from exc
     offset = writer.append(buffer.getbuffer())
     return Package(writer.fd, offset, buffer.getbuffer().nbytes, writer.finished_blobs())
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, package: Package, maps: list[mmap.mmap], trial: bool) -> None:
+    def __init__(
+        self, file: io.BytesIO, package: Package, maps: list[mmap.mmap], trial: bool
+    ) -> None:
         super().__init__(file)
         self.package = package
         self.maps = maps
@@ -257,7 +267,9 @@ class _Unpickler(pickle.Unpickler):
             _, offset, nbytes = pid
             if self.trial:
                 return None
-            return torch.jit.load(io.BytesIO(self.maps[0][offset : offset + nbytes]), map_location="cpu")  # type: ignore[no-untyped-call]
+            return torch.jit.load(
+                io.BytesIO(self.maps[0][offset : offset + nbytes]), map_location="cpu"
+            )  # type: ignore[no-untyped-call]
         raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
 
     def _untyped(self, index: int) -> torch.UntypedStorage:
@@ -269,7 +281,9 @@ class _Unpickler(pickle.Unpickler):
                 # Shares the mapping's pages (frombuffer keeps the mapping alive as long as the
                 # storage lives).
                 data = self.maps[blob.segment]
-                view = torch.frombuffer(data, dtype=torch.uint8, count=blob.nbytes, offset=blob.offset)
+                view = torch.frombuffer(
+                    data, dtype=torch.uint8, count=blob.nbytes, offset=blob.offset
+                )
                 self.storages[index] = view.untyped_storage()
         return self.storages[index]
 

@@ -102,7 +102,11 @@ class PackageCache:
             shared = self._shared_key(model_dir)
             if shared is not None:
                 return shared
-            return None if self.config.keep_unloaded_mb == 0 else _own_key(spec.name, model_dir, self.config)
+            return (
+                None
+                if self.config.keep_unloaded_mb == 0
+                else _own_key(spec.name, model_dir, self.config)
+            )
         except (OSError, ValueError, ModelLoadError):
             return None  # its loader reports what is wrong
 
@@ -127,7 +131,12 @@ class PackageCache:
         return entry.private, entry.threads
 
     def add(
-        self, key: Key, name: str, package: Package, private: str | None = None, threads: int | None = None
+        self,
+        key: Key,
+        name: str,
+        package: Package,
+        private: str | None = None,
+        threads: int | None = None,
     ) -> Package:
         """The package ``name`` uses from now on: ``package``, or the one another name's loader made
         first (two loads of the same artifacts at once), in which case ``package`` is closed.
@@ -155,7 +164,9 @@ class PackageCache:
             self.entries.move_to_end(key)
             self._evict_beyond(self.config.keep_unloaded_mb * MIB)
             if key in self.entries:
-                logger.info("model cache keeps %s (%d MiB kept in all)", key[0], self.kept_bytes // MIB)
+                logger.info(
+                    "model cache keeps %s (%d MiB kept in all)", key[0], self.kept_bytes // MIB
+                )
 
     def make_room(self, spec: ModelSpec, loading_bytes: int = 0) -> int:
         """Before ``spec``'s loader runs: kept packages go, least recently used first, until the
@@ -179,7 +190,9 @@ class PackageCache:
         return None if path is None else key_for(path)
 
     def _evict_beyond(self, limit_bytes: int) -> None:
-        while self.kept_bytes > limit_bytes and self._evict_oldest(f"more than {limit_bytes // MIB} MiB kept"):
+        while self.kept_bytes > limit_bytes and self._evict_oldest(
+            f"more than {limit_bytes // MIB} MiB kept"
+        ):
             pass
 
     def _evict_oldest(self, why: str) -> bool:
@@ -207,7 +220,9 @@ def _own_key(name: str, model_dir: Path, config: Config) -> Key:
             if path.is_file():
                 stat = path.stat()
                 files.append(f"{path.relative_to(root)}:{stat.st_size}:{stat.st_mtime_ns}")
-    digest = xxhash.xxh3_128_hexdigest("\n".join([*map(str, roots), config.submit_directory or "", *files]).encode())
+    digest = xxhash.xxh3_128_hexdigest(
+        "\n".join([*map(str, roots), config.submit_directory or "", *files]).encode()
+    )
     return (f"{name}@{model_dir}#{digest}", len(files), 0)
 
 
@@ -216,7 +231,9 @@ def _base_key(adapter_dir: Path, config: Config) -> Key | None:
     base is what its ``model_fn`` makes of its files): adapters of one base for one task take one
     package."""
     settings = read_settings(adapter_dir, config)
-    task = settings.task or json.loads((adapter_dir / lora.CONFIG_FILE).read_text()).get("task_type")
+    task = settings.task or json.loads((adapter_dir / lora.CONFIG_FILE).read_text()).get(
+        "task_type"
+    )
     if settings.base_model is not None and settings.base_model.startswith("s3://"):
         # Known by its URI, never asked of S3 here (the warm process's loop): a base fetched once
         # stays the one its adapters use while any is loaded; the loader fetches it anew, by ETag,

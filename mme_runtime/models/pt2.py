@@ -61,7 +61,10 @@ def kind(path: Path) -> Kind:
     constants = torch._C._export.pt2_archive_constants
     try:
         archive = torch._C.PyTorchFileReader(str(path))
-        if archive.get_record(constants.ARCHIVE_FORMAT_PATH).decode() != constants.ARCHIVE_FORMAT_VALUE:
+        if (
+            archive.get_record(constants.ARCHIVE_FORMAT_PATH).decode()
+            != constants.ARCHIVE_FORMAT_VALUE
+        ):
             raise ValueError("its format record is not a PT2 archive's")
         version = archive.get_record(constants.ARCHIVE_VERSION_PATH).decode()
         names = archive.get_all_records()
@@ -71,16 +74,16 @@ def kind(path: Path) -> Kind:
         raise ModelLoadError(f"{path.name} is not a PT2 archive ({reason})") from exc
     if version != constants.ARCHIVE_VERSION_VALUE:
         raise ModelLoadError(
-            f"{path.name} was written in PT2 archive version {version}; torch {torch.__version__} reads version "
-            f"{constants.ARCHIVE_VERSION_VALUE}: export it again with this torch"
+            f"{path.name} was written in PT2 archive version {version}; torch {torch.__version__} "
+            f"reads version {constants.ARCHIVE_VERSION_VALUE}: export it again with this torch"
         )
     if any(name.startswith(constants.AOTINDUCTOR_DIR) for name in names):
         return "aoti"
     if any(name.startswith(constants.MODELS_DIR) for name in names):
         return "exported_program"
     raise ModelLoadError(
-        f"{path.name} is a PT2 archive with neither an exported program nor an AOTInductor package in it "
-        "(save one with torch.export.save or torch._inductor.aoti_compile_and_package)"
+        f"{path.name} is a PT2 archive with neither an exported program nor an AOTInductor package "
+        "in it (save one with torch.export.save or torch._inductor.aoti_compile_and_package)"
     )
 
 
@@ -102,7 +105,9 @@ def load(path: Path) -> Any:
     except Exception as exc:
         # boundary: the LOAD fails with torch's reason (an opset or schema it cannot read)
         reason = first_line(exc)
-        raise ModelLoadError(f"{path.name}: the exported program cannot be loaded: {reason}") from exc
+        raise ModelLoadError(
+            f"{path.name}: the exported program cannot be loaded: {reason}"
+        ) from exc
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,9 @@ class AOTIPackage:
             return AOTIRunner(self.path, device)
         except Exception as exc:  # boundary: compiled for another device kind, or for another torch
             reason = first_line(exc)
-            raise ModelLoadError(f"{self.path.name}: the AOTInductor package cannot run on {device}: {reason}") from exc
+            raise ModelLoadError(
+                f"{self.path.name}: the AOTInductor package cannot run on {device}: {reason}"
+            ) from exc
 
 
 class AOTIRunner:
@@ -156,7 +163,9 @@ class AOTIRunner:
                     f"got shape {list(data.shape)} and dtype {data.dtype}"
                 )
         flat = pytree.tree_flatten((args, reorder_kwargs(kwargs, self._in_spec)))[0]
-        outputs = self._loader.boxed_run([value for value in flat if isinstance(value, torch.Tensor)])
+        outputs = self._loader.boxed_run(
+            [value for value in flat if isinstance(value, torch.Tensor)]
+        )
         return pytree.tree_unflatten(outputs, self._out_spec)
 
     def get_constant_fqns(self) -> list[str]:
@@ -180,7 +189,10 @@ def _check_device(metadata: dict[str, str], device: torch.device) -> None:
     if device.type == "cuda" and capability:
         major, minor = torch.cuda.get_device_capability(device)
         if capability != f"{major}{minor}":
-            raise ValueError(f"it was compiled for GPUs of compute capability {capability}, this one is {major}{minor}")
+            raise ValueError(
+                f"it was compiled for GPUs of compute capability {capability}, this one is "
+                f"{major}{minor}"
+            )
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -197,7 +209,9 @@ def artifacts_digest(model_dir: Path) -> str:
     """SHA-256 over the model directory's files (names and contents), code included: what the model
     is made of."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+    for path in sorted(
+        p for p in model_dir.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    ):
         digest.update(str(path.relative_to(model_dir)).encode() + b"\0")
         with path.open("rb") as stream:
             while chunk := stream.read(CHUNK_BYTES):
@@ -205,7 +219,9 @@ def artifacts_digest(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def cache_key(model_dir: Path, device: torch.device, settings: ServingSettings, sample: torch.Tensor) -> str:
+def cache_key(
+    model_dir: Path, device: torch.device, settings: ServingSettings, sample: torch.Tensor
+) -> str:
     parts = [
         artifacts_digest(model_dir),
         torch.__version__,
@@ -249,9 +265,15 @@ def compile_model(
     """The model compiled for ``device`` (from the cache when it holds it), or ``model`` itself when
     it cannot be."""
     if not isinstance(model, torch.nn.Module) or isinstance(model, torch.jit.ScriptModule):
-        return _eager(model_name, f"it is a {type(model).__name__}, not an nn.Module torch.export can trace", model)
+        return _eager(
+            model_name,
+            f"it is a {type(model).__name__}, not an nn.Module torch.export can trace",
+            model,
+        )
     if not isinstance(sample, torch.Tensor) or sample.dim() == 0:
-        return _eager(model_name, "its warm-up sample does not decode to one tensor with rows", model)
+        return _eager(
+            model_name, "its warm-up sample does not decode to one tensor with rows", model
+        )
     started = time.monotonic()
     entry = cache_dir / "compiled" / cache_key(model_dir, device, settings, sample)
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -265,7 +287,12 @@ def compile_model(
             # a cache entry that does not load (damaged, say) is built again
             if built:
                 raise
-            logger.warning("model=%s compile cache entry %s unusable (%s): compiling again", model_name, entry, exc)
+            logger.warning(
+                "model=%s compile cache entry %s unusable (%s): compiling again",
+                model_name,
+                entry,
+                exc,
+            )
             discard(entry)
             built = build_once(entry, build)
             runner = AOTIRunner(entry / PACKAGE, device)
@@ -287,7 +314,11 @@ def compile_model(
 
 
 def _compile_into(
-    staging: Path, model: torch.nn.Module, device: torch.device, settings: ServingSettings, sample: torch.Tensor
+    staging: Path,
+    model: torch.nn.Module,
+    device: torch.device,
+    settings: ServingSettings,
+    sample: torch.Tensor,
 ) -> Path:
     from torch._inductor import aoti_compile_and_package  # heavy (1.5 s): imported only to compile
 
@@ -297,7 +328,9 @@ def _compile_into(
     # DYNAMIC, not a named range: a module exported before (an ExportedProgram's) brings its own
     # bounds for the rows.
     with torch.no_grad():
-        program = torch.export.export(model, (sample.to(device),), dynamic_shapes=({0: torch.export.Dim.DYNAMIC},))
+        program = torch.export.export(
+            model, (sample.to(device),), dynamic_shapes=({0: torch.export.Dim.DYNAMIC},)
+        )
     package = staging / "package"
     package.mkdir()
     # Weights stay out of the package: the runner is given the placed module's tensors (no second
@@ -324,7 +357,8 @@ class CompiledModule(torch.nn.Module):
         missing = [name for name in runner.get_constant_fqns() if name not in tensors]
         if missing:
             raise ValueError(
-                f"the compiled code needs tensors the module keeps outside its parameters and buffers: {missing[:3]}"
+                "the compiled code needs tensors the module keeps outside its parameters and "
+                f"buffers: {missing[:3]}"
             )
         # What the compiled code was built for, per tensor: it reads them in place, as then laid
         # out, checking nothing.
@@ -357,9 +391,16 @@ class CompiledModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         runner = self.runner  # read once: _apply may set it aside meanwhile
-        if runner is not None and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+        if (
+            runner is not None
+            and len(args) == 1
+            and not kwargs
+            and isinstance(args[0], torch.Tensor)
+        ):
             data = args[0]
-            if (tuple(data.shape[1:]), data.dtype, data.device) == self.traced_for and data.shape[0] >= 1:
+            if (tuple(data.shape[1:]), data.dtype, data.device) == self.traced_for and data.shape[
+                0
+            ] >= 1:
                 return runner(data)
         return self.module(*args, **kwargs)
 

@@ -103,7 +103,10 @@ def read_settings(model_dir: Path, config: Config) -> ServingSettings:
     Raises ``ModelLoadError`` naming the file, line and problem when the file is malformed.
     """
     defaults = ServingSettings(
-        config.batch_size, config.max_batch_delay_ms, "MME_BATCH_SIZE", max_concurrency=config.max_concurrency
+        config.batch_size,
+        config.max_batch_delay_ms,
+        "MME_BATCH_SIZE",
+        max_concurrency=config.max_concurrency,
     )
     path = model_dir / FILE_NAME
     if not path.is_file():
@@ -117,7 +120,9 @@ def read_settings(model_dir: Path, config: Config) -> ServingSettings:
         isolation = _choice("isolation", values.get("isolation"), ISOLATIONS)
         concurrency = values.get("max_concurrency")
         return ServingSettings(
-            batch_size=defaults.batch_size if size is None else parse_int("batch_size", size, 1, MAX_BATCH_SIZE),
+            batch_size=defaults.batch_size
+            if size is None
+            else parse_int("batch_size", size, 1, MAX_BATCH_SIZE),
             max_batch_delay_ms=defaults.max_batch_delay_ms
             if delay is None
             else parse_int("max_batch_delay", delay, 0, MAX_BATCH_DELAY_MS),
@@ -129,12 +134,18 @@ def read_settings(model_dir: Path, config: Config) -> ServingSettings:
             else parse_int("max_concurrency", concurrency, 1, MAX_CONCURRENCY),
             isolation=isolation,
             task=values.get("task"),
-            trust_remote_code=parse_bool("trust_remote_code", values.get("trust_remote_code", "false")),
+            trust_remote_code=parse_bool(
+                "trust_remote_code", values.get("trust_remote_code", "false")
+            ),
             pooling=_choice("pooling", values.get("pooling"), POOLINGS),
             share_weights=parse_bool("share_weights", values.get("share_weights", "true")),
             base_model=values.get("base_model"),
-            max_new_tokens=_optional_int("max_new_tokens", values.get("max_new_tokens"), 1, MAX_NEW_TOKENS),
-            max_generation_seconds=_seconds("max_generation_seconds", values.get("max_generation_seconds")),
+            max_new_tokens=_optional_int(
+                "max_new_tokens", values.get("max_new_tokens"), 1, MAX_NEW_TOKENS
+            ),
+            max_generation_seconds=_seconds(
+                "max_generation_seconds", values.get("max_generation_seconds")
+            ),
         )
     except (ConfigError, OSError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{FILE_NAME} is malformed: {exc}") from exc
@@ -178,9 +189,13 @@ def _parse(path: Path) -> dict[str, str]:
             # Java properties (and the AWS large-model container's files) have no trailing comments:
             # MMS would read the comment as part of the value, so it is refused rather than guessed
             # at.
-            raise ConfigError(f"line {number}: {key}={value!r}: a comment must be on a line of its own")
+            raise ConfigError(
+                f"line {number}: {key}={value!r}: a comment must be on a line of its own"
+            )
         if key not in KNOWN_KEYS:
-            logger.warning("%s line %d: %s is not a setting of this container; ignored", path, number, key)
+            logger.warning(
+                "%s line %d: %s is not a setting of this container; ignored", path, number, key
+            )
             continue
         values[key] = value
     return values

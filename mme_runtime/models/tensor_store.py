@@ -80,7 +80,11 @@ class TensorStore:
         taken: set[Location] = set()
         for blob in package.blobs:
             place = self._equal_held(blob, package.fd) if share and self.enabled else None
-            if place is not None and place not in taken and (place[0] in ids or len(ids) < MAX_SEGMENTS):
+            if (
+                place is not None
+                and place not in taken
+                and (place[0] in ids or len(ids) < MAX_SEGMENTS)
+            ):
                 if place[0] not in ids:
                     ids.append(place[0])
                 blobs.append(Blob(ids.index(place[0]), place[1], blob.nbytes, blob.digest))
@@ -96,7 +100,11 @@ class TensorStore:
             self.sizes[place] = blob.nbytes
         shared = sum(blob.nbytes for blob in blobs if blob.segment)
         if shared:
-            logger.info("%d of %d tensor bytes are held once for several models", shared, self.bytes_of(blobs))
+            logger.info(
+                "%d of %d tensor bytes are held once for several models",
+                shared,
+                self.bytes_of(blobs),
+            )
         segments = tuple(self.segments[i].fd for i in ids[1:])
         return replace(package, blobs=tuple(blobs), segments=segments, segment_ids=tuple(ids))
 
@@ -129,7 +137,11 @@ class TensorStore:
         """The bytes of the package's blobs that another package uses too (each such tensor counted
         here once)."""
         ids = package.segment_ids
-        return sum(blob.nbytes for blob in package.blobs if ids and self.uses[(ids[blob.segment], blob.offset)] > 1)
+        return sum(
+            blob.nbytes
+            for blob in package.blobs
+            if ids and self.uses[(ids[blob.segment], blob.offset)] > 1
+        )
 
     def _equal_held(self, blob: Blob, fd: int) -> Location | None:
         """Where a blob of equal bytes is held already; None when none is (or the digest lied:
@@ -139,7 +151,11 @@ class TensorStore:
         place = self.index.get(blob.digest)
         if place is None or self.sizes.get(place) != blob.nbytes:
             return None
-        return place if _same_bytes(self.segments[place[0]].fd, place[1], fd, blob.offset, blob.nbytes) else None
+        return (
+            place
+            if _same_bytes(self.segments[place[0]].fd, place[1], fd, blob.offset, blob.nbytes)
+            else None
+        )
 
     def _forget(self, place: Location) -> int:
         """No package uses this place any more: it leaves the index. Returns its size."""
@@ -155,7 +171,11 @@ class TensorStore:
         """Whether a file can go: its package is unloaded and no other package uses a tensor in
         it."""
         segment = self.segments.get(segment_id)
-        return segment is not None and not segment.owned and not any(p[0] == segment_id for p in self.uses)
+        return (
+            segment is not None
+            and not segment.owned
+            and not any(p[0] == segment_id for p in self.uses)
+        )
 
 
 def _same_bytes(fd_a: int, offset_a: int, fd_b: int, offset_b: int, nbytes: int) -> bool:
@@ -163,8 +183,12 @@ def _same_bytes(fd_a: int, offset_a: int, fd_b: int, offset_b: int, nbytes: int)
     unmapped after)."""
     start_a, start_b = offset_a - offset_a % PAGE, offset_b - offset_b % PAGE
     with (
-        mmap.mmap(fd_a, offset_a - start_a + nbytes, mmap.MAP_SHARED, mmap.PROT_READ, offset=start_a) as a,
-        mmap.mmap(fd_b, offset_b - start_b + nbytes, mmap.MAP_SHARED, mmap.PROT_READ, offset=start_b) as b,
+        mmap.mmap(
+            fd_a, offset_a - start_a + nbytes, mmap.MAP_SHARED, mmap.PROT_READ, offset=start_a
+        ) as a,
+        mmap.mmap(
+            fd_b, offset_b - start_b + nbytes, mmap.MAP_SHARED, mmap.PROT_READ, offset=start_b
+        ) as b,
     ):
         view_a = np.frombuffer(a, np.uint8, nbytes, offset_a - start_a)
         view_b = np.frombuffer(b, np.uint8, nbytes, offset_b - start_b)
@@ -183,7 +207,9 @@ def _punch(fd: int, offset: int, nbytes: int) -> None:
     mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
     if _libc.fallocate(fd, mode, start, end - start) != 0:
         error = ctypes.get_errno()
-        logger.warning("could not give back %d bytes of a model file: %s", end - start, os.strerror(error))
+        logger.warning(
+            "could not give back %d bytes of a model file: %s", end - start, os.strerror(error)
+        )
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -231,14 +257,20 @@ class DeviceTensors:
         borrowed: dict[Location, int] = {}
 
         def move(tensor: torch.Tensor) -> torch.Tensor:
-            place = locations.get(tensor.untyped_storage().data_ptr()) if tensor.device.type == "cpu" else None
+            place = (
+                locations.get(tensor.untyped_storage().data_ptr())
+                if tensor.device.type == "cpu"
+                else None
+            )
             if place is None:
                 return tensor
             held, found = self._hold(place, tensor.untyped_storage(), owner)
             if found:
                 borrowed[place] = held.storage.nbytes()
             on_device = torch.empty(0, dtype=tensor.dtype, device=self.device)
-            return on_device.set_(held.storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+            return on_device.set_(
+                held.storage, tensor.storage_offset(), tensor.size(), tensor.stride()
+            )
 
         with torch.no_grad():
             module._apply(move)  # type: ignore[no-untyped-call]
@@ -271,13 +303,15 @@ class DeviceTensors:
                 elif held is not None:
                     # its own alone: it keeps its change, and a later model gets a fresh copy
                     del self._held[place]
-        self._watched[owner] = [(tensor, tensor._version, place) for tensor, _, place in watched if place in self._held]
+        self._watched[owner] = [
+            (tensor, tensor._version, place) for tensor, _, place in watched if place in self._held
+        ]
         if not written:
             return
         raise SharedWeightWritten(
-            f"model {owner} wrote in place to {len(written)} weight tensor(s) it shares with other models; they were "
-            "put back and this request failed. Set share_weights=false in its serving.properties if it must write "
-            "to its weights"
+            f"model {owner} wrote in place to {len(written)} weight tensor(s) it shares with other "
+            "models; they were put back and this request failed. Set share_weights=false in its "
+            "serving.properties if it must write to its weights"
         )
 
     def release(self, owner: str) -> None:
@@ -289,7 +323,9 @@ class DeviceTensors:
                 if not held.owners:
                     del self._held[place]
 
-    def _hold(self, place: Location, source: torch.UntypedStorage, owner: str) -> tuple[_Held, bool]:
+    def _hold(
+        self, place: Location, source: torch.UntypedStorage, owner: str
+    ) -> tuple[_Held, bool]:
         """The device's tensor for ``place`` (made now from ``source`` if there is none), and
         whether another model had it there already."""
         with self._lock:
@@ -303,7 +339,11 @@ class DeviceTensors:
     def _watch(self, module: torch.nn.Module, owner: str) -> None:
         """Notes the version of each shared tensor of the module: a write in place raises it."""
         with self._lock:
-            places = {held.storage.data_ptr(): place for place, held in self._held.items() if owner in held.owners}
+            places = {
+                held.storage.data_ptr(): place
+                for place, held in self._held.items()
+                if owner in held.owners
+            }
         self._watched[owner] = [
             (tensor, tensor._version, places[pointer])
             for tensor in (*module.parameters(), *module.buffers())

@@ -90,7 +90,9 @@ def _pip_install(requirements: Path, staging: Path, timeout_seconds: int) -> Pat
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_seconds)
     except subprocess.TimeoutExpired as exc:
         what = f"pip install -r {requirements}"
-        raise RequirementsError(failures.timed_out(timeout_seconds, "MME_PIP_TIMEOUT_SECONDS", what)) from exc
+        raise RequirementsError(
+            failures.timed_out(timeout_seconds, "MME_PIP_TIMEOUT_SECONDS", what)
+        ) from exc
     if result.returncode != 0:
         summary = _summary(result.stderr or result.stdout)
         raise RequirementsError(f"pip install -r {requirements} failed: {summary}")
@@ -107,13 +109,25 @@ def _installed_pins() -> str:
 
 
 def _summary(output: str) -> str:
-    lines = [line.strip() for line in output.splitlines() if line.strip() and "WARNING: Location" not in line]
+    lines = [
+        line.strip()
+        for line in output.splitlines()
+        if line.strip() and "WARNING: Location" not in line
+    ]
     errors = [line for line in lines if line.startswith("ERROR")] or lines
     return " | ".join(errors[-SUMMARY_LINES:])[:800] or "no output"
 
 
 USER_MODULE_PREFIX = "mme_user_"
-CONTRACT = ("model_fn", "input_fn", "predict_fn", "output_fn", "transform_fn", "pre_model_fn", "model_warmup_fn")
+CONTRACT = (
+    "model_fn",
+    "input_fn",
+    "predict_fn",
+    "output_fn",
+    "transform_fn",
+    "pre_model_fn",
+    "model_warmup_fn",
+)
 # Positional arguments each contract function takes before the optional trailing ``context``.
 ARITY = {
     "model_fn": 1,
@@ -166,7 +180,8 @@ def _takes_context(name: str, function: Callable[..., Any]) -> bool:
     required = [p for p in positional if p.default is inspect.Parameter.empty]
     if len(required) > expected:
         raise UserCodeError(
-            f"{name} takes {len(required)} required arguments; expected {expected} (plus an optional context)"
+            f"{name} takes {len(required)} required arguments; expected {expected} (plus an "
+            "optional context)"
         )
     return False
 
@@ -224,7 +239,9 @@ def bind_functions(module: ModuleType | None) -> dict[str, UserFunction]:
             raise UserCodeError(f"{name} in {module.__file__} is not a function")
         functions[name] = UserFunction.bind(name, function)
     if "transform_fn" in functions and {"input_fn", "predict_fn", "output_fn"} & functions.keys():
-        raise UserCodeError("transform_fn cannot be combined with input_fn, predict_fn or output_fn")
+        raise UserCodeError(
+            "transform_fn cannot be combined with input_fn, predict_fn or output_fn"
+        )
     return functions
 
 
@@ -232,7 +249,9 @@ def load_user_code(model_name: str, code_dir: Path | None, source: str, config: 
     """The contract functions the script in the model's code directory defines (``locate_code`` found it: ``source``
     says where, for the log), its requirements installed first. Raises ``ModelLoadError`` naming what is wrong."""
     if code_dir is not None:
-        packages = install_requirements(code_dir, config.cache_dir / "requirements", config.pip_timeout_seconds)
+        packages = install_requirements(
+            code_dir, config.cache_dir / "requirements", config.pip_timeout_seconds
+        )
         if packages is not None:
             add_to_path(packages)
     try:

@@ -46,7 +46,11 @@ LATENCY = "mme_request_duration_seconds"
 
 
 def emf_line(
-    namespace: str, dimensions: dict[str, str], data: list[Datum], properties: dict[str, object], timestamp_ms: int
+    namespace: str,
+    dimensions: dict[str, str],
+    data: list[Datum],
+    properties: dict[str, object],
+    timestamp_ms: int,
 ) -> str:
     """One EMF document on one line: each datum under ``dimensions`` (none: a metric of the
     namespace alone)."""
@@ -55,10 +59,17 @@ def emf_line(
         "Dimensions": [list(dimensions)],
         "Metrics": [{"Name": name, "Unit": unit} for name, _, unit in data],
     }
-    document: dict[str, object] = {"_aws": {"Timestamp": timestamp_ms, "CloudWatchMetrics": [directive]}}
+    document: dict[str, object] = {
+        "_aws": {"Timestamp": timestamp_ms, "CloudWatchMetrics": [directive]}
+    }
     document.update(properties)
     document.update(dimensions)
-    document.update({name: int(value) if float(value).is_integer() else round(value, 3) for name, value, _ in data})
+    document.update(
+        {
+            name: int(value) if float(value).is_integer() else round(value, 3)
+            for name, value, _ in data
+        }
+    )
     return json.dumps(document, separators=(",", ":"), allow_nan=False)
 
 
@@ -113,42 +124,81 @@ class EmfLines:
         gone = by_model(stopped, additive=True)
         # the container's part of a stopped server counts on, in ``families``
         gone.pop(CONTAINER, None)
-        deltas = {model: self._deltas(model, counts.get(model, {}), gone.get(model, {})) for model in counts | gone}
+        deltas = {
+            model: self._deltas(model, counts.get(model, {}), gone.get(model, {}))
+            for model in counts | gone
+        }
         self._seen = {model: seen for model, seen in self._seen.items() if model in counts}
-        self._load_seconds = {model: seconds for model, seconds in self._load_seconds.items() if model in gauges}
-        lines = [self._container_line(deltas.get(CONTAINER, {}), gauges.get(CONTAINER, {}), timestamp_ms)]
+        self._load_seconds = {
+            model: seconds for model, seconds in self._load_seconds.items() if model in gauges
+        }
+        lines = [
+            self._container_line(deltas.get(CONTAINER, {}), gauges.get(CONTAINER, {}), timestamp_ms)
+        ]
         for model in sorted((deltas.keys() | gauges.keys()) - {CONTAINER}):
             if model not in counts and model not in gauges and not any(deltas[model].values()):
                 # gone with nothing to report: a LOAD that failed is no model of CloudWatch's
                 continue
             if model.isascii() and len(model) <= MAX_DIMENSION_VALUE:
-                lines.append(self._model_line(model, deltas.get(model, {}), gauges.get(model, {}), timestamp_ms))
+                lines.append(
+                    self._model_line(
+                        model, deltas.get(model, {}), gauges.get(model, {}), timestamp_ms
+                    )
+                )
             elif model not in self._refused:
                 self._refused.add(model)
-                logger.warning("model=%r has no CloudWatch metrics: a dimension must be ASCII, 1024 at most", model)
+                logger.warning(
+                    "model=%r has no CloudWatch metrics: a dimension must be ASCII, 1024 at most",
+                    model,
+                )
         return lines
 
     def _deltas(self, model: str, now: Samples, gone: Samples) -> Samples:
         """Each count since the previous lines: now, plus what a stopped server took away, less what
         was reported."""
         seen = self._seen.get(model, {})
-        deltas = {key: max(0.0, now.get(key, 0.0) + gone.get(key, 0.0) - seen.get(key, 0.0)) for key in now | gone}
+        deltas = {
+            key: max(0.0, now.get(key, 0.0) + gone.get(key, 0.0) - seen.get(key, 0.0))
+            for key in now | gone
+        }
         # A count lower than reported with no stop behind it (a file left out of this merge) keeps
         # its mark, so that its values are not reported again when the file is back.
-        self._seen[model] = {key: max(value, seen.get(key, 0.0) - gone.get(key, 0.0)) for key, value in now.items()}
+        self._seen[model] = {
+            key: max(value, seen.get(key, 0.0) - gone.get(key, 0.0)) for key, value in now.items()
+        }
         return deltas
 
     def _model_line(self, model: str, deltas: Samples, gauges: Samples, timestamp_ms: int) -> str:
-        codes = {dict(labels)["code"]: value for labels, value in named(deltas, "mme_requests_total").items()}
+        codes = {
+            dict(labels)["code"]: value
+            for labels, value in named(deltas, "mme_requests_total").items()
+        }
         data: list[Datum] = [
             ("Invocations", sum(codes.values()), "Count"),
-            ("Invocation4XXErrors", sum(value for code, value in codes.items() if code.startswith("4")), "Count"),
-            ("Invocation5XXErrors", sum(value for code, value in codes.items() if code.startswith("5")), "Count"),
+            (
+                "Invocation4XXErrors",
+                sum(value for code, value in codes.items() if code.startswith("4")),
+                "Count",
+            ),
+            (
+                "Invocation5XXErrors",
+                sum(value for code, value in codes.items() if code.startswith("5")),
+                "Count",
+            ),
         ]
         requests = deltas.get((f"{LATENCY}_count", ()), 0.0)
         if requests > 0:
-            data.append(("ModelLatency", 1000 * deltas.get((f"{LATENCY}_sum", ()), 0.0) / requests, "Milliseconds"))
-            buckets = sorted((float(dict(labels)["le"]), n) for labels, n in named(deltas, f"{LATENCY}_bucket").items())
+            data.append(
+                (
+                    "ModelLatency",
+                    1000 * deltas.get((f"{LATENCY}_sum", ()), 0.0) / requests,
+                    "Milliseconds",
+                )
+            )
+            buckets = sorted(
+                (float(dict(labels)["le"]), n)
+                for labels, n in named(deltas, f"{LATENCY}_bucket").items()
+            )
             if (tail := quantile(LATENCY_QUANTILE, buckets)) is not None:
                 data.append(("ModelLatencyP99", 1000 * tail, "Milliseconds"))
         loaded = gauges.get(("mme_model_load_seconds", ()))
@@ -161,10 +211,15 @@ class EmfLines:
         if gpus := named(gauges, "mme_model_gpu_memory_bytes"):
             data.append(("GPUMemory", sum(gpus.values()), "Bytes"))
         statuses = {code: int(value) for code, value in sorted(codes.items()) if value}
-        return emf_line(self.namespace, {"ModelName": model}, data, {"StatusCodes": statuses}, timestamp_ms)
+        return emf_line(
+            self.namespace, {"ModelName": model}, data, {"StatusCodes": statuses}, timestamp_ms
+        )
 
     def _container_line(self, deltas: Samples, gauges: Samples, timestamp_ms: int) -> str:
-        loads = {dict(labels)["outcome"]: value for labels, value in named(deltas, f"{LOAD}_count").items()}
+        loads = {
+            dict(labels)["outcome"]: value
+            for labels, value in named(deltas, f"{LOAD}_count").items()
+        }
         data: list[Datum] = [
             ("ModelLoads", loads.get("success", 0.0), "Count"),
             ("ModelLoadFailures", loads.get("failure", 0.0), "Count"),
@@ -172,7 +227,13 @@ class EmfLines:
         if loads.get("success", 0.0) > 0:
             seconds = deltas.get((f"{LOAD}_sum", (("outcome", "success"),)), 0.0)
             data.append(("ModelLoadTime", seconds / loads["success"], "Seconds"))
-        data.append(("ModelUnloads", sum(named(deltas, "mme_model_unload_duration_seconds_count").values()), "Count"))
+        data.append(
+            (
+                "ModelUnloads",
+                sum(named(deltas, "mme_model_unload_duration_seconds_count").values()),
+                "Count",
+            )
+        )
         data.append(("ModelsLoaded", gauges.get(("mme_models_loaded", ()), 0.0), "Count"))
         return emf_line(self.namespace, {}, data, {}, timestamp_ms)
 
@@ -180,7 +241,9 @@ class EmfLines:
 class CloudWatchMetrics:
     """The thread that prints the lines; ``stop`` prints the last ones, for what happened since."""
 
-    def __init__(self, collector: ModelMetrics, seconds: int, namespace: str, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, collector: ModelMetrics, seconds: int, namespace: str, stream: TextIO | None = None
+    ) -> None:
         self.collector = collector
         self.seconds = seconds
         self.emf = EmfLines(namespace)
@@ -220,10 +283,14 @@ def start(config: Config, collector: ModelMetrics | None) -> CloudWatchMetrics |
     if config.cloudwatch_metrics_seconds == 0:
         return None
     if collector is None:
-        logger.warning("CloudWatch metrics off: MME_METRICS_PORT=0 turns off the values they report")
+        logger.warning(
+            "CloudWatch metrics off: MME_METRICS_PORT=0 turns off the values they report"
+        )
         return None
     seconds, namespace = config.cloudwatch_metrics_seconds, config.cloudwatch_namespace
     emitter = CloudWatchMetrics(collector, seconds, namespace)
     emitter.start()
-    logger.info("CloudWatch metrics (EMF lines, namespace %s) on stdout every %d s", namespace, seconds)
+    logger.info(
+        "CloudWatch metrics (EMF lines, namespace %s) on stdout every %d s", namespace, seconds
+    )
     return emitter

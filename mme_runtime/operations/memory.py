@@ -40,7 +40,9 @@ def artifact_bytes(model_dir: Path) -> int:
     size)."""
     total = 0
     for path in model_dir.rglob("*"):
-        if path.is_file() and not SKIPPED_DIRECTORIES.intersection(path.relative_to(model_dir).parts):
+        if path.is_file() and not SKIPPED_DIRECTORIES.intersection(
+            path.relative_to(model_dir).parts
+        ):
             total += path.stat().st_size
     return total
 
@@ -49,7 +51,10 @@ def needs(model_bytes: int, headroom_mb: int) -> str:
     """``needs about X MiB (the model's M MiB + MME_MEMORY_HEADROOM_MB=H)``: what a refused LOAD
     asked for."""
     needed = (model_bytes + headroom_mb * MIB) // MIB
-    return f"needs about {needed} MiB (the model's {model_bytes // MIB} MiB + MME_MEMORY_HEADROOM_MB={headroom_mb})"
+    return (
+        f"needs about {needed} MiB (the model's {model_bytes // MIB} MiB + "
+        f"MME_MEMORY_HEADROOM_MB={headroom_mb})"
+    )
 
 
 def available_bytes() -> tuple[int, str]:
@@ -74,7 +79,8 @@ def check_host_memory(model_dir: Path, headroom_mb: int) -> None:
     available, bound = available_bytes()
     if model_bytes + headroom_mb * MIB > available:
         raise InsufficientMemory(
-            f"out of host memory: {needs(model_bytes, headroom_mb)}, {available // MIB} MiB available {bound}"
+            f"out of host memory: {needs(model_bytes, headroom_mb)}, {available // MIB} MiB "
+            f"available {bound}"
         )
 
 
@@ -105,8 +111,8 @@ def check_context_memory(model_dir: Path, headroom_mb: int, model_bytes: int | N
     model_bytes = artifact_bytes(model_dir) if model_bytes is None else model_bytes
     if model_bytes + headroom_mb * MIB > free:
         raise InsufficientMemory(
-            f"out of GPU memory: {needs(model_bytes, headroom_mb)}, {free // MIB} MiB free to this process's CUDA "
-            "context (the card's free memory and torch's unused cache)"
+            f"out of GPU memory: {needs(model_bytes, headroom_mb)}, {free // MIB} MiB free to this "
+            "process's CUDA context (the card's free memory and torch's unused cache)"
         )
     return True
 
@@ -120,7 +126,8 @@ def check_gpu_memory(model_dir: Path, gpu: str, headroom_mb: int) -> None:
     model_bytes = artifact_bytes(model_dir)
     if model_bytes + headroom_mb * MIB > free:
         raise InsufficientMemory(
-            f"out of GPU memory: {needs(model_bytes, headroom_mb)}, {free // MIB} MiB free on GPU {gpu} (nvidia-smi)"
+            f"out of GPU memory: {needs(model_bytes, headroom_mb)}, {free // MIB} MiB free on GPU "
+            f"{gpu} (nvidia-smi)"
         )
 
 

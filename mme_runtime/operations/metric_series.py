@@ -21,7 +21,23 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, mmap_dict, values
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # Up to this batch size every size has its own bucket; above it, powers of two and the batch size
 # itself.
@@ -69,7 +85,10 @@ class Series:
         # registry=None: the exporter reads the files; nothing in a model process exposes a
         # registry.
         self.requests = Counter(
-            "mme_requests", "Requests answered by the model, by HTTP status code.", ["model", "code"], registry=None
+            "mme_requests",
+            "Requests answered by the model, by HTTP status code.",
+            ["model", "code"],
+            registry=None,
         )
         self.request_seconds = Histogram(
             "mme_request_duration_seconds",
@@ -94,20 +113,25 @@ class Series:
         )
         self.restarts = Counter(
             "mme_model_restarts",
-            "Times the model was loaded again after the device host that served it ended (a crash, an OOM kill).",
+            "Times the model was loaded again after the device host that served it ended (a crash, "
+            "an OOM kill).",
             ["model"],
             registry=None,
         )
         # The same count under the name of the design before device hosts: kept for one release
         # (docs/metrics.md).
         self.executor_restarts = Counter(
-            "mme_executor_restarts", "Deprecated: mme_model_restarts_total.", ["model"], registry=None
+            "mme_executor_restarts",
+            "Deprecated: mme_model_restarts_total.",
+            ["model"],
+            registry=None,
         )
         # livesum: the exporter leaves out the files of processes that ended, so a dead host's
         # memory goes.
         self.gpu_memory = Gauge(
             "mme_model_gpu_memory_bytes",
-            "GPU memory the model's own tensors take on each card (the host's pool and CUDA context not included).",
+            "GPU memory the model's own tensors take on each card (the host's pool and CUDA "
+            "context not included).",
             ["model", "gpu"],
             multiprocess_mode="livesum",
             registry=None,
@@ -116,14 +140,16 @@ class Series:
         # everywhere.
         self.load_seconds = Gauge(
             "mme_model_load_seconds",
-            "Seconds the model's LOAD took, from its start in the warm process to the model ready on its device.",
+            "Seconds the model's LOAD took, from its start in the warm process to the model ready "
+            "on its device.",
             ["model"],
             multiprocess_mode="livemax",
             registry=None,
         )
         self.loads = Histogram(
             "mme_model_load_duration_seconds",
-            "LOADs that reached the warm process, from their start to the first answer, by outcome.",
+            "LOADs that reached the warm process, from their start to the first answer, by "
+            "outcome.",
             ["outcome"],
             buckets=LOAD_BUCKETS,
             registry=None,
@@ -137,12 +163,16 @@ class Series:
         )
         self.quarantines = Counter(
             "mme_model_quarantines",
-            "Models moved out of their shared device host to one of their own after crashing it twice.",
+            "Models moved out of their shared device host to one of their own after crashing it "
+            "twice.",
             ["model"],
             registry=None,
         )
         self.cache_lookups = Counter(
-            "mme_cache_lookups", "Cache lookups, by cache and result (hit or miss).", ["cache", "result"], registry=None
+            "mme_cache_lookups",
+            "Cache lookups, by cache and result (hit or miss).",
+            ["cache", "result"],
+            registry=None,
         )
         if model is not None:
             for restarts in (self.restarts, self.executor_restarts):
@@ -175,7 +205,10 @@ class Series:
             return
         with _MAKING_VALUES:
             saved_class = values.ValueClass
-            values.ValueClass, os.environ[DIRECTORY_VARIABLE] = self._value_class, str(self.directory)
+            values.ValueClass, os.environ[DIRECTORY_VARIABLE] = (
+                self._value_class,
+                str(self.directory),
+            )
             try:
                 yield
             finally:

@@ -55,7 +55,9 @@ def scan(directory: Path, pattern: str) -> list[Path]:
     """The paths under ``directory`` that match ``pattern``, sorted. Processes remove directories at
     any time (a host lets a model go): one that goes mid-scan is skipped, where ``Path.glob`` raises
     FileNotFoundError."""
-    return sorted(Path(path) for path in glob.glob(os.path.join(glob.escape(str(directory)), pattern)))
+    return sorted(
+        Path(path) for path in glob.glob(os.path.join(glob.escape(str(directory)), pattern))
+    )
 
 
 def unloaded_dir(metrics_dir: Path) -> Path:
@@ -293,7 +295,11 @@ def _record_gpu_memory(metrics: Series) -> None:
     if metrics.gpu is not None:
         import torch  # only device hosts watch a GPU, and they have torch loaded
 
-        used = metrics.device_bytes if metrics.device_bytes is not None else torch.cuda.memory_reserved()
+        used = (
+            metrics.device_bytes
+            if metrics.device_bytes is not None
+            else torch.cuda.memory_reserved()
+        )
         metrics.child(metrics.gpu_memory, metrics.model, metrics.gpu).set(used)
 
 

@@ -88,7 +88,9 @@ class ModelMetrics:
 
     def _families(self) -> list[Metric]:
         self._fold_unloaded()
-        merged = [family for family in self._merge(self._live_files()) if family.name.startswith(PREFIX)]
+        merged = [
+            family for family in self._merge(self._live_files()) if family.name.startswith(PREFIX)
+        ]
         return merged + list(self._live_gauges())
 
     def sweep(self) -> None:
@@ -116,7 +118,11 @@ class ModelMetrics:
         skipped: set[str] = set()
         while True:
             try:
-                return list(MultiProcessCollector.merge([f for f in files if f not in skipped], accumulate=True))
+                return list(
+                    MultiProcessCollector.merge(
+                        [f for f in files if f not in skipped], accumulate=True
+                    )
+                )
             except Exception as exc:  # noqa: BLE001
                 # a file being written or moved: find it, leave it out
                 bad = [f for f in files if f not in skipped and not _readable(f)]
@@ -158,7 +164,9 @@ class ModelMetrics:
     def _fold_exited_executors(self, server_dir: Path) -> None:
         """Adds the counts of the server's executors that ended to the server's ``exited`` files,
         removing theirs: an executor crashing again and again adds nothing to scrape."""
-        ended = [path for path in scan(server_dir, "*.db") if _of_ended_process(path, gauges_only=False)]
+        ended = [
+            path for path in scan(server_dir, "*.db") if _of_ended_process(path, gauges_only=False)
+        ]
         if not ended:
             return
         values = _read_values(ended, keep=lambda labels: True)
@@ -176,7 +184,9 @@ class ModelMetrics:
                 continue
             model = urllib.parse.unquote(directory.parent.name)
             try:
-                hosted[model] = hosted.get(model, 0) + int((directory / HOST_BYTES_FILE).read_text())
+                hosted[model] = hosted.get(model, 0) + int(
+                    (directory / HOST_BYTES_FILE).read_text()
+                )
                 servers.setdefault(model, [])
                 continue
             except (OSError, ValueError):
@@ -192,12 +202,15 @@ class ModelMetrics:
                 children = []
             processes = [server, *children]
             servers.setdefault(model, []).extend(processes)
-        running = GaugeMetricFamily("mme_models_loaded", "Models whose model server runs (loading, or loaded).")
+        running = GaugeMetricFamily(
+            "mme_models_loaded", "Models whose model server runs (loading, or loaded)."
+        )
         running.add_metric([], len(servers))
         yield running
         host = GaugeMetricFamily(
             "mme_model_host_memory_bytes",
-            "Host memory of a model's processes (proportional set size: shared pages counted once).",
+            "Host memory of a model's processes (proportional set size: shared pages counted "
+            "once).",
             labels=["model"],
         )
         now = time.monotonic()
@@ -218,7 +231,9 @@ class ModelMetrics:
     def _registered(self, quoted_model: str) -> bool | None:
         """Whether MMS has the model; None when MMS does not answer."""
         try:
-            with urllib.request.urlopen(self.models_url + quoted_model, timeout=REQUEST_TIMEOUT_SECONDS):
+            with urllib.request.urlopen(
+                self.models_url + quoted_model, timeout=REQUEST_TIMEOUT_SECONDS
+            ):
                 return True
         except urllib.error.HTTPError as exc:
             exc.close()

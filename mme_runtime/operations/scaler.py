@@ -38,11 +38,15 @@ def requests_dir(runtime_dir: Path) -> Path:
     return runtime_dir / "worker-requests"
 
 
-def request_workers(runtime_dir: Path, model_name: str, per_device: int, serving: bool = False) -> None:
+def request_workers(
+    runtime_dir: Path, model_name: str, per_device: int, serving: bool = False
+) -> None:
     """Written by a device host: ``model_name`` wants ``per_device`` frontend connections on each
     device. ``serving``: asked by a model that answers requests, so its LOAD has answered and the
     scaler need not wait."""
-    write_marker(requests_dir(runtime_dir), model_name, {"per_device": per_device, "serving": serving})
+    write_marker(
+        requests_dir(runtime_dir), model_name, {"per_device": per_device, "serving": serving}
+    )
 
 
 class Scaler:
@@ -68,7 +72,9 @@ class Scaler:
                 continue
             model = str(wanted["model"])
             workers = int(wanted["per_device"]) * self.devices
-            if self._settle(model, workers, time.time() - written.st_mtime, bool(wanted.get("serving"))):
+            if self._settle(
+                model, workers, time.time() - written.st_mtime, bool(wanted.get("serving"))
+            ):
                 self._ready_since.pop(model, None)
                 with contextlib.suppress(OSError):
                     if request.stat().st_ino == written.st_ino:
@@ -88,21 +94,37 @@ class Scaler:
             # Not registered, or its LOAD has not completed: scaling now would race the LOAD's own
             # workers.
             if expired:
-                logger.warning("model=%s never became ready: its %d batching workers were not added", model, workers)
+                logger.warning(
+                    "model=%s never became ready: its %d batching workers were not added",
+                    model,
+                    workers,
+                )
             return expired
         if int(description.get("minWorkers") or 0) >= workers:
             return True
-        if not serving and time.monotonic() - self._ready_since.setdefault(model, time.monotonic()) < READY_SECONDS:
+        if (
+            not serving
+            and time.monotonic() - self._ready_since.setdefault(model, time.monotonic())
+            < READY_SECONDS
+        ):
             return False  # its LOAD may not have answered yet
         # never lower a maximum set higher
         maximum = max(workers, int(description.get("maxWorkers") or 0))
-        query = urllib.parse.urlencode({"min_worker": workers, "max_worker": maximum, "synchronous": "false"})
+        query = urllib.parse.urlencode(
+            {"min_worker": workers, "max_worker": maximum, "synchronous": "false"}
+        )
         try:
             urllib.request.urlopen(
-                urllib.request.Request(f"{url}?{query}", method="PUT"), timeout=REQUEST_TIMEOUT_SECONDS
+                urllib.request.Request(f"{url}?{query}", method="PUT"),
+                timeout=REQUEST_TIMEOUT_SECONDS,
             )
         except (urllib.error.URLError, OSError) as exc:
             logger.warning("model=%s could not be scaled to %d workers: %s", model, workers, exc)
             return expired  # tried again at the next sweep, until the request expires
-        logger.info("model=%s scaled to %d workers to fill its batches on %d device(s)", model, workers, self.devices)
+        logger.info(
+            "model=%s scaled to %d workers to fill its batches on %d device(s)",
+            model,
+            workers,
+            self.devices,
+        )
         return True

@@ -67,7 +67,9 @@ UNLOAD_SECONDS = 5.0  # how long a host that is told to end waits for the UNLOAD
 
 
 class DeviceHost:
-    def __init__(self, control: socket.socket, config: Config, gpu: int | None, board: CrashBoard) -> None:
+    def __init__(
+        self, control: socket.socket, config: Config, gpu: int | None, board: CrashBoard
+    ) -> None:
         self.control = control
         self.config = config
         self.gpu = gpu
@@ -77,7 +79,9 @@ class DeviceHost:
         # UNLOADs still letting go of their models, by name
         self.unloading: dict[str, threading.Thread] = {}
         self._control_lock = threading.Lock()
-        self._unpacked: weakref.WeakValueDictionary[tuple[int, int, int], Any] = weakref.WeakValueDictionary()
+        self._unpacked: weakref.WeakValueDictionary[tuple[int, int, int], Any] = (
+            weakref.WeakValueDictionary()
+        )
         self.shared: DeviceTensors | None = None  # on a GPU, with MME_SHARE_WEIGHTS
         # on a GPU: the threads that run every model's passes
         self.passes: PassThreads | None = None
@@ -105,7 +109,9 @@ class DeviceHost:
                 self._dispatch(message, fds)
             except Exception:  # noqa: BLE001
                 # one bad message must not take every model of the host down
-                logger.exception("device host pid=%d: message %s not handled", os.getpid(), message.get("op"))
+                logger.exception(
+                    "device host pid=%d: message %s not handled", os.getpid(), message.get("op")
+                )
         for unloading in list(self.unloading.values()):
             # a private host's last model, say: its UNLOAD counted
             unloading.join(UNLOAD_SECONDS)
@@ -119,12 +125,20 @@ class DeviceHost:
             if message.get("threads"):
                 # a private host: the count its model's model_fn chose in the loader
                 devices.set_threads(int(message["threads"]))
-                logger.info("model=%s threads=%d, as its model_fn chose", name, int(message["threads"]))
+                logger.info(
+                    "model=%s threads=%d, as its model_fn chose", name, int(message["threads"])
+                )
             series = metrics.start_hosted(self.config, name, restart=bool(message.get("restart")))
-            model = self.models[name] = HostedModel(spec, int(message["slot"]), series, started=message["started"])
+            model = self.models[name] = HostedModel(
+                spec, int(message["slot"]), series, started=message["started"]
+            )
             # the same name's UNLOAD, maybe still letting go
             model.after = self.unloading.pop(name, None)
-            package = None if message.get("package") is None else Package.from_layout(fds, message["package"])
+            package = (
+                None
+                if message.get("package") is None
+                else Package.from_layout(fds, message["package"])
+            )
             if package is not None:
                 # blobs in other models' files: held for them first, counted there
                 model.borrowed_host_bytes = sum(blob.nbytes for blob in package.blobs if blob.segment)
@@ -147,13 +161,22 @@ class DeviceHost:
                 # Its series go now, before a LOAD of the same name (the next message, maybe) makes
                 # their directory.
                 metrics.stop_hosted(self.config, leaving.series)
-                unloading = threading.Thread(target=self._unload, args=(leaving,), name=f"unload-{name}", daemon=True)
-                self.unloading = {key: thread for key, thread in self.unloading.items() if thread.is_alive()}
+                unloading = threading.Thread(
+                    target=self._unload, args=(leaving,), name=f"unload-{name}", daemon=True
+                )
+                self.unloading = {
+                    key: thread for key, thread in self.unloading.items() if thread.is_alive()
+                }
                 self.unloading[name] = unloading
                 unloading.start()
 
     def _load(
-        self, model: HostedModel, package: Package | None, fds: list[int], batch_size: int, restart: bool
+        self,
+        model: HostedModel,
+        package: Package | None,
+        fds: list[int],
+        batch_size: int,
+        restart: bool,
     ) -> None:
         """The model's handler here: the packed model adopted (or ``model_fn`` run here when there
         is no package), placed on this host's device and warmed up; then the connections that waited
@@ -167,7 +190,13 @@ class DeviceHost:
         if restart:
             metrics.record_restart()
         try:
-            check_memory(spec, self.config, self.gpu, host=package is None, device_bytes=self._new_bytes(package))
+            check_memory(
+                spec,
+                self.config,
+                self.gpu,
+                host=package is None,
+                device_bytes=self._new_bytes(package),
+            )
             if is_our_handler(spec.handler):
                 loaded = self._our_handler(model, package, batch_size)
             else:
@@ -189,13 +218,21 @@ class DeviceHost:
         # threshold, and the temporary buffers of every later load would stay as free heap (about 3x
         # the model) until an UNLOAD.
         release_memory(None)
-        self._report({"model": spec.name, "loaded": model.loaded is not None, "package_unused": model.package_unused})
+        self._report(
+            {
+                "model": spec.name,
+                "loaded": model.loaded is not None,
+                "package_unused": model.package_unused,
+            }
+        )
         with model.lock:
             waiting, model.waiting = model.waiting, []
         for connection, assignment in waiting:
             self._connect(model, connection, assignment)
 
-    def _our_handler(self, model: HostedModel, package: Package | None, batch_size: int) -> LoadedModel:
+    def _our_handler(
+        self, model: HostedModel, package: Package | None, batch_size: int
+    ) -> LoadedModel:
         """The model's own ``HandlerService``: the package adopted (or ``model_fn`` run), placed,
         its threads marked as the model's on the crash board, its batching started."""
         spec = model.spec
@@ -231,11 +268,16 @@ class DeviceHost:
         with self._control_lock:
             model = self._unpacked.get(identity)
         if model is not None:
-            logger.info("model=%s takes the model its package already gave this host (one copy)", name)
+            logger.info(
+                "model=%s takes the model its package already gave this host (one copy)", name
+            )
             hosted.borrows_all = True
             if self.shared is not None:
                 # its tensors on the card stay while it uses them, whoever brought them
-                self.shared.join(name, [(package.segment_ids[blob.segment], blob.offset) for blob in package.blobs])
+                self.shared.join(
+                    name,
+                    [(package.segment_ids[blob.segment], blob.offset) for blob in package.blobs],
+                )
             return model
         unpacked = unpack(package)
         model, module = unpacked.model, module_of(unpacked.model)
@@ -251,7 +293,10 @@ class DeviceHost:
         already."""
         if package is None or self.shared is None or not package.blobs:
             return None
-        places = [((package.segment_ids[blob.segment], blob.offset), blob.nbytes) for blob in package.blobs]
+        places = [
+            ((package.segment_ids[blob.segment], blob.offset), blob.nbytes)
+            for blob in package.blobs
+        ]
         return self.shared.new_bytes(places)
 
     def _report(self, message: dict[str, Any]) -> None:
@@ -261,7 +306,9 @@ class DeviceHost:
             except OSError:
                 pass  # the warm process is gone: the main loop ends
 
-    def _connect(self, model: HostedModel, connection: socket.socket, assignment: Assignment) -> None:
+    def _connect(
+        self, model: HostedModel, connection: socket.socket, assignment: Assignment
+    ) -> None:
         with model.lock:
             if model.loaded is None and model.failure is None:
                 model.waiting.append((connection, assignment))
@@ -271,7 +318,9 @@ class DeviceHost:
             threading.Thread(target=refuse_load, args=arguments, daemon=True).start()
             return
         model.connections.add(connection)
-        threading.Thread(target=self._serve_connection, args=(model, connection), daemon=True).start()
+        threading.Thread(
+            target=self._serve_connection, args=(model, connection), daemon=True
+        ).start()
 
     def _record_memory(self, model: HostedModel, loaded: Any) -> None:
         """What the model's LOAD added: a tensor held for another model first is that model's (counted once); a
@@ -415,7 +464,9 @@ def start_batching(spec: ModelSpec, config: Config, loaded: LoadedModel) -> Conn
         try:
             request_workers(config.runtime_dir, spec.name, per_device, serving)
         except OSError as exc:
-            logger.warning("model=%s could not ask for %d workers per device: %s", spec.name, per_device, exc)
+            logger.warning(
+                "model=%s could not ask for %d workers per device: %s", spec.name, per_device, exc
+            )
 
     at_load = min(config.batch_connections_at_load, settings.batch_size)
     ask_for(at_load, serving=False)

@@ -89,8 +89,8 @@ class CrashCount:
             # no fatal signal to go by (an exit, SIGKILL): the one model that was running
             culprit = running[0]
         logger.error(
-            "device host pid=%d gpu=%s %s while running model %s (calls running: %s); the other models load again "
-            "from their packages",
+            "device host pid=%d gpu=%s %s while running model %s (calls running: %s); the other "
+            "models load again from their packages",
             crash.host.pid,
             crash.host.key,
             crash.cause,
@@ -99,7 +99,9 @@ class CrashCount:
         )
         if crash.stack:
             logger.error(
-                "device host pid=%d: the thread that crashed, most recent call first:\n%s", crash.host.pid, crash.stack
+                "device host pid=%d: the thread that crashed, most recent call first:\n%s",
+                crash.host.pid,
+                crash.stack,
             )
         if culprit is None:
             return None
@@ -113,7 +115,9 @@ class DeviceHosts:
         self.close_in_children = close_in_children
         self.hosts: dict[HostKey, Host] = {}
 
-    def get(self, key: HostKey, gpu: int | None, env: dict[str, str], in_hand: socket.socket) -> Host:
+    def get(
+        self, key: HostKey, gpu: int | None, env: dict[str, str], in_hand: socket.socket
+    ) -> Host:
         """The host of ``key``, forked now if there is none, with the environment MMS gives its
         model processes (it reads some of it, such as ``MMS_DECODE_INPUT_REQUEST``, while
         answering). ``in_hand``: the connection being routed, which a new host must not keep a copy
@@ -128,7 +132,9 @@ class DeviceHosts:
         if key.private:  # named as the model's stub is, so that ps tells whose it is
             title += f" --model-name {key.tenant}"
         try:
-            pid = fork_child(title, functools.partial(run_host, theirs, self.config, gpu, board), close, env)
+            pid = fork_child(
+                title, functools.partial(run_host, theirs, self.config, gpu, board), close, env
+            )
         finally:
             theirs.close()
         ours.settimeout(CONTROL_SECONDS)
@@ -163,7 +169,13 @@ class DeviceHosts:
         except OSError:
             report = ""
         cause = failures.exit_cause(code, host.oom_kills)
-        crash = Crash(host, cause, host.board.culprit(report), frozenset(host.board.busy()), crashed_stack(report))
+        crash = Crash(
+            host,
+            cause,
+            host.board.culprit(report),
+            frozenset(host.board.busy()),
+            crashed_stack(report),
+        )
         host.board.close()
         return crash
 

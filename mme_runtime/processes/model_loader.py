@@ -131,7 +131,9 @@ def _load_here(spec: ModelSpec, config: Config, resolved: ResolvedModel) -> tupl
             started = time.monotonic()
             package = pack_torchscript_file(archive, spec.name)
             logger.info(
-                "model=%s loaded seconds=%.2f (TorchScript, packed as it is)", spec.name, time.monotonic() - started
+                "model=%s loaded seconds=%.2f (TorchScript, packed as it is)",
+                spec.name,
+                time.monotonic() - started,
             )
             return {"package": {**package.layout, "code": code}}, [package.fd]
         loaded = load_model(spec, batch_size=1, phase="preload", resolved=resolved)
@@ -139,16 +141,21 @@ def _load_here(spec: ModelSpec, config: Config, resolved: ResolvedModel) -> tupl
         if devices.cuda_initialized():
             # on whichever card it took here (all are visible): the host has its own
             return {
-                "host_loads": f"model_fn initialised CUDA and failed here ({failure.message}): it runs in the "
-                "device host, on the host's GPU"
+                "host_loads": f"model_fn initialised CUDA and failed here ({failure.message}): it "
+                "runs in the device host, on the host's GPU"
             }, []
         return _failure(failure), []
     if devices.cuda_initialized():
-        return {"host_loads": "model_fn initialised CUDA: it runs in the device host, on the host's GPU"}, []
+        return {
+            "host_loads": "model_fn initialised CUDA: it runs in the device host, on the host's GPU"
+        }, []
     served = loaded.module.service().served
     model = served.model
     if isinstance(model, HuggingFaceModel) and model.remote_code:
-        return {"host_loads": "its classes come from its directory (trust_remote_code): the host imports them"}, []
+        return {
+            "host_loads": "its classes come from its directory (trust_remote_code): the host "
+            "imports them"
+        }, []
     share = config.share_weights and served.settings.share_weights
     try:
         started = time.monotonic()
@@ -160,7 +167,9 @@ def _load_here(spec: ModelSpec, config: Config, resolved: ResolvedModel) -> tupl
         unpack(package, trial=True)
     except Exception as exc:  # noqa: BLE001 - any reason means the host must load it itself
         package.close()
-        return {"host_loads": f"{type(model).__name__} does not unpickle: {type(exc).__name__}: {exc}"}, []
+        return {
+            "host_loads": f"{type(model).__name__} does not unpickle: {type(exc).__name__}: {exc}"
+        }, []
     logger.info(
         "model=%s packed seconds=%.3f tensors=%d bytes=%d hashed=%s",
         spec.name,

@@ -54,7 +54,9 @@ class SharedModels:
     """Every model and device host of the warm process. The methods follow a model's life: what the
     warm process's loop asks, a model arrives, its connections, a host dies, a model goes."""
 
-    def __init__(self, config: Config, watcher: Watcher, close_in_children: Callable[[], list[int]]) -> None:
+    def __init__(
+        self, config: Config, watcher: Watcher, close_in_children: Callable[[], list[int]]
+    ) -> None:
         self.config = config
         # the warm process's: every socket of ours it waits on, with what to do
         self.watcher = watcher
@@ -73,7 +75,11 @@ class SharedModels:
         alive)."""
         fds = [sock.fileno() for sock in self.watcher.sockets()]
         for model in self.models.values():
-            fds += [model.listener.fileno(), model.stub.fileno(), *(fd for fd in model.stdio if fd >= 0)]
+            fds += [
+                model.listener.fileno(),
+                model.stub.fileno(),
+                *(fd for fd in model.stdio if fd >= 0),
+            ]
         fds += self.hosts.descriptors() + self.store.descriptors()
         return sorted({fd for fd in fds if fd >= 0})
 
@@ -86,7 +92,11 @@ class SharedModels:
         for model in self.models.values():
             if model.loader == pid:
                 model.loader = None
-                if (model.result is not None or model.loader_silent) and not model.ready and model.failure is None:
+                if (
+                    (model.result is not None or model.loader_silent)
+                    and not model.ready
+                    and model.failure is None
+                ):
                     # its report, if it sent one before it exited
                     self._loader_reported(model, exit_code=code)
                 return True
@@ -95,7 +105,9 @@ class SharedModels:
     def stop(self) -> None:
         self.hosts.stop()
 
-    def add(self, spec: ModelSpec, request: dict[str, Any], stub: socket.socket, stdio: list[int]) -> None:
+    def add(
+        self, spec: ModelSpec, request: dict[str, Any], stub: socket.socket, stdio: list[int]
+    ) -> None:
         """Binds the model's socket, tells the frontend it may connect, and starts the model's
         loader (unless the same artifacts are loaded under another name already: then the model
         takes their package)."""
@@ -103,23 +115,31 @@ class SharedModels:
             # unloaded, and loaded again before its stub went
             self._unload(existing)
         if len(self.models) >= SLOTS:
-            raise RuntimeError(f"{SLOTS} shared models are loaded already: the device hosts track no more")
+            raise RuntimeError(
+                f"{SLOTS} shared models are loaded already: the device hosts track no more"
+            )
         listener = bind_model_socket(request["argv"])
-        os.write(stdio[1], f"[PID] {request.get('pid', os.getpid())}\nMMS worker started.\n".encode())
+        os.write(
+            stdio[1], f"[PID] {request.get('pid', os.getpid())}\nMMS worker started.\n".encode()
+        )
         model = SharedModel(spec, request, stub, stdio, listener, self._free_slot(), time.time())
         self.models[spec.name] = model
         self.watcher.watch(stub, lambda: self._stub_readable(model))
         if check_location(spec, self.config) is None:
             # else its loader refuses it: nothing of its files is read
             model.cache_key = self.cache.key(spec)
-            model.package = None if model.cache_key is None else self.cache.take(model.cache_key, spec.name)
+            model.package = (
+                None if model.cache_key is None else self.cache.take(model.cache_key, spec.name)
+            )
             if model.package is not None and model.cache_key is not None:
                 private, threads = self.cache.placement(model.cache_key)
                 if private is not None:
                     self._make_private(model, private, threads)
                 self._ready(model)
                 return
-            loading = sum(other.artifact_bytes for other in self.models.values() if other.loader is not None)
+            loading = sum(
+                other.artifact_bytes for other in self.models.values() if other.loader is not None
+            )
             # kept packages give way to what loaders need
             model.artifact_bytes = self.cache.make_room(spec, loading)
         # should it die: whether the kernel's out-of-memory killer did it
@@ -162,7 +182,9 @@ class SharedModels:
             model.package = self.store.add(package, share=bool(report.get("share_weights")))
             if model.cache_key is not None:
                 placement = report.get("private"), report.get("threads")
-                model.package = self.cache.add(model.cache_key, spec.name, model.package, *placement)
+                model.package = self.cache.add(
+                    model.cache_key, spec.name, model.package, *placement
+                )
         else:
             logger.warning("model=%s model_fn runs in the device host: %s", spec.name, report["host_loads"])
         if report is not None:
@@ -177,8 +199,15 @@ class SharedModels:
     def _ready(self, model: SharedModel) -> None:
         """From now on the model's connections are routed (or refused with its failure)."""
         if model.failure is None:
-            where = "shares its device host" if model.tenant == SHARED else "has its own device host"
-            logger.info("model=%s %s (loaded in %.2f s)", model.spec.name, where, time.time() - model.started)
+            where = (
+                "shares its device host" if model.tenant == SHARED else "has its own device host"
+            )
+            logger.info(
+                "model=%s %s (loaded in %.2f s)",
+                model.spec.name,
+                where,
+                time.time() - model.started,
+            )
         model.ready = True
         self.watcher.watch(model.listener, lambda: self._connection_waiting(model))
         model.tell_stub({"shared": True})
@@ -214,7 +243,9 @@ class SharedModels:
                 self._send_model(host, model, assignment.batch_size)
                 model.hosts.add(key)
             payload = {"op": "connect", "model": model.spec.name, "gpu": assignment.gpu}
-            self.hosts.send(host, {**payload, "batch_size": assignment.batch_size}, [connection.fileno()])
+            self.hosts.send(
+                host, {**payload, "batch_size": assignment.batch_size}, [connection.fileno()]
+            )
         except OSError as exc:
             # the host is dying: the frontend reconnects, and its reap starts a new one
             logger.warning("model=%s gpu=%s device host unreachable: %s", model.spec.name, key, exc)
@@ -224,7 +255,9 @@ class SharedModels:
     def _send_model(self, host: Host, model: SharedModel, batch_size: int) -> None:
         """The model to a host, before its first connection there (whose LOAD message carries MMS's
         batch size)."""
-        self.hosts.send(host, model.load_message(batch_size), [] if model.package is None else model.package.fds)
+        self.hosts.send(
+            host, model.load_message(batch_size), [] if model.package is None else model.package.fds
+        )
         host.models.add(model.spec.name)
 
     def _host_reported(self, host: Host) -> None:
@@ -349,7 +382,9 @@ class SharedModel:
     artifact_bytes: int = 0  # its files' size: what its loader's memory check counts
     resolved: dict[str, Any] | None = None  # what its loader resolved (None: a kept package's host resolves it)
 
-    def host_key(self, device: str | None, models: Iterable[SharedModel], cpu_hosts: int) -> HostKey:
+    def host_key(
+        self, device: str | None, models: Iterable[SharedModel], cpu_hosts: int
+    ) -> HostKey:
         """The host of a connection assigned ``device`` (a card's name; None for the CPU): on the
         CPU, a shared model goes to one of the pool (``cpu_host_for``), a private one to its own."""
         if self.tenant != SHARED:
@@ -379,7 +414,9 @@ class SharedModel:
         None if unknown). 507 when the kernel's out-of-memory killer ended it, so that SageMaker
         makes room and tries again."""
         if exit_code is None:
-            return LoadFailure(500, f"model {self.spec.name}: its loader died before it reported (see the log)")
+            return LoadFailure(
+                500, f"model {self.spec.name}: its loader died before it reported (see the log)"
+            )
         cause = failures.exit_cause(exit_code, self.oom_kills)
         status = 507 if failures.oom_killed(exit_code, self.oom_kills) else 500
         return LoadFailure(status, f"model {self.spec.name}: its loader {cause} before it reported")
@@ -439,5 +476,7 @@ def cpu_host_for(model: SharedModel, models: Iterable[SharedModel], cpu_hosts: i
         others = list(models)
         taken = [other.cpu_host for other in others]
         same = [o.cpu_host for o in others if o.cpu_host and o.cache_key == model.cache_key]
-        model.cpu_host = same[0] if model.cache_key is not None and same else min(pool, key=taken.count)
+        model.cpu_host = (
+            same[0] if model.cache_key is not None and same else min(pool, key=taken.count)
+        )
     return model.cpu_host

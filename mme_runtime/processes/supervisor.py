@@ -21,7 +21,12 @@ from types import FrameType
 
 from retrying import retry
 
-from mme_runtime.base.child_processes import PR_SET_CHILD_SUBREAPER, exited_children, prctl, start_program
+from mme_runtime.base.child_processes import (
+    PR_SET_CHILD_SUBREAPER,
+    exited_children,
+    prctl,
+    start_program,
+)
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import EXIT_BOOT, EXIT_OK
 from mme_runtime.base.janitor import Janitor
@@ -128,9 +133,11 @@ class Supervisor:
                 return True
             return False
 
-        start = retry(stop_max_attempt_number=attempts, wait_fixed=2000, retry_on_exception=retry_unless_stopping)(
-            self._start_once
-        )
+        start = retry(
+            stop_max_attempt_number=attempts,
+            wait_fixed=2000,
+            retry_on_exception=retry_unless_stopping,
+        )(self._start_once)
         start()
 
     def _start_once(self) -> None:
@@ -162,7 +169,10 @@ class Supervisor:
             time.sleep(POLL_SECONDS / 4)
         if self.warm_process.poll() is None:
             self.warm_process.kill()
-        raise StartError(f"the warm process did not accept on {socket_path} within {WARM_START_TIMEOUT_SECONDS} s")
+        raise StartError(
+            f"the warm process did not accept on {socket_path} within {WARM_START_TIMEOUT_SECONDS} "
+            "s"
+        )
 
     def _wait_until_ready(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_seconds
@@ -172,7 +182,9 @@ class Supervisor:
                 raise StartError("stop requested during start")
             self._reap()
             if self.exit_status is not None:
-                raise StartError(f"MMS exited with status {self.exit_status} before answering /ping")
+                raise StartError(
+                    f"MMS exited with status {self.exit_status} before answering /ping"
+                )
             if _ping(url):
                 return
             time.sleep(POLL_SECONDS)
@@ -183,7 +195,9 @@ class Supervisor:
         logger.info("received %s: stopping MMS and its workers", signal.Signals(signum).name)
         self._kill_group(signal.SIGTERM)
         if not self._wait_for_group(self.config.stop_grace_seconds):
-            logger.warning("MMS did not stop within %d s: killing it", self.config.stop_grace_seconds)
+            logger.warning(
+                "MMS did not stop within %d s: killing it", self.config.stop_grace_seconds
+            )
             self._kill_group(signal.SIGKILL)
             self._wait_for_group(KILL_WAIT_SECONDS)
         logger.info("MMS stopped")
@@ -222,7 +236,8 @@ class Supervisor:
                 self.warm_process.returncode = code
                 if not self.stopping:
                     logger.warning(
-                        "warm process exited (%d): models cannot load until it is back", self.warm_process.returncode
+                        "warm process exited (%d): models cannot load until it is back",
+                        self.warm_process.returncode,
                     )
 
 

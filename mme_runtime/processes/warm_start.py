@@ -96,7 +96,9 @@ class WarmProcess:
             return
         # The warm process must stay CUDA-free for every later fork to be usable.
         if devices.cuda_initialized():
-            raise RuntimeError("CUDA was initialised in the warm process; it cannot fork model processes")
+            raise RuntimeError(
+                "CUDA was initialised in the warm process; it cannot fork model processes"
+            )
         self._warm_imports(request["argv"])
         try:
             self.shared.add(spec, request, connection, fds)
@@ -141,7 +143,9 @@ class WarmProcess:
                 importlib.import_module(module)
                 # as after the imports at start: nothing for the forks to inherit
                 devices.single_threaded()
-                logger.info("warm process: %s imported seconds=%.2f", label, time.monotonic() - started)
+                logger.info(
+                    "warm process: %s imported seconds=%.2f", label, time.monotonic() - started
+                )
             except Exception as exc:  # noqa: BLE001
                 # the warm process serves every model: the loader imports it
                 logger.warning("warm process: %s not imported for %s: %s", label, model_dir, exc)
@@ -169,7 +173,9 @@ def _spec(argv: list[str]) -> ModelSpec | None:
     ``--model-path``, ...)."""
     values = dict(zip(argv[1::2], argv[2::2], strict=False))
     try:
-        return ModelSpec(values["--model-name"], values["--model-path"], values["--handler"], values["--tmp-dir"])
+        return ModelSpec(
+            values["--model-name"], values["--model-path"], values["--handler"], values["--tmp-dir"]
+        )
     except KeyError:
         return None
 

@@ -32,7 +32,9 @@ def run_via_warm_process(socket_path: str, environment: dict[str, str]) -> int:
     send(client, request, [0, 1, 2])
     reply, _ = receive(client)
     if reply is None or not reply.get("shared"):
-        print("mme-gpu: the warm process ended before it took the model", file=sys.stderr, flush=True)
+        print(
+            "mme-gpu: the warm process ended before it took the model", file=sys.stderr, flush=True
+        )
         return 1
     _become_cat(client, sys.argv)
     return 1  # not reached: _become_cat replaces this process

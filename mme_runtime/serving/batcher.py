@@ -119,18 +119,23 @@ def split(prediction: Any, counts: Sequence[int]) -> list[Any]:
         if prediction.dim() == 0 or prediction.shape[0] != total:
             got = "a scalar" if prediction.dim() == 0 else f"{prediction.shape[0]} rows"
             raise SplitError(
-                f"predict_fn returned {got} for a batch of {total} rows from {len(counts)} requests; "
-                "with batching on, predict_fn must answer one row per input row"
+                f"predict_fn returned {got} for a batch of {total} rows from {len(counts)} "
+                "requests; with batching on, predict_fn must answer one row per input row"
             )
         return list(torch.split(prediction, list(counts)))
     if isinstance(prediction, dict):
         parts = {key: split(value, counts) for key, value in prediction.items()}
         return [{key: parts[key][index] for key in prediction} for index in range(len(counts))]
     if isinstance(prediction, (list, tuple)):
-        batched = [isinstance(p, torch.Tensor) and p.dim() > 0 and p.shape[0] == total for p in prediction]
+        batched = [
+            isinstance(p, torch.Tensor) and p.dim() > 0 and p.shape[0] == total for p in prediction
+        ]
         if prediction and all(batched):  # several outputs, each with the batch's rows
             columns = [split(value, counts) for value in prediction]
-            return [type(prediction)(column[index] for column in columns) for index in range(len(counts))]
+            return [
+                type(prediction)(column[index] for column in columns)
+                for index in range(len(counts))
+            ]
         # One entry per row (a list made by .tolist(), say); a tuple is always several outputs, and
         # a list holding a batched tensor is not rows either: cut by position, it would hand one
         # request another's rows.
@@ -138,13 +143,14 @@ def split(prediction: Any, counts: Sequence[int]) -> list[Any]:
             offsets = [sum(counts[:index]) for index in range(len(counts) + 1)]
             return [prediction[offsets[i] : offsets[i + 1]] for i in range(len(counts))]
         raise SplitError(
-            f"predict_fn returned a {type(prediction).__name__} of {len(prediction)} entries for a batch of {total} "
-            f"rows from {len(counts)} requests; with batching on, it must answer one row per input row, or a tuple "
-            "of tensors with one row per input row each"
+            f"predict_fn returned a {type(prediction).__name__} of {len(prediction)} entries for a "
+            f"batch of {total} rows from {len(counts)} requests; with batching on, it must answer "
+            "one row per input row, or a tuple of tensors with one row per input row each"
         )
     raise SplitError(
-        f"predict_fn returned a {type(prediction).__name__} for a batch of {len(counts)} requests; with batching on "
-        "it must return a tensor, or a dict, list or tuple of tensors, with one row per input row"
+        f"predict_fn returned a {type(prediction).__name__} for a batch of {len(counts)} requests; "
+        "with batching on it must return a tensor, or a dict, list or tuple of tensors, with one "
+        "row per input row"
     )
 
 
@@ -329,7 +335,10 @@ class Batcher:
                 return
             self._queue.extend(jobs)
             self._awaited = max(0, self._awaited - len(jobs))
-            while len(self.threads) - self._running < len(self._queue) and len(self.threads) < self._concurrency:
+            while (
+                len(self.threads) - self._running < len(self._queue)
+                and len(self.threads) < self._concurrency
+            ):
                 # every dispatcher busy: one more, as the model's concurrency allows
                 self._start_dispatcher()
             self._ready.notify()
@@ -396,7 +405,11 @@ class Batcher:
                 if not self._queue:
                     if self._closed:
                         return None
-                    if not self._ready.wait(self._idle_seconds) and not self._queue and not self._closed:
+                    if (
+                        not self._ready.wait(self._idle_seconds)
+                        and not self._queue
+                        and not self._closed
+                    ):
                         # a request from now on starts another
                         self.threads.remove(threading.current_thread())
                         return None

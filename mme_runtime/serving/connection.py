@@ -96,7 +96,9 @@ class Assignment:
         return cls(None if gpu is None else int(gpu), max(1, int(message.get("batchSize") or 1)))
 
 
-def read_assignment(connection: socket.socket, model_name: str, timeout: float) -> Assignment | None:
+def read_assignment(
+    connection: socket.socket, model_name: str, timeout: float
+) -> Assignment | None:
     """Reads a frontend connection's first message, its LOAD (the GPU the frontend assigned it);
     None, with the connection closed and the cause logged, when something else or nothing arrives
     within ``timeout``."""
@@ -132,7 +134,9 @@ def serve_connection(
     (``ConnectionDemand``, below)."""
     try:
         with demand.connection() if demand else contextlib.nullcontext():
-            connection.sendall(create_load_model_response(200, f"loaded model {spec.name}. [PID]:{os.getpid()}"))
+            connection.sendall(
+                create_load_model_response(200, f"loaded model {spec.name}. [PID]:{os.getpid()}")
+            )
             _answer_messages(connection, loaded, running, demand)
     except (ValueError, OSError) as exc:
         # the frontend disconnected (mms.protocol raises ValueError): a normal end
@@ -157,7 +161,9 @@ def _answer_messages(
                 context, response = _answer(loaded, message)
             connection.sendall(response)
         # Recorded once the answer is on its way: the caller does not wait for its metrics.
-        metrics.record_requests(functools.partial(_statuses, context, response), time.monotonic() - started)
+        metrics.record_requests(
+            functools.partial(_statuses, context, response), time.monotonic() - started
+        )
 
 
 def _answer(loaded: LoadedModel, message: list[dict[str, Any]]) -> tuple[Any, bytes]:

@@ -46,7 +46,9 @@ SUPPORTED = (JSON, CSV, NPY)
 # formats. Arrays and numpy scalars as JSON numbers (float32 in its shortest form); keys that are
 # not strings as strings.
 ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
-TEXT_TYPES = frozenset({JSON, CSV, "text/plain", "application/jsonlines", "application/x-www-form-urlencoded"})
+TEXT_TYPES = frozenset(
+    {JSON, CSV, "text/plain", "application/jsonlines", "application/x-www-form-urlencoded"}
+)
 
 
 def media_type(value: str | None) -> str | None:
@@ -110,7 +112,9 @@ def decode(body: bytes | bytearray | str, content_type: str | None) -> torch.Ten
     if essence is None:
         raise UnsupportedContentType(f"missing Content-Type; supported: {', '.join(SUPPORTED)}")
     if essence not in SUPPORTED:
-        raise UnsupportedContentType(f"unsupported Content-Type {content_type!r}; supported: {', '.join(SUPPORTED)}")
+        raise UnsupportedContentType(
+            f"unsupported Content-Type {content_type!r}; supported: {', '.join(SUPPORTED)}"
+        )
     if len(body) == 0:
         raise InvalidInput(f"empty request body for {essence}")
     if essence == NPY:
@@ -137,7 +141,9 @@ def encode(prediction: Any, accept: str) -> bytes:
         try:
             return json.dumps(_jsonable(array), allow_nan=True).encode("utf-8")
         except TypeError as exc:
-            raise TypeError(f"prediction of type {type(prediction).__name__} cannot be encoded as JSON") from exc
+            raise TypeError(
+                f"prediction of type {type(prediction).__name__} cannot be encoded as JSON"
+            ) from exc
     if accept == CSV:
         buffer = io.StringIO()
         np.savetxt(buffer, np.atleast_2d(np.asarray(array)), delimiter=",", fmt="%s")
@@ -165,13 +171,17 @@ def _decode_json(text: str) -> Any:
         try:
             value = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise InvalidInput(f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+            raise InvalidInput(
+                f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+            ) from exc
     # The toolkit's convention: {"instances": [...]} or {"inputs": [...]} wrap the actual data.
     if isinstance(value, dict):
         for key in ("instances", "inputs"):
             if key in value:
                 return value[key]
-        raise InvalidInput("JSON object must hold the data under 'instances' or 'inputs', or be an array")
+        raise InvalidInput(
+            "JSON object must hold the data under 'instances' or 'inputs', or be an array"
+        )
     return value
 
 
@@ -291,7 +301,11 @@ def http_status(exc: BaseException) -> int:
 
 def is_decoding_error(exc: BaseException) -> bool:
     """An exception the user's ``input_fn`` raised decoding the request (``DECODING_ERRORS``)."""
-    return isinstance(exc, StepError) and exc.step == "input_fn" and isinstance(exc.cause, DECODING_ERRORS)
+    return (
+        isinstance(exc, StepError)
+        and exc.step == "input_fn"
+        and isinstance(exc.cause, DECODING_ERRORS)
+    )
 
 
 def release_cached_device_memory() -> None:
@@ -330,7 +344,10 @@ def error_response(exc: Exception, request: Any) -> tuple[bytes, str]:
     it."""
     status = http_status(exc)
     if isinstance(exc, StepError) and exc.explained:
-        message, error_type = exc.explained, "InsufficientMemory" if status == 507 else type(exc.cause).__name__
+        message, error_type = (
+            exc.explained,
+            "InsufficientMemory" if status == 507 else type(exc.cause).__name__,
+        )
     elif isinstance(exc, StepError):
         # a client sees what it sent wrong
         cause = first_line(exc.cause) if status < 500 else str(exc.cause)
@@ -353,8 +370,19 @@ def error_response(exc: Exception, request: Any) -> tuple[bytes, str]:
             exc_info=_traceback_of(exc),
         )
     else:
-        logger.warning("model=%s request=%s status=%d: %s", request.model_name, request.request_id, status, message)
-    body = {"code": status, "type": error_type, "message": message, "request_id": request.request_id}
+        logger.warning(
+            "model=%s request=%s status=%d: %s",
+            request.model_name,
+            request.request_id,
+            status,
+            message,
+        )
+    body = {
+        "code": status,
+        "type": error_type,
+        "message": message,
+        "request_id": request.request_id,
+    }
     return json.dumps(body).encode("utf-8"), ERROR_CONTENT_TYPE
 
 
@@ -372,7 +400,9 @@ def load_failure(step: str, exc: Exception) -> ContainerError:
     of what user code raised."""
     if isinstance(exc, ContainerError) and type(exc).__module__.startswith("mme_runtime."):
         # Ours, in words of its own (no model file, say): the step goes before them.
-        return type(exc)(f"{step} failed: {exc.message}"[:MAX_MESSAGE_CHARS], int(exc.status_code), exc.trace)
+        return type(exc)(
+            f"{step} failed: {exc.message}"[:MAX_MESSAGE_CHARS], int(exc.status_code), exc.trace
+        )
     message = failures.raised(step, exc)[:MAX_MESSAGE_CHARS]
     if isinstance(exc, BaseInferenceToolkitError):
         # the user's, with a status of its choosing: deliberate
@@ -421,4 +451,6 @@ def to_bytes(result: Any) -> bytes:
     try:
         return encode(result, JSON)
     except TypeError as exc:
-        raise StepError("output_fn", TypeError(f"returned {type(result).__name__}, expected bytes or str")) from exc
+        raise StepError(
+            "output_fn", TypeError(f"returned {type(result).__name__}, expected bytes or str")
+        ) from exc

@@ -22,7 +22,9 @@ class InferenceContext:
     """A view of MMS's ``Context`` for one model, or for one request of a batch
     (``request_index``)."""
 
-    def __init__(self, mms_context: Any, device: torch.device, request_index: int | None = None) -> None:
+    def __init__(
+        self, mms_context: Any, device: torch.device, request_index: int | None = None
+    ) -> None:
         self._mms = mms_context
         self.device = device
         self.request_index = request_index
@@ -72,7 +74,9 @@ class InferenceContext:
         if self._headers is None:
             self._headers = {}
             if self.request_index is not None and self._mms.request_processor:
-                properties = self._mms.request_processor[self.request_index].get_request_properties()
+                properties = self._mms.request_processor[
+                    self.request_index
+                ].get_request_properties()
                 self._headers = {k.lower(): v for k, v in properties.items() if isinstance(v, str)}
         return self._headers
 

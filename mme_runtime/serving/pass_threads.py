@@ -45,7 +45,11 @@ class PassThreads:
     """
 
     def __init__(
-        self, count: int, name: str, held_seconds: float = HELD_SECONDS, idle_seconds: float = IDLE_SECONDS
+        self,
+        count: int,
+        name: str,
+        held_seconds: float = HELD_SECONDS,
+        idle_seconds: float = IDLE_SECONDS,
     ) -> None:
         self._count = max(1, count)
         self._name = name
@@ -124,7 +128,9 @@ class PassThreads:
         """Called holding ``_lock``."""
         self._idle += 1
         self._started += 1
-        thread = threading.Thread(target=self._serve, name=f"passes-{self._name}-{self._started}", daemon=True)
+        thread = threading.Thread(
+            target=self._serve, name=f"passes-{self._name}-{self._started}", daemon=True
+        )
         self.threads.append(thread)
         thread.start()
 

@@ -61,7 +61,11 @@ def warmup_sample(code_dir: Path | None) -> tuple[str, Any, str] | None:
         return None
     raw = (code_dir / sample).read_bytes()
     content_type = WARMUP_SAMPLES[sample]
-    return sample, content.utf8_text(raw) if content_type in content.TEXT_TYPES else raw, content_type
+    return (
+        sample,
+        content.utf8_text(raw) if content_type in content.TEXT_TYPES else raw,
+        content_type,
+    )
 
 
 def compiled(
@@ -77,8 +81,8 @@ def compiled(
     found = warmup_sample(code_dir)
     if found is None:
         logger.warning(
-            "model=%s compile=true: serving eager, not compiled: compiling needs a sample request in code/ "
-            "(warmup.json, warmup.csv or warmup.npy) to trace the model with",
+            "model=%s compile=true: serving eager, not compiled: compiling needs a sample request "
+            "in code/ (warmup.json, warmup.csv or warmup.npy) to trace the model with",
             context.model_name,
         )
         return model
@@ -88,8 +92,12 @@ def compiled(
     except Exception as exc:
         # boundary: the dry run after this reports a sample the model cannot take
         logger.warning(
-            "model=%s compile=true: serving eager: input_fn refused the warm-up sample: %s", context.model_name, exc
+            "model=%s compile=true: serving eager: input_fn refused the warm-up sample: %s",
+            context.model_name,
+            exc,
         )
         return model
     model_dir = Path(context.model_dir)
-    return compile_model(model, context.model_name, model_dir, context.device, settings, sample, config.cache_dir)
+    return compile_model(
+        model, context.model_name, model_dir, context.device, settings, sample, config.cache_dir
+    )

@@ -38,7 +38,15 @@ from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.models.user_code import USER_MODULE_PREFIX, load_user_code
 from mme_runtime.operations import metrics
 from mme_runtime.serving import content
-from mme_runtime.serving.batcher import Batcher, Job, group, rows, run_batch, run_by_first, signature
+from mme_runtime.serving.batcher import (
+    Batcher,
+    Job,
+    group,
+    rows,
+    run_batch,
+    run_by_first,
+    signature,
+)
 from mme_runtime.serving.content import (
     RequestInFlight,
     StepError,
@@ -154,7 +162,12 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         code = None if self._code_dir is None else str(self._code_dir)
         if code != made_with_code:
             name = context.model_name
-            logger.info("model=%s code is %s, its package's was %s: model_fn runs here", name, code, made_with_code)
+            logger.info(
+                "model=%s code is %s, its package's was %s: model_fn runs here",
+                name,
+                code,
+                made_with_code,
+            )
             self._run_model_fn(context)
             return False
         try:
@@ -187,14 +200,20 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
             for name in {function.function.__module__ for function in user.values()}
             if name.startswith(USER_MODULE_PREFIX) and name in sys.modules
         }
-        defaults = self._defaults_for(context, self._source_dir if plain_adapter else model_dir, user)
+        defaults = self._defaults_for(
+            context, self._source_dir if plain_adapter else model_dir, user
+        )
         self._contract = Contract.bind(defaults, user)
         schedules = getattr(defaults, "schedules_itself", False) and "predict_fn" not in user
         self._scheduling = defaults if schedules else None
-        self._adapter = plain_adapter or (None if "model_fn" in user else getattr(defaults, "adapter", None))
+        self._adapter = plain_adapter or (
+            None if "model_fn" in user else getattr(defaults, "adapter", None)
+        )
         self._code_dir = code_dir
 
-    def _adapter_base(self, context: InferenceContext, model_dir: Path) -> tuple[Path, lora.Adapter | None]:
+    def _adapter_base(
+        self, context: InferenceContext, model_dir: Path
+    ) -> tuple[Path, lora.Adapter | None]:
         """Where the model's code and ``model_fn`` come from: its own directory, or for a LoRA
         adapter over a plain PyTorch base (a ``code/inference.py`` of its own), that base's, with
         the adapter (a base that registered defaults serve, a Hugging Face one, is theirs to
@@ -209,7 +228,9 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         except ModelLoadError as exc:
             raise load_failure("reading the LoRA adapter", exc) from exc
 
-    def _defaults_for(self, context: InferenceContext, model_dir: Path, user: Mapping[str, Any]) -> Any:
+    def _defaults_for(
+        self, context: InferenceContext, model_dir: Path, user: Mapping[str, Any]
+    ) -> Any:
         """The PyTorch defaults, or registered ones (a Hugging Face model's) where they serve the
         directory and user code leaves a contract function to the defaults."""
         provider = defaults_provider(model_dir)
@@ -230,8 +251,8 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         properties["batch_size"] = self._settings.batch_size  # what context.batch_size reports
         if self._settings.batching and self._contract.answers_whole:
             logger.warning(
-                "model=%s batch_size=%d ignored: transform_fn answers each request whole (batching needs "
-                "input_fn/predict_fn/output_fn)",
+                "model=%s batch_size=%d ignored: transform_fn answers each request whole (batching "
+                "needs input_fn/predict_fn/output_fn)",
                 mms_context.model_name,
                 self._settings.batch_size,
             )
@@ -240,7 +261,9 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         try:
             self._model = place_model(self._model, device)
             if self._adapter is not None:
-                module = self._model if isinstance(self._model, torch.nn.Module) else self._model.model
+                module = (
+                    self._model if isinstance(self._model, torch.nn.Module) else self._model.model
+                )
                 adapters = lora.attach(self._model, module, self._context.model_name, self._adapter)
                 if self._source_dir != Path(self._context.model_dir):
                     # a plain module: its rows picked per job
@@ -249,9 +272,16 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
             raise load_failure("placing the model", exc) from exc
         if self._settings.compile:
             self._model = compiled(
-                self._model, self._contract, self._context, self._settings, self._config, self._code_dir
+                self._model,
+                self._contract,
+                self._context,
+                self._settings,
+                self._config,
+                self._code_dir,
             )
-        self._contract.run_load_step("model_warmup_fn", self._context, self._context.model_dir, self._model)
+        self._contract.run_load_step(
+            "model_warmup_fn", self._context, self._context.model_dir, self._model
+        )
         self._dry_run(self._context)
         self._attached = True
         logger.info(
@@ -273,10 +303,16 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         self._grad_enabled = torch.is_grad_enabled()
         if self._scheduling is not None:  # its rows share steps in its own scheduler: no batcher
             name = self._context.model_name
-            self._scheduling.start(self._model, self._settings.batch_size, name, self.on_pass_thread)
+            self._scheduling.start(
+                self._model, self._settings.batch_size, name, self.on_pass_thread
+            )
             return self._settings
         if self._batcher is None:
-            size, delay, name = self._settings.batch_size, self._settings.max_batch_delay_ms, self._context.model_name
+            size, delay, name = (
+                self._settings.batch_size,
+                self._settings.max_batch_delay_ms,
+                self._context.model_name,
+            )
             adapters = getattr(self._model, "adapters", None)
             if adapters is not None:
                 # one queue for every adapter of the base: their requests share its passes
@@ -285,14 +321,27 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
                 # it takes the unmarking alone.
                 unmarked = functools.partial(self.on_pass_thread, mark=False)
                 make = functools.partial(
-                    Batcher, run_by_first, size, delay, name, thread_ended=self.thread_ended, run_pass=unmarked
+                    Batcher,
+                    run_by_first,
+                    size,
+                    delay,
+                    name,
+                    thread_ended=self.thread_ended,
+                    run_pass=unmarked,
                 )
                 self._batcher = adapters.batcher(name, make)
             else:
                 started, ended = self.thread_started, self.thread_ended
                 concurrency = self._settings.concurrency
                 self._batcher = Batcher(
-                    self._run_jobs, size, delay, name, concurrency, started, ended, run_pass=self.on_pass_thread
+                    self._run_jobs,
+                    size,
+                    delay,
+                    name,
+                    concurrency,
+                    started,
+                    ended,
+                    run_pass=self.on_pass_thread,
                 )
         return self._settings
 
@@ -340,7 +389,9 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
             # a sample the model cannot answer fails the LOAD, with the cause
             cause = request.error.cause if isinstance(request.error, StepError) else request.error
             raise load_failure(f"warm-up request code/{sample}", cause) from request.error
-        logger.info("model=%s warm-up request seconds=%.3f", context.model_name, time.monotonic() - started)
+        logger.info(
+            "model=%s warm-up request seconds=%.3f", context.model_name, time.monotonic() - started
+        )
 
     def validate_and_initialize(self, model_dir: str | None = None, context: Any = None) -> None:
         """The toolkit's entry point: load and attach on the host when nothing did it before."""
@@ -353,7 +404,9 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         if self.pass_threads is None:
             return function()
         started = self.thread_started if mark else (lambda: None)
-        return cast(T, self.pass_threads.run(function, metrics.current(), started, self.thread_ended))
+        return cast(
+            T, self.pass_threads.run(function, metrics.current(), started, self.thread_ended)
+        )
 
     def transform(self, data: list[Any], context: Any) -> list[bytes]:
         """Answers one message's requests (MMS's ``context`` is this message's own); safe from many
@@ -392,16 +445,22 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
     def _read(self, item: Any, request: RequestInFlight) -> tuple[Any, str | None]:
         """The request's payload and content type, with its Accept settled on ``request``."""
         payload = request_body(item)
-        if isinstance(payload, (bytes, bytearray, str)) and len(payload) > self._config.max_request_bytes:
+        if (
+            isinstance(payload, (bytes, bytearray, str))
+            and len(payload) > self._config.max_request_bytes
+        ):
             raise PayloadTooLarge(
-                f"request body of {len(payload)} bytes exceeds the limit of {self._config.max_request_bytes} "
-                "(SAGEMAKER_MAX_REQUEST_SIZE)"
+                f"request body of {len(payload)} bytes exceeds the limit of "
+                f"{self._config.max_request_bytes} (SAGEMAKER_MAX_REQUEST_SIZE)"
             )
         content_type = request.context.header("content-type")
         accept = request.context.header("accept")
         if accept is not None and accept.strip() not in ("", content.ANY):
             request.accept = accept
-        if isinstance(payload, (bytes, bytearray)) and content.media_type(content_type) in content.TEXT_TYPES:
+        if (
+            isinstance(payload, (bytes, bytearray))
+            and content.media_type(content_type) in content.TEXT_TYPES
+        ):
             payload = content.utf8_text(payload)
         return payload, content_type
 
@@ -445,7 +504,11 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
 
     def _timed_out(self, late: str) -> RequestTimeout:
         step = "transform_fn" if self._contract.answers_whole else "predict_fn"
-        where = f"{step} still running" if late == "running" else f"waiting behind a call of {step} still running"
+        where = (
+            f"{step} still running"
+            if late == "running"
+            else f"waiting behind a call of {step} still running"
+        )
         seconds = self._config.response_timeout_seconds
         return RequestTimeout(failures.timed_out(seconds, "SAGEMAKER_MODEL_SERVER_TIMEOUT", where))
 
@@ -455,7 +518,9 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
             return Job((payload, content_type, request.accept), request, None, 1)
         if self._contract.negotiates_accept:
             # Decided before any work, so an Accept we cannot produce costs the caller nothing.
-            request.accept = content.negotiate(request.accept, self._config.default_accept, self._contract.accepts)
+            request.accept = content.negotiate(
+                request.accept, self._config.default_accept, self._contract.accepts
+            )
         data = self._contract.call("input_fn", request.context, payload, content_type)
         shape = signature(data) if self._settings.batching else None
         count = rows(data) if shape is not None else 1
@@ -487,7 +552,9 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         if len(jobs) == 1:
             selected = adapters.selecting_all(jobs[0].request.context.model_name)
         else:
-            selected = adapters.selecting([job.request.context.model_name for job in jobs for _ in range(job.rows)])
+            selected = adapters.selecting(
+                [job.request.context.model_name for job in jobs for _ in range(job.rows)]
+            )
         return selected
 
     def _run_jobs_here(self, jobs: list[Job]) -> None:
@@ -495,11 +562,20 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
             for job in jobs:
                 try:
                     with self._selecting([job]):
-                        job.result = self._contract.call("transform_fn", job.request.context, self._model, *job.data)
+                        job.result = self._contract.call(
+                            "transform_fn", job.request.context, self._model, *job.data
+                        )
                 except Exception as exc:  # request boundary
                     job.error = exc
             return
-        run_batch(jobs, self._predict, self._context, _retry_in_halves, release_cached_device_memory, self._selecting)
+        run_batch(
+            jobs,
+            self._predict,
+            self._context,
+            _retry_in_halves,
+            release_cached_device_memory,
+            self._selecting,
+        )
 
     def _predict(self, data: Any, request: RequestInFlight | InferenceContext) -> Any:
         """``predict_fn`` with a lone request's own context, or the model's for a batch."""
