@@ -36,12 +36,16 @@ class HandlerService(DefaultHandlerService):  # type: ignore[misc]
         return self._service  # type: ignore[no-any-return]
 
     def preload(self, context: Any, resolved: ResolvedModel | None = None) -> None:
-        """Runs the user's ``model_fn`` on the host; must not touch CUDA (the server forks afterwards)."""
+        """Runs the user's ``model_fn`` on the host; must not touch CUDA (the server forks
+        afterwards)."""
         self.served.load(context, torch.device("cpu"), resolved)
 
     def attach(self, context: Any, resolved: ResolvedModel | None = None) -> None:
-        """Places the model on this device host's device (``gpu_id`` is its CUDA ordinal here) and warms it up."""
-        self.served.attach(context, worker_device(context.system_properties.get("gpu_id")), resolved)
+        """Places the model on this device host's device (``gpu_id`` is its CUDA ordinal here) and
+        warms it up."""
+        self.served.attach(
+            context, worker_device(context.system_properties.get("gpu_id")), resolved
+        )
 
     def start_batcher(self) -> ServingSettings:
         """The host serves many connections from threads: forward passes go through one batcher from

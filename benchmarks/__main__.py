@@ -11,12 +11,12 @@ the docs.
     .venv/bin/python -m benchmarks pt2 --write-docs            # and its section of
                                                                # docs/benchmarks.md
 
-NAME is one of device_host, stock, batching, pt2, preload, hugging_face, sharing, reload, handler (none: all of these,
-in that order), gpu (run only when named: what scripts/gpu-proof measures on a card) or scale (run only when named:
-thousands of models, issue #37). Options after ``--`` go to
-the one benchmark named. The benchmarks run in this process, one after another;
-each one's stdout (its results: tables and the lines that say what they measured) is echoed and kept, its progress
-goes to stderr.
+NAME is one of device_host, stock, batching, pt2, preload, hugging_face, sharing, reload, handler
+(none: all of these, in that order), gpu (run only when named: what scripts/gpu-proof measures on a
+card) or scale (run only when named: thousands of models, issue #37). Options after ``--`` go to the
+one benchmark named. The benchmarks run in this process, one after another; each one's stdout (its
+results: tables and the lines that say what they measured) is echoed and kept, its progress goes to
+stderr.
 
 --write-docs (PATH: docs/benchmarks.md) replaces what lies between ``<!-- benchmark:NAME -->`` and
 ``<!-- /benchmark:NAME -->`` in PATH with a line saying when and on what machine it ran, then that
@@ -59,8 +59,9 @@ BENCHMARKS: dict[str, str] = {
     "gpu": "benchmarks.gpu",
     "scale": "benchmarks.scale",
 }
-# Run only when named: the GPU proof's rows (scripts/gpu-proof), which mean something on a card alone; and scale,
-# 2,000 models loaded and unloaded (about 10 minutes), which answers another question than the others.
+# Run only when named: the GPU proof's rows (scripts/gpu-proof), which mean something on a card
+# alone; and scale, 2,000 models loaded and unloaded (about 10 minutes), which answers another
+# question than the others.
 WHEN_NAMED = ("gpu", "scale")
 DEFAULT_DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 

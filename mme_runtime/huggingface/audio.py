@@ -79,7 +79,9 @@ class AudioRunner:
             before, forward, after = self._parameters(pipeline, request)
             for item in request.inputs:
                 if not isinstance(item, Audio):
-                    raise InvalidInput(f"{self.task} takes audio (audio/x-flac, audio/wave, ... or base64 in JSON)")
+                    raise InvalidInput(
+                        f"{self.task} takes audio (audio/x-flac, audio/wave, ... or base64 in JSON)"
+                    )
                 prepared = prepare(pipeline, resample(item, self._sampling_rate), before, "audio")
                 for row in prepared:
                     self._check_frames(row)
@@ -90,7 +92,9 @@ class AudioRunner:
         # a ChunkPipeline: postprocess takes a clip's rows
         chunked = self.task == "automatic-speech-recognition"
         return [
-            postprocess(pipeline, outputs[first : first + count] if chunked else outputs[first], after)
+            postprocess(
+                pipeline, outputs[first : first + count] if chunked else outputs[first], after
+            )
             for first, count, after in plans
         ]
 

@@ -121,7 +121,9 @@ class TaskRunner:
             return [self._pooled(outputs[first]) for first, _, _ in plans]
         chunked = _is_chunked(pipeline)
         return [
-            postprocess(pipeline, outputs[first : first + count] if chunked else outputs[first], after)
+            postprocess(
+                pipeline, outputs[first : first + count] if chunked else outputs[first], after
+            )
             for first, count, after in plans
         ]
 
@@ -216,8 +218,11 @@ def _parameters(
     )
 
 
-def prepare(pipeline: Any, item: Any, parameters: dict[str, Any], what: str = "input") -> list[dict[str, Any]]:
-    """One input prepared as the pipeline does: one row, or a chunked pipeline's rows (a recognizer's chunks)."""
+def prepare(
+    pipeline: Any, item: Any, parameters: dict[str, Any], what: str = "input"
+) -> list[dict[str, Any]]:
+    """One input prepared as the pipeline does: one row, or a chunked pipeline's rows (a
+    recognizer's chunks)."""
     try:
         prepared = pipeline.preprocess(item, **parameters)
         return list(prepared) if _is_chunked(pipeline) else [prepared]

@@ -2,15 +2,17 @@
 (shared, or one of its own, and why), the checks before a load, the load itself, and how a failed
 LOAD is answered.
 
-A model gets a host of its own when the container turns sharing off (``MME_SHARE_DEVICE=false``), when its handler
-is not ours (MMS's ``module:function``), when its ``serving.properties`` says ``isolation=process``, when its
-``requirements.txt`` asks for anything the image does not already satisfy, or when its own ``code/`` holds Python
-modules beside its script (imported by plain names, which one interpreter holds once; ``isolation=shared`` says they
-are unique). Runs in the CUDA-free loader as well as in device hosts: it never touches CUDA itself (user code may).
+A model gets a host of its own when the container turns sharing off (``MME_SHARE_DEVICE=false``),
+when its handler is not ours (MMS's ``module:function``), when its ``serving.properties`` says
+``isolation=process``, when its ``requirements.txt`` asks for anything the image does not already
+satisfy, or when its own ``code/`` holds Python modules beside its script (imported by plain names,
+which one interpreter holds once; ``isolation=shared`` says they are unique). Runs in the CUDA-free
+loader as well as in device hosts: it never touches CUDA itself (user code may).
 
-A LOAD resolves its model once (``resolve_model``: settings and code, fetched from S3 if need be), in the first
-process that needs it, and hands the result on in its messages: the loader decides sharing and loads from it, and the
-host takes it with the package. Only a host taking a package kept since an UNLOAD resolves the model itself.
+A LOAD resolves its model once (``resolve_model``: settings and code, fetched from S3 if need be),
+in the first process that needs it, and hands the result on in its messages: the loader decides
+sharing and loads from it, and the host takes it with the package. Only a host taking a package kept
+since an UNLOAD resolves the model itself.
 """
 
 from __future__ import annotations
@@ -69,16 +71,22 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    """What a LOAD resolves of a model's directory once: its serving settings and where its code is."""
+    """What a LOAD resolves of a model's directory once: its serving settings and where its code
+    is."""
 
     settings: ServingSettings
-    code_dir: Path | None  # its own code/, else SAGEMAKER_SUBMIT_DIRECTORY's (fetched); None: the defaults
+    # its own code/, else SAGEMAKER_SUBMIT_DIRECTORY's (fetched); None: the defaults
+    code_dir: Path | None
     code_source: str  # for the log: that directory, the S3 URI it came from, or "defaults"
 
     def message(self) -> dict[str, Any]:
         """As a warm-process message carries it (JSON)."""
         code_dir = None if self.code_dir is None else str(self.code_dir)
-        return {"settings": asdict(self.settings), "code_dir": code_dir, "code_source": self.code_source}
+        return {
+            "settings": asdict(self.settings),
+            "code_dir": code_dir,
+            "code_source": self.code_source,
+        }
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> ResolvedModel:
@@ -88,8 +96,8 @@ class ResolvedModel:
 
 
 def resolve_model(model_dir: Path, config: Config) -> ResolvedModel:
-    """The model's settings and code, fetching its code from S3 when it comes from there (cached by ETag).
-    Raises ``ModelLoadError`` naming what could not be read: the LOAD's failure."""
+    """The model's settings and code, fetching its code from S3 when it comes from there (cached by
+    ETag). Raises ``ModelLoadError`` naming what could not be read: the LOAD's failure."""
     try:
         settings = read_settings(model_dir, config)
     except ModelLoadError as exc:
@@ -171,9 +179,9 @@ def load_model(
     cuda_ordinal: int | None = None,
     resolved: ResolvedModel | None = None,
 ) -> LoadedModel:
-    """Imports the handler and runs its load step: ``preload`` in a loader (of the model ``resolved``); in a device
-    host, ``attach``, or ``handle(None, context)`` for a handler that is not ours (found, as MMS's worker finds it,
-    beside the model or in the directory its name gives).
+    """Imports the handler and runs its load step: ``preload`` in a loader (of the model
+    ``resolved``); in a device host, ``attach``, or ``handle(None, context)`` for a handler that is
+    not ours (found, as MMS's worker finds it, beside the model or in the directory its name gives).
 
     ``gpu`` is the frontend's assignment, ``cuda_ordinal`` the device naming that GPU in this
     process.

@@ -64,7 +64,9 @@ class ServingSettings:
     compile: bool = False
     compile_mode: str = "default"
     max_concurrency: int | None = None  # None: DEFAULT_UNBATCHED_CONCURRENCY unbatched, 1 batching
-    isolation: str | None = None  # "process": a host of its own; "shared": the shared host; None: the rules
+    isolation: str | None = (
+        None  # "process": a host of its own; "shared": the shared host; None: the rules
+    )
     task: str | None = None  # a Hugging Face model's task; None: HF_TASK, else its architecture's
     trust_remote_code: bool = False
     # feature-extraction: mean, cls or none; None: what the directory says

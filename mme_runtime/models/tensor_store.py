@@ -369,8 +369,8 @@ def module_of(model: Any) -> torch.nn.Module | None:
 
 
 def tensor_bytes(model: Any) -> tuple[int, int]:
-    """The bytes of a module's parameters and buffers in host memory and on a GPU, each storage once (tied weights
-    share one); (0, 0) for what is not a module."""
+    """The bytes of a module's parameters and buffers in host memory and on a GPU, each storage once
+    (tied weights share one); (0, 0) for what is not a module."""
     if not isinstance(model, torch.nn.Module):
         return 0, 0
     seen: set[int] = set()

@@ -1,6 +1,6 @@
-"""A model's inference code, once ``code_fetcher`` found it (its own ``code/``, else ``SAGEMAKER_SUBMIT_DIRECTORY``,
-fetched from S3): installs its ``requirements.txt``, imports its script by file path, and binds its contract
-functions once.
+"""A model's inference code, once ``code_fetcher`` found it (its own ``code/``, else
+``SAGEMAKER_SUBMIT_DIRECTORY``, fetched from S3): installs its ``requirements.txt``, imports its
+script by file path, and binds its contract functions once.
 
 Each script is imported under a module name unique to the model, so two models whose scripts are
 both called ``inference.py`` never see each other's functions. Whether a function takes ``context``
@@ -245,9 +245,12 @@ def bind_functions(module: ModuleType | None) -> dict[str, UserFunction]:
     return functions
 
 
-def load_user_code(model_name: str, code_dir: Path | None, source: str, config: Config) -> dict[str, UserFunction]:
-    """The contract functions the script in the model's code directory defines (``locate_code`` found it: ``source``
-    says where, for the log), its requirements installed first. Raises ``ModelLoadError`` naming what is wrong."""
+def load_user_code(
+    model_name: str, code_dir: Path | None, source: str, config: Config
+) -> dict[str, UserFunction]:
+    """The contract functions the script in the model's code directory defines (``locate_code``
+    found it: ``source`` says where, for the log), its requirements installed first. Raises
+    ``ModelLoadError`` naming what is wrong."""
     if code_dir is not None:
         packages = install_requirements(
             code_dir, config.cache_dir / "requirements", config.pip_timeout_seconds

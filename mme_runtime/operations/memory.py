@@ -1,5 +1,5 @@
-"""Memory honesty before a load: estimate what the model needs and refuse (507) what will not fit; and
-memory given back after UNLOADs (``MemoryRelease``).
+"""Memory honesty before a load: estimate what the model needs and refuse (507) what will not fit;
+and memory given back after UNLOADs (``MemoryRelease``).
 
 The estimate is the size of the model's artifacts (what a loaded PyTorch model roughly occupies),
 against the host's available memory in the server and, in a worker bound to a GPU, that GPU's free
@@ -132,7 +132,8 @@ def check_gpu_memory(model_dir: Path, gpu: str, headroom_mb: int) -> None:
 
 
 def release_memory(ordinal: int | None) -> None:
-    """Freed tensors back to the system: glibc keeps freed heap unless asked, torch keeps freed GPU blocks cached."""
+    """Freed tensors back to the system: glibc keeps freed heap unless asked, torch keeps freed GPU
+    blocks cached."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -142,12 +143,15 @@ def release_memory(ordinal: int | None) -> None:
 
 
 class MemoryRelease:
-    """Gives the memory of UNLOADed models back with ``release`` (a full collection, as a model's objects may hold
-    reference cycles, then ``release_memory``) once for a burst of UNLOADs: ``settle_seconds`` after the last, at
-    most ``most_seconds`` after the first. A collection per UNLOAD held the interpreter lock over every model's
-    objects each time (110 ms at 1,000 models), so draining a host was quadratic and its other models stalled."""
+    """Gives the memory of UNLOADed models back with ``release`` (a full collection, as a model's
+    objects may hold reference cycles, then ``release_memory``) once for a burst of UNLOADs:
+    ``settle_seconds`` after the last, at most ``most_seconds`` after the first. A collection per
+    UNLOAD held the interpreter lock over every model's objects each time (110 ms at 1,000 models),
+    so draining a host was quadratic and its other models stalled."""
 
-    def __init__(self, release: Callable[[], None], settle_seconds: float = 0.2, most_seconds: float = 1.0) -> None:
+    def __init__(
+        self, release: Callable[[], None], settle_seconds: float = 0.2, most_seconds: float = 1.0
+    ) -> None:
         self._release = release
         self._settle, self._most = settle_seconds, most_seconds
         self._wanted = threading.Event()

@@ -141,11 +141,23 @@ class DeviceHost:
             )
             if package is not None:
                 # blobs in other models' files: held for them first, counted there
-                model.borrowed_host_bytes = sum(blob.nbytes for blob in package.blobs if blob.segment)
-            if message.get("resolved") is not None:  # what its loader resolved; else _our_handler resolves it
+                model.borrowed_host_bytes = sum(
+                    blob.nbytes for blob in package.blobs if blob.segment
+                )
+            if (
+                message.get("resolved") is not None
+            ):  # what its loader resolved; else _our_handler resolves it
                 model.resolved = ResolvedModel.from_message(message["resolved"])
-            arguments = (model, package, fds, int(message["batch_size"]), bool(message.get("restart")))
-            model.loading = threading.Thread(target=self._load, args=arguments, name=f"load-{name}", daemon=True)
+            arguments = (
+                model,
+                package,
+                fds,
+                int(message["batch_size"]),
+                bool(message.get("restart")),
+            )
+            model.loading = threading.Thread(
+                target=self._load, args=arguments, name=f"load-{name}", daemon=True
+            )
             model.loading.start()
         elif op == "connect":
             connection = socket.socket(fileno=fds[0])
@@ -323,11 +335,14 @@ class DeviceHost:
         ).start()
 
     def _record_memory(self, model: HostedModel, loaded: Any) -> None:
-        """What the model's LOAD added: a tensor held for another model first is that model's (counted once); a
-        LoRA adapter's own tensors are its own."""
+        """What the model's LOAD added: a tensor held for another model first is that model's
+        (counted once); a LoRA adapter's own tensors are its own."""
         own = loaded.model.model if isinstance(loaded.model, HuggingFaceModel) else loaded.model
         host_bytes, device_bytes = (0, 0) if model.borrows_all else tensor_bytes(own)
-        host_bytes, device_bytes = host_bytes - model.borrowed_host_bytes, device_bytes - model.borrowed_device_bytes
+        host_bytes, device_bytes = (
+            host_bytes - model.borrowed_host_bytes,
+            device_bytes - model.borrowed_device_bytes,
+        )
         if self.ordinal is None:
             host_bytes += loaded.adapter_bytes
         else:
@@ -424,7 +439,9 @@ class HostedModel:
     # the UNLOAD of a model of the same name, to end before this one loads
     after: threading.Thread | None = None
     package_unused: bool = False  # its package was made with other code: model_fn ran here
-    resolved: ResolvedModel | None = None  # the model as its loader resolved it (None: resolved here)
+    resolved: ResolvedModel | None = (
+        None  # the model as its loader resolved it (None: resolved here)
+    )
 
 
 def model_handler(

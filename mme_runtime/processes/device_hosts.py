@@ -81,8 +81,8 @@ class CrashCount:
         self.crashes: dict[str, int] = {}
 
     def blame(self, crash: Crash, on_host: Mapping[int, str]) -> str | None:
-        """Logs whose code killed the host, among its models (``on_host``: their names by slot), and counts it.
-        Returns that model's name when it should leave for a host of its own."""
+        """Logs whose code killed the host, among its models (``on_host``: their names by slot), and
+        counts it. Returns that model's name when it should leave for a host of its own."""
         running = sorted(name for slot, name in on_host.items() if slot in crash.running)
         culprit = None if crash.culprit is None else on_host.get(crash.culprit)
         if crash.culprit is None and len(running) == 1:

@@ -2,11 +2,12 @@
 CUDA-free, and packs the result for its device hosts (``model_package``), then exits: the package
 outlives it in the warm process.
 
-It resolves the model once (``loading.resolve_model``) and reports one message to the warm process: ``package``
-(with the shared-memory file), ``host_loads`` (the model cannot leave this process: the host runs ``model_fn``
-itself, and the reason is logged) or ``failure`` (the LOAD fails with this status and message); with ``resolved``
-for the hosts, and ``private`` when the model needs a device host of its own (and why). What
-a model's requirements install and its code imports here ends with this process. Its output is the model's log.
+It resolves the model once (``loading.resolve_model``) and reports one message to the warm process:
+``package`` (with the shared-memory file), ``host_loads`` (the model cannot leave this process: the
+host runs ``model_fn`` itself, and the reason is logged) or ``failure`` (the LOAD fails with this
+status and message); with ``resolved`` for the hosts, and ``private`` when the model needs a device
+host of its own (and why). What a model's requirements install and its code imports here ends with
+this process. Its output is the model's log.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def _load(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
     private = container_reason(spec.handler, config)
     if not is_our_handler(spec.handler):
         return {
-            "host_loads": f"its handler {spec.handler} is MMS's module:function, which the host initialises",
+            "host_loads": f"its handler {spec.handler} is MMS's module:function, "
+            "which the host initialises",
             "private": private,
         }, []
     model_dir = Path(spec.model_dir)
@@ -121,8 +123,11 @@ def _load(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
     return report, fds
 
 
-def _load_here(spec: ModelSpec, config: Config, resolved: ResolvedModel) -> tuple[dict[str, Any], list[int]]:
-    """``model_fn`` run here, its model packed; or why the host must run it, or why the LOAD fails."""
+def _load_here(
+    spec: ModelSpec, config: Config, resolved: ResolvedModel
+) -> tuple[dict[str, Any], list[int]]:
+    """``model_fn`` run here, its model packed; or why the host must run it, or why the LOAD
+    fails."""
     code = None if resolved.code_dir is None else str(resolved.code_dir)
     try:
         check_memory(spec, config, gpu=None)
@@ -183,7 +188,8 @@ def _load_here(spec: ModelSpec, config: Config, resolved: ResolvedModel) -> tupl
 
 
 def _plain_torchscript(model_dir: Path, resolved: ResolvedModel, config: Config) -> Path | None:
-    """The model's TorchScript archive, when the defaults alone serve it (no inference script, no ``model.pt2``)."""
+    """The model's TorchScript archive, when the defaults alone serve it (no inference script, no
+    ``model.pt2``)."""
     code_dir = resolved.code_dir
     if (code_dir is not None and (code_dir / config.program).is_file()) or pt2_file(model_dir):
         return None

@@ -186,7 +186,9 @@ class SharedModels:
                     model.cache_key, spec.name, model.package, *placement
                 )
         else:
-            logger.warning("model=%s model_fn runs in the device host: %s", spec.name, report["host_loads"])
+            logger.warning(
+                "model=%s model_fn runs in the device host: %s", spec.name, report["host_loads"]
+            )
         if report is not None:
             model.resolved = report.get("resolved")
         if report is not None and report.get("private"):
@@ -218,8 +220,8 @@ class SharedModels:
         logger.info("model=%s served by a device host of its own: %s", model.spec.name, reason)
 
     def _move_to_own_host(self, model: SharedModel, reason: str) -> None:
-        """Quarantine: every shared host lets the model go, and its connections (the frontend reconnects) go to a host
-        of its own, which loads it from its package."""
+        """Quarantine: every shared host lets the model go, and its connections (the frontend
+        reconnects) go to a host of its own, which loads it from its package."""
         self._leave_hosts(model)
         self._make_private(model, reason, model.threads)
 
@@ -380,7 +382,9 @@ class SharedModel:
     oom_kills: dict[str, int] = field(default_factory=dict)
     loader_silent: bool = False  # its loader died before it reported
     artifact_bytes: int = 0  # its files' size: what its loader's memory check counts
-    resolved: dict[str, Any] | None = None  # what its loader resolved (None: a kept package's host resolves it)
+    resolved: dict[str, Any] | None = (
+        None  # what its loader resolved (None: a kept package's host resolves it)
+    )
 
     def host_key(
         self, device: str | None, models: Iterable[SharedModel], cpu_hosts: int

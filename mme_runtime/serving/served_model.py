@@ -136,9 +136,12 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
     def settings(self) -> ServingSettings:
         return self._settings
 
-    def load(self, mms_context: Any, device: torch.device = HOST, resolved: ResolvedModel | None = None) -> None:
-        """Imports the user's code and runs ``model_fn``: what a loader does once per model. ``resolved``: the
-        model as its LOAD resolved it (``loading.resolve_model``); None resolves it here."""
+    def load(
+        self, mms_context: Any, device: torch.device = HOST, resolved: ResolvedModel | None = None
+    ) -> None:
+        """Imports the user's code and runs ``model_fn``: what a loader does once per model.
+        ``resolved``: the model as its LOAD resolved it (``loading.resolve_model``); None resolves
+        it here."""
         context = InferenceContext(mms_context, device)
         started = time.monotonic()
         self._prepare(context, resolved)
@@ -152,11 +155,11 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         made_with_code: str | None,
         resolved: ResolvedModel | None = None,
     ) -> bool:
-        """Imports the user's code and takes the model ``model_fn`` returned in another process (``make_model``
-        rebuilds it here, so it runs once the user's classes are importable): what a device host does. Unless the
-        code is not what ``model_fn`` ran with (``made_with_code``: a new object at SAGEMAKER_SUBMIT_DIRECTORY's S3
-        URI since the package was made, and kept): then ``model_fn`` runs here, and False says the package went
-        unused."""
+        """Imports the user's code and takes the model ``model_fn`` returned in another process
+        (``make_model`` rebuilds it here, so it runs once the user's classes are importable): what a
+        device host does. Unless the code is not what ``model_fn`` ran with (``made_with_code``: a
+        new object at SAGEMAKER_SUBMIT_DIRECTORY's S3 URI since the package was made, and kept):
+        then ``model_fn`` runs here, and False says the package went unused."""
         context = InferenceContext(mms_context, HOST)
         self._prepare(context, resolved)
         code = None if self._code_dir is None else str(self._code_dir)
@@ -184,14 +187,17 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         self._loaded = True
 
     def _prepare(self, context: InferenceContext, resolved: ResolvedModel | None) -> None:
-        """The model's settings and its user code (imported under the model's unique name), functions bound."""
+        """The model's settings and its user code (imported under the model's unique name),
+        functions bound."""
         model_dir = Path(context.model_dir)
         config = self._config
         resolved = resolved or resolve_model(model_dir, config)
         self._settings = resolved.settings
         self._source_dir, plain_adapter = self._adapter_base(context, model_dir)
         code_dir, source = resolved.code_dir, resolved.code_source
-        if self._source_dir != model_dir:  # a LoRA adapter over a plain base: the base's code serves it
+        if (
+            self._source_dir != model_dir
+        ):  # a LoRA adapter over a plain base: the base's code serves it
             fetcher = CodeFetcher(config.cache_dir / "code", config.s3_timeout_seconds)
             code_dir, source = locate_code(self._source_dir, config.submit_directory, fetcher)
         user = load_user_code(context.model_name, code_dir, source, config)
@@ -241,9 +247,11 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         except ModelLoadError as exc:
             raise load_failure(provider.step, exc) from exc
 
-    def attach(self, mms_context: Any, device: torch.device, resolved: ResolvedModel | None = None) -> None:
-        """Places the loaded model on this device host's device and warms it up; runs in the host (loading it
-        first, from ``resolved`` where given, when ``adopt`` did not)."""
+    def attach(
+        self, mms_context: Any, device: torch.device, resolved: ResolvedModel | None = None
+    ) -> None:
+        """Places the loaded model on this device host's device and warms it up; runs in the host
+        (loading it first, from ``resolved`` where given, when ``adopt`` did not)."""
         if not self._loaded:
             self.load(mms_context, device, resolved)
         properties = mms_context.system_properties
