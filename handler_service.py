@@ -60,6 +60,13 @@ class HandlerService(DefaultHandlerService):  # type: ignore[misc]
     def handle(self, data: list[Any], context: Any) -> list[bytes]:
         return self.served.transform(data, context)
 
+    def entry_point(self, data: list[Any] | None, context: Any) -> list[bytes] | None:
+        """MMS's entry point for this handler: ``data is None`` asks to initialise."""
+        if data is None:
+            self.initialize(context)
+            return None
+        return self.handle(data, context)
+
 
 _service: HandlerService | None = None
 
@@ -87,7 +94,4 @@ def start_batcher() -> ServingSettings:
 
 def handle(data: list[Any] | None, context: Any) -> list[bytes] | None:
     """MMS's function entry point: ``data is None`` asks to initialise."""
-    if data is None:
-        service().initialize(context)
-        return None
-    return service().handle(data, context)
+    return service().entry_point(data, context)

@@ -150,12 +150,9 @@ class UserFunction:
 
     name: str
     function: Callable[..., Any]
-    takes_context: bool
-
-    def __call__(self, *args: Any, context: Any = None) -> Any:
-        if self.takes_context:
-            return self.function(*args, context)
-        return self.function(*args)
+    takes_context: (
+        bool  # called with the request's context as its last argument (serving/contract.py)
+    )
 
     @classmethod
     def bind(cls, name: str, function: Callable[..., Any]) -> UserFunction:

@@ -452,14 +452,7 @@ def model_handler(
     from handler_service import HandlerService
 
     handler = HandlerService(config)
-
-    def entry_point(data: Any, context: Any) -> Any:
-        if data is None:
-            handler.initialize(context)
-            return None
-        return handler.handle(data, context)
-
-    service = Service(spec.name, spec.model_dir, None, entry_point, ordinal, batch_size)
+    service = Service(spec.name, spec.model_dir, None, handler.entry_point, ordinal, batch_size)
     devices.record_gpu(service.context.system_properties, gpu, ordinal)
     return LoadedModel(handler, service)
 

@@ -56,7 +56,7 @@ class Contract:
     def call(self, name: str, context: InferenceContext, *args: Any) -> Any:
         """A request step: what it raises becomes that request's status, never its neighbours'."""
         try:
-            return self._functions[name](*args, context=context)
+            return _apply(self._functions[name], args, context)
         except BaseInferenceToolkitError:
             raise
         except Exception as exc:
@@ -71,10 +71,17 @@ class Contract:
         if function is None:
             return None
         try:
-            return function(*args, context=context)
+            return _apply(function, args, context)
         except Exception as exc:
             # boundary: the LOAD fails with the cause named; the traceback is logged
             raise load_failure(name, exc) from exc
+
+
+def _apply(function: UserFunction, args: tuple[Any, ...], context: InferenceContext) -> Any:
+    """Calls a contract function with or without ``context``, as it was decided at bind time."""
+    if function.takes_context:
+        return function.function(*args, context)
+    return function.function(*args)
 
 
 CONTRACT = frozenset(

@@ -530,7 +530,7 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
                 request.accept, self._config.default_accept, self._contract.accepts
             )
         data = self._contract.call("input_fn", request.context, payload, content_type)
-        shape = signature(data) if self._settings.batching else None
+        shape = signature(data) if self._settings.batch_size > 1 else None  # rows to batch by shape
         count = rows(data) if shape is not None else 1
         return Job(data, request, shape, count)
 

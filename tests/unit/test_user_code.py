@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from mme_runtime.models.user_code import UserCodeError, UserFunction, bind_functions, find_script, import_script
+from mme_runtime.serving.contract import Contract
 
 
 def test_context_is_detected_by_name_or_by_one_extra_parameter() -> None:
@@ -30,8 +32,9 @@ def test_bound_function_passes_context_only_when_accepted() -> None:
     seen = []
     with_ctx = UserFunction.bind("output_fn", lambda p, a, context: seen.append(context))
     without_ctx = UserFunction.bind("output_fn", lambda p, a: seen.append("none"))
-    with_ctx(1, "x", context="ctx")
-    without_ctx(1, "x", context="ctx")
+    context: Any = "ctx"
+    Contract({"output_fn": with_ctx}).call("output_fn", context, 1, "x")
+    Contract({"output_fn": without_ctx}).call("output_fn", context, 1, "x")
     assert seen == ["ctx", "none"]
 
 
@@ -47,8 +50,8 @@ def test_two_models_with_the_same_script_name_never_share_functions(tmp_path: Pa
     module_a = import_script("a", find_script(a / "code", "inference.py"))  # type: ignore[arg-type]
     module_b = import_script("b", find_script(b / "code", "inference.py"))  # type: ignore[arg-type]
     assert module_a.__name__ != module_b.__name__
-    assert bind_functions(module_a)["model_fn"]("x") == "a"
-    assert bind_functions(module_b)["model_fn"]("x") == "b"
+    assert bind_functions(module_a)["model_fn"].function("x") == "a"
+    assert bind_functions(module_b)["model_fn"].function("x") == "b"
 
 
 def test_missing_script_means_defaults(tmp_path: Path) -> None:
