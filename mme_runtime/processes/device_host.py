@@ -57,7 +57,13 @@ from mme_runtime.operations.metric_series import Series
 from mme_runtime.operations.scaler import request_workers
 from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, report_crashes
 from mme_runtime.processes.warm_protocol import receive, send
-from mme_runtime.serving.connection import Assignment, ConnectionDemand, serve_connection
+from mme_runtime.serving.connection import (
+    Assignment,
+    ConnectionDemand,
+    Turns,
+    answer_load,
+    answer_message,
+)
 from mme_runtime.serving.pass_threads import PassThreads
 
 logger = logging.getLogger(__name__)
@@ -86,6 +92,8 @@ class DeviceHost:
         # on a GPU: the threads that run every model's passes
         self.passes: PassThreads | None = None
         self.release: MemoryRelease  # made once the GPU is bound
+        # every model's connections: idle in one epoll set, answered by workers
+        self.turns = Turns("connections")
 
     def serve(self) -> None:
         self.ordinal = devices.bind_gpu(self.gpu, self.config.cuda_visible_devices)
@@ -329,10 +337,18 @@ class DeviceHost:
             arguments = (connection, model.failure, model.spec, self.config)
             threading.Thread(target=refuse_load, args=arguments, daemon=True).start()
             return
+        try:
+            answer_load(connection, model.spec)
+        except OSError as exc:
+            logger.debug(
+                "model=%s connection closed before its LOAD was answered: %s", model.spec.name, exc
+            )
+            connection.close()
+            return
         model.connections.add(connection)
-        threading.Thread(
-            target=self._serve_connection, args=(model, connection), daemon=True
-        ).start()
+        if model.demand is not None:
+            model.demand.opened()
+        self.turns.add(connection, functools.partial(self._turn, model))
 
     def _record_memory(self, model: HostedModel, loaded: Any) -> None:
         """What the model's LOAD added: a tensor held for another model first is that model's
@@ -351,16 +367,30 @@ class DeviceHost:
         if self.gpu is not None and devices.cuda_initialized():
             metrics.record_device_bytes(str(self.gpu), max(0, device_bytes))
 
-    def _serve_connection(self, model: HostedModel, connection: socket.socket) -> None:
-        assert model.loaded is not None
+    def _turn(self, model: HostedModel, connection: socket.socket) -> bool:
+        """One message of the model's connection answered, on a worker thread that works for the
+        model meanwhile (its metrics series, its cell on the crash board); False once the frontend
+        has gone or the model was unloaded."""
+        loaded = model.loaded
         metrics.bind(model.series)
         self.board.work_for(model.slot)
         try:
-            running = functools.partial(self.board.running, model.slot)
-            serve_connection(connection, model.spec, model.loaded, running, model.demand)
-        finally:
+            if loaded is None:
+                raise ValueError("the model was unloaded")
+            answer_message(
+                connection, loaded, functools.partial(self.board.running, model.slot), model.demand
+            )
+            return True
+        except (ValueError, OSError) as exc:
+            # the frontend disconnected (mms.protocol raises ValueError): a normal end
+            logger.debug("model=%s connection closed: %s", model.spec.name, exc)
             model.connections.discard(connection)
+            if model.demand is not None:
+                model.demand.closed()
+            return False
+        finally:
             self.board.done()
+            metrics.bind(None)
 
     def _unload(self, model: HostedModel) -> None:
         """Closes the model's connections, ends its batcher and drops every reference, then gives

@@ -5,10 +5,12 @@ protocol (``mms.protocol``), answered by MMS's ``Service`` (which calls ``handle
 and so the model's ``ServedModel``, ``served_model.py``), and written back, with the request metrics
 recorded after.
 
-A device host runs it on a thread per connection: every connection of a model answers at once. A
-batching model's ``ConnectionDemand`` counts its busy connections and asks for more once they are
-all busy (MMS sends one request per connection at a time, so a batch of ``batch_size`` needs that
-many).
+A device host keeps its connections in ``Turns``: an idle connection waits in one epoll set, and a
+worker thread waiting on the set answers it when its message arrives (workers are made when none is
+left waiting and end after a while with nothing to do), so a host's threads follow the requests in
+flight, not the models it holds. Every connection of a model answers at once. A batching model's
+``ConnectionDemand`` counts its busy connections and asks for more once they are all busy (MMS sends
+one request per connection at a time, so a batch of ``batch_size`` needs that many).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import copy
 import functools
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -51,15 +54,13 @@ class ConnectionDemand:
     def connections(self) -> int:
         return self._open
 
-    @contextmanager
-    def connection(self) -> Iterator[None]:
+    def opened(self) -> None:
         with self._lock:
             self._open += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._open -= 1
+
+    def closed(self) -> None:
+        with self._lock:
+            self._open -= 1
 
     @contextmanager
     def answering(self) -> Iterator[None]:
@@ -80,6 +81,11 @@ class ConnectionDemand:
 
 
 logger = logging.getLogger(__name__)
+# How long a host's worker waits for another connection's turn before it ends, and how many wait
+# for good: a turn that found none waiting would first make a thread (a tenth of a millisecond on
+# the request's path).
+WORKER_IDLE_SECONDS = 10.0
+SPARE_WORKERS = 2
 SERVICE_LOG = logging.getLogger("mms.service")  # where emit_metrics writes its per-request lines
 
 
@@ -121,49 +127,129 @@ def device_of(assignment: Assignment, visible_devices: str | None) -> str | None
     return None if assignment.gpu is None else devices.visible_gpu(assignment.gpu, visible_devices)
 
 
-def serve_connection(
+def answer_load(connection: socket.socket, spec: ModelSpec) -> None:
+    """A connection's first answer, once its model is loaded here: MMS's worker is ready."""
+    connection.sendall(
+        create_load_model_response(200, f"loaded model {spec.name}. [PID]:{os.getpid()}")
+    )
+
+
+def answer_message(
     connection: socket.socket,
-    spec: ModelSpec,
     loaded: LoadedModel,
     running: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     demand: ConnectionDemand | None = None,
 ) -> None:
-    """One frontend connection: its LOAD answered, then its inference messages, one at a time, until
-    it closes. ``running`` brackets each message's handling (a device host marks whose code runs); a
-    batching model's ``demand`` counts its busy connections, to open more when they are all busy
-    (``ConnectionDemand``, below)."""
-    try:
-        with demand.connection() if demand else contextlib.nullcontext():
-            connection.sendall(
-                create_load_model_response(200, f"loaded model {spec.name}. [PID]:{os.getpid()}")
-            )
-            _answer_messages(connection, loaded, running, demand)
-    except (ValueError, OSError) as exc:
-        # the frontend disconnected (mms.protocol raises ValueError): a normal end
-        logger.debug("model=%s connection closed: %s", spec.name, exc)
-    finally:
+    """Reads one inference message and answers it. Raises ``ValueError`` or ``OSError`` when the
+    frontend has disconnected (a normal end: ``mms.protocol`` raises ValueError for a closed
+    socket). ``running`` brackets the handling (a device host marks whose code runs); a batching
+    model's ``demand`` counts its busy connections."""
+    command, message = retrieve_msg(connection)
+    if command != b"I":
+        raise ValueError(f"unexpected command {command!r} after LOAD")
+    started = time.monotonic()
+    with demand.answering() if demand else contextlib.nullcontext():
+        with running():
+            context, response = _answer(loaded, message)
+        connection.sendall(response)
+    # Recorded once the answer is on its way: the caller does not wait for its metrics.
+    metrics.record_requests(
+        functools.partial(_statuses, context, response), time.monotonic() - started
+    )
+
+
+class Turns:
+    """A device host's connections: each idle one waits in one epoll set; a worker thread waiting on
+    the set takes a connection whose message arrived, runs ``turn(connection)``, and waits again,
+    until a turn returns False (the connection has ended: it is closed here). One turn of a
+    connection at a time (``EPOLLONESHOT``). A worker that takes a turn makes another when none
+    would be left waiting, and one of more than ``SPARE_WORKERS`` waiting ends after
+    ``idle_seconds``: threads follow the requests in flight, and a host of a thousand idle models
+    runs two."""
+
+    def __init__(self, name: str, idle_seconds: float = WORKER_IDLE_SECONDS) -> None:
+        self._name = name
+        self._idle_seconds = idle_seconds
+        self._epoll = select.epoll()
+        self._turns: dict[int, tuple[socket.socket, Callable[[socket.socket], bool]]] = {}
+        self._armed: set[int] = (
+            set()
+        )  # registered with the epoll set (ONESHOT: re-armed after each turn)
+        self._lock = threading.Lock()
+        self._waiting = 0  # workers waiting on the epoll set
+        self.workers = 0
+        for _ in range(SPARE_WORKERS):
+            self._add_worker()
+
+    @property
+    def connections(self) -> int:
+        return len(self._turns)
+
+    def add(self, connection: socket.socket, turn: Callable[[socket.socket], bool]) -> None:
+        """Takes a connection (its LOAD answered): a turn each time a message arrives."""
+        fd = connection.fileno()
+        self._turns[fd] = (connection, turn)
+        if not self._arm(fd):
+            self._end(fd, connection)
+
+    def _add_worker(self) -> None:
+        with self._lock:
+            self.workers += 1
+            self._waiting += 1
+        threading.Thread(target=self._work, name=f"{self._name}-turns", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            events = self._epoll.poll(self._idle_seconds, 1)
+            with self._lock:
+                if not events and self._waiting > SPARE_WORKERS:
+                    self._waiting -= 1
+                    self.workers -= 1
+                    return
+                if not events:
+                    continue
+                self._waiting -= 1
+                last = self._waiting == 0
+            if (
+                last
+            ):  # another waits while this one answers: a long turn holds no other connection back
+                self._add_worker()
+            fd = events[0][0]
+            connection, turn = self._turns[fd]
+            if not self._take_turn(connection, turn) or not self._arm(fd):
+                self._end(fd, connection)
+            with self._lock:
+                self._waiting += 1
+
+    @staticmethod
+    def _take_turn(connection: socket.socket, turn: Callable[[socket.socket], bool]) -> bool:
+        try:
+            return turn(connection)
+        except Exception:  # noqa: BLE001 - a turn that fails ends its connection, never the worker
+            logger.exception("a frontend connection's turn failed: it is closed")
+            return False
+
+    def _arm(self, fd: int) -> bool:
+        """The connection waits for its next message; False if it cannot (closed under us)."""
+        events = select.EPOLLIN | select.EPOLLONESHOT
+        try:
+            if fd in self._armed:
+                self._epoll.modify(fd, events)
+            else:
+                self._epoll.register(fd, events)
+                self._armed.add(fd)
+        except OSError as exc:
+            logger.debug("a frontend connection could not wait for its next message: %s", exc)
+            return False
+        return True
+
+    def _end(self, fd: int, connection: socket.socket) -> None:
+        if fd in self._armed:
+            self._armed.discard(fd)
+            with contextlib.suppress(OSError):  # closed under us: the epoll set let go of it then
+                self._epoll.unregister(fd)
+        self._turns.pop(fd, None)
         connection.close()
-
-
-def _answer_messages(
-    connection: socket.socket,
-    loaded: LoadedModel,
-    running: Callable[[], AbstractContextManager[Any]],
-    demand: ConnectionDemand | None,
-) -> None:
-    while True:
-        command, message = retrieve_msg(connection)
-        if command != b"I":
-            raise ValueError(f"unexpected command {command!r} after LOAD")
-        started = time.monotonic()
-        with demand.answering() if demand else contextlib.nullcontext():
-            with running():
-                context, response = _answer(loaded, message)
-            connection.sendall(response)
-        # Recorded once the answer is on its way: the caller does not wait for its metrics.
-        metrics.record_requests(
-            functools.partial(_statuses, context, response), time.monotonic() - started
-        )
 
 
 def _answer(loaded: LoadedModel, message: list[dict[str, Any]]) -> tuple[Any, bytes]:
