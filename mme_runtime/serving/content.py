@@ -31,6 +31,7 @@ from mme_runtime.base.errors import (
     InsufficientMemory,
     InvalidInput,
     ModelLoadError,
+    PayloadTooLarge,
     RequestTimeout,
     UnsupportedAccept,
     UnsupportedContentType,
@@ -439,6 +440,25 @@ def request_body(item: Any) -> Any:
             return value
         raise InvalidInput("request has no body")
     return item
+
+
+def read_request(
+    item: Any, request: RequestInFlight, max_request_bytes: int
+) -> tuple[Any, str | None]:
+    """The request's payload and content type, with its Accept settled on ``request``."""
+    payload = request_body(item)
+    if isinstance(payload, (bytes, bytearray, str)) and len(payload) > max_request_bytes:
+        raise PayloadTooLarge(
+            f"request body of {len(payload)} bytes exceeds the limit of "
+            f"{max_request_bytes} (SAGEMAKER_MAX_REQUEST_SIZE)"
+        )
+    content_type = request.context.header("content-type")
+    accept = request.context.header("accept")
+    if accept is not None and accept.strip() not in ("", ANY):
+        request.accept = accept
+    if isinstance(payload, (bytes, bytearray)) and media_type(content_type) in TEXT_TYPES:
+        payload = utf8_text(payload)
+    return payload, content_type
 
 
 def to_bytes(result: Any) -> bytes:

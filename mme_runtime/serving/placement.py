@@ -2,13 +2,15 @@
 if asked, and the model's sample request.
 
 ``place_model`` moves a module there (or loads an artifact that only loads on its device);
-``warmup_sample`` finds the request in the model's ``code/`` that the host answers at LOAD (its dry
-run), and that ``compile=true`` traces the model with (``compiled``).
+``warmup_sample`` finds the request in the model's ``code/`` that the host answers at LOAD
+(``dry_run``), and that ``compile=true`` traces the model with (``compiled``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -18,10 +20,14 @@ from mme_runtime.base.config import Config
 from mme_runtime.models.pt2 import compile_model
 from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.serving import content
+from mme_runtime.serving.content import RequestInFlight, StepError, load_failure
 from mme_runtime.serving.context import InferenceContext
 from mme_runtime.serving.contract import Contract
 
 logger = logging.getLogger(__name__)
+
+# The model's contract on requests, payloads and content types (``ServedModel._answer``).
+Answer = Callable[[list[RequestInFlight], list[Any], list[str | None]], None]
 
 # An optional sample request in the model's code/, answered once per device host at LOAD (the dry
 # run users enable).
@@ -65,6 +71,28 @@ def warmup_sample(code_dir: Path | None) -> tuple[str, Any, str] | None:
         sample,
         content.utf8_text(raw) if content_type in content.TEXT_TYPES else raw,
         content_type,
+    )
+
+
+def dry_run(
+    code_dir: Path | None, context: InferenceContext, default_accept: str, answer: Answer
+) -> None:
+    """Answers the model's sample request (``code/warmup.json``, ``.csv`` or ``.npy``) once per
+    device host, so TorchScript profiling and lazy initialisation are paid at LOAD, not by the
+    first caller. ``answer`` runs the model's contract on requests (``ServedModel``'s)."""
+    found = warmup_sample(code_dir)
+    if found is None:
+        return
+    sample, payload, content_type = found
+    started = time.monotonic()
+    request = RequestInFlight(context, default_accept)
+    answer([request], [payload], [content_type])
+    if request.error is not None:
+        # a sample the model cannot answer fails the LOAD, with the cause
+        cause = request.error.cause if isinstance(request.error, StepError) else request.error
+        raise load_failure(f"warm-up request code/{sample}", cause) from request.error
+    logger.info(
+        "model=%s warm-up request seconds=%.3f", context.model_name, time.monotonic() - started
     )
 
 

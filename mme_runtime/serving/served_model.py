@@ -18,7 +18,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -30,12 +30,10 @@ from sagemaker_inference.transformer import Transformer as ToolkitTransformer
 
 from mme_runtime.base import failures
 from mme_runtime.base.config import Config
-from mme_runtime.base.errors import ModelLoadError, PayloadTooLarge, RequestTimeout
+from mme_runtime.base.errors import RequestTimeout
 from mme_runtime.models import lora
-from mme_runtime.models.code_fetcher import CodeFetcher, locate_code
 from mme_runtime.models.loading import ResolvedModel, resolve_model
 from mme_runtime.models.serving_properties import ServingSettings
-from mme_runtime.models.user_code import USER_MODULE_PREFIX, load_user_code
 from mme_runtime.operations import metrics
 from mme_runtime.serving import content
 from mme_runtime.serving.batcher import (
@@ -49,22 +47,21 @@ from mme_runtime.serving.batcher import (
 )
 from mme_runtime.serving.content import (
     RequestInFlight,
-    StepError,
     error_response,
     http_status,
     is_client_error,
     is_out_of_memory,
     load_failure,
     phrase,
+    read_request,
     release_cached_device_memory,
     release_memory_of,
-    request_body,
     to_bytes,
 )
 from mme_runtime.serving.context import InferenceContext
-from mme_runtime.serving.contract import CONTRACT, Contract, defaults_provider
+from mme_runtime.serving.contract import Contract, bind_code
 from mme_runtime.serving.pass_threads import PassThreads
-from mme_runtime.serving.placement import compiled, place_model, warmup_sample
+from mme_runtime.serving.placement import compiled, dry_run, place_model
 
 logger = logging.getLogger(__name__)
 
@@ -190,62 +187,12 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         """The model's settings and its user code (imported under the model's unique name),
         functions bound."""
         model_dir = Path(context.model_dir)
-        config = self._config
-        resolved = resolved or resolve_model(model_dir, config)
+        resolved = resolved or resolve_model(model_dir, self._config)
         self._settings = resolved.settings
-        self._source_dir, plain_adapter = self._adapter_base(context, model_dir)
-        code_dir, source = resolved.code_dir, resolved.code_source
-        if (
-            self._source_dir != model_dir
-        ):  # a LoRA adapter over a plain base: the base's code serves it
-            fetcher = CodeFetcher(config.cache_dir / "code", config.s3_timeout_seconds)
-            code_dir, source = locate_code(self._source_dir, config.submit_directory, fetcher)
-        user = load_user_code(context.model_name, code_dir, source, config)
-        self._user_modules = {
-            name: sys.modules[name]
-            for name in {function.function.__module__ for function in user.values()}
-            if name.startswith(USER_MODULE_PREFIX) and name in sys.modules
-        }
-        defaults = self._defaults_for(
-            context, self._source_dir if plain_adapter else model_dir, user
-        )
-        self._contract = Contract.bind(defaults, user)
-        schedules = getattr(defaults, "schedules_itself", False) and "predict_fn" not in user
-        self._scheduling = defaults if schedules else None
-        self._adapter = plain_adapter or (
-            None if "model_fn" in user else getattr(defaults, "adapter", None)
-        )
-        self._code_dir = code_dir
-
-    def _adapter_base(
-        self, context: InferenceContext, model_dir: Path
-    ) -> tuple[Path, lora.Adapter | None]:
-        """Where the model's code and ``model_fn`` come from: its own directory, or for a LoRA
-        adapter over a plain PyTorch base (a ``code/inference.py`` of its own), that base's, with
-        the adapter (a base that registered defaults serve, a Hugging Face one, is theirs to
-        load)."""
-        if not lora.is_adapter_directory(model_dir):
-            return model_dir, None
-        try:
-            base = lora.find_base(model_dir, self._settings.base_model, self._config)
-            if defaults_provider(base) is not None:
-                return model_dir, None
-            return base, lora.read_adapter(model_dir)
-        except ModelLoadError as exc:
-            raise load_failure("reading the LoRA adapter", exc) from exc
-
-    def _defaults_for(
-        self, context: InferenceContext, model_dir: Path, user: Mapping[str, Any]
-    ) -> Any:
-        """The PyTorch defaults, or registered ones (a Hugging Face model's) where they serve the
-        directory and user code leaves a contract function to the defaults."""
-        provider = defaults_provider(model_dir)
-        if provider is None or "transform_fn" in user or CONTRACT <= set(user):
-            return self._defaults
-        try:
-            return provider.make(model_dir, self._settings, self._config)
-        except ModelLoadError as exc:
-            raise load_failure(provider.step, exc) from exc
+        code = bind_code(context.model_name, model_dir, resolved, self._defaults, self._config)
+        self._contract, self._code_dir = code.contract, code.code_dir
+        self._source_dir, self._adapter = code.source_dir, code.adapter
+        self._user_modules, self._scheduling = code.user_modules, code.scheduling
 
     def attach(
         self, mms_context: Any, device: torch.device, resolved: ResolvedModel | None = None
@@ -290,7 +237,7 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         self._contract.run_load_step(
             "model_warmup_fn", self._context, self._context.model_dir, self._model
         )
-        self._dry_run(self._context)
+        dry_run(self._code_dir, self._context, self._config.default_accept, self._answer)
         self._attached = True
         logger.info(
             "model=%s device=%s gpu=%s batch_size=%d max_batch_delay_ms=%d (%s) ready",
@@ -309,47 +256,28 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         if self._context is None:
             raise RuntimeError("attach the model before starting its batcher")
         self._grad_enabled = torch.is_grad_enabled()
+        size, delay = self._settings.batch_size, self._settings.max_batch_delay_ms
+        name, run_pass, ended = self._context.model_name, self.on_pass_thread, self.thread_ended
         if self._scheduling is not None:  # its rows share steps in its own scheduler: no batcher
-            name = self._context.model_name
-            self._scheduling.start(
-                self._model, self._settings.batch_size, name, self.on_pass_thread
-            )
+            self._scheduling.start(self._model, size, name, run_pass)
             return self._settings
         if self._batcher is None:
-            size, delay, name = (
-                self._settings.batch_size,
-                self._settings.max_batch_delay_ms,
-                self._context.model_name,
-            )
             adapters = getattr(self._model, "adapters", None)
             if adapters is not None:
                 # one queue for every adapter of the base: their requests share its passes
                 # Its threads are no one adapter's (none is marked the culprit of a crash in a pass
                 # over them all), and it outlives the adapter that made it: of that adapter's hooks
                 # it takes the unmarking alone.
-                unmarked = functools.partial(self.on_pass_thread, mark=False)
+                unmarked = functools.partial(run_pass, mark=False)
                 make = functools.partial(
-                    Batcher,
-                    run_by_first,
-                    size,
-                    delay,
-                    name,
-                    thread_ended=self.thread_ended,
-                    run_pass=unmarked,
+                    Batcher, run_by_first, size, delay, name, thread_ended=ended, run_pass=unmarked
                 )
                 self._batcher = adapters.batcher(name, make)
             else:
-                started, ended = self.thread_started, self.thread_ended
+                run, started = self._run_jobs, self.thread_started
                 concurrency = self._settings.concurrency
                 self._batcher = Batcher(
-                    self._run_jobs,
-                    size,
-                    delay,
-                    name,
-                    concurrency,
-                    started,
-                    ended,
-                    run_pass=self.on_pass_thread,
+                    run, size, delay, name, concurrency, started, ended, run_pass=run_pass
                 )
         return self._settings
 
@@ -382,25 +310,6 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         self._contract = Contract()
         self._attached = self._loaded = False
 
-    def _dry_run(self, context: InferenceContext) -> None:
-        """Answers the model's sample request (``code/warmup.json``, ``.csv`` or ``.npy``) once per
-        device host, so TorchScript profiling and lazy initialisation are paid at LOAD, not by the
-        first caller."""
-        found = warmup_sample(self._code_dir)
-        if found is None:
-            return
-        sample, payload, content_type = found
-        started = time.monotonic()
-        request = RequestInFlight(context, self._config.default_accept)
-        self._answer([request], [payload], [content_type])
-        if request.error is not None:
-            # a sample the model cannot answer fails the LOAD, with the cause
-            cause = request.error.cause if isinstance(request.error, StepError) else request.error
-            raise load_failure(f"warm-up request code/{sample}", cause) from request.error
-        logger.info(
-            "model=%s warm-up request seconds=%.3f", context.model_name, time.monotonic() - started
-        )
-
     def validate_and_initialize(self, model_dir: str | None = None, context: Any = None) -> None:
         """The toolkit's entry point: load and attach on the host when nothing did it before."""
         if not self._attached:
@@ -429,7 +338,7 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         for index, item in enumerate(data):
             request = RequestInFlight(base.for_request(index), self._config.default_accept)
             try:
-                payload, content_type = self._read(item, request)
+                payload, content_type = read_request(item, request, self._config.max_request_bytes)
             except Exception as exc:  # request boundary: this request answers with its status
                 request.error, payload, content_type = exc, None, None
             requests.append(request)
@@ -449,28 +358,6 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
             context.set_response_content_type(index, request.content_type)
             results.append(request.body)
         return results
-
-    def _read(self, item: Any, request: RequestInFlight) -> tuple[Any, str | None]:
-        """The request's payload and content type, with its Accept settled on ``request``."""
-        payload = request_body(item)
-        if (
-            isinstance(payload, (bytes, bytearray, str))
-            and len(payload) > self._config.max_request_bytes
-        ):
-            raise PayloadTooLarge(
-                f"request body of {len(payload)} bytes exceeds the limit of "
-                f"{self._config.max_request_bytes} (SAGEMAKER_MAX_REQUEST_SIZE)"
-            )
-        content_type = request.context.header("content-type")
-        accept = request.context.header("accept")
-        if accept is not None and accept.strip() not in ("", content.ANY):
-            request.accept = accept
-        if (
-            isinstance(payload, (bytes, bytearray))
-            and content.media_type(content_type) in content.TEXT_TYPES
-        ):
-            payload = content.utf8_text(payload)
-        return payload, content_type
 
     def _answer(
         self,
