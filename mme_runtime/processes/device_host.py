@@ -54,7 +54,6 @@ from mme_runtime.models.tensor_store import MAX_SEGMENTS, DeviceTensors, module_
 from mme_runtime.operations import metrics
 from mme_runtime.operations.memory import MemoryRelease, release_memory
 from mme_runtime.operations.metric_series import Series
-from mme_runtime.operations.scaler import request_workers
 from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, report_crashes
 from mme_runtime.processes.warm_protocol import receive, send
 from mme_runtime.serving.connection import (
@@ -63,6 +62,7 @@ from mme_runtime.serving.connection import (
     Turns,
     answer_load,
     answer_message,
+    start_batching,
 )
 from mme_runtime.serving.pass_threads import PassThreads
 
@@ -152,9 +152,8 @@ class DeviceHost:
                 model.borrowed_host_bytes = sum(
                     blob.nbytes for blob in package.blobs if blob.segment
                 )
-            if (
-                message.get("resolved") is not None
-            ):  # what its loader resolved; else _our_handler resolves it
+            # what its loader resolved; else _our_handler resolves it
+            if message.get("resolved") is not None:
                 model.resolved = ResolvedModel.from_message(message["resolved"])
             arguments = (
                 model,
@@ -469,9 +468,8 @@ class HostedModel:
     # the UNLOAD of a model of the same name, to end before this one loads
     after: threading.Thread | None = None
     package_unused: bool = False  # its package was made with other code: model_fn ran here
-    resolved: ResolvedModel | None = (
-        None  # the model as its loader resolved it (None: resolved here)
-    )
+    # the model as its loader resolved it (None: resolved here)
+    resolved: ResolvedModel | None = None
 
 
 def model_handler(
@@ -485,29 +483,3 @@ def model_handler(
     service = Service(spec.name, spec.model_dir, None, handler.entry_point, ordinal, batch_size)
     devices.record_gpu(service.context.system_properties, gpu, ordinal)
     return LoadedModel(handler, service)
-
-
-def start_batching(spec: ModelSpec, config: Config, loaded: LoadedModel) -> ConnectionDemand | None:
-    """From here on the handler is called from many threads; our handler then batches their forward
-    passes. A batching model asks for the frontend connections that fill its batches as it comes to
-    need them: the returned ``ConnectionDemand`` watches its connections
-    (``serving/connection.py``)."""
-    if not hasattr(loaded.module, "start_batcher"):
-        # another handler (MMS's ``module:function``): it is called from the connections' threads as
-        # it is
-        return None
-    settings = loaded.module.start_batcher()
-    if not settings.batching or settings.source == "LOAD":
-        return None  # MMS's own batching (LOAD's batch_size) fills its batches itself
-
-    def ask_for(per_device: int, serving: bool = True) -> None:
-        try:
-            request_workers(config.runtime_dir, spec.name, per_device, serving)
-        except OSError as exc:
-            logger.warning(
-                "model=%s could not ask for %d workers per device: %s", spec.name, per_device, exc
-            )
-
-    at_load = min(config.batch_connections_at_load, settings.batch_size)
-    ask_for(at_load, serving=False)
-    return ConnectionDemand(ask_for, at_load, settings.batch_size)

@@ -9,8 +9,9 @@ A device host keeps its connections in ``Turns``: an idle connection waits in on
 worker thread waiting on the set answers it when its message arrives (workers are made when none is
 left waiting and end after a while with nothing to do), so a host's threads follow the requests in
 flight, not the models it holds. Every connection of a model answers at once. A batching model's
-``ConnectionDemand`` counts its busy connections and asks for more once they are all busy (MMS sends
-one request per connection at a time, so a batch of ``batch_size`` needs that many).
+``ConnectionDemand`` (made by ``start_batching``) counts its busy connections and asks for more
+once they are all busy (MMS sends one request per connection at a time, so a batch of
+``batch_size`` needs that many).
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from mms.protocol.otf_message_handler import LOAD_MSG, create_load_model_respons
 from mms.service import emit_metrics
 
 from mme_runtime.base import devices
+from mme_runtime.base.config import Config
 from mme_runtime.models.loading import LoadedModel, ModelSpec
 from mme_runtime.operations import metrics
+from mme_runtime.operations.scaler import request_workers
 
 
 class ConnectionDemand:
@@ -87,6 +90,31 @@ logger = logging.getLogger(__name__)
 WORKER_IDLE_SECONDS = 10.0
 SPARE_WORKERS = 2
 SERVICE_LOG = logging.getLogger("mms.service")  # where emit_metrics writes its per-request lines
+
+
+def start_batching(spec: ModelSpec, config: Config, loaded: LoadedModel) -> ConnectionDemand | None:
+    """From here on the handler is called from many threads; our handler then batches their forward
+    passes. A batching model asks for the frontend connections that fill its batches as it comes to
+    need them: the returned ``ConnectionDemand`` watches its connections."""
+    if not hasattr(loaded.module, "start_batcher"):
+        # another handler (MMS's ``module:function``): it is called from the connections' threads as
+        # it is
+        return None
+    settings = loaded.module.start_batcher()
+    if not settings.batching or settings.source == "LOAD":
+        return None  # MMS's own batching (LOAD's batch_size) fills its batches itself
+
+    def ask_for(per_device: int, serving: bool = True) -> None:
+        try:
+            request_workers(config.runtime_dir, spec.name, per_device, serving)
+        except OSError as exc:
+            logger.warning(
+                "model=%s could not ask for %d workers per device: %s", spec.name, per_device, exc
+            )
+
+    at_load = min(config.batch_connections_at_load, settings.batch_size)
+    ask_for(at_load, serving=False)
+    return ConnectionDemand(ask_for, at_load, settings.batch_size)
 
 
 @dataclass(frozen=True)
