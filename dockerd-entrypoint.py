@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Container entrypoint: `serve` (the default) runs MMS with our handler in the foreground; anything else is exec'd.
+"""Container entrypoint: `serve` (the default) runs MMS with our handler in the foreground; anything
+else is exec'd.
 
 Kept thin: the logic lives in mme_runtime (config, properties, supervisor) where it can be tested.
 """
@@ -50,7 +51,9 @@ def serve() -> int:
     properties = mms_properties(config, mme, workers)
     write_properties(properties_file, properties)
     home = prepare_mms_home(config.runtime_dir)
-    logger.info("effective configuration: %s workers_per_model_effective=%d", config.describe(), workers)
+    logger.info(
+        "effective configuration: %s workers_per_model_effective=%d", config.describe(), workers
+    )
 
     command = frontend_command(config, properties_file, home, jvm_arguments(config, mme))
     env = config.child_environment({"MODEL_SERVER_HOME": str(home), "PYTHONUNBUFFERED": "1"})
@@ -75,7 +78,8 @@ def serve() -> int:
 def main(argv: list[str]) -> int:
     if not argv or argv[0] == "serve":
         return serve()
-    # Any other command runs as given, replacing this process (so it gets the signals and the exit status).
+    # Any other command runs as given, replacing this process (so it gets the signals and the exit
+    # status).
     os.execvp(argv[0], argv)
 
 

@@ -1,8 +1,9 @@
 """The handler MMS calls (``handler_service:handle``): the SageMaker contract with PyTorch defaults.
 
 A loader calls ``preload`` once per model in its CUDA-free process (model to host memory); a device
-host calls ``attach`` once its GPU is bound, then ``start_batcher``, and ``handle`` from one thread per frontend
-connection. Plain MMS calls ``handle(None, context)`` to initialise, which does both in its worker.
+host calls ``attach`` once its GPU is bound, then ``start_batcher``, and ``handle`` from one thread
+per frontend connection. Plain MMS calls ``handle(None, context)`` to initialise, which does both in
+its worker.
 """
 
 from __future__ import annotations
@@ -35,19 +36,25 @@ class HandlerService(DefaultHandlerService):  # type: ignore[misc]
         return self._service  # type: ignore[no-any-return]
 
     def preload(self, context: Any, resolved: ResolvedModel | None = None) -> None:
-        """Runs the user's ``model_fn`` on the host; must not touch CUDA (the server forks afterwards)."""
+        """Runs the user's ``model_fn`` on the host; must not touch CUDA (the server forks
+        afterwards)."""
         self.served.load(context, torch.device("cpu"), resolved)
 
     def attach(self, context: Any, resolved: ResolvedModel | None = None) -> None:
-        """Places the model on this device host's device (``gpu_id`` is its CUDA ordinal here) and warms it up."""
-        self.served.attach(context, worker_device(context.system_properties.get("gpu_id")), resolved)
+        """Places the model on this device host's device (``gpu_id`` is its CUDA ordinal here) and
+        warms it up."""
+        self.served.attach(
+            context, worker_device(context.system_properties.get("gpu_id")), resolved
+        )
 
     def start_batcher(self) -> ServingSettings:
-        """The host serves many connections from threads: forward passes go through one batcher from now on."""
+        """The host serves many connections from threads: forward passes go through one batcher from
+        now on."""
         return self.served.start_batcher()
 
     def initialize(self, context: Any) -> None:
-        """MMS's contract: everything in the worker (the toolkit's PYTHONPATH edit is not needed)."""
+        """MMS's contract: everything in the worker (the toolkit's PYTHONPATH edit is not
+        needed)."""
         self.attach(context)
 
     def handle(self, data: list[Any], context: Any) -> list[bytes]:
@@ -65,7 +72,8 @@ _service: HandlerService | None = None
 
 
 def service() -> HandlerService:
-    """This process's handler, created on first use (never at import, so importing reads no settings)."""
+    """This process's handler, created on first use (never at import, so importing reads no
+    settings)."""
     global _service
     if _service is None:
         _service = HandlerService()

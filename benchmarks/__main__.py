@@ -1,24 +1,28 @@
-"""The one entry point of the benchmarks: runs them, prints their tables, and can write those into the docs.
+"""The one entry point of the benchmarks: runs them, prints their tables, and can write those into
+the docs.
 
     .venv/bin/python -m benchmarks [NAME ...] [--write-docs [PATH]] [-- ARG ...]
 
-    .venv/bin/python -m benchmarks                             # all nine, in the order below (minutes each)
+    .venv/bin/python -m benchmarks                             # all nine, in the order below
+                                                               # (minutes each)
     .venv/bin/python -m benchmarks stock batching              # these two
     .venv/bin/python -m benchmarks handler -- --requests 300   # one, with its own options after --
     .venv/bin/python -m benchmarks stock -- --help             # those options
-    .venv/bin/python -m benchmarks pt2 --write-docs            # and its section of docs/benchmarks.md
+    .venv/bin/python -m benchmarks pt2 --write-docs            # and its section of
+                                                               # docs/benchmarks.md
 
-NAME is one of device_host, stock, batching, pt2, preload, hugging_face, sharing, reload, handler (none: all of these,
-in that order), gpu (run only when named: what scripts/gpu-proof measures on a card) or scale (run only when named:
-thousands of models, issue #37). Options after ``--`` go to
-the one benchmark named. The benchmarks run in this process, one after another;
-each one's stdout (its results: tables and the lines that say what they measured) is echoed and kept, its progress
-goes to stderr.
+NAME is one of device_host, stock, batching, pt2, preload, hugging_face, sharing, reload, handler
+(none: all of these, in that order), gpu (run only when named: what scripts/gpu-proof measures on a
+card) or scale (run only when named: thousands of models, issue #37). Options after ``--`` go to the
+one benchmark named. The benchmarks run in this process, one after another; each one's stdout (its
+results: tables and the lines that say what they measured) is echoed and kept, its progress goes to
+stderr.
 
 --write-docs (PATH: docs/benchmarks.md) replaces what lies between ``<!-- benchmark:NAME -->`` and
-``<!-- /benchmark:NAME -->`` in PATH with a line saying when and on what machine it ran, then that output. Nothing
-else in the file changes. Every pair is checked before anything runs: a missing one is an error, never appended.
-A benchmark that fails keeps its old section and does not stop the others; the exit status is then 1.
+``<!-- /benchmark:NAME -->`` in PATH with a line saying when and on what machine it ran, then that
+output. Nothing else in the file changes. Every pair is checked before anything runs: a missing one
+is an error, never appended. A benchmark that fails keeps its old section and does not stop the
+others; the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TextIO
 
-# Name -> module with ``main(argv) -> int``; the order is the order of a full run (the quick handler profile last).
+# Name -> module with ``main(argv) -> int``; the order is the order of a full run (the quick handler
+# profile last).
 BENCHMARKS: dict[str, str] = {
     "device_host": "benchmarks.device_host",
     "stock": "benchmarks.stock",
@@ -54,14 +59,16 @@ BENCHMARKS: dict[str, str] = {
     "gpu": "benchmarks.gpu",
     "scale": "benchmarks.scale",
 }
-# Run only when named: the GPU proof's rows (scripts/gpu-proof), which mean something on a card alone; and scale,
-# 2,000 models loaded and unloaded (about 10 minutes), which answers another question than the others.
+# Run only when named: the GPU proof's rows (scripts/gpu-proof), which mean something on a card
+# alone; and scale, 2,000 models loaded and unloaded (about 10 minutes), which answers another
+# question than the others.
 WHEN_NAMED = ("gpu", "scale")
 DEFAULT_DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
 
 class DocsError(Exception):
-    """The docs file cannot take a benchmark's output (no such file, or its markers are missing or repeated)."""
+    """The docs file cannot take a benchmark's output (no such file, or its markers are missing or
+    repeated)."""
 
 
 class _Tee(io.StringIO):
@@ -78,7 +85,8 @@ class _Tee(io.StringIO):
     def flush(self) -> None:
         self.echo.flush()
 
-    def fileno(self) -> int:  # for code that hands stdout to a subprocess: it writes to the terminal, uncaptured
+    def fileno(self) -> int:
+        # for code that hands stdout to a subprocess: it writes to the terminal, uncaptured
         return self.echo.fileno()
 
     def isatty(self) -> bool:
@@ -89,11 +97,14 @@ class _Tee(io.StringIO):
 class Result:
     status: int  # 0: success
     output: str  # what it printed on stdout
-    returned: bool  # its main returned, rather than raising (an exception, or SystemExit for --help or a bad option)
+    # its main returned, rather than raising (an exception, or SystemExit for --help or a bad
+    # option)
+    returned: bool
 
 
 def run(name: str, argv: Sequence[str]) -> Result:
-    """Runs one benchmark in this process, its stdout echoed and kept; any failure becomes a status, never a raise."""
+    """Runs one benchmark in this process, its stdout echoed and kept; any failure becomes a status,
+    never a raise."""
     tee = _Tee(sys.stdout)
     saved = sys.stdout
     sys.stdout = tee
@@ -111,7 +122,8 @@ def run(name: str, argv: Sequence[str]) -> Result:
 
 
 def machine_line(today: date | None = None) -> str:
-    """``Run on YYYY-MM-DD on <CPU>: <cores> cores, <memory> GiB, <GPUs or "no GPU">, torch <version>.``"""
+    """``Run on YYYY-MM-DD on <CPU>: <cores> cores, <memory> GiB, <GPUs or "no GPU">, torch
+    <version>.``"""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     try:
@@ -129,13 +141,17 @@ def _cpu() -> str:
                 return " ".join(line.partition(":")[2].split())
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "an unknown CPU"  # ARM's cpuinfo has no model name
+    # ARM's cpuinfo has no model name
+    return platform.processor() or platform.machine() or "an unknown CPU"
 
 
 def _gpus() -> str:
-    """What ``nvidia-smi -L`` lists, as "2x NVIDIA H100 80GB HBM3"; "no GPU" without it or with nothing listed."""
+    """What ``nvidia-smi -L`` lists, as "2x NVIDIA H100 80GB HBM3"; "no GPU" without it or with
+    nothing listed."""
     try:
-        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60, check=True).stdout
+        listed = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60, check=True
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return "no GPU"
     lines = [line.strip() for line in listed.splitlines() if line.startswith("GPU")]
@@ -152,31 +168,38 @@ def markers(name: str) -> tuple[str, str]:
 def _section(text: str, name: str, path: Path) -> tuple[int, int]:
     """Where the text between ``name``'s markers starts and ends."""
     opening, closing = markers(name)
-    if text.count(opening) != 1 or text.count(closing) != 1 or text.index(opening) > text.index(closing):
+    if (
+        text.count(opening) != 1
+        or text.count(closing) != 1
+        or text.index(opening) > text.index(closing)
+    ):
         raise DocsError(
-            f"{path} needs exactly one {opening} ... {closing} pair, in that order, where the {name} tables belong "
-            "(the output is written between them, never appended)"
+            f"{path} needs exactly one {opening} ... {closing} pair, in that order, where the "
+            f"{name} tables belong (the output is written between them, never appended)"
         )
     return text.index(opening) + len(opening), text.index(closing)
 
 
 def _read(path: Path) -> str:
     try:
-        with open(path, encoding="utf-8", newline="") as file:  # newline="": keep the prose's line endings as they are
+        with open(path, encoding="utf-8", newline="") as file:
+            # newline="": keep the prose's line endings as they are
             return file.read()
     except OSError as error:
         raise DocsError(f"cannot read {path}: {error.strerror}") from error
 
 
 def check_docs(path: Path, names: Sequence[str]) -> None:
-    """Raises DocsError unless ``path`` has every marker pair ``names`` need: checked before hours of benchmarks."""
+    """Raises DocsError unless ``path`` has every marker pair ``names`` need: checked before hours
+    of benchmarks."""
     text = _read(path)
     for name in names:
         _section(text, name, path)
 
 
 def write_section(path: Path, name: str, heading: str, output: str) -> None:
-    """Replaces what lies between ``name``'s markers in ``path`` with ``heading`` and ``output``; nothing else."""
+    """Replaces what lies between ``name``'s markers in ``path`` with ``heading`` and ``output``;
+    nothing else."""
     text = _read(path)
     start, end = _section(text, name, path)
     results = output.strip("\n")
@@ -186,7 +209,8 @@ def write_section(path: Path, name: str, heading: str, output: str) -> None:
 
 
 def parse(argv: Sequence[str]) -> tuple[list[str], Path | None, list[str]]:
-    """The benchmarks to run, the docs file to write (or None) and the options for a single benchmark."""
+    """The benchmarks to run, the docs file to write (or None) and the options for a single
+    benchmark."""
     own, extra = list(argv), []
     if "--" in own:
         extra = own[own.index("--") + 1 :]
@@ -197,22 +221,32 @@ def parse(argv: Sequence[str]) -> tuple[list[str], Path | None, list[str]]:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("names", nargs="*", metavar="NAME", help=f"one of: {', '.join(BENCHMARKS)} (default: all)")
+    parser.add_argument(
+        "names", nargs="*", metavar="NAME", help=f"one of: {', '.join(BENCHMARKS)} (default: all)"
+    )
     parser.add_argument(
         "--write-docs",
         nargs="?",
         const=DEFAULT_DOCS,
         type=Path,
         metavar="PATH",
-        help="write each benchmark's output between its markers in PATH (default: docs/benchmarks.md)",
+        help="write each benchmark's output between its markers in PATH (default: "
+        "docs/benchmarks.md)",
     )
     args = parser.parse_args(own)
     unknown = [name for name in args.names if name not in BENCHMARKS]
     if unknown:
-        parser.error(f"no benchmark named {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+        parser.error(
+            f"no benchmark named {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}"
+        )
     if args.write_docs is not None and str(args.write_docs) in BENCHMARKS:
-        parser.error(f"--write-docs took {args.write_docs} for its PATH: name the benchmarks before --write-docs")
-    names = list(dict.fromkeys(args.names)) or [name for name in BENCHMARKS if name not in WHEN_NAMED]
+        parser.error(
+            f"--write-docs took {args.write_docs} for its PATH: name the benchmarks before "
+            "--write-docs"
+        )
+    names = list(dict.fromkeys(args.names)) or [
+        name for name in BENCHMARKS if name not in WHEN_NAMED
+    ]
     if extra and len(names) != 1:
         parser.error("options after -- go to one benchmark: name exactly one")
     return names, args.write_docs, extra
@@ -235,7 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(flush=True)
         if result.status != 0:
             failed.append(f"{name} (exit status {result.status})")
-        elif docs is not None and result.returned and result.output.strip():  # --setup, say, has no results
+        elif docs is not None and result.returned and result.output.strip():
+            # --setup, say, has no results
             try:
                 write_section(docs, name, heading, result.output)
             except DocsError as error:  # the file changed while the benchmark ran

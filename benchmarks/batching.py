@@ -1,20 +1,25 @@
 """Dynamic batching against the peers, same TorchScript files, one run.
 
-    .venv/bin/python -m benchmarks batching [-- --rounds 2 --clients 16 --batch-size 16 --max-batch-delay 10]
+    .venv/bin/python -m benchmarks batching [-- --rounds 2 --clients 16 --batch-size 16
+                                                --max-batch-delay 10]
 
 Stacks, each measured on the same model files:
-  ours batched    this server, the model with serving.properties batch_size/max_batch_delay (the default
-                  predict_fn on the collated rows; the server scales the model to batch_size workers itself)
-  ours unbatched  this server, the same model with no serving.properties (one worker, the default on a CPU host)
-  stock           MMS 1.1.11 + sagemaker-inference + the AWS PyTorch handler 1.5.1, one worker (peers/stock_stack.py)
+  ours batched    this server, the model with serving.properties batch_size/max_batch_delay (the
+                  default predict_fn on the collated rows; the server scales the model to batch_size
+                  workers itself)
+  ours unbatched  this server, the same model with no serving.properties (one worker, the default on
+                  a CPU host)
+  stock           MMS 1.1.11 + sagemaker-inference + the AWS PyTorch handler 1.5.1, one worker
+                  (peers/stock_stack.py)
   TorchServe      TorchServe 0.12 with its own batching, batch_size/max_batch_delay, one worker
                   (peers/torchserve_stack.py; its handler collates the rows of a batch as ours does)
 
-Models: the memory-bound MLP of the stock benchmark (--size-mb, one row of 2048 floats as JSON per request) and a
-ResNet-18-shaped conv net (random weights, built here; one 1x3x224x224 float32 image as NPY per request).
-Per stack, model and round: LOAD (or register), a few untimed requests, --requests-1 sequential requests from one
-client (latency p50/p99, requests/s) and --requests-n requests from --clients clients (requests/s, p50/p99), then
-UNLOAD. Tables show medians over --rounds and ratios against ours batched; timings are never asserted.
+Models: the memory-bound MLP of the stock benchmark (--size-mb, one row of 2048 floats as JSON per
+request) and a ResNet-18-shaped conv net (random weights, built here; one 1x3x224x224 float32 image
+as NPY per request). Per stack, model and round: LOAD (or register), a few untimed requests,
+--requests-1 sequential requests from one client (latency p50/p99, requests/s) and --requests-n
+requests from --clients clients (requests/s, p50/p99), then UNLOAD. Tables show medians over
+--rounds and ratios against ours batched; timings are never asserted.
 """
 
 from __future__ import annotations
@@ -78,7 +83,8 @@ class BasicBlock(torch.nn.Module):
         self.shortcut = torch.nn.Sequential()
         if stride != 1 or inputs != outputs:
             self.shortcut = torch.nn.Sequential(
-                torch.nn.Conv2d(inputs, outputs, 1, stride, bias=False), torch.nn.BatchNorm2d(outputs)
+                torch.nn.Conv2d(inputs, outputs, 1, stride, bias=False),
+                torch.nn.BatchNorm2d(outputs),
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +93,8 @@ class BasicBlock(torch.nn.Module):
 
 
 def resnet18_shaped(classes: int = 1000) -> torch.nn.Module:
-    """ResNet-18's layers and sizes (11.7 M parameters), random weights: what torchvision would build."""
+    """ResNet-18's layers and sizes (11.7 M parameters), random weights: what torchvision would
+    build."""
     layers: list[torch.nn.Module] = [
         torch.nn.Conv2d(3, 64, 7, 2, 3, bias=False),
         torch.nn.BatchNorm2d(64),
@@ -114,13 +121,23 @@ def build_cases(root: Path, size_mb: int, scale: float) -> list[Case]:
     np.save(image, np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32))
     mib = (mlp / "model.pt").stat().st_size / 2**20
     return [
-        Case(f"MLP {mib:.0f} MiB", mlp, row, "application/json", int(200 * scale), int(1280 * scale)),
-        Case("ResNet-18 224x224", conv, image.getvalue(), "application/x-npy", int(30 * scale), int(192 * scale)),
+        Case(
+            f"MLP {mib:.0f} MiB", mlp, row, "application/json", int(200 * scale), int(1280 * scale)
+        ),
+        Case(
+            "ResNet-18 224x224",
+            conv,
+            image.getvalue(),
+            "application/x-npy",
+            int(30 * scale),
+            int(192 * scale),
+        ),
     ]
 
 
 def drive(url: str, case: Case, clients: int, total: int) -> tuple[list[float], float, int]:
-    """``total`` requests from ``clients`` threads: latencies (ms) of the successful ones, requests/s, failures."""
+    """``total`` requests from ``clients`` threads: latencies (ms) of the successful ones,
+    requests/s, failures."""
     headers = {"Content-Type": case.content_type, "Accept": "application/json"}
     shares = [total // clients + (1 if i < total % clients else 0) for i in range(clients)]
     ready = threading.Barrier(clients + 1)
@@ -128,12 +145,15 @@ def drive(url: str, case: Case, clients: int, total: int) -> tuple[list[float], 
     def client(share: int) -> tuple[list[float], int]:
         latencies, failed = [], 0
         with requests.Session() as session:
-            session.post(url, data=case.body, headers=headers, timeout=TIMEOUT_SECONDS)  # opens the connection
+            # opens the connection
+            session.post(url, data=case.body, headers=headers, timeout=TIMEOUT_SECONDS)
             ready.wait()
             for _ in range(share):
                 started = time.perf_counter()
                 try:
-                    ok = session.post(url, data=case.body, headers=headers, timeout=TIMEOUT_SECONDS).ok
+                    ok = session.post(
+                        url, data=case.body, headers=headers, timeout=TIMEOUT_SECONDS
+                    ).ok
                 except requests.RequestException:
                     ok = False
                 if ok:
@@ -162,8 +182,21 @@ def measure(url: str, case: Case, clients: int, warmup: int) -> Sample:
 class Stacks:
     """LOAD, URL and UNLOAD of one model on each stack."""
 
-    def __init__(self, ours: Server, stock: Server, torchserve: TorchServe, root: Path, args: argparse.Namespace):
-        self.ours, self.stock, self.torchserve, self.root, self.args = ours, stock, torchserve, root, args
+    def __init__(
+        self,
+        ours: Server,
+        stock: Server,
+        torchserve: TorchServe,
+        root: Path,
+        args: argparse.Namespace,
+    ):
+        self.ours, self.stock, self.torchserve, self.root, self.args = (
+            ours,
+            stock,
+            torchserve,
+            root,
+            args,
+        )
 
     def load(self, stack: str, case: Case, name: str) -> str:
         """Loads ``case`` on ``stack`` as ``name``; returns its invoke URL."""
@@ -171,11 +204,16 @@ class Stacks:
             store = self.torchserve.model_store
             archive = archive_model(case.model_dir, store, name, archive_format="no-archive")
             registered = self.torchserve.register(
-                name, archive, batch_size=self.args.batch_size, max_batch_delay_ms=self.args.max_batch_delay
+                name,
+                archive,
+                batch_size=self.args.batch_size,
+                max_batch_delay_ms=self.args.max_batch_delay,
             )
             _check(registered, f"TorchServe register {name}")
             return self.torchserve.predictions_url(name)
-        server, model_dir = (self.stock, self.root / "stock" / name) if stack == "stock" else (self.ours, None)
+        server, model_dir = (
+            (self.stock, self.root / "stock" / name) if stack == "stock" else (self.ours, None)
+        )
         if stack == "stock":
             stock_model_dir(case.model_dir, model_dir)  # type: ignore[arg-type]
         else:
@@ -183,10 +221,14 @@ class Stacks:
             model_dir.mkdir(parents=True)
             (model_dir / "model.pt").hardlink_to(case.model_dir / "model.pt")
             if stack == "ours batched":
-                properties = f"batch_size={self.args.batch_size}\nmax_batch_delay={self.args.max_batch_delay}\n"
+                properties = (
+                    f"batch_size={self.args.batch_size}\n"
+                    f"max_batch_delay={self.args.max_batch_delay}\n"
+                )
                 (model_dir / "serving.properties").write_text(properties)
         _check(server.load(name, model_dir), f"{stack} LOAD {name}")  # type: ignore[arg-type]
-        if stack == "ours batched":  # the server adds the connections that fill a batch right after LOAD
+        if stack == "ours batched":
+            # the server adds the connections that fill a batch right after LOAD
             self._wait_for_workers(server, name, self.args.batch_size)
         return f"{server.url}/models/{name}/invoke"
 
@@ -194,7 +236,10 @@ class Stacks:
         if stack == "TorchServe":
             _check(self.torchserve.unregister(name), f"TorchServe unregister {name}")
         else:
-            _check((self.stock if stack == "stock" else self.ours).unload(name), f"{stack} UNLOAD {name}")
+            _check(
+                (self.stock if stack == "stock" else self.ours).unload(name),
+                f"{stack} UNLOAD {name}",
+            )
 
     @staticmethod
     def _wait_for_workers(server: Server, name: str, count: int) -> None:
@@ -224,10 +269,17 @@ def report(cases: list[Case], samples: dict[tuple[str, str], list[Sample]], clie
     rows: list[list[object]] = []
     for case in cases:
         for metric, value, fmt in metrics:
-            medians = {stack: statistics.median(value(s) for s in samples[(case.label, stack)]) for stack in STACKS}
+            medians = {
+                stack: statistics.median(value(s) for s in samples[(case.label, stack)])
+                for stack in STACKS
+            }
             base = medians["ours batched"]
-            ratios = [f"{base / medians[stack]:.2f}" if medians[stack] else "-" for stack in STACKS[1:]]
-            rows.append([case.label, metric, *(fmt.format(medians[stack]) for stack in STACKS), *ratios])
+            ratios = [
+                f"{base / medians[stack]:.2f}" if medians[stack] else "-" for stack in STACKS[1:]
+            ]
+            rows.append(
+                [case.label, metric, *(fmt.format(medians[stack]) for stack in STACKS), *ratios]
+            )
         failed = [sum(s.failed for s in samples[(case.label, stack)]) for stack in STACKS]
         rows.append([case.label, "failed requests", *failed, "-", "-", "-"])
     headers = ["model", "metric", *STACKS, *(f"batched/{stack}" for stack in STACKS[1:])]
@@ -240,13 +292,26 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--rounds", type=int, default=2, help="rounds per stack and model; medians are reported")
-    parser.add_argument("--warmup-rounds", type=int, default=1, help="rounds run first and not reported")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="rounds per stack and model; medians are reported"
+    )
+    parser.add_argument(
+        "--warmup-rounds", type=int, default=1, help="rounds run first and not reported"
+    )
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=16, help="ours batched and TorchServe")
-    parser.add_argument("--max-batch-delay", type=int, default=10, help="milliseconds; ours batched and TorchServe")
-    parser.add_argument("--size-mb", type=int, default=100, help="size of the MLP's float32 weights")
-    parser.add_argument("--scale", type=float, default=1.0, help="multiplies every request count (0.2: a quick look)")
+    parser.add_argument(
+        "--max-batch-delay", type=int, default=10, help="milliseconds; ours batched and TorchServe"
+    )
+    parser.add_argument(
+        "--size-mb", type=int, default=100, help="size of the MLP's float32 weights"
+    )
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiplies every request count (0.2: a quick look)",
+    )
     parser.add_argument("--warmup", type=int, default=10, help="untimed requests after each LOAD")
     args = parser.parse_args(list(argv))
     if min(args.rounds, args.clients, args.batch_size) < 1 or args.scale <= 0 or args.warmup < 1:
@@ -260,13 +325,24 @@ def main(argv: Sequence[str] = ()) -> int:
     ensure_torchserve_venv()
     began = time.perf_counter()
     with ExitStack() as resources:
-        root = Path(resources.enter_context(tempfile.TemporaryDirectory(prefix="bench-batching-", dir="/tmp")))
+        root = Path(
+            resources.enter_context(
+                tempfile.TemporaryDirectory(prefix="bench-batching-", dir="/tmp")
+            )
+        )
         cases = build_cases(root / "models", args.size_mb, args.scale)
-        one_worker = {"SAGEMAKER_MODEL_SERVER_WORKERS": "1"}  # ours batched scales itself to --batch-size
-        ours_command, ours_env, ours_port = our_server(root / "ours", {**one_worker, **BATCH_CONNECTIONS_AT_LOAD})
+        # ours batched scales itself to --batch-size
+        one_worker = {"SAGEMAKER_MODEL_SERVER_WORKERS": "1"}
+        ours_command, ours_env, ours_port = our_server(
+            root / "ours", {**one_worker, **BATCH_CONNECTIONS_AT_LOAD}
+        )
         stock_command, stock_env, stock_port, _ = stock_server(root / "stock", env=one_worker)
-        ours = resources.enter_context(serve_isolated("ours", ours_command, ours_env, root / "ours", ours_port))
-        stock = resources.enter_context(serve_isolated("stock", stock_command, stock_env, root / "stock", stock_port))
+        ours = resources.enter_context(
+            serve_isolated("ours", ours_command, ours_env, root / "ours", ours_port)
+        )
+        stock = resources.enter_context(
+            serve_isolated("stock", stock_command, stock_env, root / "stock", stock_port)
+        )
         torchserve = resources.enter_context(serve_torchserve(root / "torchserve"))
         stacks = Stacks(ours, stock, torchserve, root, args)
         samples: dict[tuple[str, str], list[Sample]] = {}
@@ -282,14 +358,15 @@ def main(argv: Sequence[str] = ()) -> int:
                         samples.setdefault((case.label, stack), []).append(sample)
                     print(
                         f"round {round_index + 1:>2} {case.label:>18} {stack:>14}: 1 client p50 "
-                        f"{percentile(sample.latencies_1, 50):.1f} ms, {sample.rps_1:.0f}/{sample.rps_n:.0f} req/s, "
-                        f"failed {sample.failed}",
+                        f"{percentile(sample.latencies_1, 50):.1f} ms, "
+                        f"{sample.rps_1:.0f}/{sample.rps_n:.0f} req/s, failed {sample.failed}",
                         file=sys.stderr,
                         flush=True,
                     )
     print(
-        f"medians of {args.rounds} rounds (after {args.warmup_rounds} warm-up); batch_size={args.batch_size}, "
-        f"max_batch_delay={args.max_batch_delay} ms for ours batched and TorchServe; CPU only, {args.clients} clients"
+        f"medians of {args.rounds} rounds (after {args.warmup_rounds} warm-up); "
+        f"batch_size={args.batch_size}, max_batch_delay={args.max_batch_delay} ms for ours batched "
+        f"and TorchServe; CPU only, {args.clients} clients"
     )
     print()
     print(report(cases, samples, args.clients))

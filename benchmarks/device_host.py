@@ -1,26 +1,31 @@
-"""Many models on one host: the device hosts (sharing on: two CPU hosts by default, and one), against a process per
-model (sharing off, MME_SHARE_DEVICE=false) and the stock stack, in one run.
+"""Many models on one host: the device hosts (sharing on: two CPU hosts by default, and one),
+against a process per model (sharing off, MME_SHARE_DEVICE=false) and the stock stack, in one run.
 
     .venv/bin/python -m benchmarks device_host [-- --models 50 --churn-seconds 30
                                                    --stacks shared one-host isolated stock]
 
-Per stack, one server, these scenarios in order (every model is the tests' tiny TorchScript net, one row of 4 floats;
-the stock stack's copies carry the code/inference.py its handler needs, see peers/stock_stack.py):
+Per stack, one server, these scenarios in order (every model is the tests' tiny TorchScript net, one
+row of 4 floats; the stock stack's copies carry the code/inference.py its handler needs, see
+peers/stock_stack.py):
 
-* memory: --models models loaded one after another; PSS of the server's whole process tree (Java frontend, warm
-  process, hosts, stubs, servers, workers) with 1 model and with all, and the extra per model; processes per model
-  likewise. LOAD p50 is the median LOAD time over those loads.
-* crash: a model whose code aborts the process it runs in, with all --models loaded: seconds until every other model
-  answers 200 again (with a process per model: at once).
-* cycles: --cycles LOAD, INVOKE, UNLOAD cycles of mixed models, one after another: PSS growth of the whole tree.
-* churn: 4 clients, each looping LOAD, INVOKE, UNLOAD on models of its own for --churn-seconds (what SageMaker does
-  with ModelCacheSetting=Disabled): completed cycles per second.
-* 8 models x 2 clients: 8 tiny models, 2 clients each, all at once, --burst-seconds: requests per second.
+* memory: --models models loaded one after another; PSS of the server's whole process tree (Java
+  frontend, warm process, hosts, stubs, servers, workers) with 1 model and with all, and the extra
+  per model; processes per model likewise. LOAD p50 is the median LOAD time over those loads.
+* crash: a model whose code aborts the process it runs in, with all --models loaded: seconds until
+  every other model answers 200 again (with a process per model: at once).
+* cycles: --cycles LOAD, INVOKE, UNLOAD cycles of mixed models, one after another: PSS growth of the
+  whole tree.
+* churn: 4 clients, each looping LOAD, INVOKE, UNLOAD on models of its own for --churn-seconds (what
+  SageMaker does with ModelCacheSetting=Disabled): completed cycles per second.
+* 8 models x 2 clients: 8 tiny models, 2 clients each, all at once, --burst-seconds: requests per
+  second.
 * noisy neighbour: 16 clients saturate model A while one client times model B: B's p50 latency.
-* 3 workers, 50 ms: a model whose predict_fn sleeps 50 ms, 3 workers, 12 clients: requests per second.
+* 3 workers, 50 ms: a model whose predict_fn sleeps 50 ms, 3 workers, 12 clients: requests per
+  second.
 
-Single-client timings use http.client on a kept-alive connection (requests costs 2 ms a call here). Ratios are
-against sharing off and the stock stack of the same run. Timings are never asserted: machines here are noisy.
+Single-client timings use http.client on a kept-alive connection (requests costs 2 ms a call here).
+Ratios are against sharing off and the stock stack of the same run. Timings are never asserted:
+machines here are noisy.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ from benchmarks.benchlib import Server, our_server, percentile, serve, table
 from benchmarks.peers.stock_stack import STOCK_MODEL_FN, ensure_venv, serve_isolated, stock_server
 
 STACKS = ("shared", "one-host", "isolated", "stock")
-# Our server's settings per stack: the default (two CPU hosts), one CPU host for every model, sharing off.
+# Our server's settings per stack: the default (two CPU hosts), one CPU host for every model,
+# sharing off.
 OUR_STACKS = {
     "shared": {},
     "one-host": {"MME_CPU_HOSTS": "1"},
@@ -93,7 +99,9 @@ class Client:
         return self.call("POST", f"/models/{name}/invoke", ROW)
 
     def load(self, name: str, path: Path, **extra: object) -> int:
-        return self.call("POST", "/models", json.dumps({"model_name": name, "url": str(path), **extra}).encode())
+        return self.call(
+            "POST", "/models", json.dumps({"model_name": name, "url": str(path), **extra}).encode()
+        )
 
     def unload(self, name: str) -> int:
         return self.call("DELETE", f"/models/{name}")
@@ -155,7 +163,8 @@ def memory(server: Server, root: Path, stack: str, count: int) -> dict[str, floa
 
 
 def crash_recovery(server: Server, root: Path, stack: str, names: list[str]) -> float:
-    """A model whose code aborts the process it runs in: seconds until every other model answers 200 again."""
+    """A model whose code aborts the process it runs in: seconds until every other model answers 200
+    again."""
     client = Client(server.url)
     assert client.load("aborting", model(root, "aborting", stack, ABORT_SCRIPT)) == 200
     crashed = time.monotonic()
@@ -168,11 +177,15 @@ def crash_recovery(server: Server, root: Path, stack: str, names: list[str]) -> 
 
 
 def cycles(server: Server, root: Path, stack: str, count: int) -> tuple[float, float | None]:
-    """PSS growth, MiB, of the whole tree and of the device hosts (None where there are none), over ``count`` LOAD,
-    INVOKE, UNLOAD cycles of mixed models (TorchScript, a state dict with its script, a transform_fn script; the
-    stock stack's all TorchScript with its model_fn)."""
+    """PSS growth, MiB, of the whole tree and of the device hosts (None where there are none), over
+    ``count`` LOAD, INVOKE, UNLOAD cycles of mixed models (TorchScript, a state dict with its
+    script, a transform_fn script; the stock stack's all TorchScript with its model_fn)."""
     client = Client(server.url)
-    builders = [torchscript_model, state_dict_model, transform_model] if stack != "stock" else [torchscript_model]
+    builders = (
+        [torchscript_model, state_dict_model, transform_model]
+        if stack != "stock"
+        else [torchscript_model]
+    )
     bodies = [ROW, json.dumps({"inputs": [[1.0, 2.0, 3.0, 4.0]]}).encode(), ROW]
     paths = []
     for index, builder in enumerate(builders):
@@ -225,7 +238,13 @@ def run_threads(targets: list[Callable[[], object]]) -> None:
         thread.join()
 
 
-def hammer(url: str, name: str, stop: threading.Event, counts: list[int], latencies: list[float] | None = None) -> None:
+def hammer(
+    url: str,
+    name: str,
+    stop: threading.Event,
+    counts: list[int],
+    latencies: list[float] | None = None,
+) -> None:
     client = Client(url)
     while not stop.is_set():
         started = time.perf_counter()
@@ -252,7 +271,12 @@ def burst(server: Server, root: Path, stack: str, seconds: float) -> float:
         assert loader.load(name, model(root, name, stack)) == 200 and loader.invoke(name) == 200
     stop, counts = threading.Event(), []  # list.append is atomic: one list for all clients
     run_for(
-        seconds, stop, [threading.Thread(target=hammer, args=(server.url, name, stop, counts)) for name in names * 2]
+        seconds,
+        stop,
+        [
+            threading.Thread(target=hammer, args=(server.url, name, stop, counts))
+            for name in names * 2
+        ],
     )
     for name in names:
         loader.unload(name)
@@ -263,10 +287,20 @@ def noisy_neighbour(server: Server, root: Path, stack: str, seconds: float) -> f
     """B's p50 latency in ms while 16 clients saturate A."""
     loader = Client(server.url)
     for name in ("noisy_a", "quiet_b"):
-        assert loader.load(name, model(root, name, stack), initial_workers=4 if name == "noisy_a" else 1) == 200
+        assert (
+            loader.load(
+                name, model(root, name, stack), initial_workers=4 if name == "noisy_a" else 1
+            )
+            == 200
+        )
     stop, counts, latencies = threading.Event(), [], []
-    threads = [threading.Thread(target=hammer, args=(server.url, "noisy_a", stop, counts)) for _ in range(16)]
-    threads.append(threading.Thread(target=hammer, args=(server.url, "quiet_b", stop, [], latencies)))
+    threads = [
+        threading.Thread(target=hammer, args=(server.url, "noisy_a", stop, counts))
+        for _ in range(16)
+    ]
+    threads.append(
+        threading.Thread(target=hammer, args=(server.url, "quiet_b", stop, [], latencies))
+    )
     run_for(seconds, stop, threads)
     for name in ("noisy_a", "quiet_b"):
         loader.unload(name)
@@ -276,7 +310,9 @@ def noisy_neighbour(server: Server, root: Path, stack: str, seconds: float) -> f
 def slow_predict(server: Server, root: Path, stack: str, seconds: float) -> float:
     """3 workers, predict_fn sleeps 50 ms, 12 clients: requests per second."""
     client = Client(server.url)
-    assert client.load("sleepy", model(root, "sleepy", stack, SLEEP_SCRIPT), initial_workers=3) == 200
+    assert (
+        client.load("sleepy", model(root, "sleepy", stack, SLEEP_SCRIPT), initial_workers=3) == 200
+    )
     stop, counts = threading.Event(), []
     with ThreadPoolExecutor(12) as pool:
         for _ in range(12):
@@ -298,7 +334,9 @@ def run_stack(stack: str, root: Path, args: argparse.Namespace) -> dict[str, flo
     with context as server:
         print(f"{stack}: memory with {args.models} models", file=sys.stderr, flush=True)
         results: dict[str, float | None] = dict(memory(server, root, stack, args.models))
-        print(f"{stack}: churn, 8x2, noisy neighbour, 3 workers x 50 ms", file=sys.stderr, flush=True)
+        print(
+            f"{stack}: churn, 8x2, noisy neighbour, 3 workers x 50 ms", file=sys.stderr, flush=True
+        )
         results["growth"], results["host_growth"] = cycles(server, root, stack, args.cycles)
         results["churn"] = churn(server, root, stack, args.churn_seconds)
         results["burst"] = burst(server, root, stack, args.burst_seconds)
@@ -307,7 +345,8 @@ def run_stack(stack: str, root: Path, args: argparse.Namespace) -> dict[str, flo
     return results
 
 
-# Rows whose shared/other ratio means nothing (a difference near zero; a crash that costs the others nothing there).
+# Rows whose shared/other ratio means nothing (a difference near zero; a crash that costs the others
+# nothing there).
 NO_RATIO = ("growth", "host_growth", "recovery_s")
 
 
@@ -329,15 +368,24 @@ def report(results: dict[str, dict[str, float | None]]) -> str:
     for label, key, form in metrics:
         row = [
             label,
-            *(form.format(results[stack][key]) if results[stack][key] is not None else "-" for stack in stacks),
+            *(
+                form.format(results[stack][key]) if results[stack][key] is not None else "-"
+                for stack in stacks
+            ),
         ]
         if "shared" in results:
             for other in ("isolated", "stock"):
                 ours, theirs = results["shared"][key], results.get(other, {}).get(key)
                 if other in results:
-                    row.append("" if key in NO_RATIO or not ours or not theirs else f"{ours / theirs:.2f}")
+                    row.append(
+                        "" if key in NO_RATIO or not ours or not theirs else f"{ours / theirs:.2f}"
+                    )
         rows.append(row)
-    ratios = [f"shared/{other}" for other in ("isolated", "stock") if other in results and "shared" in results]
+    ratios = [
+        f"shared/{other}"
+        for other in ("isolated", "stock")
+        if other in results and "shared" in results
+    ]
     return table(["", *stacks, *ratios], rows)
 
 
@@ -359,7 +407,10 @@ def main(argv: Sequence[str] = ()) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-device-host-") as tmp:
         for stack in args.stacks:
             results[stack] = run_stack(stack, Path(tmp), args)
-    print(f"{args.models} tiny TorchScript models; churn {args.churn_seconds:.0f} s; bursts {args.burst_seconds:.0f} s")
+    print(
+        f"{args.models} tiny TorchScript models; churn {args.churn_seconds:.0f} s; bursts "
+        f"{args.burst_seconds:.0f} s"
+    )
     print()  # a Markdown table starts after a blank line
     print(report(results))
     return 0

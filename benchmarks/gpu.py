@@ -1,19 +1,23 @@
-"""What the GPU proof measures on a card: the README's GPU claims, one part at a time (scripts/gpu-proof runs each
-part within a time budget of its own).
+"""What the GPU proof measures on a card: the README's GPU claims, one part at a time
+(scripts/gpu-proof runs each part within a time budget of its own).
 
     .venv/bin/python -m benchmarks gpu [-- --part models --part crash]
 
 Parts, each starting a server of its own:
-  models      memory on the card per extra model (tiny TorchScript models; fine-tunes of a 100 MB BERT that differ
-              only in their head), the processes holding a CUDA context however many models, LOAD to first answer
+  models      memory on the card per extra model (tiny TorchScript models; fine-tunes of a 100 MB
+              BERT that differ only in their head), the processes holding a CUDA context however
+              many models, LOAD to first answer
   batching    the 96 MiB MLP (TorchScript) with batch_size 16 against unbatched: 16 clients, and one
-  adapters    8 rank-8 LoRA adapters of the 100 MB BERT against one of them, 16 clients, batch_size 16
-  generation  a GPT-2-shaped model (4 layers, hidden 256): one client, 16 clients, and whether each client's greedy
-              answer under 16 clients is the one it gets alone
-  crash       a model that aborts its device host: how long until the 10 models beside it on the card answer again
-Memory on the card is nvidia-smi's memory.used, summed over the cards, a second after the last answer. Without a GPU
-every part runs on the CPU and card memory reads n/a: a check of this benchmark, not a GPU number. Clients keep
-their connection alive (http.client). Timings are never asserted.
+  adapters    8 rank-8 LoRA adapters of the 100 MB BERT against one of them, 16 clients,
+              batch_size 16
+  generation  a GPT-2-shaped model (4 layers, hidden 256): one client, 16 clients, and whether each
+              client's greedy answer under 16 clients is the one it gets alone
+  crash       a model that aborts its device host: how long until the 10 models beside it on the
+              card answer again
+Memory on the card is nvidia-smi's memory.used, summed over the cards, a second after the last
+answer. Without a GPU every part runs on the CPU and card memory reads n/a: a check of this
+benchmark, not a GPU number. Clients keep their connection alive (http.client). Timings are never
+asserted.
 """
 
 from __future__ import annotations
@@ -34,7 +38,14 @@ import hf_models
 from model_factory import torchscript_model
 from safetensors.torch import load_file
 
-from benchmarks.benchlib import BATCH_CONNECTIONS_AT_LOAD, Server, our_server, percentile, serve, table
+from benchmarks.benchlib import (
+    BATCH_CONNECTIONS_AT_LOAD,
+    Server,
+    our_server,
+    percentile,
+    serve,
+    table,
+)
 from benchmarks.hugging_face import call, connect, link_model, load_until_first_answer, lone_client
 from benchmarks.hugging_face_generation import bodies as generation_bodies
 from benchmarks.hugging_face_generation import workers_ready
@@ -66,7 +77,8 @@ def progress(message: str) -> None:
 
 
 def card_mib(settle: float = 1.0) -> float | None:
-    """GPU memory in use, MiB, summed over the cards, after ``settle`` seconds; None without a GPU."""
+    """GPU memory in use, MiB, summed over the cards, after ``settle`` seconds; None without a
+    GPU."""
     if not gpu_count():
         return None
     time.sleep(settle)
@@ -83,7 +95,9 @@ def compute_apps() -> list[int]:
 
 
 def _smi(*arguments: str) -> str:
-    return subprocess.run(["nvidia-smi", *arguments], capture_output=True, text=True, check=True).stdout
+    return subprocess.run(
+        ["nvidia-smi", *arguments], capture_output=True, text=True, check=True
+    ).stdout
 
 
 def mib(value: float | None, digits: int = 1) -> str:
@@ -104,8 +118,11 @@ def ours(work: Path, env: dict[str, str] | None = None) -> Iterator[Server]:
         yield server
 
 
-def load_all(server: Server, prefix: str, dirs: Sequence[Path], body: bytes) -> tuple[list[float], list[float | None]]:
-    """LOADs each directory and waits for its first answer: the seconds that took, and the card's memory after."""
+def load_all(
+    server: Server, prefix: str, dirs: Sequence[Path], body: bytes
+) -> tuple[list[float], list[float | None]]:
+    """LOADs each directory and waits for its first answer: the seconds that took, and the card's
+    memory after."""
     seconds, used = [], []
     for index, directory in enumerate(dirs):
         seconds.append(load_until_first_answer(server, f"{prefix}-{index}", directory, body))
@@ -119,11 +136,24 @@ def ours_among(pids: list[int], server: Server) -> int:
 
 
 def models_part(work: Path, args: argparse.Namespace) -> list[list[object]]:
-    progress(f"making {args.models} tiny models, a 100 MB BERT and {args.fine_tunes} fine-tunes of it")
-    tiny = [torchscript_model(work / "tiny" / f"tiny-{index}", seed=index) for index in range(args.models)]
-    base = hf_models.bert_sized_vocabulary(hf_models.bert(work / "bert" / "base", hidden=768, layers=5))
-    tunes = [hf_models.fine_tune(base, work / "bert" / f"tune-{i}", i) for i in range(args.fine_tunes)]
-    head = sum(t.nbytes for n, t in load_file(str(tunes[0] / "model.safetensors")).items() if "classifier" in n)
+    progress(
+        f"making {args.models} tiny models, a 100 MB BERT and {args.fine_tunes} fine-tunes of it"
+    )
+    tiny = [
+        torchscript_model(work / "tiny" / f"tiny-{index}", seed=index)
+        for index in range(args.models)
+    ]
+    base = hf_models.bert_sized_vocabulary(
+        hf_models.bert(work / "bert" / "base", hidden=768, layers=5)
+    )
+    tunes = [
+        hf_models.fine_tune(base, work / "bert" / f"tune-{i}", i) for i in range(args.fine_tunes)
+    ]
+    head = sum(
+        t.nbytes
+        for n, t in load_file(str(tunes[0] / "model.safetensors")).items()
+        if "classifier" in n
+    )
     text = json.dumps({"inputs": "a good movie about paris"}).encode()
     with ours(work / "server") as server:
         empty = card_mib()
@@ -145,9 +175,21 @@ def models_part(work: Path, args: argparse.Namespace) -> list[list[object]]:
             mib(per_extra(tune_used), 2),
             "the head only, not the body",
         ],
-        [f"processes with a CUDA context, {loaded} models", f"{len(apps)} ({held} ours)", "one per card"],
-        ["LOAD to first answer, tiny, p50, ms", f"{statistics.median(tiny_seconds) * 1000:.0f}", ""],
-        ["LOAD to first answer, first fine-tune, ms", f"{tune_seconds[0] * 1000:.0f}", "loads the body"],
+        [
+            f"processes with a CUDA context, {loaded} models",
+            f"{len(apps)} ({held} ours)",
+            "one per card",
+        ],
+        [
+            "LOAD to first answer, tiny, p50, ms",
+            f"{statistics.median(tiny_seconds) * 1000:.0f}",
+            "",
+        ],
+        [
+            "LOAD to first answer, first fine-tune, ms",
+            f"{tune_seconds[0] * 1000:.0f}",
+            "loads the body",
+        ],
         [
             "LOAD to first answer, later fine-tunes, p50, ms",
             f"{statistics.median(tune_seconds[1:]) * 1000:.0f}",
@@ -157,7 +199,8 @@ def models_part(work: Path, args: argparse.Namespace) -> list[list[object]]:
 
 
 def alternate(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """The mean of ``rounds`` of each measure, taking turns so that a busier moment weighs on all alike."""
+    """The mean of ``rounds`` of each measure, taking turns so that a busier moment weighs on all
+    alike."""
     found: dict[str, list[float]] = {name: [] for name in measures}
     for _ in range(rounds):
         for name, measure in measures.items():
@@ -186,9 +229,17 @@ def batching_part(work: Path, args: argparse.Namespace) -> list[list[object]]:
         )
         lone = {name: percentile(lone_client(server, name, [row], 50), 50) * 1000 for name in rates}
     return [
-        [f"{CLIENTS} clients, batched (batch_size {CLIENTS}), req/s", f"{rates['batched']:.0f}", ""],
+        [
+            f"{CLIENTS} clients, batched (batch_size {CLIENTS}), req/s",
+            f"{rates['batched']:.0f}",
+            "",
+        ],
         [f"{CLIENTS} clients, unbatched, req/s", f"{rates['unbatched']:.0f}", ""],
-        ["batched / unbatched", f"{rates['batched'] / rates['unbatched']:.2f}x", "passes shared on the card"],
+        [
+            "batched / unbatched",
+            f"{rates['batched'] / rates['unbatched']:.2f}x",
+            "passes shared on the card",
+        ],
         ["1 client, batched, p50, ms", f"{lone['batched']:.2f}", "max_batch_delay 5 ms"],
         ["1 client, unbatched, p50, ms", f"{lone['unbatched']:.2f}", f"MLP of {size:.0f} MiB"],
     ]
@@ -211,14 +262,22 @@ def adapters_part(work: Path, args: argparse.Namespace) -> list[list[object]]:
         )
     return [
         [f"{CLIENTS} clients on one adapter, req/s", f"{rates['one']:.0f}", "batch_size 16"],
-        [f"{CLIENTS} clients over 8 adapters, req/s", f"{rates['eight']:.0f}", "their rows share passes"],
+        [
+            f"{CLIENTS} clients over 8 adapters, req/s",
+            f"{rates['eight']:.0f}",
+            "their rows share passes",
+        ],
         ["8 adapters / one", f"{rates['eight'] / rates['one']:.2f}x", "goal >= 0.8x"],
         [
             f"card memory per extra adapter (own {adapter_bytes / 2**20:.2f} MiB), MiB",
             mib(per_extra(used), 2),
             "no second base",
         ],
-        ["LOAD to first answer, adapters after the first, p50, ms", f"{statistics.median(seconds[1:]) * 1000:.0f}", ""],
+        [
+            "LOAD to first answer, adapters after the first, p50, ms",
+            f"{statistics.median(seconds[1:]) * 1000:.0f}",
+            "",
+        ],
     ]
 
 
@@ -249,7 +308,10 @@ def generation_part(work: Path, args: argparse.Namespace) -> list[list[object]]:
         deadline = time.monotonic() + 60
         while not workers_ready(server, "gpt2", CLIENTS) and time.monotonic() < deadline:
             time.sleep(0.5)
-        alone = [json.loads(call(connect(server), "/models/gpt2/invoke", body)[1]) for body in prompts[:CLIENTS]]
+        alone = [
+            json.loads(call(connect(server), "/models/gpt2/invoke", body)[1])
+            for body in prompts[:CLIENTS]
+        ]
         lone = lone_client(server, "gpt2", prompts, 20)
         progress(f"{CLIENTS} clients, {len(prompts)} requests")
         started = time.monotonic()
@@ -261,7 +323,11 @@ def generation_part(work: Path, args: argparse.Namespace) -> list[list[object]]:
         ["LOAD to first answer, s", f"{load:.2f}", ""],
         ["1 client, p50, ms", f"{percentile(lone, 50) * 1000:.1f}", "16 to 96 new tokens"],
         [f"{CLIENTS} clients, req/s", f"{rate:.1f}", f"{failed} failed"],
-        [f"answers under {CLIENTS} clients equal to alone", f"{alike}/{len(alone)}", "greedy: should be all"],
+        [
+            f"answers under {CLIENTS} clients equal to alone",
+            f"{alike}/{len(alone)}",
+            "greedy: should be all",
+        ],
     ]
 
 
@@ -281,14 +347,24 @@ def crash_part(work: Path, args: argparse.Namespace) -> list[list[object]]:
         names = [f"neighbour-{index}" for index in range(10)]
         while not all(call(connect(server), f"/models/{n}/invoke", ROW)[0] == 200 for n in names):
             if time.monotonic() - crashed > 60:
-                raise RuntimeError(f"the neighbours did not answer again within 60 s; see {server.log}")
+                raise RuntimeError(
+                    f"the neighbours did not answer again within 60 s; see {server.log}"
+                )
             time.sleep(0.1)
         back = time.monotonic() - crashed
         after = compute_apps()
     return [
         ["the aborting request's answer", f"{status} after {answered:.2f} s", "an error, at once"],
-        ["10 models beside it answer again after, s", f"{back:.2f}", "reloaded from their packages"],
-        ["processes with a CUDA context, before / after", f"{len(before)} / {len(after)}", "the dead one's freed"],
+        [
+            "10 models beside it answer again after, s",
+            f"{back:.2f}",
+            "reloaded from their packages",
+        ],
+        [
+            "processes with a CUDA context, before / after",
+            f"{len(before)} / {len(after)}",
+            "the dead one's freed",
+        ],
     ]
 
 
@@ -302,17 +378,31 @@ PARTS: dict[str, Callable[[Path, argparse.Namespace], list[list[object]]]] = {
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks gpu", description=__doc__.split("\n")[0])
-    parser.add_argument("--part", action="append", choices=list(PARTS), help="run these parts (default: all)")
-    parser.add_argument("--work", type=Path, help="where models and servers go (default: a temporary folder)")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks gpu", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--part", action="append", choices=list(PARTS), help="run these parts (default: all)"
+    )
+    parser.add_argument(
+        "--work", type=Path, help="where models and servers go (default: a temporary folder)"
+    )
     parser.add_argument("--models", type=int, default=10, help="tiny models in the models part")
     parser.add_argument("--fine-tunes", type=int, default=5, help="fine-tunes in the models part")
-    parser.add_argument("--requests", type=int, default=320, help="requests per round of 16 clients")
+    parser.add_argument(
+        "--requests", type=int, default=320, help="requests per round of 16 clients"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="rounds per stack, taking turns")
     args = parser.parse_args(argv)
     if args.models < 2 or args.fine_tunes < 2:
-        parser.error("--models and --fine-tunes need 2 or more: memory is counted per model after the first")
-    where = "on the CPU: no GPU here, so card memory reads n/a" if not gpu_count() else f"{gpu_count()} GPU(s)"
+        parser.error(
+            "--models and --fine-tunes need 2 or more: memory is counted per model after the first"
+        )
+    where = (
+        "on the CPU: no GPU here, so card memory reads n/a"
+        if not gpu_count()
+        else f"{gpu_count()} GPU(s)"
+    )
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as scratch:
         for name in args.part or PARTS:
             work = (args.work or Path(scratch)) / name
@@ -324,6 +414,11 @@ def main(argv: Sequence[str] = ()) -> int:
 
 
 def _torch_version() -> str:
-    import torch  # the benchmark's own process: the server's processes decide about CUDA for themselves
+    # the benchmark's own process: the server's processes decide about CUDA for themselves
+    import torch
 
-    return f"{torch.__version__} (CUDA {torch.version.cuda})" if torch.version.cuda else torch.__version__
+    return (
+        f"{torch.__version__} (CUDA {torch.version.cuda})"
+        if torch.version.cuda
+        else torch.__version__
+    )

@@ -1,19 +1,21 @@
-"""LoRA adapters over one base: their memory, their LOADs, and their requests sharing the base's passes.
+"""LoRA adapters over one base: their memory, their LOADs, and their requests sharing the base's
+passes.
 
     .venv/bin/python -m benchmarks sharing [-- --adapters 50 --adapters-off 8 --requests 640]
 
-Part of the ``sharing`` benchmark (``benchmarks/sharing.py`` prints its table). One BERT-shaped classifier of about
-100 MB (5 layers, hidden 768, random weights) with a tokenizer of BERT's size (30,522 entries) is the base; each
-adapter is a rank-8 PEFT LoRA adapter of its query and value layers with a classifier of its own (PEFT's
-``modules_to_save``), about 400 KB, made here with PEFT. Stacks, in one run:
+Part of the ``sharing`` benchmark (``benchmarks/sharing.py`` prints its table). One BERT-shaped
+classifier of about 100 MB (5 layers, hidden 768, random weights) with a tokenizer of BERT's size
+(30,522 entries) is the base; each adapter is a rank-8 PEFT LoRA adapter of its query and value
+layers with a classifier of its own (PEFT's ``modules_to_save``), about 400 KB, made here with PEFT.
+Stacks, in one run:
   sharing on    this server: adapters of one base take its one package (``base_model=../base``)
-  sharing off   ``MME_SHARE_WEIGHTS=false`` and ``MME_MODEL_CACHE_MB=0``: each adapter's LOAD loads and holds a base
-                of its own (what serving each adapter as a merged model costs)
-Measured: the server tree's PSS per extra adapter (``--adapters`` on, ``--adapters-off`` off); LOAD to the first
-answer of each adapter after the first (p50, and the last against the second); then 16 clients on a kept-alive
-connection each (http.client), ``--requests`` in all, on one adapter with ``batch_size`` 16, spread over 8
-adapters with ``batch_size`` 16 (their rows share passes), and over 8 adapters of a copy of the base without
-batching (one request a pass).
+  sharing off   ``MME_SHARE_WEIGHTS=false`` and ``MME_MODEL_CACHE_MB=0``: each adapter's LOAD loads
+                and holds a base of its own (what serving each adapter as a merged model costs)
+Measured: the server tree's PSS per extra adapter (``--adapters`` on, ``--adapters-off`` off); LOAD
+to the first answer of each adapter after the first (p50, and the last against the second); then 16
+clients on a kept-alive connection each (http.client), ``--requests`` in all, on one adapter with
+``batch_size`` 16, spread over 8 adapters with ``batch_size`` 16 (their rows share passes), and over
+8 adapters of a copy of the base without batching (one request a pass).
 """
 
 from __future__ import annotations
@@ -45,30 +47,44 @@ def progress(message: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapters", type=int, default=50, help="adapters loaded with sharing on")
-    parser.add_argument("--adapters-off", type=int, default=8, help="adapters loaded with sharing off")
-    parser.add_argument("--requests", type=int, default=640, help="requests per throughput run (16 clients)")
+    parser.add_argument(
+        "--adapters-off", type=int, default=8, help="adapters loaded with sharing off"
+    )
+    parser.add_argument(
+        "--requests", type=int, default=640, help="requests per throughput run (16 clients)"
+    )
 
 
 def make_models(root: Path, count: int) -> tuple[Path, list[Path], int]:
-    """The base, ``count`` adapters of it and their bytes each; a copy of the base for the unbatched adapters."""
+    """The base, ``count`` adapters of it and their bytes each; a copy of the base for the unbatched
+    adapters."""
     base = hf_models.bert_sized_vocabulary(hf_models.bert(root / "base", hidden=768, layers=5))
     shutil.copytree(base, root / "base-unbatched")
     adapters = []
     for index in range(count):
-        directory = lora_models.adapter(base, root / f"adapter-{index}", seed=index, targets=("query", "value"))
+        directory = lora_models.adapter(
+            base, root / f"adapter-{index}", seed=index, targets=("query", "value")
+        )
         (directory / "serving.properties").write_text(BATCHED)
         adapters.append(directory)
-    nbytes = sum(tensor.nbytes for tensor in load_file(str(adapters[0] / "adapter_model.safetensors")).values())
+    nbytes = sum(
+        tensor.nbytes
+        for tensor in load_file(str(adapters[0] / "adapter_model.safetensors")).values()
+    )
     return base, adapters, nbytes
 
 
 def texts(count: int) -> list[bytes]:
-    return [json.dumps({"inputs": hf_models.text_of_tokens(24, seed)}).encode() for seed in range(count)]
+    return [
+        json.dumps({"inputs": hf_models.text_of_tokens(24, seed)}).encode() for seed in range(count)
+    ]
 
 
-def adapters_memory(server: Server, adapters: list[Path], count: int, body: bytes) -> tuple[float, float, list[float]]:
-    """PSS per extra adapter (``count`` loaded, each answering once), the frontend's part of it, and each LOAD's time
-    to its first answer."""
+def adapters_memory(
+    server: Server, adapters: list[Path], count: int, body: bytes
+) -> tuple[float, float, list[float]]:
+    """PSS per extra adapter (``count`` loaded, each answering once), the frontend's part of it, and
+    each LOAD's time to its first answer."""
     loads = [load_until_first_answer(server, "adapter-0", adapters[0], body)]
     before, frontend_before = server.tree_memory_mib(), server.frontend_memory_mib()
     for index in range(1, count):
@@ -79,8 +95,9 @@ def adapters_memory(server: Server, adapters: list[Path], count: int, body: byte
 
 
 def clients(server: Server, names: list[str], bodies: list[bytes], total: int) -> float:
-    """Requests per second from 16 clients, client ``i`` calling ``names[i % len(names)]``, after a round of 64 that
-    opens the connections of each adapter's batch (they open when its requests first overlap)."""
+    """Requests per second from 16 clients, client ``i`` calling ``names[i % len(names)]``, after a
+    round of 64 that opens the connections of each adapter's batch (they open when its requests
+    first overlap)."""
     _clients(server, names, bodies, 64)
     time.sleep(1)
     return _clients(server, names, bodies, total)
@@ -118,19 +135,27 @@ def measure(work: Path, args: argparse.Namespace) -> list[list[object]]:
         with serve(command, full_env, work / f"lora-{label}", port) as server:
             progress(f"sharing {label}: {loaded} adapters")
             per_adapter, frontend, loads = adapters_memory(server, adapters, loaded, bodies[0])
-            row = {"memory": per_adapter, "frontend": frontend, "load_p50": statistics.median(loads[1:]) * 1000}
+            row = {
+                "memory": per_adapter,
+                "frontend": frontend,
+                "load_p50": statistics.median(loads[1:]) * 1000,
+            }
             row.update(early=statistics.median(loads[1:6]), late=statistics.median(loads[-5:]))
             if label == "on":
                 progress("16 clients: one adapter, 8 adapters, 8 adapters unbatched")
                 row["one"] = clients(server, ["adapter-0"], bodies, args.requests)
-                row["eight"] = clients(server, [f"adapter-{i}" for i in range(8)], bodies, args.requests)
+                row["eight"] = clients(
+                    server, [f"adapter-{i}" for i in range(8)], bodies, args.requests
+                )
                 for index in range(8):
                     plain = models / f"unbatched-{index}"
                     if not plain.exists():
                         shutil.copytree(adapters[index], plain)
                         (plain / "serving.properties").write_text(UNBATCHED)
                     load_until_first_answer(server, f"unbatched-{index}", plain, bodies[0])
-                row["unbatched"] = clients(server, [f"unbatched-{i}" for i in range(8)], bodies, args.requests)
+                row["unbatched"] = clients(
+                    server, [f"unbatched-{i}" for i in range(8)], bodies, args.requests
+                )
             results[label] = row
     on, off = results["on"], results["off"]
     own_mib = adapter_bytes / 2**20

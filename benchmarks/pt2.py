@@ -2,18 +2,21 @@
 
     .venv/bin/python -m benchmarks pt2 [-- --rounds 2 --size-mb 100]
 
-For the MLP of the stock benchmark and the ResNet-18-shaped conv net of the batching benchmark, four ways to ship
-the same weights, all served with no code and batch_size=16 in serving.properties:
+For the MLP of the stock benchmark and the ResNet-18-shaped conv net of the batching benchmark, four
+ways to ship the same weights, all served with no code and batch_size=16 in serving.properties:
   TorchScript       model.pt (torch.jit.script)
   ExportedProgram   model.pt2 from torch.export.save, first dimension dynamic
-  AOTInductor       model.pt2 from torch._inductor.aoti_compile_and_package, compiled here for the CPU
-  compile=true      the ExportedProgram with compile=true: each LOAD compiles, or loads the compile cache
+  AOTInductor       model.pt2 from torch._inductor.aoti_compile_and_package, compiled here for the
+                    CPU
+  compile=true      the ExportedProgram with compile=true: each LOAD compiles, or loads the compile
+                    cache
 
-Per variant and round: LOAD cold (a fresh compile cache for compile=true) and LOAD cached (the same artifacts under
-another name: the median of 3 LOADs of fresh copies), warm p50 from one client, and requests/s from 16 clients.
-"cached / eager LOAD" divides by the ExportedProgram's LOAD cached (the same program, eager; its first LOAD also pays
-the warm process's one import of torch's PT2 loader, which every later PT2 model inherits); "p50 / TorchScript" by
-TorchScript's p50. Medians over --rounds; timings are never asserted.
+Per variant and round: LOAD cold (a fresh compile cache for compile=true) and LOAD cached (the same
+artifacts under another name: the median of 3 LOADs of fresh copies), warm p50 from one client, and
+requests/s from 16 clients. "cached / eager LOAD" divides by the ExportedProgram's LOAD cached (the
+same program, eager; its first LOAD also pays the warm process's one import of torch's PT2 loader,
+which every later PT2 model inherits); "p50 / TorchScript" by TorchScript's p50. Medians over
+--rounds; timings are never asserted.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ def mlp(size_mb: int) -> torch.nn.Module:
 def build_variants(
     root: Path, label: str, model: torch.nn.Module, example: torch.Tensor, sample: bytes
 ) -> dict[str, Path]:
-    """The four model directories for one network (``sample``: a request body, NPY, for warm-up and tracing)."""
+    """The four model directories for one network (``sample``: a request body, NPY, for warm-up and
+    tracing)."""
     dirs = {variant: root / f"{label}-{index}" for index, variant in enumerate(VARIANTS)}
     for directory in dirs.values():
         (directory / "code").mkdir(parents=True)
@@ -67,7 +71,9 @@ def build_variants(
     shutil.copy(dirs["ExportedProgram"] / "model.pt2", dirs["compile=true"] / "model.pt2")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch._inductor.aoti_compile_and_package(program, package_path=str(dirs["AOTInductor"] / "model.pt2"))
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=str(dirs["AOTInductor"] / "model.pt2")
+        )
     for variant, directory in dirs.items():
         extra = "compile=true\n" if variant == "compile=true" else ""
         (directory / "serving.properties").write_text(properties + extra)
@@ -94,8 +100,8 @@ def timed_load(server: Server, name: str, model_dir: Path) -> float:
 def measure(server: Server, model_dir: Path, case: Case, tag: str) -> dict[str, float]:
     cold = timed_load(server, f"{tag}-cold", model_dir)
     server.unload(f"{tag}-cold")
-    # A later LOAD is short and noisy: the median of CACHED_LOADS, each of a fresh copy (new files, as a new
-    # download would be); the last stays loaded for the latency and throughput runs.
+    # A later LOAD is short and noisy: the median of CACHED_LOADS, each of a fresh copy (new files,
+    # as a new download would be); the last stays loaded for the latency and throughput runs.
     cached_loads = []
     for index in range(CACHED_LOADS):
         cached_dir = model_dir.parent / f"{model_dir.name}-again-{tag}-{index}"
@@ -125,7 +131,9 @@ def measure(server: Server, model_dir: Path, case: Case, tag: str) -> dict[str, 
 
 def main(argv: Sequence[str] = ()) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks pt2 --", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks pt2 --",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--size-mb", type=int, default=100)
@@ -138,32 +146,52 @@ def main(argv: Sequence[str] = ()) -> int:
     }
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     with ExitStack() as resources:
-        root = Path(resources.enter_context(tempfile.TemporaryDirectory(prefix="bench-pt2-", dir="/tmp")))
+        root = Path(
+            resources.enter_context(tempfile.TemporaryDirectory(prefix="bench-pt2-", dir="/tmp"))
+        )
         cases = {}
         for label, (model, shape, requests_1, requests_n) in nets.items():
             body = npy(rng.standard_normal((1, *shape[1:])).astype(np.float32))
-            dirs = build_variants(root / "models", label.split()[0], model, torch.randn(*shape), body)
-            cases[label] = (Case(label, dirs["TorchScript"], body, "application/x-npy", requests_1, requests_n), dirs)
+            dirs = build_variants(
+                root / "models", label.split()[0], model, torch.randn(*shape), body
+            )
+            cases[label] = (
+                Case(label, dirs["TorchScript"], body, "application/x-npy", requests_1, requests_n),
+                dirs,
+            )
             print(f"built {label}", file=sys.stderr, flush=True)
         for round_index in range(args.rounds):
-            # A fresh server and compile cache each round: "cold" is a first compile, "cached" a second LOAD.
+            # A fresh server and compile cache each round: "cold" is a first compile, "cached" a
+            # second LOAD.
             work = root / f"server-{round_index}"
-            # A first compile counts against the LOAD's time limit (360 s by default: docs/api.md, Long LOADs).
-            env_extra = {"MME_CACHE_DIR": str(work / "cache"), "SAGEMAKER_MODEL_SERVER_TIMEOUT": "600"}
+            # A first compile counts against the LOAD's time limit (360 s by default: docs/api.md,
+            # Long LOADs).
+            env_extra = {
+                "MME_CACHE_DIR": str(work / "cache"),
+                "SAGEMAKER_MODEL_SERVER_TIMEOUT": "600",
+            }
             command, env, port = our_server(work, env_extra)
             with serve_isolated("ours", command, env, work, port) as server:
                 for label, (case, dirs) in cases.items():
                     for index, variant in enumerate(VARIANTS):
-                        sample = measure(server, dirs[variant], case, f"r{round_index}v{index}{label[0]}")
+                        sample = measure(
+                            server, dirs[variant], case, f"r{round_index}v{index}{label[0]}"
+                        )
                         results.setdefault((label, variant), []).append(sample)
-                        print(f"round {round_index + 1} {label} {variant}: {json.dumps(sample)}", file=sys.stderr)
+                        print(
+                            f"round {round_index + 1} {label} {variant}: {json.dumps(sample)}",
+                            file=sys.stderr,
+                        )
     rows = []
     for label in nets:
         eager_load = statistics.median(s["cached"] for s in results[(label, "ExportedProgram")])
         script_p50 = statistics.median(s["p50"] for s in results[(label, "TorchScript")])
         for variant in VARIANTS:
             samples = results[(label, variant)]
-            med = {key: statistics.median(s[key] for s in samples) for key in ("cold", "cached", "p50", "rps")}
+            med = {
+                key: statistics.median(s[key] for s in samples)
+                for key in ("cold", "cached", "p50", "rps")
+            }
             rows.append(
                 [
                     label,

@@ -2,24 +2,26 @@
 
     .venv/bin/python -m benchmarks scale [-- --models 2000 --step 200 --plot docs/scale.png]
 
-One server as it ships (two CPU device hosts). A probe model is loaded first and stays; then ``--models``
-distinct tiny TorchScript models (other weights each, so nothing is shared but the code) are loaded one by
-one, as an operator or SageMaker would. After every ``--step`` models the benchmark measures, with nothing else
-running:
+One server as it ships (two CPU device hosts). A probe model is loaded first and stays; then
+``--models`` distinct tiny TorchScript models (other weights each, so nothing is shared but the
+code) are loaded one by one, as an operator or SageMaker would. After every ``--step`` models the
+benchmark measures, with nothing else running:
 
-* LOAD p50 of the last step's LOADs, and INVOKE p50 and p99 of ``--invokes`` requests to loaded models drawn
-  at random, each on a kept-alive connection (``http.client``, so the client does not hide the server);
+* LOAD p50 of the last step's LOADs, and INVOKE p50 and p99 of ``--invokes`` requests to loaded
+  models drawn at random, each on a kept-alive connection (``http.client``, so the client does not
+  hide the server);
 * LIST: every model listed exactly once, page by page (``limit`` and ``nextPageToken``);
-* idle CPU over ``--idle-seconds`` with no request: our processes' (the warm process, the device hosts and
-  the stubs) and the Java frontend's, in % of one core;
+* idle CPU over ``--idle-seconds`` with no request: our processes' (the warm process, the device
+  hosts and the stubs) and the Java frontend's, in % of one core;
 * threads and open descriptors: ours (per model loaded, over the empty server) and the frontend's;
-* the memory of the server's whole process tree (PSS, as every benchmark here counts it) per model loaded.
+* the memory of the server's whole process tree (PSS, as every benchmark here counts it) per model
+  loaded.
 
-Then every model is unloaded by 4 clients as fast as the API answers (SageMaker evicting under pressure) while
-the probe is invoked 5 times a second: its p99 then, the UNLOAD p50, and the memory of our processes a few
-seconds after the last UNLOAD against the server with the probe alone. Every ERROR line the server logged is
-counted. The table goes to stdout; the plot of LOAD p50, INVOKE p50, memory and idle CPU against models loaded
-to ``--plot`` (matplotlib, headless).
+Then every model is unloaded by 4 clients as fast as the API answers (SageMaker evicting under
+pressure) while the probe is invoked 5 times a second: its p99 then, the UNLOAD p50, and the memory
+of our processes a few seconds after the last UNLOAD against the server with the probe alone. Every
+ERROR line the server logged is counted. The table goes to stdout; the plot of LOAD p50, INVOKE p50,
+memory and idle CPU against models loaded to ``--plot`` (matplotlib, headless).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ UNLOAD_CLIENTS = 4
 
 
 def make_models(root: Path, count: int) -> list[Path]:
-    """``count`` TorchScript files of one tiny network, each with weights of its own (scripted once)."""
+    """``count`` TorchScript files of one tiny network, each with weights of its own (scripted
+    once)."""
     scripted = torch.jit.script(tiny_net(0))
     generator = torch.Generator().manual_seed(1)
     directories = []
@@ -105,7 +108,8 @@ def listed(client: Client) -> list[str]:
 
 
 def ours(server: Server) -> list[psutil.Process]:
-    """Our processes: everything in the tree but the Java frontend (and MMS's own metrics collector)."""
+    """Our processes: everything in the tree but the Java frontend (and MMS's own metrics
+    collector)."""
     found = []
     for process in server.tree():
         try:
@@ -165,12 +169,15 @@ def invoke_latencies(client: Client, names: Sequence[str], count: int) -> list[f
 
 
 def error_lines(server: Server) -> list[str]:
-    return [line for line in server.log.read_text(errors="replace").splitlines() if " ERROR " in line]
+    return [
+        line for line in server.log.read_text(errors="replace").splitlines() if " ERROR " in line
+    ]
 
 
 def unload_all(server: Server, names: Sequence[str]) -> tuple[list[float], list[float], int]:
-    """UNLOADs of ``names`` from ``UNLOAD_CLIENTS`` clients while the probe is invoked ``PROBE_RATE`` times a
-    second: the UNLOADs' latencies, the probe's, and how many UNLOADs failed."""
+    """UNLOADs of ``names`` from ``UNLOAD_CLIENTS`` clients while the probe is invoked
+    ``PROBE_RATE`` times a second: the UNLOADs' latencies, the probe's, and how many UNLOADs
+    failed."""
     stop = threading.Event()
     probe: list[float] = []
 
@@ -312,11 +319,32 @@ def main(argv: Sequence[str] = ()) -> int:
         "MiB / model",
     ]
     keys = list(rows[0]) if rows else []
-    formats = ["{:.0f}", "{:.1f}", "{:.2f}", "{:.2f}", "{:.1f}", "{:.1f}", "{:.2f}", "{:.2f}", "{:.0f}"]
+    formats = [
+        "{:.0f}",
+        "{:.1f}",
+        "{:.2f}",
+        "{:.2f}",
+        "{:.1f}",
+        "{:.1f}",
+        "{:.2f}",
+        "{:.2f}",
+        "{:.0f}",
+    ]
     formats += ["{:.0f}", "{:.0f}", "{:.2f}"]
-    print(f"{args.models} tiny TorchScript models loaded one by one beside a probe model; a row every {args.step}")
+    print(
+        f"{args.models} tiny TorchScript models loaded one by one beside a probe model; "
+        f"a row every {args.step}"
+    )
     print()
-    print(table(headers, [[fmt.format(row[key]) for fmt, key in zip(formats, keys, strict=True)] for row in rows]))
+    print(
+        table(
+            headers,
+            [
+                [fmt.format(row[key]) for fmt, key in zip(formats, keys, strict=True)]
+                for row in rows
+            ],
+        )
+    )
     print()
     first, last = rows[0], rows[-1]
     probe_p99 = percentile(probe_ms, 99)
@@ -326,14 +354,18 @@ def main(argv: Sequence[str] = ()) -> int:
         f"{first['models']:.0f}: {last['invoke_p50'] / first['invoke_p50']:.2f}"
     )
     print(
-        f"* UNLOAD of all {len(unload_ms)} from {UNLOAD_CLIENTS} clients: p50 {percentile(unload_ms, 50):.1f} ms, "
-        f"p99 {percentile(unload_ms, 99):.1f} ms, {failed} failed; the probe, invoked {PROBE_RATE:g} times a "
+        f"* UNLOAD of all {len(unload_ms)} from {UNLOAD_CLIENTS} clients: "
+        f"p50 {percentile(unload_ms, 50):.1f} ms, "
+        f"p99 {percentile(unload_ms, 99):.1f} ms, {failed} failed; "
+        f"the probe, invoked {PROBE_RATE:g} times a "
         f"second meanwhile: p50 {percentile(probe_ms, 50):.1f} ms, p99 {probe_p99:.1f} ms"
     )
     ours_added = (after_memory - after_frontend) - (empty_memory - empty_frontend)
     print(
-        f"* server tree after UNLOAD of all: {after_memory - empty_memory:+.1f} MiB against the server with the "
-        f"probe alone ({empty_memory:.0f} MiB): our processes {ours_added:+.1f} MiB, MMS's frontend "
+        f"* server tree after UNLOAD of all: {after_memory - empty_memory:+.1f} MiB "
+        "against the server with the "
+        f"probe alone ({empty_memory:.0f} MiB): our processes {ours_added:+.1f} MiB, "
+        "MMS's frontend "
         f"{after_frontend - empty_frontend:+.1f} MiB; LIST then: {len(listed_after)} model(s)"
     )
     print(f"* ERROR lines in the server's log over the whole run: {len(errors)}")
@@ -341,5 +373,8 @@ def main(argv: Sequence[str] = ()) -> int:
         print(f"  {line[:160]}")
     if rows:
         plot(rows, args.plot)
-        print(f"* plot: {args.plot.relative_to(REPO) if args.plot.is_relative_to(REPO) else args.plot}")
+        print(
+            "* plot: "
+            f"{args.plot.relative_to(REPO) if args.plot.is_relative_to(REPO) else args.plot}"
+        )
     return 0

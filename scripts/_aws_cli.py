@@ -1,6 +1,8 @@
-"""What the AWS helper scripts share: exit codes, one error type, S3 URIs, and the turn of AWS errors into one line.
+"""What the AWS helper scripts share: exit codes, one error type, S3 URIs, and the turn of AWS
+errors into one line.
 
-Only ``run_cli`` prints errors or picks exit codes; the functions the scripts import for tests raise instead.
+Only ``run_cli`` prints errors or picks exit codes; the functions the scripts import for tests raise
+instead.
 """
 
 from __future__ import annotations
@@ -11,15 +13,16 @@ from collections.abc import Callable, Sequence
 import boto3
 import botocore.exceptions
 
-# Exit codes, as the container's entrypoint names them: 2 is also what argparse uses for a bad command line, so
-# "fix your setup or your arguments" is one code, and "AWS or docker said no" is another.
+# Exit codes, as the container's entrypoint names them: 2 is also what argparse uses for a bad
+# command line, so "fix your setup or your arguments" is one code, and "AWS or docker said no" is
+# another.
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
 
 NO_CREDENTIALS_MESSAGE = (
-    "no AWS credentials found: run `aws configure`, set AWS_PROFILE, or export AWS_ACCESS_KEY_ID and "
-    "AWS_SECRET_ACCESS_KEY"
+    "no AWS credentials found: run `aws configure`, set AWS_PROFILE, or export AWS_ACCESS_KEY_ID "
+    "and AWS_SECRET_ACCESS_KEY"
 )
 NO_REGION_MESSAGE = "no AWS region: pass --region or set AWS_DEFAULT_REGION"
 
@@ -56,7 +59,8 @@ def aws_error_message(exc: botocore.exceptions.ClientError) -> str:
 
 
 def boto_session(region: str | None) -> boto3.Session:
-    """A session for ``region``, or for the default chain's region; raises early when there is none."""
+    """A session for ``region``, or for the default chain's region; raises early when there is
+    none."""
     session = boto3.Session(region_name=region)
     if not session.region_name:
         raise config_error(NO_REGION_MESSAGE)
@@ -66,7 +70,8 @@ def boto_session(region: str | None) -> boto3.Session:
 def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
     """Runs a script's ``main`` and turns the errors people meet every day into one line on stderr.
 
-    Anything else keeps its traceback: it is a bug in the script, and the traceback is how we find it.
+    Anything else keeps its traceback: it is a bug in the script, and the traceback is how we find
+    it.
     """
     try:
         return main(argv)
@@ -78,9 +83,13 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
         message, code = NO_REGION_MESSAGE, EXIT_CONFIG
     except botocore.exceptions.ClientError as exc:
         operation = getattr(exc, "operation_name", "request")
-        message, code = f"AWS {operation} failed: {aws_error_code(exc)}: {aws_error_message(exc)}", EXIT_FAILURE
+        message, code = (
+            f"AWS {operation} failed: {aws_error_code(exc)}: {aws_error_message(exc)}",
+            EXIT_FAILURE,
+        )
     except botocore.exceptions.BotoCoreError as exc:
-        # Endpoint unreachable, expired SSO session, unreadable config file: botocore's own text says which.
+        # Endpoint unreachable, expired SSO session, unreadable config file: botocore's own text
+        # says which.
         message, code = f"AWS call failed: {exc}", EXIT_FAILURE
     except KeyboardInterrupt:
         message, code = "interrupted", 130

@@ -1,7 +1,9 @@
-"""PyTorch 2 artifacts for package_model.py: export an ``nn.Module`` factory to ``model.pt2``, and compile a
-``model.pt2`` ahead of time for a device (AOTInductor), so a SageMaker user ships a compiled model.
+"""PyTorch 2 artifacts for package_model.py: export an ``nn.Module`` factory to ``model.pt2``, and
+compile a ``model.pt2`` ahead of time for a device (AOTInductor), so a SageMaker user ships a
+compiled model.
 
-torch is imported only when these options are used: packaging weights that are already saved does not need it.
+torch is imported only when these options are used: packaging weights that are already saved does
+not need it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ def parse_example(text: str) -> tuple[int, ...]:
     except ValueError as exc:
         raise config_error(f"--example {text!r} must be a shape like 1,3,224,224") from exc
     if not shape or min(shape) < 1:
-        raise config_error(f"--example {text!r} must be a shape of positive sizes, like 1,3,224,224")
+        raise config_error(
+            f"--example {text!r} must be a shape of positive sizes, like 1,3,224,224"
+        )
     return shape
 
 
@@ -46,12 +50,15 @@ def load_factory(spec: str) -> Any:
 
 
 def export_module(spec: str, example_shape: tuple[int, ...], destination: Path) -> Path:
-    """Builds the module, exports it with a dynamic first dimension and saves the program as ``destination``."""
+    """Builds the module, exports it with a dynamic first dimension and saves the program as
+    ``destination``."""
     import torch
 
     model = load_factory(spec)()
     if not isinstance(model, torch.nn.Module):
-        raise config_error(f"--module {spec!r} returned a {type(model).__name__}, not a torch.nn.Module")
+        raise config_error(
+            f"--module {spec!r} returned a {type(model).__name__}, not a torch.nn.Module"
+        )
     model.eval()
     # torch.export fixes a dimension it traces at size 1: trace the rows with at least two.
     example = torch.randn(max(2, example_shape[0]), *example_shape[1:])
@@ -60,39 +67,47 @@ def export_module(spec: str, example_shape: tuple[int, ...], destination: Path) 
         with torch.no_grad():
             program = torch.export.export(model, (example,), dynamic_shapes=({0: rows},))
     except Exception as exc:  # boundary: the user's module cannot be traced; say why in one line
-        raise config_error(f"torch.export could not trace {spec}: {str(exc).strip().splitlines()[0]}") from exc
+        raise config_error(
+            f"torch.export could not trace {spec}: {str(exc).strip().splitlines()[0]}"
+        ) from exc
     torch.export.save(program, str(destination))
     return destination
 
 
 def aot_compile(source: Path, destination: Path) -> Path:
-    """Compiles the exported program in ``source`` for the CPU into an AOTInductor package at ``destination``.
+    """Compiles the exported program in ``source`` for the CPU into an AOTInductor package at
+    ``destination``.
 
-    CUDA packages must be compiled where a GPU is: serve the exported program with ``compile=true`` and each
-    executor compiles it for its card, once, into the container's compile cache."""
+    CUDA packages must be compiled where a GPU is: serve the exported program with ``compile=true``
+    and each executor compiles it for its card, once, into the container's compile cache."""
     import torch
     from torch._inductor import aoti_compile_and_package
 
     try:
         program = torch.export.load(str(source))
-    except Exception as exc:  # boundary: an AOTInductor package or a foreign file is not a program to compile
+    except Exception as exc:
+        # boundary: an AOTInductor package or a foreign file is not a program to compile
         reason = str(exc).strip().splitlines()[0]
         raise config_error(f"--aot needs an exported program in {source.name}: {reason}") from exc
     options = {"aot_inductor.metadata": _input_metadata(program)}
-    return Path(aoti_compile_and_package(program, package_path=str(destination), inductor_configs=options))
+    return Path(
+        aoti_compile_and_package(program, package_path=str(destination), inductor_configs=options)
+    )
 
 
 def _input_metadata(program: Any) -> dict[str, str]:
-    """The rows the package takes (trailing shape and dtype), recorded so that the server refuses others with a 400:
-    compiled code reads its input as laid out at compile time. Empty unless the program takes one tensor whose
-    dimensions after the first are fixed."""
+    """The rows the package takes (trailing shape and dtype), recorded so that the server refuses
+    others with a 400: compiled code reads its input as laid out at compile time. Empty unless the
+    program takes one tensor whose dimensions after the first are fixed."""
     import torch
 
     from mme_runtime.models.pt2 import input_metadata
 
     user_inputs = set(program.graph_signature.user_inputs)
     values = [
-        node.meta.get("val") for node in program.graph.nodes if node.op == "placeholder" and node.name in user_inputs
+        node.meta.get("val")
+        for node in program.graph.nodes
+        if node.op == "placeholder" and node.name in user_inputs
     ]
     if len(values) != 1 or not isinstance(values[0], torch.Tensor):
         return {}

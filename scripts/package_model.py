@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
 """Packages a model directory as a SageMaker model.tar.gz, and optionally uploads it to S3.
 
-The archive holds the directory's files at its root (model.pt2, model.pt, model.pth, ...) and the inference code
-under code/ (inference.py, optional requirements.txt), the layout SageMaker unpacks into
-/opt/ml/models/<name>/model.
-The same inputs always give the same bytes: entries are sorted and carry a fixed time, owner and mode.
-__pycache__ directories and *.pyc files are left out. Symlinks are followed only while they stay inside the
-model directory.
+The archive holds the directory's files at its root (model.pt2, model.pt, model.pth, ...) and the
+inference code under code/ (inference.py, optional requirements.txt), the layout SageMaker unpacks
+into /opt/ml/models/<name>/model.
+The same inputs always give the same bytes: entries are sorted and carry a fixed time, owner and
+mode. __pycache__ directories and *.pyc files are left out. Symlinks are followed only while they
+stay inside the model directory.
 
-PyTorch 2: --module FILE.py:FUNCTION builds an nn.Module, exports it with torch.export (traced on a random input of
---example's shape, its first dimension dynamic) and ships it as model.pt2; --aot cpu compiles the model.pt2 (from
---module or the directory) into an AOTInductor package for CPU hosts. Both are served with no code.
+PyTorch 2: --module FILE.py:FUNCTION builds an nn.Module, exports it with torch.export (traced on a
+random input of --example's shape, its first dimension dynamic) and ships it as model.pt2; --aot cpu
+compiles the model.pt2 (from --module or the directory) into an AOTInductor package for CPU hosts.
+Both are served with no code.
 
 examples:
   scripts/package_model.py models/resnet                      # writes ./resnet.tar.gz
@@ -40,13 +41,15 @@ MODEL_FILES = ("model.pt2", "model.pt", "model.pth")
 ENTRY_POINT = "code/inference.py"
 REQUIREMENTS = "code/requirements.txt"
 ARCHIVE_SUFFIX = ".tar.gz"
-# 1980-01-01, the earliest time a zip can hold: what reproducible wheels use, and unlike 0 no tool mistakes it
-# for "unset".
+# 1980-01-01, the earliest time a zip can hold: what reproducible wheels use, and unlike 0 no tool
+# mistakes it for "unset".
 FIXED_MTIME = 315532800
-# Interpreter caches differ per Python version and per run; shipping them would break byte-for-byte equality.
+# Interpreter caches differ per Python version and per run; shipping them would break byte-for-byte
+# equality.
 SKIPPED_DIRS = frozenset({"__pycache__"})
 SKIPPED_SUFFIXES = (".pyc",)
-# gzip's default level 9 takes much longer on multi-GB weights and saves almost nothing on float data.
+# gzip's default level 9 takes much longer on multi-GB weights and saves almost nothing on float
+# data.
 COMPRESS_LEVEL = 6
 
 
@@ -57,11 +60,15 @@ def _resolve_inside(link: Path, root: Path) -> Path:
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop, on Python 3.11 and 3.12
         raise config_error(f"broken symlink {link}: {exc}") from exc
     if not target.is_relative_to(root):
-        raise config_error(f"refusing symlink {link} -> {target}: it leaves the model directory {root}")
+        raise config_error(
+            f"refusing symlink {link} -> {target}: it leaves the model directory {root}"
+        )
     return target
 
 
-def _collect_files(directory: Path, root: Path, prefix: str, ancestors: frozenset[Path]) -> dict[str, Path]:
+def _collect_files(
+    directory: Path, root: Path, prefix: str, ancestors: frozenset[Path]
+) -> dict[str, Path]:
     files: dict[str, Path] = {}
     for child in sorted(directory.iterdir(), key=lambda path: path.name):
         if child.name in SKIPPED_DIRS or child.name.endswith(SKIPPED_SUFFIXES):
@@ -87,12 +94,16 @@ def _explicit_file(path: Path, option: str) -> Path:
 
 
 def collect_entries(
-    model_dir: Path, inference: Path | None = None, requirements: Path | None = None, pt2: Path | None = None
+    model_dir: Path,
+    inference: Path | None = None,
+    requirements: Path | None = None,
+    pt2: Path | None = None,
 ) -> dict[str, Path]:
     """Maps each archive name to the file that provides it.
 
-    ``inference`` and ``requirements`` are files the user names on the command line, so they may live anywhere;
-    they replace ``code/inference.py`` and ``code/requirements.txt`` from the directory.
+    ``inference`` and ``requirements`` are files the user names on the command line, so they may
+    live anywhere; they replace ``code/inference.py`` and ``code/requirements.txt`` from the
+    directory.
     """
     if not model_dir.is_dir():
         raise config_error(f"model directory {model_dir} does not exist or is not a directory")
@@ -113,8 +124,9 @@ def validate_entries(entries: Mapping[str, Path], model_dir: Path) -> None:
     if ENTRY_POINT in entries or any(name in entries for name in MODEL_FILES):
         return
     raise config_error(
-        f"{model_dir} has neither {' nor '.join(MODEL_FILES)} nor {ENTRY_POINT}: the container would have "
-        "nothing to load (add the model file, or pass --inference with a script that defines model_fn)"
+        f"{model_dir} has neither {' nor '.join(MODEL_FILES)} nor {ENTRY_POINT}: the container "
+        "would have nothing to load (add the model file, or pass --inference with a script that "
+        "defines model_fn)"
     )
 
 
@@ -142,7 +154,8 @@ def _tar_info(name: str, source: Path | None) -> tarfile.TarInfo:
 
 
 def write_archive(entries: Mapping[str, Path], output: Path) -> None:
-    """Writes the gzipped tar to ``output`` through a temporary file, so a failure never leaves half an archive."""
+    """Writes the gzipped tar to ``output`` through a temporary file, so a failure never leaves half
+    an archive."""
     output.parent.mkdir(parents=True, exist_ok=True)
     members: dict[str, Path | None] = {name: None for name in _directories(list(entries))}
     members.update(entries)
@@ -151,7 +164,9 @@ def write_archive(entries: Mapping[str, Path], output: Path) -> None:
         # GzipFile writes the file name and the current time into its header unless told otherwise.
         with (
             os.fdopen(handle, "wb") as raw,
-            gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=FIXED_MTIME, compresslevel=COMPRESS_LEVEL) as gz,
+            gzip.GzipFile(
+                filename="", mode="wb", fileobj=raw, mtime=FIXED_MTIME, compresslevel=COMPRESS_LEVEL
+            ) as gz,
             tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar,
         ):
             for name in sorted(members):
@@ -161,7 +176,8 @@ def write_archive(entries: Mapping[str, Path], output: Path) -> None:
                 else:
                     with source.open("rb") as data:
                         tar.addfile(_tar_info(name, source), data)
-        os.chmod(tmp_name, 0o666 & ~_umask())  # mkstemp makes it 0600: an archive is for others to read and upload
+        # mkstemp makes it 0600: an archive is for others to read and upload
+        os.chmod(tmp_name, 0o666 & ~_umask())
         os.replace(tmp_name, output)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
@@ -176,13 +192,18 @@ def _umask() -> int:
 
 def check_output_location(model_dir: Path, output: Path) -> None:
     if output.resolve().is_relative_to(model_dir.resolve()):
-        raise config_error(f"output {output} is inside the model directory: the archive would contain itself")
+        raise config_error(
+            f"output {output} is inside the model directory: the archive would contain itself"
+        )
     if not output.name.endswith(ARCHIVE_SUFFIX):
-        raise config_error(f"output {output} must end with {ARCHIVE_SUFFIX}: multi-model endpoints load only those")
+        raise config_error(
+            f"output {output} must end with {ARCHIVE_SUFFIX}: multi-model endpoints load only those"
+        )
 
 
 def upload_destination(s3_uri: str, archive_name: str) -> tuple[str, str]:
-    """Bucket and key: a URI ending in .tar.gz is the key itself, anything else is a prefix for the archive."""
+    """Bucket and key: a URI ending in .tar.gz is the key itself, anything else is a prefix for the
+    archive."""
     bucket, key = parse_s3_uri(s3_uri)
     if key.endswith(ARCHIVE_SUFFIX):
         return bucket, key
@@ -194,7 +215,8 @@ def upload_destination(s3_uri: str, archive_name: str) -> tuple[str, str]:
 def upload_archive(s3: BaseClient, archive: Path, bucket: str, key: str) -> str:
     try:
         s3.upload_file(str(archive), bucket, key)
-    except S3UploadFailedError as exc:  # boto3 wraps NoSuchBucket, AccessDenied, ... in this one type
+    except S3UploadFailedError as exc:
+        # boto3 wraps NoSuchBucket, AccessDenied, ... in this one type
         raise ScriptError(f"upload of {archive} to s3://{bucket}/{key} failed: {exc}") from exc
     return f"s3://{bucket}/{key}"
 
@@ -209,26 +231,47 @@ def sha256_of(path: Path) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="package_model.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="package_model.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model_dir", type=Path, help="directory with the artifacts and, optionally, code/")
-    parser.add_argument("-o", "--output", type=Path, help="archive to write (default: ./<model_dir name>.tar.gz)")
-    parser.add_argument("--inference", type=Path, help="script to ship as code/inference.py (replaces the directory's)")
+    parser.add_argument(
+        "model_dir", type=Path, help="directory with the artifacts and, optionally, code/"
+    )
+    parser.add_argument(
+        "-o", "--output", type=Path, help="archive to write (default: ./<model_dir name>.tar.gz)"
+    )
+    parser.add_argument(
+        "--inference",
+        type=Path,
+        help="script to ship as code/inference.py (replaces the directory's)",
+    )
     parser.add_argument("--requirements", type=Path, help="file to ship as code/requirements.txt")
     parser.add_argument(
         "--upload",
         metavar="S3_URI",
         help="upload to this prefix (s3://bucket/prefix/) or exact key (s3://bucket/key.tar.gz)",
     )
-    parser.add_argument("--region", help="AWS region for --upload (default: the AWS configuration's)")
-    parser.add_argument("--module", metavar="FILE.py:FUNCTION", help="export this nn.Module factory as model.pt2")
-    parser.add_argument("--example", type=parse_example, help="input shape to trace --module with, e.g. 1,3,224,224")
-    parser.add_argument("--aot", choices=["cpu"], help="compile model.pt2 ahead of time (AOTInductor) for this device")
+    parser.add_argument(
+        "--region", help="AWS region for --upload (default: the AWS configuration's)"
+    )
+    parser.add_argument(
+        "--module", metavar="FILE.py:FUNCTION", help="export this nn.Module factory as model.pt2"
+    )
+    parser.add_argument(
+        "--example", type=parse_example, help="input shape to trace --module with, e.g. 1,3,224,224"
+    )
+    parser.add_argument(
+        "--aot",
+        choices=["cpu"],
+        help="compile model.pt2 ahead of time (AOTInductor) for this device",
+    )
     return parser
 
 
 def _pt2(args: argparse.Namespace, scratch: Path) -> Path | None:
-    """The model.pt2 that --module and --aot make (in ``scratch``), or None when neither is asked for."""
+    """The model.pt2 that --module and --aot make (in ``scratch``), or None when neither is asked
+    for."""
     if args.module is None and args.aot is None:
         if args.example is not None:
             raise config_error("--example goes with --module")
@@ -239,7 +282,9 @@ def _pt2(args: argparse.Namespace, scratch: Path) -> Path | None:
             raise config_error("--module needs --example, the input shape to trace it with")
         source = export_module(args.module, args.example, scratch / "exported.pt2")
     elif not source.is_file():
-        raise config_error(f"--aot compiles a model.pt2: {args.model_dir} has none (pass --module to make one)")
+        raise config_error(
+            f"--aot compiles a model.pt2: {args.model_dir} has none (pass --module to make one)"
+        )
     if args.aot is None:
         return source
     return aot_compile(source, scratch / "compiled.pt2")
@@ -250,9 +295,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     output: Path = args.output or Path(args.model_dir.resolve().name + ARCHIVE_SUFFIX)
     check_output_location(args.model_dir, output)
     with tempfile.TemporaryDirectory(prefix="package-model-") as scratch:
-        entries = collect_entries(args.model_dir, args.inference, args.requirements, pt2=_pt2(args, Path(scratch)))
+        entries = collect_entries(
+            args.model_dir, args.inference, args.requirements, pt2=_pt2(args, Path(scratch))
+        )
         write_archive(entries, output)
-    print(f"wrote {output.resolve()} ({len(entries)} files, {output.stat().st_size} bytes, sha256 {sha256_of(output)})")
+    print(
+        f"wrote {output.resolve()} ({len(entries)} files, {output.stat().st_size} bytes, sha256 "
+        f"{sha256_of(output)})"
+    )
     if args.upload:
         bucket, key = upload_destination(args.upload, output.name)
         uri = upload_archive(boto_session(args.region).client("s3"), output, bucket, key)

@@ -1,8 +1,10 @@
-"""TorchServe 0.12 as a benchmark peer: a TorchScript model.pt behind TorchServe's own dynamic batching.
+"""TorchServe 0.12 as a benchmark peer: a TorchScript model.pt behind TorchServe's own dynamic
+batching.
 
-Lives in its own virtual environment (never the project's, nor the stock stack's) and is started isolated: its own
-properties file (inference, management, metrics and gRPC addresses on free ports of 127.0.0.1), model store, logs and
-temporary directory, so it can run beside our server and the stock stack on a shared machine. Benchmark support only.
+Lives in its own virtual environment (never the project's, nor the stock stack's) and is started
+isolated: its own properties file (inference, management, metrics and gRPC addresses on free ports
+of 127.0.0.1), model store, logs and temporary directory, so it can run beside our server and the
+stock stack on a shared machine. Benchmark support only.
 
     ensure_venv()
     mar = archive_model(model_dir, work_dir / "store", "mlp")
@@ -31,10 +33,10 @@ from benchmarks.benchlib import REPO, Server, venv_python
 from benchmarks.peers.stock_stack import serve_isolated
 
 TORCHSERVE_VENV = REPO / ".torchserve-venv"
-# torch is pinned exactly: 2.13.0 resolves to the local CPU wheel, anything looser downloads gigabytes of CUDA.
-# torchserve 0.12.0 declares only psutil, Pillow, packaging and wheel, yet every worker imports yaml (its metrics
-# cache); numpy is for our handler's NPY bodies. nvgpu/pynvml are imported only for GPU system metrics, which we
-# turn off (and this machine has no GPU).
+# torch is pinned exactly: 2.13.0 resolves to the local CPU wheel, anything looser downloads
+# gigabytes of CUDA. torchserve 0.12.0 declares only psutil, Pillow, packaging and wheel, yet every
+# worker imports yaml (its metrics cache); numpy is for our handler's NPY bodies. nvgpu/pynvml are
+# imported only for GPU system metrics, which we turn off (and this machine has no GPU).
 TORCHSERVE_REQUIREMENTS = (
     "torch==2.13.0",
     "torchserve==0.12.0",
@@ -43,14 +45,17 @@ TORCHSERVE_REQUIREMENTS = (
     "numpy",
 )
 _PACKAGES = ("torch", "torchserve", "torch-model-archiver", "numpy")
-HANDLER_MODULE = "bench_ts_handler"  # TorchServe imports the handler by its file name: keep it unlikely to clash
+# TorchServe imports the handler by its file name: keep it unlikely to clash
+HANDLER_MODULE = "bench_ts_handler"
 REQUEST_TIMEOUT_SECONDS = 600
 
-# The handler every archive gets. TorchServe calls handle(None, context) once when a worker starts, then
-# handle(batch, context) with up to batch_size requests. The frontend's worker has already decoded JSON bodies
-# (Content-Type application/json) into Python objects; other bodies arrive as bytes. Requests whose inputs share a
-# trailing shape and dtype run as one forward pass; each answers only its own rows, or a 400 of its own.
-HANDLER_SOURCE = '''"""TorchServe handler for benchmarks: TorchScript model.pt; JSON rows or NPY in, JSON rows out."""
+# The handler every archive gets. TorchServe calls handle(None, context) once when a worker starts,
+# then handle(batch, context) with up to batch_size requests. The frontend's worker has already
+# decoded JSON bodies (Content-Type application/json) into Python objects; other bodies arrive as
+# bytes. Requests whose inputs share a trailing shape and dtype run as one forward pass; each
+# answers only its own rows, or a 400 of its own.
+HANDLER_SOURCE = '''"""TorchServe handler for benchmarks: TorchScript model.pt; JSON rows or NPY in,
+JSON rows out."""
 import io
 import json
 import os
@@ -106,10 +111,11 @@ def handle(data, context):
     return answers
 '''
 
-# ``torchserve --foreground`` is a Python launcher that starts the Java frontend as a child and waits for it; SIGTERM
-# ends the launcher at once and leaves the JVM to be SIGKILLed by benchlib.stop. So we run the launcher's own code
-# (its checks and its JVM command line) but exec the JVM in its place: SIGTERM then reaches TorchServe itself, whose
-# shutdown hook stops its workers.
+# ``torchserve --foreground`` is a Python launcher that starts the Java frontend as a child and
+# waits for it; SIGTERM ends the launcher at once and leaves the JVM to be SIGKILLed by
+# benchlib.stop. So we run the launcher's own code (its checks and its JVM command line) but exec
+# the JVM in its place: SIGTERM then reaches TorchServe itself, whose shutdown hook stops its
+# workers.
 _LAUNCHER = """
 import os, sys
 from ts import model_server
@@ -125,7 +131,8 @@ model_server.start()
 
 # Run by the TorchServe venv's interpreter: the installed versions, without importing torch.
 _PROBE = (
-    "import json, sys; from importlib.metadata import version; print(json.dumps({n: version(n) for n in sys.argv[1:]}))"
+    "import json, sys; from importlib.metadata import version; print(json.dumps({n: version(n) for "
+    "n in sys.argv[1:]}))"
 )
 
 
@@ -134,24 +141,35 @@ def ensure_venv(venv: Path = TORCHSERVE_VENV, force: bool = False) -> None:
 
 
 def installed_versions(venv: Path = TORCHSERVE_VENV) -> dict[str, str]:
-    """Versions of torch, torchserve, torch-model-archiver and numpy in ``venv``; raises if torch is not 2.13.0."""
+    """Versions of torch, torchserve, torch-model-archiver and numpy in ``venv``; raises if torch is
+    not 2.13.0."""
     probe = subprocess.run(
-        [str(venv_python(venv)), "-c", _PROBE, *_PACKAGES], check=True, capture_output=True, text=True
+        [str(venv_python(venv)), "-c", _PROBE, *_PACKAGES],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     versions: dict[str, str] = json.loads(probe.stdout)
     if not versions["torch"].startswith("2.13.0"):
-        raise RuntimeError(f"{venv} has torch {versions['torch']}, not 2.13.0; rerun ensure_venv(force=True)")
+        raise RuntimeError(
+            f"{venv} has torch {versions['torch']}, not 2.13.0; rerun ensure_venv(force=True)"
+        )
     return versions
 
 
 def archive_model(
-    model_dir: Path, model_store: Path, name: str, venv: Path = TORCHSERVE_VENV, archive_format: str = "default"
+    model_dir: Path,
+    model_store: Path,
+    name: str,
+    venv: Path = TORCHSERVE_VENV,
+    archive_format: str = "default",
 ) -> Path:
-    """``model_dir``'s TorchScript model.pt and :data:`HANDLER_SOURCE` as ``model_store/name.mar``; its path.
+    """``model_dir``'s TorchScript model.pt and :data:`HANDLER_SOURCE` as ``model_store/name.mar``;
+    its path.
 
-    ``archive_format`` is torch-model-archiver's: "default" (a deflated zip, which TorchServe unzips into its
-    temporary directory at every registration), "zip-store" (the same, not compressed) or "no-archive" (a plain
-    directory ``model_store/name``, registered without unpacking).
+    ``archive_format`` is torch-model-archiver's: "default" (a deflated zip, which TorchServe unzips
+    into its temporary directory at every registration), "zip-store" (the same, not compressed) or
+    "no-archive" (a plain directory ``model_store/name``, registered without unpacking).
     """
     model_store.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ts-handler-") as scratch:
@@ -197,7 +215,8 @@ class TorchServe:
         workers: int = 1,
         timeout_s: int = 120,
     ) -> requests.Response:
-        """Registers ``archive`` (in the model store) as ``name``; answers once its ``workers`` are up (200)."""
+        """Registers ``archive`` (in the model store) as ``name``; answers once its ``workers`` are
+        up (200)."""
         params: dict[str, str | int] = {
             "url": archive.relative_to(self.model_store).as_posix(),
             "model_name": name,
@@ -207,16 +226,24 @@ class TorchServe:
             "response_timeout": timeout_s,
             "synchronous": "true",
         }
-        return requests.post(f"{self.management_url}/models", params=params, timeout=REQUEST_TIMEOUT_SECONDS)
+        return requests.post(
+            f"{self.management_url}/models", params=params, timeout=REQUEST_TIMEOUT_SECONDS
+        )
 
     def unregister(self, name: str) -> requests.Response:
-        return requests.delete(f"{self.management_url}/models/{name}", timeout=REQUEST_TIMEOUT_SECONDS)
+        return requests.delete(
+            f"{self.management_url}/models/{name}", timeout=REQUEST_TIMEOUT_SECONDS
+        )
 
     def predictions_url(self, name: str) -> str:
         return f"{self.inference_url}/predictions/{name}"
 
     def predict(
-        self, name: str, body: bytes, content_type: str = "application/json", session: requests.Session | None = None
+        self,
+        name: str,
+        body: bytes,
+        content_type: str = "application/json",
+        session: requests.Session | None = None,
     ) -> requests.Response:
         post = (session or requests).post
         return post(
@@ -229,9 +256,11 @@ class TorchServe:
     def model_processes(self, name: str) -> list[psutil.Process]:
         """The model's worker processes (and anything under them), by the pids its DESCRIBE lists.
 
-        Workers are ``python ts/model_service_worker.py`` children of the Java frontend; their command lines do not
-        name the model, the management API does."""
-        described = requests.get(f"{self.management_url}/models/{name}", timeout=REQUEST_TIMEOUT_SECONDS)
+        Workers are ``python ts/model_service_worker.py`` children of the Java frontend; their
+        command lines do not name the model, the management API does."""
+        described = requests.get(
+            f"{self.management_url}/models/{name}", timeout=REQUEST_TIMEOUT_SECONDS
+        )
         described.raise_for_status()
         processes = []
         for version in described.json():
@@ -252,21 +281,26 @@ def torchserve_properties(
         "inference_address": f"http://127.0.0.1:{ports['inference']}",
         "management_address": f"http://127.0.0.1:{ports['management']}",
         "metrics_address": f"http://127.0.0.1:{ports['metrics']}",
-        # gRPC servers always start, on 7070 and 7071 unless told otherwise: a second instance would fail.
+        # gRPC servers always start, on 7070 and 7071 unless told otherwise: a second instance would
+        # fail.
         "grpc_inference_address": "127.0.0.1",
         "grpc_management_address": "127.0.0.1",
         "grpc_inference_port": str(ports["grpc_inference"]),
         "grpc_management_port": str(ports["grpc_management"]),
         "model_store": str(work_dir / "store"),
-        # 0.12 turns both on by default: the model API off (no register/unregister), token authorization on.
+        # 0.12 turns both on by default: the model API off (no register/unregister), token
+        # authorization on.
         "enable_model_api": "true",
         "disable_token_authorization": "true",
-        "default_workers_per_model": "1",  # default: one per CPU core (or GPU); register() sets it anyway
-        "job_queue_size": "1000",  # default 100: requests beyond it answer 503 under high concurrency
+        # default: one per CPU core (or GPU); register() sets it anyway
+        "default_workers_per_model": "1",
+        # default 100: requests beyond it answer 503 under high concurrency
+        "job_queue_size": "1000",
         "max_request_size": str(100 * 2**20),  # default 6553500 bytes
         "max_response_size": str(100 * 2**20),
         "vmargs": "-Xmx1g -XX:+ExitOnOutOfMemoryError",
-        "disable_system_metrics": "true",  # else a Python process is started every minute to collect them
+        # else a Python process is started every minute to collect them
+        "disable_system_metrics": "true",
         "install_py_dep_per_model": "false",
         **(extra or {}),
     }
@@ -275,12 +309,14 @@ def torchserve_properties(
 def torchserve_server(
     work_dir: Path, venv: Path = TORCHSERVE_VENV, properties: Mapping[str, str] | None = None
 ) -> tuple[list[str], dict[str, str], dict[str, int]]:
-    """Command, environment and ports that start TorchServe in the foreground, isolated under ``work_dir``.
+    """Command, environment and ports that start TorchServe in the foreground, isolated under
+    ``work_dir``.
 
-    The process started is the launcher's code, which becomes the JVM (see ``_LAUNCHER``); its workers share the
-    session ``benchlib.serve`` starts. ``TMPDIR`` isolates Python's temporary files; ``TEMP`` becomes the JVM's
-    java.io.tmpdir: the workers' Unix sockets (``.ts.sock.9000``...) and unpacked archives go there, so two
-    instances never meet. Logs go to ``work_dir/logs`` (its log4j2.xml reads ``LOG_LOCATION``).
+    The process started is the launcher's code, which becomes the JVM (see ``_LAUNCHER``); its
+    workers share the session ``benchlib.serve`` starts. ``TMPDIR`` isolates Python's temporary
+    files; ``TEMP`` becomes the JVM's java.io.tmpdir: the workers' Unix sockets
+    (``.ts.sock.9000``...) and unpacked archives go there, so two instances never meet. Logs go to
+    ``work_dir/logs`` (its log4j2.xml reads ``LOG_LOCATION``).
     """
     for sub in ("store", "tmp", "logs"):
         (work_dir / sub).mkdir(parents=True, exist_ok=True)
@@ -292,7 +328,9 @@ def torchserve_server(
         ports[role] = port
     config = work_dir / "config.properties"
     settings = torchserve_properties(work_dir, ports, properties)
-    config.write_text("".join(f"{key}={value}\n" for key, value in settings.items()), encoding="utf-8")
+    config.write_text(
+        "".join(f"{key}={value}\n" for key, value in settings.items()), encoding="utf-8"
+    )
     command = [
         str(venv_python(venv)),
         "-c",
@@ -320,8 +358,8 @@ def torchserve_server(
 def serve_torchserve(
     work_dir: Path, venv: Path = TORCHSERVE_VENV, properties: Mapping[str, str] | None = None
 ) -> Iterator[TorchServe]:
-    """TorchServe started isolated under ``work_dir`` (answering /ping); stopped, with every process it started
-    killed, on exit. Archives go in ``work_dir/store`` (:func:`archive_model`)."""
+    """TorchServe started isolated under ``work_dir`` (answering /ping); stopped, with every process
+    it started killed, on exit. Archives go in ``work_dir/store`` (:func:`archive_model`)."""
     command, env, ports = torchserve_server(work_dir, venv, properties)
     with serve_isolated("torchserve", command, env, work_dir, ports["inference"]) as server:
         yield TorchServe(

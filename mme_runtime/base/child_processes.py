@@ -1,10 +1,10 @@
-"""The one place processes are made, and the plumbing of the processes that make them: collecting exited children,
-Linux's ``prctl``, waiting on many sockets, and the descriptor limit.
+"""The one place processes are made, and the plumbing of the processes that make them: collecting
+exited children, Linux's ``prctl``, waiting on many sockets, and the descriptor limit.
 
-``start_program`` starts a program (the supervisor's MMS frontend and warm process); ``fork_child`` forks every
-model process from the warm process (loaders and device hosts) and decides what such a child inherits: the stdio it
-is given, none of the descriptors its parent named, the default SIGTERM and SIGINT, the environment it is given, and
-death with its parent.
+``start_program`` starts a program (the supervisor's MMS frontend and warm process); ``fork_child``
+forks every model process from the warm process (loaders and device hosts) and decides what such a
+child inherits: the stdio it is given, none of the descriptors its parent named, the default SIGTERM
+and SIGINT, the environment it is given, and death with its parent.
 """
 
 from __future__ import annotations
@@ -42,9 +42,12 @@ def exited_children() -> Iterator[tuple[int, int]]:
         yield pid, os.waitstatus_to_exitcode(status)
 
 
-def start_program(command: Sequence[str], env: Mapping[str, str], cwd: Path, group: int) -> subprocess.Popen[bytes]:
-    """Starts ``command`` in process group ``group`` (0: a new one, led by it): the supervisor signals a group, not
-    each process. Descriptors other than stdio are not inherited (``subprocess``'s default)."""
+def start_program(
+    command: Sequence[str], env: Mapping[str, str], cwd: Path, group: int
+) -> subprocess.Popen[bytes]:
+    """Starts ``command`` in process group ``group`` (0: a new one, led by it): the supervisor
+    signals a group, not each process. Descriptors other than stdio are not inherited
+    (``subprocess``'s default)."""
     return subprocess.Popen(list(command), env=dict(env), cwd=cwd, process_group=group)
 
 
@@ -55,11 +58,12 @@ def fork_child(
     environment: Mapping[str, str],
     stdio: Sequence[int] = (),
 ) -> int:
-    """Forks a model process and returns its pid. The child takes ``stdio`` (if given) as its descriptors 0, 1 and 2,
-    closes ``close`` (what the parent holds for other children: a copy would keep a model's socket or package alive),
-    is named ``title`` for ``ps``, dies with its parent, gets the default SIGTERM and SIGINT and ``environment`` as
-    its own, then runs ``run`` and exits with its status: it never returns into the parent's code. A fork copies only
-    the calling thread, so the parent must hold no lock another thread could hold (the warm process runs one)."""
+    """Forks a model process and returns its pid. The child takes ``stdio`` (if given) as its
+    descriptors 0, 1 and 2, closes ``close`` (what the parent holds for other children: a copy would
+    keep a model's socket or package alive), is named ``title`` for ``ps``, dies with its parent,
+    gets the default SIGTERM and SIGINT and ``environment`` as its own, then runs ``run`` and exits
+    with its status: it never returns into the parent's code. A fork copies only the calling thread,
+    so the parent must hold no lock another thread could hold (the warm process runs one)."""
     sys.stdout.flush()  # or the child would write the parent's buffered output again
     sys.stderr.flush()
     parent = os.getpid()
@@ -70,8 +74,10 @@ def fork_child(
     try:
         for target, fd in enumerate(stdio):
             os.dup2(fd, target)
-        _become_child(title, {fd for fd in (*close, *stdio) if fd > 2}, environment)  # stdio: copied to 0-2
-        if os.getppid() != parent:  # it died before the kernel was asked to tell us: nobody waits for us
+        # stdio: copied to 0-2
+        _become_child(title, {fd for fd in (*close, *stdio) if fd > 2}, environment)
+        if os.getppid() != parent:
+            # it died before the kernel was asked to tell us: nobody waits for us
             return status
         status = run()
     except BaseException:  # noqa: BLE001 - whatever happens, the child ends here
@@ -85,7 +91,8 @@ def fork_child(
 def _become_child(title: str, close_fds: Iterable[int], environment: Mapping[str, str]) -> None:
     import setproctitle
 
-    setproctitle.setproctitle(title)  # before the environment is replaced: it finds the argv memory through it
+    # before the environment is replaced: it finds the argv memory through it
+    setproctitle.setproctitle(title)
     os.environ.clear()
     os.environ.update(environment)
     prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), "PR_SET_PDEATHSIG")
@@ -96,7 +103,8 @@ def _become_child(title: str, close_fds: Iterable[int], environment: Mapping[str
 
 
 def prctl(option: int, value: int, what: str) -> None:
-    """Sets a ``prctl`` option of this process; where that fails, the caller carries on without (logged)."""
+    """Sets a ``prctl`` option of this process; where that fails, the caller carries on without
+    (logged)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(option, value, 0, 0, 0) != 0:
@@ -106,9 +114,10 @@ def prctl(option: int, value: int, what: str) -> None:
 
 
 class Watcher:
-    """Sockets and what to call when each is readable, in one poll set kept as sockets come and go, so that a process
-    holding a few sockets per model pays per event, not per socket on every wait (1 ms a wait at 1,000 sockets when
-    the set was built anew each time). poll, not select: select stops working past descriptor 1024."""
+    """Sockets and what to call when each is readable, in one poll set kept as sockets come and go,
+    so that a process holding a few sockets per model pays per event, not per socket on every wait
+    (1 ms a wait at 1,000 sockets when the set was built anew each time). poll, not select: select
+    stops working past descriptor 1024."""
 
     def __init__(self) -> None:
         self._poller = select.poll()
@@ -116,7 +125,8 @@ class Watcher:
         self._by_fd: dict[int, socket.socket] = {}
 
     def watch(self, sock: socket.socket, handler: Callable[[], None]) -> None:
-        """Calls ``handler`` whenever ``sock`` is readable (or closed by its peer), until ``forget``."""
+        """Calls ``handler`` whenever ``sock`` is readable (or closed by its peer), until
+        ``forget``."""
         fd = sock.fileno()
         self.forget(sock)
         self._handlers[sock] = (fd, handler)
@@ -124,7 +134,8 @@ class Watcher:
         self._poller.register(fd, select.POLLIN)
 
     def forget(self, sock: socket.socket) -> None:
-        """Stops watching ``sock``; before it is closed, or at once after (its descriptor may be reused)."""
+        """Stops watching ``sock``; before it is closed, or at once after (its descriptor may be
+        reused)."""
         watched = self._handlers.pop(sock, None)
         if watched is None:
             return
@@ -140,9 +151,9 @@ class Watcher:
         return list(self._handlers)
 
     def run_once(self, timeout: float) -> None:
-        """Waits up to ``timeout`` seconds and calls the handler of each socket that became readable, unless an earlier
-        handler of the same wait forgot it (a socket is matched by identity, never by a descriptor number that a
-        handler may have closed and reused)."""
+        """Waits up to ``timeout`` seconds and calls the handler of each socket that became
+        readable, unless an earlier handler of the same wait forgot it (a socket is matched by
+        identity, never by a descriptor number that a handler may have closed and reused)."""
         try:
             events = self._poller.poll(timeout * 1000)
         except InterruptedError:
@@ -155,8 +166,8 @@ class Watcher:
 
 
 def raise_descriptor_limit() -> None:
-    """Each shared model holds a few descriptors in this process (its socket, its stub's, its package): lift the
-    soft limit to the hard one, so that thousands of models fit."""
+    """Each shared model holds a few descriptors in this process (its socket, its stub's, its
+    package): lift the soft limit to the hard one, so that thousands of models fit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -1,7 +1,8 @@
-"""Every setting the container reads, in one frozen object built from an environment mapping (``settings.py``
-lists the variables, ``parsing.py`` turns their text into values).
+"""Every setting the container reads, in one frozen object built from an environment mapping
+(``settings.py`` lists the variables, ``parsing.py`` turns their text into values).
 
-This is the only module that reads ``os.environ``; everything else receives a ``Config``. It never imports torch.
+This is the only module that reads ``os.environ``; everything else receives a ``Config``. It never
+imports torch.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from mme_runtime.base.failures import cgroup_memory
 from mme_runtime.base.parsing import MIB, parse_bool
 from mme_runtime.base.settings import RETIRED, SETTINGS
 
-KEEP_UNLOADED_MB = 2048  # the most kept packages may hold by default, and their share of the container's memory:
+# the most kept packages may hold by default, and their share of the container's memory:
+KEEP_UNLOADED_MB = 2048
 KEEP_UNLOADED_SHARE = 16
 
 SAGEMAKER_CLOUDWATCH_SECONDS = 60
@@ -46,7 +48,8 @@ class Config:
     cache_dir: Path = Path("/tmp/mme/cache")
     s3_timeout_seconds: int = 30
     model_cache_mb: int = 2048
-    keep_unloaded_mb: int = KEEP_UNLOADED_MB  # from the environment: default_keep_unloaded_mb() unless set
+    # from the environment: default_keep_unloaded_mb() unless set
+    keep_unloaded_mb: int = KEEP_UNLOADED_MB
     memory_headroom_mb: int = 256
     batch_size: int = 1
     max_batch_delay_ms: int = 10
@@ -64,35 +67,41 @@ class Config:
     start_attempts: int = 3
     stop_grace_seconds: int = 20
     java_home: str | None = None
-    vmargs: str | None = None  # the frontend's JVM arguments; None: the properties file's, else DEFAULT_VMARGS
+    # the frontend's JVM arguments; None: the properties file's, else DEFAULT_VMARGS
+    vmargs: str | None = None
     # Read, not set, by us: the GPUs this container may use; workers pick theirs among them.
     cuda_visible_devices: str | None = None
-    # torch's is_available() must ask NVML, not the CUDA driver, or a process that asks poisons its forks.
+    # torch's is_available() must ask NVML, not the CUDA driver, or a process that asks poisons its
+    # forks.
     nvml_cuda_check: str = "1"
-    # GNU OpenMP spins its idle threads by default: measured here, that burned 40% of a batching model's process's CPU
-    # time, which the frontend and the other models on the host need. Read when torch loads, so it is set for the
-    # processes that import it (the warm process, and through it every model process).
+    # GNU OpenMP spins its idle threads by default: measured here, that burned 40% of a batching
+    # model's process's CPU time, which the frontend and the other models on the host need. Read
+    # when torch loads, so it is set for the processes that import it (the warm process, and through
+    # it every model process).
     omp_wait_policy: str = "PASSIVE"
-    # ... but not at once: a forward pass is hundreds of ops a few microseconds apart, and waking a sleeping thread for
-    # each cost a lone generation 30% of its time here (GPT-2, 56 tokens: 248 ms against 158). A short spin bridges
-    # those gaps and still sleeps between passes.
+    # ... but not at once: a forward pass is hundreds of ops a few microseconds apart, and waking a
+    # sleeping thread for each cost a lone generation 30% of its time here (GPT-2, 56 tokens: 248 ms
+    # against 158). A short spin bridges those gaps and still sleeps between passes.
     gomp_spincount: str = "10000"
-    # MKL keeps the buffers of its matrix products for each thread that ran one; a device host's models each run
-    # theirs on threads of their own, so that was about 1 MiB per model. Freed after each call instead: no slower on a
-    # BERT's passes here (1 and 16 rows).
+    # MKL keeps the buffers of its matrix products for each thread that ran one; a device host's
+    # models each run theirs on threads of their own, so that was about 1 MiB per model. Freed after
+    # each call instead: no slower on a BERT's passes here (1 and 16 rows).
     mkl_disable_fast_mm: str = "1"
-    # glibc gives a thread that allocates while the arenas are busy an arena of its own, up to 8 per core, and each
-    # keeps what its threads freed. A device host runs threads for each model: about 0.7 MiB per model went to them.
-    # Two arenas: no slower here with 16 clients over 8 models, batched and not.
+    # glibc gives a thread that allocates while the arenas are busy an arena of its own, up to 8 per
+    # core, and each keeps what its threads freed. A device host runs threads for each model: about
+    # 0.7 MiB per model went to them. Two arenas: no slower here with 16 clients over 8 models,
+    # batched and not.
     malloc_arena_max: str = "2"
     metrics_port: int = 9090
-    # 0 (off) unless set; ``from_env`` makes it 60 where SAGEMAKER_MULTI_MODEL is set: on SageMaker, nothing scrapes.
+    # 0 (off) unless set; ``from_env`` makes it 60 where SAGEMAKER_MULTI_MODEL is set: on SageMaker,
+    # nothing scrapes.
     cloudwatch_metrics_seconds: int = 0
     cloudwatch_namespace: str = "mme-gpu"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Config:
-        """Builds the configuration; raises ``ConfigError`` naming the variable and value that are wrong."""
+        """Builds the configuration; raises ``ConfigError`` naming the variable and value that are
+        wrong."""
         values: dict[str, object] = {}
         for name, replacement in RETIRED.items():
             if value := env.get(name, "").strip():
@@ -113,7 +122,8 @@ class Config:
         return cls.from_env(os.environ)
 
     def child_environment(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """This process's environment plus the variables that carry this configuration to MMS's backends."""
+        """This process's environment plus the variables that carry this configuration to MMS's
+        backends."""
         return {**os.environ, **self.to_env(), **(extra or {})}
 
     @property
@@ -130,9 +140,12 @@ class Config:
         return self.properties_file or self.runtime_dir / "mme-mms.properties"
 
     def with_properties(self, properties: Mapping[str, str]) -> Config:
-        """Checks the MME properties file: its ``preload_model_gpu`` (written ``true`` once at start) must not say
-        ``false``, which asked earlier designs to load each model in every worker."""
-        if not parse_bool("preload_model_gpu (properties)", properties.get("preload_model_gpu", "true")):
+        """Checks the MME properties file: its ``preload_model_gpu`` (written ``true`` once at
+        start) must not say ``false``, which asked earlier designs to load each model in every
+        worker."""
+        if not parse_bool(
+            "preload_model_gpu (properties)", properties.get("preload_model_gpu", "true")
+        ):
             raise ConfigError(
                 f"preload_model_gpu=false in {self.effective_properties_file} is no longer read: "
                 f"{RETIRED['MME_PRELOAD_MODEL_GPU']} (docs/configuration.md#retired-settings)"
@@ -188,9 +201,9 @@ class Config:
 
 
 def default_keep_unloaded_mb() -> int:
-    """``MME_KEEP_UNLOADED_MB``'s default: 2048, or a sixteenth of the container's memory (its cgroup's limit, else
-    the machine's) where that is less. Kept packages are memory SageMaker counts as used when it decides to unload
-    models: 2 GiB was half of a 4 GiB instance."""
+    """``MME_KEEP_UNLOADED_MB``'s default: 2048, or a sixteenth of the container's memory (its
+    cgroup's limit, else the machine's) where that is less. Kept packages are memory SageMaker
+    counts as used when it decides to unload models: 2 GiB was half of a 4 GiB instance."""
     limited = cgroup_memory()
     total = limited[1] if limited is not None else psutil.virtual_memory().total
     return min(KEEP_UNLOADED_MB, total // MIB // KEEP_UNLOADED_SHARE)

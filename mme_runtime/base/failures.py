@@ -1,10 +1,11 @@
-"""Failures that explain themselves (issue #29): the words that open a failure's log line and, where MMS carries it,
-its answer. One phrase per cause: ``out of host memory`` and ``out of GPU memory`` (with the numbers), ``import
-error``, ``<function> raised <Type>``, ``timed out after N s (<SETTING>)``, and for a process that died ``killed by
-<SIGNAL>``, saying whether the kernel's out-of-memory killer sent a SIGKILL. docs/troubleshooting.md lists them all.
+"""Failures that explain themselves (issue #29): the words that open a failure's log line and, where
+MMS carries it, its answer. One phrase per cause: ``out of host memory`` and ``out of GPU memory``
+(with the numbers), ``import error``, ``<function> raised <Type>``, ``timed out after N s
+(<SETTING>)``, and for a process that died ``killed by <SIGNAL>``, saying whether the kernel's
+out-of-memory killer sent a SIGKILL. docs/troubleshooting.md lists them all.
 
-Runs in every process. It never imports torch: it looks at torch only where it is imported already, and reads GPU
-numbers only where this process's CUDA context exists (it never creates one).
+Runs in every process. It never imports torch: it looks at torch only where it is imported already,
+and reads GPU numbers only where this process's CUDA context exists (it never creates one).
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ from mme_runtime.base.errors import first_line
 from mme_runtime.base.parsing import MIB
 
 MAX_DETAIL_CHARS = 300
-# torch's CPU allocator raises a plain RuntimeError, so for it (and only it) the text is all there is to go by.
+# torch's CPU allocator raises a plain RuntimeError, so for it (and only it) the text is all there
+# is to go by.
 CPU_ALLOCATOR_FAILURE = "DefaultCPUAllocator: can't allocate memory"
 # torch's CUDA message runs on for several sentences and a link; the numbers we add say the rest.
 TORCH_OOM_HEAD = re.compile(r"^(.*?Tried to allocate [\d.]+ ?[KMGT]?i?B)")
-MISSING_MODULE_HINT = "add the package that provides it to code/requirements.txt, or the module to code/"
-# Where the kernel counts its out-of-memory kills: the container's cgroup (v2, then v1), and the whole machine.
+MISSING_MODULE_HINT = (
+    "add the package that provides it to code/requirements.txt, or the module to code/"
+)
+# Where the kernel counts its out-of-memory kills: the container's cgroup (v2, then v1), and the
+# whole machine.
 OOM_KILL_COUNTERS = (
     Path("/sys/fs/cgroup/memory.events"),
     Path("/sys/fs/cgroup/memory/memory.oom_control"),
@@ -35,7 +40,10 @@ OOM_KILL_COUNTERS = (
 # The container's memory limit and use (cgroup v2, then v1); v1 reports "no limit" as a huge number.
 CGROUP_MEMORY = (
     (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
-    (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")),
+    (
+        Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+        Path("/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ),
 )
 NO_CGROUP_LIMIT = 1 << 60
 
@@ -53,7 +61,8 @@ def is_gpu_out_of_memory(exc: BaseException) -> bool:
 
 
 def host_memory() -> str:
-    """``host memory: X MiB available of Y MiB``, and the container's limit where its cgroup sets one."""
+    """``host memory: X MiB available of Y MiB``, and the container's limit where its cgroup sets
+    one."""
     memory = psutil.virtual_memory()
     text = f"host memory: {memory.available // MIB} MiB available of {memory.total // MIB} MiB"
     limit = cgroup_memory()
@@ -77,28 +86,33 @@ def cgroup_memory() -> tuple[int, int] | None:
 
 
 def gpu_memory() -> str | None:
-    """``GPU memory: X MiB free of Y MiB; this process: A MiB allocated, R MiB reserved``, where this process's CUDA
-    context exists; None elsewhere."""
+    """``GPU memory: X MiB free of Y MiB; this process: A MiB allocated, R MiB reserved``, where
+    this process's CUDA context exists; None elsewhere."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return None
     try:
         free, total = torch.cuda.mem_get_info()
         allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    except Exception:  # noqa: BLE001 - the numbers are a courtesy: a context the error left unusable has none
+    except Exception:  # noqa: BLE001
+        # the numbers are a courtesy: a context the error left unusable has none
         return None
     return (
-        f"GPU memory: {free // MIB} MiB free of {total // MIB} MiB; this process: {allocated // MIB} MiB allocated, "
-        f"{reserved // MIB} MiB reserved"
+        f"GPU memory: {free // MIB} MiB free of {total // MIB} MiB; this process: "
+        f"{allocated // MIB} MiB allocated, {reserved // MIB} MiB reserved"
     )
 
 
 def out_of_memory(exc: BaseException, where: str | None = None) -> str:
-    """``out of GPU memory in predict_fn: CUDA out of memory. Tried to allocate 2.00 GiB (GPU memory: ...)``, or
-    ``out of host memory ...``, with the numbers as they are now (call it where the error is caught)."""
+    """``out of GPU memory in predict_fn: CUDA out of memory. Tried to allocate 2.00 GiB (GPU
+    memory: ...)``, or ``out of host memory ...``, with the numbers as they are now (call it where
+    the error is caught)."""
     gpu = is_gpu_out_of_memory(exc)
     numbers = gpu_memory() if gpu else host_memory()
-    text = f"out of {'GPU' if gpu else 'host'} memory{f' in {where}' if where else ''}: {_oom_detail(exc)}"
+    text = (
+        f"out of {'GPU' if gpu else 'host'} memory{f' in {where}' if where else ''}: "
+        f"{_oom_detail(exc)}"
+    )
     return f"{text} ({numbers})" if numbers else text
 
 
@@ -113,7 +127,8 @@ def _oom_detail(exc: BaseException) -> str:
 
 
 def import_error(exc: ImportError, where: str) -> str:
-    """``import error in code/inference.py: No module named 'foo' (add the package that provides it ...)``."""
+    """``import error in code/inference.py: No module named 'foo' (add the package that provides it
+    ...)``."""
     text = f"import error in {where}: {first_line(exc)[:MAX_DETAIL_CHARS]}"
     if isinstance(exc, ModuleNotFoundError):
         return f"{text} ({MISSING_MODULE_HINT})"
@@ -138,7 +153,8 @@ def timed_out(seconds: float, setting: str, what: str) -> str:
 
 
 def oom_kills() -> dict[str, int]:
-    """The kernel's counts of out-of-memory kills, by file, where they can be read (none on some kernels)."""
+    """The kernel's counts of out-of-memory kills, by file, where they can be read (none on some
+    kernels)."""
     counts = {}
     for path in OOM_KILL_COUNTERS:
         try:
@@ -153,9 +169,9 @@ def oom_kills() -> dict[str, int]:
 
 
 def exit_cause(code: int, oom_kills_before: Mapping[str, int] | None = None) -> str:
-    """How a child ended, from its exit code (negative: the signal): ``exited with status 3``, ``killed by SIGSEGV``,
-    or for SIGKILL whether the kernel's out-of-memory killer sent it (``oom_kills_before``: ``oom_kills()`` when the
-    child started), with the host's memory now."""
+    """How a child ended, from its exit code (negative: the signal): ``exited with status 3``,
+    ``killed by SIGSEGV``, or for SIGKILL whether the kernel's out-of-memory killer sent it
+    (``oom_kills_before``: ``oom_kills()`` when the child started), with the host's memory now."""
     if code >= 0:
         return f"exited with status {code}"
     name = signal_name(-code)
@@ -165,13 +181,17 @@ def exit_cause(code: int, oom_kills_before: Mapping[str, int] | None = None) -> 
 
 
 def oom_killed(code: int, oom_kills_before: Mapping[str, int]) -> bool:
-    """Whether a child that ended with ``code`` was killed by the kernel's out-of-memory killer: a SIGKILL while
-    its count rose (``oom_kills_before``: ``oom_kills()`` when the child started)."""
+    """Whether a child that ended with ``code`` was killed by the kernel's out-of-memory killer: a
+    SIGKILL while its count rose (``oom_kills_before``: ``oom_kills()`` when the child started)."""
     return -code == signal.SIGKILL and bool(_oom_kills_risen(oom_kills_before))
 
 
 def _oom_kills_risen(before: Mapping[str, int]) -> list[str]:
-    return [f"oom_kill {before[path]} -> {n} in {path}" for path, n in oom_kills().items() if n > before.get(path, n)]
+    return [
+        f"oom_kill {before[path]} -> {n} in {path}"
+        for path, n in oom_kills().items()
+        if n > before.get(path, n)
+    ]
 
 
 def _sigkill_cause(before: Mapping[str, int] | None) -> str:
@@ -192,8 +212,9 @@ def signal_name(number: int) -> str:
 
 
 class Deaths:
-    """Children whose death by a signal deserves a line saying so: each one's label (``model=NAME loader pid=P``)
-    and the kernel's out-of-memory kill count when it started. A SIGTERM is ours (an UNLOAD, a stop): not logged."""
+    """Children whose death by a signal deserves a line saying so: each one's label (``model=NAME
+    loader pid=P``) and the kernel's out-of-memory kill count when it started. A SIGTERM is ours (an
+    UNLOAD, a stop): not logged."""
 
     def __init__(self) -> None:
         self._children: dict[int, tuple[str, dict[str, int]]] = {}
@@ -202,7 +223,8 @@ class Deaths:
         self._children[pid] = (label, oom_kills())
 
     def exited(self, pid: int, code: int) -> str | None:
-        """``<label> killed by <SIGNAL> (...)`` for a watched child that a signal ended; None otherwise."""
+        """``<label> killed by <SIGNAL> (...)`` for a watched child that a signal ended; None
+        otherwise."""
         label, before = self._children.pop(pid, ("", {}))
         if not label or code >= 0 or -code == signal.SIGTERM:
             return None

@@ -1,9 +1,11 @@
-"""Clears the registration MMS 1.1.11 leaves behind after a LOAD that failed with our own status (403, 507).
+"""Clears the registration MMS 1.1.11 leaves behind after a LOAD that failed with our own status
+(403, 507).
 
-To carry a status, a worker must answer its LOAD with it; the frontend then answers the caller, but its cleanup
-interrupts itself and puts the model back, registered with no worker: every later LOAD of that name would answer
-409. The worker leaves a marker before it answers; the entrypoint's supervisor calls ``sweep`` a few times a second,
-and unregisters such a leftover with an ordinary DELETE, which then succeeds.
+To carry a status, a worker must answer its LOAD with it; the frontend then answers the caller, but
+its cleanup interrupts itself and puts the model back, registered with no worker: every later LOAD
+of that name would answer 409. The worker leaves a marker before it answers; the entrypoint's
+supervisor calls ``sweep`` a few times a second, and unregisters such a leftover with an ordinary
+DELETE, which then succeeds.
 
 The marker side runs in workers; the sweep runs in the entrypoint. Neither imports torch.
 """
@@ -21,8 +23,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 MARKER_LIFETIME_SECONDS = 30.0
-# The marker is written before the worker answers, so the first sweeps may still see the failing LOAD's own worker:
-# a model with workers is judged "loaded properly since" only once its marker is older than this.
+# The marker is written before the worker answers, so the first sweeps may still see the failing
+# LOAD's own worker: a model with workers is judged "loaded properly since" only once its marker is
+# older than this.
 SETTLE_SECONDS = 5.0
 FOLLOW_SECONDS = 2.0
 FOLLOW_INTERVAL_SECONDS = 0.02
@@ -34,8 +37,8 @@ def markers_dir(runtime_dir: Path) -> Path:
 
 
 def write_marker(directory: Path, model_name: str, record: dict[str, object]) -> None:
-    """A request from a backend to the entrypoint, one file per model, written whole (rename) so no sweep reads half
-    of it. Shared with the scaler."""
+    """A request from a backend to the entrypoint, one file per model, written whole (rename) so no
+    sweep reads half of it. Shared with the scaler."""
     directory.mkdir(parents=True, exist_ok=True)
     name = urllib.parse.quote(model_name, safe="")
     staging = directory / f".{name}.tmp"
@@ -65,8 +68,8 @@ class Janitor:
                 model = json.loads(marker.read_text())["model"]
             except (OSError, ValueError, KeyError):
                 continue
-            # The leftover appears milliseconds after the caller got its answer; follow it closely so a caller that
-            # retries at once meets as short a window of 409s as we can manage.
+            # The leftover appears milliseconds after the caller got its answer; follow it closely
+            # so a caller that retries at once meets as short a window of 409s as we can manage.
             deadline = time.monotonic() + FOLLOW_SECONDS
             while True:
                 try:
@@ -93,9 +96,12 @@ class Janitor:
             return True
         leftover = not description.get("workers") and description.get("maxWorkers") == 0
         if not leftover:
-            return age > SETTLE_SECONDS  # still failing, or loaded again properly since: not ours to touch
+            # still failing, or loaded again properly since: not ours to touch
+            return age > SETTLE_SECONDS
         try:
-            urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=REQUEST_TIMEOUT_SECONDS)
+            urllib.request.urlopen(
+                urllib.request.Request(url, method="DELETE"), timeout=REQUEST_TIMEOUT_SECONDS
+            )
         except (urllib.error.URLError, OSError) as exc:
             logger.warning("could not unregister %s after its failed LOAD: %s", model, exc)
             return False

@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import sys
 
-# MMS relays backend lines with its own timestamp and worker name, so backend lines carry only what it lacks.
+# MMS relays backend lines with its own timestamp and worker name, so backend lines carry only what
+# it lacks.
 BACKEND_FORMAT = "%(levelname)s [%(name)s] pid=%(process)d %(message)s"
 ENTRYPOINT_FORMAT = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
-# The frontend routes lines that start with "[METRICS]" to its metrics log: MMS's service logs them bare.
+# The frontend routes lines that start with "[METRICS]" to its metrics log: MMS's service logs them
+# bare.
 RAW_LOGGERS = ("mms.service",)
 
 

@@ -1,4 +1,5 @@
-"""What nvidia-smi says about the GPUs: how many, and how much memory is free. Never initialises CUDA.
+"""What nvidia-smi says about the GPUs: how many, and how much memory is free. Never initialises
+CUDA.
 
 The MMS frontend counts GPUs the same way, so the ids it hands to workers are nvidia-smi indices.
 """
@@ -20,7 +21,9 @@ def _query(*arguments: str) -> str | None:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        result = subprocess.run(["nvidia-smi", *arguments], capture_output=True, text=True, timeout=TIMEOUT_SECONDS)
+        result = subprocess.run(
+            ["nvidia-smi", *arguments], capture_output=True, text=True, timeout=TIMEOUT_SECONDS
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return result.stdout if result.returncode == 0 else None

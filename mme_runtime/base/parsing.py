@@ -1,6 +1,6 @@
-"""How the text of one setting becomes its value: each parser takes the variable's name and its text, and raises
-``ConfigError`` naming both when the text does not parse; ``Setting`` ties a variable to its parser (``settings.py``
-lists them). Never imports torch."""
+"""How the text of one setting becomes its value: each parser takes the variable's name and its
+text, and raises ``ConfigError`` naming both when the text does not parse; ``Setting`` ties a
+variable to its parser (``settings.py`` lists them). Never imports torch."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ MAX_MMS_PORT = 32766
 MAX_BATCH_SIZE = 1024
 MAX_BATCH_DELAY_MS = 60_000
 MAX_CONCURRENCY = 256
-# Bound of a generation's cap on new tokens (environment, serving.properties): a sanity limit, not a default.
+# Bound of a generation's cap on new tokens (environment, serving.properties): a sanity limit, not a
+# default.
 MAX_NEW_TOKENS = 1_000_000
 # CloudWatch's rule for a namespace; "AWS/" starts only AWS's own.
 NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9._/#:-]{1,255}")
@@ -79,7 +80,9 @@ def namespace(name: str, value: str) -> str:
     """A CloudWatch namespace."""
     stripped = value.strip()
     if not NAMESPACE_PATTERN.fullmatch(stripped) or stripped.startswith("AWS/"):
-        raise ConfigError(f"{name}={value!r} is not a CloudWatch namespace (up to 255 of A-Z a-z 0-9 . _ / # : -)")
+        raise ConfigError(
+            f"{name}={value!r} is not a CloudWatch namespace (up to 255 of A-Z a-z 0-9 . _ / # : -)"
+        )
     return stripped
 
 
@@ -103,7 +106,9 @@ def parse_log_level(name: str, value: str) -> int:
         return int(stripped)
     level = logging.getLevelName(stripped.upper())
     if not isinstance(level, int):
-        raise ConfigError(f"{name}={value!r} is not a log level (DEBUG, INFO, WARNING, ERROR or a number)")
+        raise ConfigError(
+            f"{name}={value!r} is not a log level (DEBUG, INFO, WARNING, ERROR or a number)"
+        )
     return level
 
 
@@ -118,7 +123,8 @@ def parse_load_models(name: str, value: str) -> tuple[tuple[str, str], ...]:
 
 
 def read_properties(file: Path) -> dict[str, str]:
-    """Reads a Java properties file the simple way MMS writes them: ``key=value`` lines, ``#`` comments."""
+    """Reads a Java properties file the simple way MMS writes them: ``key=value`` lines, ``#``
+    comments."""
     properties: dict[str, str] = {}
     for line in file.read_text(encoding="utf-8").splitlines():
         stripped = line.strip()

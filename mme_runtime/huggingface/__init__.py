@@ -7,6 +7,7 @@ container serves them: registered with the serving core as the defaults of such 
 loads a directory for its task; ``requests`` reads the AWS container's requests and writes its
 answers; ``tasks`` runs a batch through the task's pipeline, with ``question_answering``,
 ``zero_shot``, ``tables``, ``vision`` and ``sentences`` for those tasks and ``audio`` for speech;
-generative tasks go through ``generation``, ``scheduler`` and ``decoding``.
+generative tasks go through ``generation`` (each input made ready by ``prompts``), ``scheduler``,
+``decoding`` and ``kv_cache``.
 It may import: ``base``, ``operations``, ``models``, ``serving``.
 """

@@ -26,9 +26,14 @@ from mme_runtime.huggingface.loading import HuggingFaceModel
 from mme_runtime.huggingface.requests import Audio, TaskRequest, resample
 from mme_runtime.huggingface.tasks import length_groups, lent_pipeline, pad, postprocess, prepare
 
-REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout", "decoder_kwargs", "prompt_ids", "assistant_model"})
-# A generating recognizer's parameters beyond GenerationConfig's own names, as Whisper's generate takes them.
-SPEECH_GENERATION_PARAMETERS = frozenset({"language", "task", "return_timestamps", "return_language"})
+REFUSED_PARAMETERS = frozenset(
+    {"return_tensors", "timeout", "decoder_kwargs", "prompt_ids", "assistant_model"}
+)
+# A generating recognizer's parameters beyond GenerationConfig's own names, as Whisper's generate
+# takes them.
+SPEECH_GENERATION_PARAMETERS = frozenset(
+    {"language", "task", "return_timestamps", "return_language"}
+)
 MAX_BEAMS = 8  # each beam is a row of the generation: a request may not multiply its rows past this
 # A clip's main input, by model kind: raw samples (Wav2Vec2) or a spectrogram (Whisper).
 INPUT_KEYS = ("input_values", "input_features")
@@ -52,26 +57,31 @@ class AudioRunner:
         self._sampling_rate = int(model.feature_extractor.sampling_rate)
         self._masks_padding = masks_padding(model.model)
         self._generates = getattr(self._pipeline, "type", "") in {"seq2seq", "seq2seq_whisper"}
-        # A CTC model's logits (and tokens) are one per frame, cut back to a row's own; a classifier's one per label.
+        # A CTC model's logits (and tokens) are one per frame, cut back to a row's own; a
+        # classifier's one per label.
         self._per_frame = self.task == "automatic-speech-recognition" and not self._generates
         self._vocabulary = vocabulary(model.model) if self._generates else None
         generation_config: Any = getattr(model.model, "generation_config", None)
         self._end_tokens = getattr(generation_config, "eos_token_id", None)
 
     def run(self, requests: list[TaskRequest]) -> list[Any]:
-        """Each clip's answer, in order (one per input of every request), with a tokenizer lent for the batch."""
+        """Each clip's answer, in order (one per input of every request), with a tokenizer lent for
+        the batch."""
         with lent_pipeline(self._pipeline) as pipeline:
             return self._run(pipeline, requests)
 
     def _run(self, pipeline: Any, requests: list[TaskRequest]) -> list[Any]:
-        plans: list[tuple[int, int, dict[str, Any]]] = []  # (first row, rows, postprocess parameters) per clip
+        # (first row, rows, postprocess parameters) per clip
+        plans: list[tuple[int, int, dict[str, Any]]] = []
         rows: list[dict[str, Any]] = []
         forwards: list[dict[str, Any]] = []  # each row's forward (generation) parameters
         for request in requests:
             before, forward, after = self._parameters(pipeline, request)
             for item in request.inputs:
                 if not isinstance(item, Audio):
-                    raise InvalidInput(f"{self.task} takes audio (audio/x-flac, audio/wave, ... or base64 in JSON)")
+                    raise InvalidInput(
+                        f"{self.task} takes audio (audio/x-flac, audio/wave, ... or base64 in JSON)"
+                    )
                 prepared = prepare(pipeline, resample(item, self._sampling_rate), before, "audio")
                 for row in prepared:
                     self._check_frames(row)
@@ -79,13 +89,18 @@ class AudioRunner:
                 rows += prepared
                 forwards += [forward] * len(prepared)
         outputs = self._forward(pipeline, rows, forwards)
-        chunked = self.task == "automatic-speech-recognition"  # a ChunkPipeline: postprocess takes a clip's rows
+        # a ChunkPipeline: postprocess takes a clip's rows
+        chunked = self.task == "automatic-speech-recognition"
         return [
-            postprocess(pipeline, outputs[first : first + count] if chunked else outputs[first], after)
+            postprocess(
+                pipeline, outputs[first : first + count] if chunked else outputs[first], after
+            )
             for first, count, after in plans
         ]
 
-    def _forward(self, pipeline: Any, rows: list[dict[str, Any]], forwards: list[dict[str, Any]]) -> list[Any]:
+    def _forward(
+        self, pipeline: Any, rows: list[dict[str, Any]], forwards: list[dict[str, Any]]
+    ) -> list[Any]:
         """The model over ``rows``, in the passes ``pass_groups`` plans, handed back row by row."""
         outputs: list[Any] = [None] * len(rows)
         for group in pass_groups(rows, forwards, self._masks_padding):
@@ -96,15 +111,19 @@ class AudioRunner:
             except (ValueError, TypeError) as exc:
                 if not forwards[group[0]]:
                     raise  # no parameters of the client's: the server's fault, a 500
-                # generate refuses the parameters (a max_new_tokens past the model's positions): the client's
+                # generate refuses the parameters (a max_new_tokens past the model's positions): the
+                # client's
                 raise InvalidInput(f"the model could not run with these parameters: {exc}") from exc
             for position, index in enumerate(group):
-                outputs[index] = result if len(members) == 1 else self._row(result, position, rows[index])
+                outputs[index] = (
+                    result if len(members) == 1 else self._row(result, position, rows[index])
+                )
         return outputs
 
     def _row(self, batch: Any, index: int, prepared: dict[str, Any]) -> Any:
-        """Row ``index`` of a pass's outputs as the clip's pass alone gives them: a CTC model's frames cut back to
-        the clip's own, a generation's tokens to its first end token (the batch pads rows that ended sooner)."""
+        """Row ``index`` of a pass's outputs as the clip's pass alone gives them: a CTC model's
+        frames cut back to the clip's own, a generation's tokens to its first end token (the batch
+        pads rows that ended sooner)."""
         frames = self._frames(prepared)
         values = {}
         for key, value in batch.items():
@@ -117,10 +136,12 @@ class AudioRunner:
             elif isinstance(value, list):
                 value = value[index]
             values[key] = value
-        return values if type(batch) is dict else type(batch)(values)  # a classifier's ModelOutput stays one
+        # a classifier's ModelOutput stays one
+        return values if type(batch) is dict else type(batch)(values)
 
     def _frames(self, prepared: dict[str, Any]) -> int | None:
-        """How many frames the model makes of the row's samples (its outputs past these are padding)."""
+        """How many frames the model makes of the row's samples (its outputs past these are
+        padding)."""
         lengths = getattr(self.model.model, "_get_feat_extract_output_lengths", None)
         samples = prepared.get("input_values")
         if lengths is None or not isinstance(samples, torch.Tensor):
@@ -128,8 +149,9 @@ class AudioRunner:
         return int(lengths(torch.tensor(samples.shape[-1])))
 
     def _check_frames(self, row: dict[str, Any]) -> None:
-        """A clip (or chunk) too short for the model's convolutions to make one frame (Wav2Vec2 needs 400 samples,
-        25 ms) would fail its pass with a RuntimeError, a 500 for every request of the batch: it is this one's 400."""
+        """A clip (or chunk) too short for the model's convolutions to make one frame (Wav2Vec2
+        needs 400 samples, 25 ms) would fail its pass with a RuntimeError, a 500 for every request
+        of the batch: it is this one's 400."""
         frames = self._frames(row)
         if frames is not None and frames < 1:
             samples = row["input_values"].shape[-1]
@@ -138,13 +160,16 @@ class AudioRunner:
                 f"{self._sampling_rate} Hz make no frame of its output"
             )
 
-    def _parameters(self, pipeline: Any, request: TaskRequest) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    def _parameters(
+        self, pipeline: Any, request: TaskRequest
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         refused = (REFUSED_PARAMETERS | SERVER_PARAMETERS) & set(request.parameters)
         if refused:
             raise InvalidInput(f"parameters {sorted(refused)} are not accepted here")
         try:
             before, forward, after = pipeline._sanitize_parameters(**request.parameters)
-        except Exception as exc:  # noqa: BLE001 - whatever the pipeline refuses in them is the request's
+        except Exception as exc:  # noqa: BLE001
+            # whatever the pipeline refuses in them is the request's
             raise InvalidInput(f"parameters {request.parameters}: {exc}") from exc
         if self.task == "automatic-speech-recognition":
             _check_generation(forward, self._generates, self._vocabulary)
@@ -156,13 +181,16 @@ class AudioRunner:
 
 
 def masks_padding(model: Any) -> bool:
-    """Whether padding a clip changes none of its outputs: each frame normalized alone, padded frames masked."""
+    """Whether padding a clip changes none of its outputs: each frame normalized alone, padded
+    frames masked."""
     return getattr(model.config, "feat_extract_norm", None) == "layer" and hasattr(
         model, "_get_feat_extract_output_lengths"
     )
 
 
-def pass_groups(rows: list[dict[str, Any]], forwards: list[dict[str, Any]], maskable: bool) -> list[list[int]]:
+def pass_groups(
+    rows: list[dict[str, Any]], forwards: list[dict[str, Any]], maskable: bool
+) -> list[list[int]]:
     """Indices of ``rows`` in groups that share a pass: the same forward parameters, and the same
     shape unless the model masks padding; then grouped by length as text is
     (``tasks.length_groups``), in frames of 320 samples."""
@@ -170,8 +198,11 @@ def pass_groups(rows: list[dict[str, Any]], forwards: list[dict[str, Any]], mask
     for index, (row, forward) in enumerate(zip(rows, forwards, strict=True)):
         main = _main_input(row)
         shape = "any" if maskable else tuple(main.shape)
-        names = sorted(row)  # a chunk's "stride" too: the pass hands it on only where every row has one
-        kinds.setdefault(json.dumps([forward, str(shape), names], sort_keys=True, default=str), []).append(index)
+        # a chunk's "stride" too: the pass hands it on only where every row has one
+        names = sorted(row)
+        kinds.setdefault(
+            json.dumps([forward, str(shape), names], sort_keys=True, default=str), []
+        ).append(index)
     groups: list[list[int]] = []
     for members in kinds.values():
         if not maskable:
@@ -183,8 +214,9 @@ def pass_groups(rows: list[dict[str, Any]], forwards: list[dict[str, Any]], mask
 
 
 def pad_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """One batch of ``rows``: samples padded on the right with zeros (the feature extractors' padding value) under
-    an attention mask of zeros; a row prepared without a mask gets one of ones, which changes nothing of its own."""
+    """One batch of ``rows``: samples padded on the right with zeros (the feature extractors'
+    padding value) under an attention mask of zeros; a row prepared without a mask gets one of ones,
+    which changes nothing of its own."""
     with_masks = []
     for row in rows:
         main = _main_input(row)
@@ -207,24 +239,33 @@ def _cut_after_end(tokens: torch.Tensor, end: int | list[int] | None) -> torch.T
     return tokens[:, : hits[0] + 1] if hits else tokens
 
 
-def _check_generation(forward: dict[str, Any], generates: bool, vocabulary_size: int | None = None) -> None:
-    """A CTC model generates nothing: only ``return_timestamps`` reaches its pass. A generating one takes what its
-    ``generate`` takes, ``num_beams`` up to ``MAX_BEAMS``, one sequence per clip, and token ids of its vocabulary: one
-    past it (``decoder_start_token_id``, ``pad_token_id``) fails the embedding, on a GPU with a device-side assert that
-    leaves the CUDA context of every model of the device's process unusable."""
+def _check_generation(
+    forward: dict[str, Any], generates: bool, vocabulary_size: int | None = None
+) -> None:
+    """A CTC model generates nothing: only ``return_timestamps`` reaches its pass. A generating one
+    takes what its ``generate`` takes, ``num_beams`` up to ``MAX_BEAMS``, one sequence per clip, and
+    token ids of its vocabulary: one past it (``decoder_start_token_id``, ``pad_token_id``) fails
+    the embedding, on a GPU with a device-side assert that leaves the CUDA context of every model of
+    the device's process unusable."""
     if not generates:
         unknown = set(forward) - {"return_timestamps"}
         if unknown:
-            raise InvalidInput(f"a CTC speech model takes no generation parameters: {sorted(unknown)}")
+            raise InvalidInput(
+                f"a CTC speech model takes no generation parameters: {sorted(unknown)}"
+            )
         return
     transformers: Any = importlib.import_module("transformers")
     known = set(transformers.GenerationConfig().to_dict()) | SPEECH_GENERATION_PARAMETERS
     unknown = set(forward) - known
     if unknown:
-        raise InvalidInput(f"parameters {sorted(unknown)} are not generation parameters of this model")
+        raise InvalidInput(
+            f"parameters {sorted(unknown)} are not generation parameters of this model"
+        )
     beams = forward.get("num_beams", 1)
     if not isinstance(beams, int) or isinstance(beams, bool) or not 1 <= beams <= MAX_BEAMS:
         raise InvalidInput(f"num_beams must be an integer from 1 to {MAX_BEAMS}, not {beams!r}")
     if forward.get("num_return_sequences", 1) != 1:
-        raise InvalidInput("a speech recognizer answers one text per clip: num_return_sequences must be 1")
+        raise InvalidInput(
+            "a speech recognizer answers one text per clip: num_return_sequences must be 1"
+        )
     check_token_ids(forward, vocabulary_size)

@@ -5,9 +5,9 @@ tokens as ``generate`` would for it alone (``pick_tokens``).
 
 Decoder tokens sit at the right of the self-attention cache (padded on the left, masked) and
 encoder outputs at the left of the cross-attention cache; self-attention layers grow in place
-(``GrowingLayer``, where transformers' ``DynamicLayer`` concatenates the whole cache), so a step
-copies nothing. Each row keeps its own positions: ``position_ids`` for a decoder-only model, a
-hook on an encoder-decoder's absolute position embedding (BART, Marian); T5's need nothing.
+(``kv_cache.py``), so a step copies nothing. Each row keeps its own positions: ``position_ids``
+for a decoder-only model, a hook on an encoder-decoder's absolute position embedding (BART,
+Marian); T5's need nothing.
 """
 
 from __future__ import annotations
@@ -20,16 +20,19 @@ from typing import Any
 
 import torch
 
-# Leading columns no row attends to any more are cut off once there are this many (a copy of the cache).
+from mme_runtime.huggingface.kv_cache import all_plain, join, pad, regrow, select, write_row
+
+# Leading columns no row attends to any more are cut off once there are this many (a copy of the
+# cache).
 TRIM_COLUMNS = 32
-ROOM = 64  # tokens of room a buffer gets beyond what it holds when it is made
 # Finish reasons: the model's end token, max_new_tokens, a stop sequence, the time limit.
 EOS, LENGTH, STOP, TIME = "eos", "length", "stop", "time"
 
 
 @dataclass(eq=False)
 class Row:
-    """One sequence to generate: a prompt (an encoder-decoder's encoder input) and how to pick its tokens."""
+    """One sequence to generate: a prompt (an encoder-decoder's encoder input) and how to pick its
+    tokens."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -39,17 +42,25 @@ class Row:
     generator: torch.Generator | None = None  # None: the global generator, as the pipeline draws
     stopped: Callable[[Row], bool] | None = None  # a stop sequence seen (checked by the scheduler)
     deadline: float = float("inf")  # time.monotonic() after which it is cut
-    tokens: list[int] = field(default_factory=list)  # the decoder's: prompt + new (decoder-only), or start + new
+    # the decoder's: prompt + new (decoder-only), or start + new
+    tokens: list[int] = field(default_factory=list)
     generated: int = 0
     finish: str | None = None
     joined_at: float = 0.0
     error: BaseException | None = None
 
 
-def pick_tokens(rows: Sequence[Row | None], logits: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Each row's next token from its logits, as ``generate`` picks it for that row alone (an empty place: argmax)."""
+def pick_tokens(
+    rows: Sequence[Row | None], logits: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """Each row's next token from its logits, as ``generate`` picks it for that row alone (an empty
+    place: argmax)."""
     tokens: list[torch.Tensor | None] = [None] * len(rows)
-    plain = [i for i, row in enumerate(rows) if row is None or (row.processors is None and not row.do_sample)]
+    plain = [
+        i
+        for i, row in enumerate(rows)
+        if row is None or (row.processors is None and not row.do_sample)
+    ]
     if len(plain) == len(rows):
         return torch.argmax(logits, dim=-1)
     if plain:
@@ -64,7 +75,9 @@ def pick_tokens(rows: Sequence[Row | None], logits: torch.Tensor, device: torch.
             scores = row.processors(torch.tensor([row.tokens], device=device), scores)
         if row.do_sample:
             probabilities = torch.nn.functional.softmax(scores, dim=-1)
-            tokens[index] = torch.multinomial(probabilities, num_samples=1, generator=row.generator).squeeze(1)
+            tokens[index] = torch.multinomial(
+                probabilities, num_samples=1, generator=row.generator
+            ).squeeze(1)
         else:
             tokens[index] = torch.argmax(scores, dim=-1)
     return torch.cat([token for token in tokens if token is not None])
@@ -84,8 +97,9 @@ def record(rows: Sequence[Row | None], tokens: torch.Tensor) -> None:
 
 
 class DecodingBatch:
-    """The rows being decoded together on one model, and their caches. Not thread-safe: one scheduler thread owns it.
-    ``rows`` has one entry per row of the caches: a ``Row``, or None for a place a finished row left."""
+    """The rows being decoded together on one model, and their caches. Not thread-safe: one
+    scheduler thread owns it. ``rows`` has one entry per row of the caches: a ``Row``, or None for a
+    place a finished row left."""
 
     def __init__(self, model: Any) -> None:
         from transformers import DynamicCache, EncoderDecoderCache
@@ -97,13 +111,16 @@ class DecodingBatch:
         parameters = set(inspect.signature(model.forward).parameters)
         self._keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
         self._positions_module = _absolute_positions(model) if self.encoder_decoder else None
-        # Each row's positions while this thread runs a step: a generate alone on another thread (beam search)
-        # runs the same module meanwhile, and must get its own.
+        # Each row's positions while this thread runs a step: a generate alone on another thread
+        # (beam search) runs the same module meanwhile, and must get its own.
         self._override = threading.local()
         if self._positions_module is not None:
             self._hook = self._positions_module.register_forward_hook(self._own_positions)
-        # Rows may join a running batch only where each keeps its own positions; otherwise only an empty one.
-        self.joinable = "position_ids" in parameters if not self.encoder_decoder else _relative_or_hooked(model)
+        # Rows may join a running batch only where each keeps its own positions; otherwise only an
+        # empty one.
+        self.joinable = (
+            "position_ids" in parameters if not self.encoder_decoder else _relative_or_hooked(model)
+        )
         self._reset()
 
     def _reset(self) -> None:
@@ -129,22 +146,34 @@ class DecodingBatch:
 
     def consistent(self) -> bool:
         """Whether every row has its cache row (a failed merge may leave them apart)."""
-        return not self.rows or self.mask.shape[0] == self.next.shape[0] == self.alive.shape[0] == len(self.rows)
+        return not self.rows or self.mask.shape[0] == self.next.shape[0] == self.alive.shape[
+            0
+        ] == len(self.rows)
 
     def admit(self, rows: list[Row]) -> None:
-        """Prefills ``rows`` together and adds them to the batch, each with its first token picked."""
+        """Prefills ``rows`` together and adds them to the batch, each with its first token
+        picked."""
         if self.encoder_decoder:
             outputs, mask, positions, encoded, encoder_mask = self._prefill_encoder_decoder(rows)
         else:
             outputs, mask, positions = self._prefill_decoder(rows)
             encoded = encoder_mask = torch.empty(0)
-        tokens = pick_tokens(list(rows), outputs.logits[:, -1].to(copy=True, dtype=torch.float32), self.device)
+        tokens = pick_tokens(
+            list(rows), outputs.logits[:, -1].to(copy=True, dtype=torch.float32), self.device
+        )
         cache = outputs.past_key_values
         if not all_plain(cache):
-            self.joinable = False  # sliding windows or linear attention: padding caches together is not safe
+            # sliding windows or linear attention: padding caches together is not safe
+            self.joinable = False
         if not self.rows:
             regrow(cache)
-            self.rows, self.cache, self.mask, self.positions, self.next = list(rows), cache, mask, positions, tokens
+            self.rows, self.cache, self.mask, self.positions, self.next = (
+                list(rows),
+                cache,
+                mask,
+                positions,
+                tokens,
+            )
             self.alive = torch.ones(len(rows), dtype=torch.bool, device=self.device)
             self.encoded, self.encoder_mask = encoded, encoder_mask
         else:
@@ -161,21 +190,30 @@ class DecodingBatch:
         encoded: torch.Tensor,
         encoder_mask: torch.Tensor,
     ) -> None:
-        """Each joining row takes the place of a finished one where its tokens fit (written in place); the others
-        are added to the batch (the caches padded to a common length and copied once)."""
+        """Each joining row takes the place of a finished one where its tokens fit (written in
+        place); the others are added to the batch (the caches padded to a common length and copied
+        once)."""
         holes = [index for index, row in enumerate(self.rows) if row is None]
         length, added = self.mask.shape[1], []
         for index, row in enumerate(rows):
             tokens_in = int(mask[index].sum())
             source = int(encoder_mask[index].sum()) if self.encoder_decoder else 0
-            if not holes or tokens_in > length or (self.encoder_decoder and source > self.encoded.shape[1]):
+            if (
+                not holes
+                or tokens_in > length
+                or (self.encoder_decoder and source > self.encoded.shape[1])
+            ):
                 added.append(index)
                 continue
             slot = holes.pop(0)
             write_row(self.cache, slot, cache, index, tokens_in, length, source)
             self.mask[slot] = 0
             self.mask[slot, length - tokens_in :] = 1
-            self.positions[slot], self.next[slot], self.alive[slot] = positions[index], tokens[index], True
+            self.positions[slot], self.next[slot], self.alive[slot] = (
+                positions[index],
+                tokens[index],
+                True,
+            )
             if self.encoder_decoder:
                 self.encoded[slot, :source] = encoded[index, :source]
                 self.encoder_mask[slot] = 0
@@ -187,19 +225,29 @@ class DecodingBatch:
         length = max(length, mask.shape[1])
         source = max(self.encoded.shape[1], encoded.shape[1]) if self.encoder_decoder else 0
         join(self.cache, cache, picked, length, source)
-        self.mask = torch.cat([pad(self.mask, length, 1, left=True), pad(mask[picked], length, 1, left=True)])
+        self.mask = torch.cat(
+            [pad(self.mask, length, 1, left=True), pad(mask[picked], length, 1, left=True)]
+        )
         if self.encoder_decoder:
-            self.encoded = torch.cat([pad(self.encoded, source, 1), pad(encoded[picked], source, 1)])
-            self.encoder_mask = torch.cat([pad(self.encoder_mask, source, 1), pad(encoder_mask[picked], source, 1)])
+            self.encoded = torch.cat(
+                [pad(self.encoded, source, 1), pad(encoded[picked], source, 1)]
+            )
+            self.encoder_mask = torch.cat(
+                [pad(self.encoder_mask, source, 1), pad(encoder_mask[picked], source, 1)]
+            )
         self.positions = torch.cat([self.positions, positions[picked]])
         self.next = torch.cat([self.next, tokens[picked]])
-        self.alive = torch.cat([self.alive, torch.ones(len(added), dtype=torch.bool, device=self.device)])
+        self.alive = torch.cat(
+            [self.alive, torch.ones(len(added), dtype=torch.bool, device=self.device)]
+        )
         self.rows += [rows[i] for i in added]
 
     def _prefill_decoder(self, rows: list[Row]) -> tuple[Any, torch.Tensor, torch.Tensor]:
         lengths = [len(row.prompt) for row in rows]
         longest = max(lengths)
-        ids = torch.tensor([[0] * (longest - len(row.prompt)) + row.prompt for row in rows], device=self.device)
+        ids = torch.tensor(
+            [[0] * (longest - len(row.prompt)) + row.prompt for row in rows], device=self.device
+        )
         mask = torch.tensor([[0] * (longest - n) + [1] * n for n in lengths], device=self.device)
         for row in rows:
             row.tokens = list(row.prompt)
@@ -223,9 +271,15 @@ class DecodingBatch:
         lengths = [len(row.prompt) for row in rows]
         longest = max(lengths)
         pad = int(self.model.config.pad_token_id or 0)
-        ids = torch.tensor([row.prompt + [pad] * (longest - len(row.prompt)) for row in rows], device=self.device)
-        encoder_mask = torch.tensor([[1] * n + [0] * (longest - n) for n in lengths], device=self.device)
-        encoded = self.model.get_encoder()(input_ids=ids, attention_mask=encoder_mask, return_dict=True)
+        ids = torch.tensor(
+            [row.prompt + [pad] * (longest - len(row.prompt)) for row in rows], device=self.device
+        )
+        encoder_mask = torch.tensor(
+            [[1] * n + [0] * (longest - n) for n in lengths], device=self.device
+        )
+        encoded = self.model.get_encoder()(
+            input_ids=ids, attention_mask=encoder_mask, return_dict=True
+        )
         starts = [[row.tokens[0]] for row in rows]  # the decoder's start token, set by the planner
         config = self.model.config.get_text_config(decoder=True)
         cache = self._caches[1](self._caches[0](config=config), self._caches[0](config=config))
@@ -244,7 +298,9 @@ class DecodingBatch:
     def step(self) -> None:
         """One token for every row (a place left empty decodes too, its token unread)."""
         count = len(self.rows)
-        mask = torch.cat([self.mask, torch.ones(count, 1, dtype=self.mask.dtype, device=self.device)], dim=1)
+        mask = torch.cat(
+            [self.mask, torch.ones(count, 1, dtype=self.mask.dtype, device=self.device)], dim=1
+        )
         padded = bool((mask == 0).any())
         inputs = self.next.unsqueeze(1)
         if self.encoder_decoder:
@@ -278,12 +334,15 @@ class DecodingBatch:
         self.mask = mask
         # An empty place stays at position 0, so that it never runs past the model's positions.
         self.positions = torch.where(self.alive, self.positions + 1, 0)
-        self.next = pick_tokens(self.rows, outputs.logits[:, -1].to(copy=True, dtype=torch.float32), self.device)
+        self.next = pick_tokens(
+            self.rows, outputs.logits[:, -1].to(copy=True, dtype=torch.float32), self.device
+        )
         record(self.rows, self.next)
 
     def drop(self, leaving: list[Row]) -> None:
-        """Takes ``leaving`` out of the batch: their places stay for rows that join, until half the batch is empty
-        (then it is compacted); columns no row attends to any more are cut off once there are ``TRIM_COLUMNS``."""
+        """Takes ``leaving`` out of the batch: their places stay for rows that join, until half the
+        batch is empty (then it is compacted); columns no row attends to any more are cut off once
+        there are ``TRIM_COLUMNS``."""
         gone = {id(row) for row in leaving}
         for index, row in enumerate(self.rows):
             if row is not None and id(row) in gone:
@@ -306,14 +365,20 @@ class DecodingBatch:
         end = None
         if self.encoder_decoder:
             end = int(torch.nonzero(self.encoder_mask[kept].sum(0))[-1]) + 1
-            self.encoded, self.encoder_mask = self.encoded[kept, :end], self.encoder_mask[kept, :end]
+            self.encoded, self.encoder_mask = (
+                self.encoded[kept, :end],
+                self.encoder_mask[kept, :end],
+            )
         select(self.cache, kept, first, end)
         self.rows = [self.rows[i] for i in kept.tolist()]
         self.mask, self.positions = self.mask[kept, first:], self.positions[kept]
         self.next, self.alive = self.next[kept], self.alive[kept]
 
-    def _own_positions(self, module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        """Each row's own decoder position embedding, where the module would give all rows the cache's length."""
+    def _own_positions(
+        self, module: torch.nn.Module, args: Any, output: torch.Tensor
+    ) -> torch.Tensor:
+        """Each row's own decoder position embedding, where the module would give all rows the
+        cache's length."""
         positions = getattr(self._override, "positions", None)
         if positions is None:
             return output
@@ -322,118 +387,16 @@ class DecodingBatch:
 
 
 def _absolute_positions(model: Any) -> torch.nn.Embedding | None:
-    """The decoder's absolute position embedding (BART's learned, Marian's sinusoidal), where it has one."""
+    """The decoder's absolute position embedding (BART's learned, Marian's sinusoidal), where it has
+    one."""
     module = getattr(model.get_decoder(), "embed_positions", None)
     return module if isinstance(module, torch.nn.Embedding) else None
 
 
 def _relative_or_hooked(model: Any) -> bool:
-    """An encoder-decoder whose rows can keep their own decoder positions: none absolute (T5), or one we hook."""
+    """An encoder-decoder whose rows can keep their own decoder positions: none absolute (T5), or
+    one we hook."""
     decoder = model.get_decoder()
-    return getattr(decoder, "embed_positions", None) is None or _absolute_positions(model) is not None
-
-
-def _dynamic_layer() -> Any:
-    from transformers.cache_utils import DynamicLayer
-
-    return DynamicLayer
-
-
-def growing_layer(keys: torch.Tensor, values: torch.Tensor) -> Any:
-    """A ``DynamicLayer`` that holds ``keys`` and ``values`` in buffers with room for ``ROOM`` more tokens."""
-    layer = _growing_class()()
-    layer.hold(keys, values, keys.shape[-2] + ROOM)
-    return layer
-
-
-_GROWING: Any = None
-
-
-def _growing_class() -> Any:
-    """``GrowingLayer``, made once transformers is imported (this module is imported before it is)."""
-    global _GROWING
-    if _GROWING is None:
-
-        class GrowingLayer(_dynamic_layer()):  # type: ignore[misc]
-            """Keys and values are views of buffers with room: ``update`` writes the new tokens in place."""
-
-            def hold(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
-                self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-                length = keys.shape[-2]
-                shape = (*keys.shape[:2], capacity, keys.shape[-1])
-                self._keys, self._values = keys.new_empty(shape), values.new_empty(shape)
-                self._keys[:, :, :length], self._values[:, :, :length] = keys, values
-                self.keys, self.values = self._keys[:, :, :length], self._values[:, :, :length]
-
-            def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                length, added = self.keys.shape[-2], key_states.shape[-2]
-                if length + added > self._keys.shape[-2]:
-                    self.hold(self.keys, self.values, 2 * (length + added))
-                self._keys[:, :, length : length + added] = key_states
-                self._values[:, :, length : length + added] = value_states
-                self.keys, self.values = self._keys[:, :, : length + added], self._values[:, :, : length + added]
-                return self.keys, self.values
-
-        _GROWING = GrowingLayer
-    return _GROWING
-
-
-def self_layers(cache: Any) -> list[Any]:
-    return list((cache.self_attention_cache if hasattr(cache, "self_attention_cache") else cache).layers)
-
-
-def cross_layers(cache: Any) -> list[Any]:
-    return list(cache.cross_attention_cache.layers) if hasattr(cache, "cross_attention_cache") else []
-
-
-def regrow(cache: Any) -> None:
-    """The cache's self-attention layers as ``GrowingLayer`` s holding what they hold now (one copy)."""
-    holder = cache.self_attention_cache if hasattr(cache, "self_attention_cache") else cache
-    holder.layers = [growing_layer(layer.keys, layer.values) for layer in holder.layers]
-
-
-def all_plain(cache: Any) -> bool:
-    """Every layer is a plain full-attention one (no sliding window, no linear attention): safe to pad together."""
-    return all(type(layer).__name__ == "DynamicLayer" for layer in [*self_layers(cache), *cross_layers(cache)])
-
-
-def write_row(cache: Any, slot: int, source: Any, row: int, tokens: int, length: int, source_tokens: int = 0) -> None:
-    """Row ``row`` of ``source`` (a prefill's cache) into row ``slot`` of ``cache``: its last ``tokens`` self-attention
-    tokens right-aligned at ``length``, and its first ``source_tokens`` cross-attention ones at the start."""
-    for into, out in zip(self_layers(cache), self_layers(source), strict=True):
-        into.keys[slot, :, length - tokens :] = out.keys[row, :, out.keys.shape[-2] - tokens :]
-        into.values[slot, :, length - tokens :] = out.values[row, :, out.values.shape[-2] - tokens :]
-    for into, out in zip(cross_layers(cache), cross_layers(source), strict=True):
-        into.keys[slot, :, :source_tokens] = out.keys[row, :, :source_tokens]
-        into.values[slot, :, :source_tokens] = out.values[row, :, :source_tokens]
-
-
-def join(cache: Any, new: Any, rows: torch.Tensor, length: int, source: int) -> None:
-    """Rows ``rows`` of ``new`` appended to ``cache``: self-attention padded on the left to ``length``, cross-attention
-    on the right to ``source`` (one copy of everything)."""
-    for old, add in zip(self_layers(cache), self_layers(new), strict=True):
-        old.keys = torch.cat([pad(old.keys, length, 2, left=True), pad(add.keys[rows], length, 2, left=True)])
-        old.values = torch.cat([pad(old.values, length, 2, left=True), pad(add.values[rows], length, 2, left=True)])
-    for old, add in zip(cross_layers(cache), cross_layers(new), strict=True):
-        old.keys = torch.cat([pad(old.keys, source, 2), pad(add.keys[rows], source, 2)])
-        old.values = torch.cat([pad(old.values, source, 2), pad(add.values[rows], source, 2)])
-    regrow(cache)
-
-
-def select(cache: Any, rows: torch.Tensor, first: int, end: int | None) -> None:
-    """Only ``rows`` kept, self-attention from column ``first``, cross-attention up to ``end`` (one copy)."""
-    for layer in self_layers(cache):
-        layer.keys, layer.values = layer.keys[rows, :, first:], layer.values[rows, :, first:]
-    for layer in cross_layers(cache):
-        layer.keys, layer.values = layer.keys[rows, :, :end], layer.values[rows, :, :end]
-    regrow(cache)
-
-
-def pad(tensor: torch.Tensor, length: int, dim: int, left: bool = False) -> torch.Tensor:
-    missing = length - tensor.shape[dim]
-    if missing <= 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    zeros = tensor.new_zeros(shape)
-    return torch.cat([zeros, tensor] if left else [tensor, zeros], dim=dim)
+    return (
+        getattr(decoder, "embed_positions", None) is None or _absolute_positions(model) is not None
+    )

@@ -35,9 +35,12 @@ from mme_runtime.serving.pass_threads import RunPass, run_here
 
 
 def serves(model_dir: Path) -> bool:
-    """Whether a directory is a Hugging Face model for these defaults: no TorchScript or PT2 file beside it."""
+    """Whether a directory is a Hugging Face model for these defaults: no TorchScript or PT2 file
+    beside it."""
     others = pt2.pt2_file(model_dir) is not None or model_package.model_file(model_dir) is not None
-    return not others and (loading.is_hugging_face_directory(model_dir) or lora.is_adapter_directory(model_dir))
+    return not others and (
+        loading.is_hugging_face_directory(model_dir) or lora.is_adapter_directory(model_dir)
+    )
 
 
 def register() -> None:
@@ -54,8 +57,8 @@ class HuggingFaceDefaults:
     ACCEPTS = requests.ACCEPTS
 
     def __init__(self, model_dir: Path, settings: ServingSettings, config: Config) -> None:
-        """Raises ``ModelLoadError`` when the model's task is unknown, unsupported or cannot be told, or an adapter's
-        base cannot be found."""
+        """Raises ``ModelLoadError`` when the model's task is unknown, unsupported or cannot be
+        told, or an adapter's base cannot be found."""
         self.adapter: lora.Adapter | None = None
         self.base_dir = model_dir
         task = settings.task
@@ -66,7 +69,9 @@ class HuggingFaceDefaults:
         self.task = loading.resolve_task(self.base_dir, task, config.hf_task)
         if self.adapter is not None and self.task not in lora.TASK_TYPES.values():
             served = ", ".join(sorted(lora.TASK_TYPES.values()))
-            raise ModelLoadError(f"a LoRA adapter for {self.task} is not served (adapters are served for {served})")
+            raise ModelLoadError(
+                f"a LoRA adapter for {self.task} is not served (adapters are served for {served})"
+            )
         self._trust_remote_code = settings.trust_remote_code
         self._pooling = settings.pooling
         self._runner: TaskRunner | AudioRunner | None = None
@@ -77,12 +82,19 @@ class HuggingFaceDefaults:
 
     @property
     def schedules_itself(self) -> bool:
-        """A generative task: its scheduler, not the batcher, puts the rows of many requests into one step."""
+        """A generative task: its scheduler, not the batcher, puts the rows of many requests into
+        one step."""
         return loading.base_task(self.task) in loading.GENERATIVE_TASKS
 
-    def start(self, model: loading.HuggingFaceModel, max_rows: int, name: str, run_pass: RunPass = run_here) -> None:
-        """Starts the model's scheduler, for up to ``max_rows`` rows per step (its batch size), once it is placed;
-        its steps run through ``run_pass`` (on a GPU's pass threads)."""
+    def start(
+        self,
+        model: loading.HuggingFaceModel,
+        max_rows: int,
+        name: str,
+        run_pass: RunPass = run_here,
+    ) -> None:
+        """Starts the model's scheduler, for up to ``max_rows`` rows per step (its batch size), once
+        it is placed; its steps run through ``run_pass`` (on a GPU's pass threads)."""
         with self._lock:
             self.close()
             device = next(model.model.parameters(), torch.empty(0)).device
@@ -102,18 +114,26 @@ class HuggingFaceDefaults:
     def default_model_fn(self, model_dir: str, context: Any = None) -> loading.HuggingFaceModel:
         return loading.load(self.base_dir, self.task, self._trust_remote_code, self._pooling)
 
-    def default_input_fn(self, input_data: Any, content_type: str | None, context: Any = None) -> TaskRequest:
+    def default_input_fn(
+        self, input_data: Any, content_type: str | None, context: Any = None
+    ) -> TaskRequest:
         request = requests.decode(input_data, content_type, self.task)
         if self.task in vision.TASKS:  # a bad parameter is refused before the request joins a batch
             vision.check_parameters(self.task, request.parameters)
         if self.adapter is not None and context is not None:
-            request.adapter = context.model_name  # the rows it adds to a pass use this model's adapter
+            # the rows it adds to a pass use this model's adapter
+            request.adapter = context.model_name
         return request
 
-    def default_predict_fn(self, data: TaskRequest | TaskBatch, model: Any, context: Any = None) -> list[Any]:
-        """Every input's answer, in order: the batcher hands each request its own (one per input it sent)."""
+    def default_predict_fn(
+        self, data: TaskRequest | TaskBatch, model: Any, context: Any = None
+    ) -> list[Any]:
+        """Every input's answer, in order: the batcher hands each request its own (one per input it
+        sent)."""
         if not isinstance(model, loading.HuggingFaceModel):
-            raise ModelLoadError("a model_fn of its own must come with a predict_fn of its own for this model")
+            raise ModelLoadError(
+                "a model_fn of its own must come with a predict_fn of its own for this model"
+            )
         requests = data.requests if isinstance(data, TaskBatch) else [data]
         if self.schedules_itself:
             if self._generator is None:  # the warm-up request, before the scheduler starts
@@ -143,18 +163,22 @@ class HuggingFaceDefaults:
 
 
 def generation_limits(settings: ServingSettings, config: Config) -> GenerationLimits:
-    """The cap on new tokens (``serving.properties``'s ``max_new_tokens``, else ``MME_MAX_NEW_TOKENS``) and the time
-    limit of a generation (``serving.properties``, else cut ``TIME_MARGIN_SECONDS`` before
-    ``SAGEMAKER_MODEL_SERVER_TIMEOUT``, so that it answers in time)."""
+    """The cap on new tokens (``serving.properties``'s ``max_new_tokens``, else
+    ``MME_MAX_NEW_TOKENS``) and the time limit of a generation (``serving.properties``, else cut
+    ``TIME_MARGIN_SECONDS`` before ``SAGEMAKER_MODEL_SERVER_TIMEOUT``, so that it answers in
+    time)."""
     cap = settings.max_new_tokens or config.max_new_tokens
-    source = "max_new_tokens in serving.properties" if settings.max_new_tokens else "MME_MAX_NEW_TOKENS"
+    source = (
+        "max_new_tokens in serving.properties" if settings.max_new_tokens else "MME_MAX_NEW_TOKENS"
+    )
     latest = max(1.0, config.response_timeout_seconds - generation.TIME_MARGIN_SECONDS)
     seconds = min(settings.max_generation_seconds or latest, latest)
     return GenerationLimits(cap, source, seconds, settings.batch_size)
 
 
 class _Answer:
-    """One input's answer, with the request it answers (its parameters and whether it sent one input)."""
+    """One input's answer, with the request it answers (its parameters and whether it sent one
+    input)."""
 
     __slots__ = ("request", "value")
 

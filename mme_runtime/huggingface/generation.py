@@ -7,17 +7,16 @@ request asks over the model's cap (``max_new_tokens``) or its positions answers 
 over them is lowered, and a generation still running at its time limit is cut, with a
 ``warning``. Token ids outside the vocabulary answer 400 (``check_token_ids``, for speech too):
 on a GPU they would spoil the CUDA context of every model of the process. text-generation runs
-transformers' pipeline; the text-to-text tasks, gone from transformers 5, run as 4.57 ran them.
+transformers' pipeline; the text-to-text tasks, gone from transformers 5, run as 4.57 ran them
+(each input's prompt: ``prompts.py``).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Real
 from typing import Any
@@ -27,10 +26,10 @@ import torch
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.huggingface.decoding import TIME, DecodingBatch, Row
-from mme_runtime.huggingface.loading import HuggingFaceModel, base_task
+from mme_runtime.huggingface.loading import HuggingFaceModel
+from mme_runtime.huggingface.prompts import Prompt, TextGeneration, TextToText
 from mme_runtime.huggingface.requests import TaskRequest
 from mme_runtime.huggingface.scheduler import Scheduler
-from mme_runtime.huggingface.tasks import lent_pipeline, lent_tokenizer
 from mme_runtime.serving.pass_threads import RunPass, run_here
 
 # How a generation is held is the server's: a static cache of max_cache_len 10**6 is allocated
@@ -46,35 +45,53 @@ SERVER_PARAMETERS = frozenset(
         "continuous_batching_config",
     }
 )
-# Generation parameters that hold token ids (decoder_start_token_id, suppress_tokens, bad_words_ids...).
+# Generation parameters that hold token ids (decoder_start_token_id, suppress_tokens,
+# bad_words_ids...).
 TOKEN_ID_SUFFIXES = ("token_id", "token_ids", "suppress_tokens", "words_ids")
-# A generation is cut this long before SAGEMAKER_MODEL_SERVER_TIMEOUT, so that its answer leaves in time.
+# A generation is cut this long before SAGEMAKER_MODEL_SERVER_TIMEOUT, so that its answer leaves in
+# time.
 TIME_MARGIN_SECONDS = 10.0
 STOP_KEYS = ("stop", "stop_sequence", "stop_strings")
 MAX_STOPS = 16
 REFUSED = frozenset(
-    {"return_tensors", "timeout", "generation_config", "streamer", "assistant_model", "assistant_tokenizer"}
-    | {"custom_generate", "trust_remote_code", "tokenizer", "return_dict_in_generate", "output_scores"}
+    {
+        "return_tensors",
+        "timeout",
+        "generation_config",
+        "streamer",
+        "assistant_model",
+        "assistant_tokenizer",
+    }
+    | {
+        "custom_generate",
+        "trust_remote_code",
+        "tokenizer",
+        "return_dict_in_generate",
+        "output_scores",
+    }
     | {"output_logits", "output_attentions", "output_hidden_states", "synced_gpus"}
     | SERVER_PARAMETERS
 )
 # Type and lower bound of the parameters clients send most: a wrong one answers 400 naming it.
-INTEGERS = {"max_new_tokens": 1, "min_new_tokens": 0, "max_length": 1, "min_length": 0, "top_k": 0, "seed": 0}
+INTEGERS = {
+    "max_new_tokens": 1,
+    "min_new_tokens": 0,
+    "max_length": 1,
+    "min_length": 0,
+    "top_k": 0,
+    "seed": 0,
+}
 INTEGERS |= {"num_return_sequences": 1, "num_beams": 1, "no_repeat_ngram_size": 0}
 NUMBERS = {"temperature", "top_p", "repetition_penalty", "length_penalty"}
 BOOLEANS = {"do_sample", "return_full_text", "early_stopping"}
 LOOP_MODES = frozenset({"greedy_search", "sample"})
-TEXT_TO_TEXT_NAMES = {"text2text-generation": "generated", "summarization": "summary", "translation": "translation"}
-# What transformers 4.57's text-to-text pipelines asked of generate unless the model's generation config says otherwise.
-TEXT_TO_TEXT_DEFAULTS = {"max_new_tokens": 256, "num_beams": 4}
-# Pipeline parameters that only shape the answer or the tokens, never generate's arguments.
-TEXT_TO_TEXT_PARAMETERS = frozenset({"truncation", "clean_up_tokenization_spaces", "src_lang", "tgt_lang"})
 
 
 @dataclass(frozen=True)
 class GenerationLimits:
     max_new_tokens: int = Config.max_new_tokens  # a request asking more answers 400
-    max_new_tokens_from: str = "MME_MAX_NEW_TOKENS"  # where that cap was set, for the answer that names it
+    # where that cap was set, for the answer that names it
+    max_new_tokens_from: str = "MME_MAX_NEW_TOKENS"
     seconds: float = 60.0 - TIME_MARGIN_SECONDS
     max_rows: int = 1  # rows decoded together at most: the model's batch_size
 
@@ -95,11 +112,14 @@ class GenerationRunner:
         self._device = device
         self._run_pass = run_pass
         self._task: TextGeneration | TextToText = (
-            TextGeneration(model, device) if model.task == "text-generation" else TextToText(model, model.task)
+            TextGeneration(model, device)
+            if model.task == "text-generation"
+            else TextToText(model, model.task)
         )
         self._scheduler = Scheduler(DecodingBatch(model.model), limits.max_rows, name, run_pass)
         self._vocabulary = vocabulary(model.model)
-        self._stop_tokenizer = copy.deepcopy(model.tokenizer)  # the scheduler thread's, for stop sequences
+        # the scheduler thread's, for stop sequences
+        self._stop_tokenizer = copy.deepcopy(model.tokenizer)
         self._alone = threading.Lock()  # generate alone: one at a time
         self._alone_tokenizer = copy.deepcopy(model.tokenizer)
 
@@ -126,7 +146,9 @@ class GenerationRunner:
             for index, (prompt, rows, config, stops) in enumerate(planned)
             if rows is None
         }
-        self._scheduler.submit([row for _, rows, _, _ in planned if rows is not None for row in rows])
+        self._scheduler.submit(
+            [row for _, rows, _, _ in planned if rows is not None for row in rows]
+        )
         answers = []
         for index, (prompt, rows, _, _) in enumerate(planned):
             if rows is None:
@@ -135,43 +157,63 @@ class GenerationRunner:
                 for row in rows:
                     if row.error is not None:
                         raise row.error
-                sequences, cut = [row.tokens for row in rows], any(row.finish == TIME for row in rows)
+                sequences, cut = (
+                    [row.tokens for row in rows],
+                    any(row.finish == TIME for row in rows),
+                )
             records = [prompt.answer(sequence) for sequence in sequences]
             if cut:
                 warning = (
-                    f"cut after {self.limits.seconds:.0f} s, the time limit of one request: answered what was generated"
+                    f"cut after {self.limits.seconds:.0f} s, the time limit of one request: "
+                    "answered what was generated"
                 )
                 records = [{**record, "warning": warning} for record in records]
             answers.append(records)
         return answers
 
     def _plan(
-        self, prompt: Prompt, sent: set[str], stops: tuple[str, ...], seed: int | None, deadline: float
+        self,
+        prompt: Prompt,
+        sent: set[str],
+        stops: tuple[str, ...],
+        seed: int | None,
+        deadline: float,
     ) -> tuple[list[Row] | None, Any]:
         """The rows of one input (None: it runs ``generate`` alone), and its generation config."""
         model: Any = self.model.model
         ids = prompt.ids or _first_token(model)
-        start = 1 if model.config.is_encoder_decoder else len(ids)  # the decoder's tokens before the first new one
+        # the decoder's tokens before the first new one
+        start = 1 if model.config.is_encoder_decoder else len(ids)
         arguments = dict(prompt.generate)
         base = arguments.pop("generation_config", None)
-        # As generate tells them: a length nobody set, or one the request, the task or the model set.
+        # As generate tells them: a length nobody set, or one the request, the task or the model
+        # set.
         unset = [
-            key not in arguments and getattr(base, key, None) is None and getattr(model.generation_config, key) is None
+            key not in arguments
+            and getattr(base, key, None) is None
+            and getattr(model.generation_config, key) is None
             for key in ("max_length", "min_length")
         ]
         try:
             config, unused = model._prepare_generation_config(base, **arguments)
             if unused:
-                raise InvalidInput(f"parameters {sorted(unused)} are not generation parameters of this model")
+                raise InvalidInput(
+                    f"parameters {sorted(unused)} are not generation parameters of this model"
+                )
             config.validate()
             inputs = torch.tensor([ids], device=self._device)
             model._prepare_special_tokens(config, True, device=self._device)
-            config = model._prepare_generated_length(config, unset[0], unset[1], "input_ids", start, inputs)
+            config = model._prepare_generated_length(
+                config, unset[0], unset[1], "input_ids", start, inputs
+            )
             config.max_new_tokens = self._new_tokens(config.max_length - start, len(ids), sent)
             if config.get_generation_mode().value not in LOOP_MODES:
                 return None, config
             processors = model._get_logits_processor(
-                generation_config=config, input_ids_seq_length=start, encoder_input_ids=inputs, device=self._device
+                generation_config=config,
+                input_ids_seq_length=start,
+                encoder_input_ids=inputs,
+                device=self._device,
             )
         except ValueError as exc:
             raise InvalidInput(f"parameters {arguments}: {exc}") from exc
@@ -179,8 +221,15 @@ class GenerationRunner:
         ends = frozenset() if eos is None else frozenset(eos.view(-1).tolist())
         rows = []
         for index in range(config.num_return_sequences or 1):
-            row = Row(ids, config.max_new_tokens, ends, processors if len(processors) else None, bool(config.do_sample))
-            if seed is not None and config.do_sample:  # its own draws: the rows beside it change nothing
+            row = Row(
+                ids,
+                config.max_new_tokens,
+                ends,
+                processors if len(processors) else None,
+                bool(config.do_sample),
+            )
+            if seed is not None and config.do_sample:
+                # its own draws: the rows beside it change nothing
                 row.generator = torch.Generator(device=self._device).manual_seed(seed + index)
             row.stopped = self._stop_check(stops) if stops else None
             row.deadline = deadline
@@ -190,19 +239,22 @@ class GenerationRunner:
         return rows, config
 
     def _new_tokens(self, wanted: int, prompt_length: int, sent: set[str]) -> int:
-        """How many tokens an input may get: what it asks for, within the cap and the model's positions. One that
-        asks for more than either answers 400; a default over them is lowered."""
+        """How many tokens an input may get: what it asks for, within the cap and the model's
+        positions. One that asks for more than either answers 400; a default over them is
+        lowered."""
         asked = bool({"max_new_tokens", "max_length"} & sent)
         cap = self.limits.max_new_tokens
         if wanted > cap and asked:
             raise InvalidInput(
-                f"max_new_tokens={wanted} is over this model's limit of {cap} ({self.limits.max_new_tokens_from})"
+                f"max_new_tokens={wanted} is over this model's limit of {cap} "
+                f"({self.limits.max_new_tokens_from})"
             )
         model, settings = self.model, getattr(self.model.model, "config", None)
         if getattr(settings, "is_encoder_decoder", False):
             if model.max_length is not None and prompt_length > model.max_length:
                 raise InvalidInput(
-                    f"an input has {prompt_length} tokens and the model takes at most {model.max_length}: shorten it, "
+                    f"an input has {prompt_length} tokens and the model takes at most "
+                    f"{model.max_length}: shorten it, "
                     'or send "parameters": {"truncation": true}'
                 )
             room = getattr(settings, "max_position_embeddings", None)
@@ -210,16 +262,23 @@ class GenerationRunner:
         else:
             room = None if model.max_length is None else model.max_length - prompt_length
             if room is not None and room < 1:
-                raise InvalidInput(f"the prompt has {prompt_length} tokens: the model takes at most {model.max_length}")
+                raise InvalidInput(
+                    f"the prompt has {prompt_length} tokens: the model takes at most "
+                    f"{model.max_length}"
+                )
         if room is not None and wanted > room and asked:
-            raise InvalidInput(f"max_new_tokens={wanted} does not fit: the model has room for {room} more tokens")
+            raise InvalidInput(
+                f"max_new_tokens={wanted} does not fit: the model has room for {room} more tokens"
+            )
         return max(1, min(wanted, cap, room if room is not None else wanted))
 
     def _stop_check(self, stops: tuple[str, ...]) -> Any:
         tokenizer: Any = self._stop_tokenizer
 
         def stopped(row: Row) -> bool:
-            text = tokenizer.decode(row.tokens[len(row.tokens) - row.generated :], skip_special_tokens=True)
+            text = tokenizer.decode(
+                row.tokens[len(row.tokens) - row.generated :], skip_special_tokens=True
+            )
             return any(stop in text for stop in stops)
 
         return stopped
@@ -227,8 +286,8 @@ class GenerationRunner:
     def _generate_alone(
         self, prompt: Prompt, config: Any, stops: tuple[str, ...], deadline: float
     ) -> tuple[list[list[int]], bool]:
-        """``generate`` for one input alone (beam search, say), stopped at the deadline: one at a time, on a pass
-        thread of a GPU's."""
+        """``generate`` for one input alone (beam search, say), stopped at the deadline: one at a
+        time, on a pass thread of a GPU's."""
         with self._alone:
             generated: tuple[list[list[int]], bool] = self._run_pass(
                 functools.partial(self._generate, prompt, config, stops, deadline)
@@ -239,7 +298,9 @@ class GenerationRunner:
         self, prompt: Prompt, config: Any, stops: tuple[str, ...], deadline: float
     ) -> tuple[list[list[int]], bool]:
         model: Any = self.model.model
-        arguments = {key: value for key, value in prompt.generate.items() if key != "generation_config"}
+        arguments = {
+            key: value for key, value in prompt.generate.items() if key != "generation_config"
+        }
         arguments["max_new_tokens"] = config.max_new_tokens
         with torch.inference_mode():
             remaining = deadline - time.monotonic()
@@ -265,13 +326,16 @@ def _first_token(model: Any) -> list[int]:
 
 
 def _parameters(parameters: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...], int | None]:
-    """The request's parameters for the task, its stop sequences and its seed. Raises ``InvalidInput`` (400)."""
+    """The request's parameters for the task, its stop sequences and its seed. Raises
+    ``InvalidInput`` (400)."""
     refused = REFUSED & set(parameters)
     if refused:
         raise InvalidInput(f"parameters {sorted(refused)} are not accepted here")
     for key, least in INTEGERS.items():
         value = parameters.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < least
+        ):
             raise InvalidInput(f"{key} must be an integer of at least {least}, not {value!r}")
     for key in NUMBERS:
         value = parameters.get(key)
@@ -289,8 +353,12 @@ def _parameters(parameters: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, 
     for key in STOP_KEYS:
         value = parameters.get(key)
         value = [value] if isinstance(value, str) else value
-        if value is not None and (not isinstance(value, list) or not all(isinstance(s, str) and s for s in value)):
-            raise InvalidInput(f"{key} must be a string or a list of strings, not {parameters[key]!r}")
+        if value is not None and (
+            not isinstance(value, list) or not all(isinstance(s, str) and s for s in value)
+        ):
+            raise InvalidInput(
+                f"{key} must be a string or a list of strings, not {parameters[key]!r}"
+            )
         stops += value or []
     if len(stops) > MAX_STOPS:
         raise InvalidInput(f"at most {MAX_STOPS} stop sequences, not {len(stops)}")
@@ -299,8 +367,9 @@ def _parameters(parameters: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, 
 
 
 def shape(task: str, answers: list[list[dict[str, Any]]], request: TaskRequest) -> Any:
-    """One request's answer as the pipeline gives it: for one input its records (``[{"generated_text": ...}]``); for a
-    list, text-generation's a list of those, the text-to-text tasks' one record per input where each has one."""
+    """One request's answer as the pipeline gives it: for one input its records
+    (``[{"generated_text": ...}]``); for a list, text-generation's a list of those, the text-to-text
+    tasks' one record per input where each has one."""
     if request.single:
         return answers[0]
     if task != "text-generation" and all(len(records) == 1 for records in answers):
@@ -309,18 +378,22 @@ def shape(task: str, answers: list[list[dict[str, Any]]], request: TaskRequest) 
 
 
 def check_token_ids(parameters: dict[str, Any], vocabulary: int | None) -> None:
-    """Raises ``InvalidInput`` (400) for a token id outside the model's ``vocabulary`` (None: it says none)."""
+    """Raises ``InvalidInput`` (400) for a token id outside the model's ``vocabulary`` (None: it
+    says none)."""
     if vocabulary is None:
         return
     for key, value in parameters.items():
         if key.endswith(TOKEN_ID_SUFFIXES):
             outside = [token for token in _integers(value) if not 0 <= token < vocabulary]
             if outside:
-                raise InvalidInput(f"{key} names token ids {outside[:5]} outside the model's {vocabulary} tokens")
+                raise InvalidInput(
+                    f"{key} names token ids {outside[:5]} outside the model's {vocabulary} tokens"
+                )
 
 
 def vocabulary(model: Any) -> int | None:
-    """How many token ids the model embeds (its decoder's, for an encoder-decoder), or None when it says none."""
+    """How many token ids the model embeds (its decoder's, for an encoder-decoder), or None when it
+    says none."""
     try:
         embeddings = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
@@ -335,130 +408,3 @@ def _integers(value: Any) -> list[int]:
     if isinstance(value, (list, tuple)):
         return [token for item in value for token in _integers(item)]
     return []
-
-
-@dataclass
-class Prompt:
-    """One input, prepared: ``ids`` the model reads (a decoder-only model's prompt, or the encoder's input),
-    ``generate`` the keyword arguments generate would get for it, and ``answer`` that makes the task's answer from a
-    generated sequence (a decoder-only model's prompt and new tokens; an encoder-decoder's start token and new ones)."""
-
-    ids: list[int]
-    generate: dict[str, Any]
-    answer: Callable[[list[int]], dict[str, Any]]
-
-
-class TextGeneration:
-    """text-generation through transformers' pipeline, with a copy of its tokenizer lent for each step
-    (``tasks.lent_pipeline``): tokenizers are not safe to share between threads."""
-
-    def __init__(self, model: HuggingFaceModel, device: torch.device) -> None:
-        transformers: Any = importlib.import_module("transformers")
-        self._pipeline = transformers.pipeline(
-            "text-generation", model=model.model, tokenizer=model.tokenizer, device=device
-        )
-
-    def prepare(self, text: str, parameters: dict[str, Any]) -> Prompt:
-        with lent_pipeline(self._pipeline) as pipeline:
-            return self._prepare(pipeline, text, parameters)
-
-    def _prepare(self, pipeline: Any, text: str, parameters: dict[str, Any]) -> Prompt:
-        try:
-            before, forward, after = pipeline._sanitize_parameters(**parameters)
-            before = {**pipeline._preprocess_params, **before}
-            forward = {**pipeline._forward_params, **forward}
-            after = {**pipeline._postprocess_params, **after}
-            inputs = pipeline.preprocess(text, **before)
-            prefix_length = forward.pop("prefix_length", 0)
-            arguments = pipeline._prepare_generate_kwargs(forward)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise InvalidInput(f"parameters {parameters}: {exc}") from exc
-        if prefix_length:  # as the pipeline does: a total length includes the prefix
-            for length, new_tokens in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
-                if length in arguments and new_tokens not in arguments:
-                    arguments[length] += prefix_length
-        ids = inputs["input_ids"][0].tolist()
-        prompt_ids = inputs["input_ids"] if ids else None  # an empty prompt starts from the model's first token
-
-        def answer(sequence: list[int]) -> dict[str, Any]:
-            outputs = {"generated_sequence": torch.tensor([[sequence]]), "input_ids": prompt_ids, "prompt_text": text}
-            try:
-                with lent_pipeline(self._pipeline) as own:  # made later, maybe on another thread
-                    return own.postprocess(outputs, **after)[0]  # type: ignore[no-any-return]
-            except (ValueError, TypeError, KeyError) as exc:
-                raise InvalidInput(f"the answer could not be made with these parameters: {exc}") from exc
-
-        return Prompt(ids, arguments, answer)
-
-
-class TextToText:
-    """text2text-generation, summarization and translation_xx_to_yy, as transformers 4.57's pipelines ran them."""
-
-    def __init__(self, model: HuggingFaceModel, task: str) -> None:
-        self._model = model
-        self._name = TEXT_TO_TEXT_NAMES[base_task(task)]
-        config = model.model.config
-        specific = dict(getattr(config, "task_specific_params", None) or {})
-        if task == "translation":  # as transformers 4.57: the model's first translation task, if it names one
-            task = next((key for key in specific if key.startswith("translation")), task)
-        self.task = task
-        parts = task.split("_")
-        self._languages = (parts[1], parts[3]) if len(parts) == 4 and parts[0] == "translation" else (None, None)
-        self.generation_config, prefix = _pipeline_generation_config(model, specific.get(task) or {})
-        self._prefix = prefix if prefix is not None else getattr(config, "prefix", None) or ""
-
-    def prepare(self, text: str, parameters: dict[str, Any]) -> Prompt:
-        unknown = {"return_tensors", "return_text", "return_type", "return_full_text"} & set(parameters)
-        if unknown:
-            raise InvalidInput(f"{sorted(unknown)} are not parameters of {self.task}")
-        with lent_tokenizer(self._model.tokenizer) as tokenizer:
-            return self._prepare(tokenizer, text, parameters)
-
-    def _prepare(self, tokenizer: Any, text: str, parameters: dict[str, Any]) -> Prompt:
-        truncation = parameters.get("truncation", False)
-        source, target = parameters.get("src_lang", self._languages[0]), parameters.get("tgt_lang", self._languages[1])
-        try:
-            if callable(getattr(tokenizer, "_build_translation_inputs", None)) and self._name == "translation":
-                inputs = tokenizer._build_translation_inputs(
-                    text, return_tensors="pt", truncation=truncation, src_lang=source, tgt_lang=target
-                )
-            else:
-                inputs = tokenizer(self._prefix + text, padding=False, truncation=truncation, return_tensors="pt")
-        except (ValueError, TypeError, KeyError) as exc:
-            raise InvalidInput(f"the input could not be tokenized: {exc}") from exc
-        arguments = {key: value for key, value in parameters.items() if key not in TEXT_TO_TEXT_PARAMETERS}
-        extra = {
-            key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask", "token_type_ids")
-        }
-        arguments.update(extra)  # forced_bos_token_id of a multilingual tokenizer's translation inputs, say
-        clean = bool(parameters.get("clean_up_tokenization_spaces", False))
-        key = f"{self._name}_text"
-
-        def answer(sequence: list[int]) -> dict[str, Any]:
-            with lent_tokenizer(self._model.tokenizer) as own:  # made later, maybe on another thread
-                text = own.decode(sequence, skip_special_tokens=True, clean_up_tokenization_spaces=clean)
-            return {key: text}
-
-        return Prompt(
-            inputs["input_ids"][0].tolist(), {"generation_config": self.generation_config, **arguments}, answer
-        )
-
-
-def _pipeline_generation_config(loaded: HuggingFaceModel, specific: dict[str, Any]) -> tuple[Any, str | None]:
-    """The generation config transformers 4.57's text-to-text pipeline built once: its defaults where the model's
-    generation config sets nothing, a ``max_length`` the model sets honoured, then the task's ``task_specific_params``,
-    and the tokenizer's pad token where the model has none; and the task's ``prefix``, if it names one."""
-    model: Any = loaded.model
-    own = model.generation_config.to_diff_dict()
-    defaults = {key: value for key, value in TEXT_TO_TEXT_DEFAULTS.items() if key not in own}
-    config = copy.deepcopy(model.generation_config)
-    config.update(**defaults)
-    if "max_new_tokens" in defaults and own.get("max_length") not in (None, 20):
-        config.max_new_tokens = None  # a max_length the model chose wins over the pipeline's default
-    specific = dict(specific)
-    prefix = specific.pop("prefix", None)
-    config.update(**specific)
-    pad = getattr(loaded.tokenizer, "pad_token_id", None)
-    if config.pad_token_id is None and pad is not None:
-        config.pad_token_id = pad
-    return config, prefix

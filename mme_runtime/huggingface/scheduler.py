@@ -1,11 +1,13 @@
-"""Continuous (iteration-level) batching of one model's generations: one thread decodes a token for every row of
-the batch per step; between steps, waiting rows join (up to ``max_rows`` in all) and finished rows leave, so a long
-generation never holds a short one back and a lone client pays no wait.
+"""Continuous (iteration-level) batching of one model's generations: one thread decodes a token for
+every row of the batch per step; between steps, waiting rows join (up to ``max_rows`` in all) and
+finished rows leave, so a long generation never holds a short one back and a lone client pays no
+wait.
 
-Callers' threads ``submit`` their rows and wait. A row leaves when it ends (its end token, ``max_new_tokens``, a stop
-sequence) or at its deadline, with what it has. A step that fails fails the rows in it, never the next ones; one
-that runs out of memory fails with the error that answers 507. A fault of the loop itself fails every row, and the
-rows submitted after it, with its cause: no caller waits forever. Each step is recorded as a forward pass of its rows.
+Callers' threads ``submit`` their rows and wait. A row leaves when it ends (its end token,
+``max_new_tokens``, a stop sequence) or at its deadline, with what it has. A step that fails fails
+the rows in it, never the next ones; one that runs out of memory fails with the error that
+answers 507. A fault of the loop itself fails every row, and the rows submitted after it, with its
+cause: no caller waits forever. Each step is recorded as a forward pass of its rows.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from mme_runtime.serving.pass_threads import RunPass, run_here
 
 logger = logging.getLogger(__name__)
 
-# While at least half the batch runs, rows that arrive one by one wait up to GATHER_STEPS steps for GATHER_ROWS of
-# them to share one prefill pass (each pass costs a few milliseconds before its first token).
+# While at least half the batch runs, rows that arrive one by one wait up to GATHER_STEPS steps for
+# GATHER_ROWS of them to share one prefill pass (each pass costs a few milliseconds before its first
+# token).
 GATHER_ROWS, GATHER_STEPS = 3, 2
 
 
@@ -36,7 +39,9 @@ class ModelUnloaded(RuntimeError):
 class Scheduler:
     """The queue in front of one model's generations and the thread that decodes them."""
 
-    def __init__(self, batch: DecodingBatch, max_rows: int, name: str, run_pass: RunPass = run_here) -> None:
+    def __init__(
+        self, batch: DecodingBatch, max_rows: int, name: str, run_pass: RunPass = run_here
+    ) -> None:
         self.batch = batch
         self._run_pass = run_pass  # where each step runs: a GPU's pass threads, or this thread
         self.max_rows = max(1, max_rows)
@@ -45,13 +50,17 @@ class Scheduler:
         self._ready = threading.Condition()
         self._closed = False
         self._held = 0  # steps the waiting rows have been held back to gather
-        self._failure: BaseException = ModelUnloaded("the model was unloaded")  # what a row submitted too late gets
+        # what a row submitted too late gets
+        self._failure: BaseException = ModelUnloaded("the model was unloaded")
         self._series = metrics.current()  # a device host's threads each record for their own model
-        self.thread = threading.Thread(target=self._run_forever, name=f"generation-{name}", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run_forever, name=f"generation-{name}", daemon=True
+        )
         self.thread.start()
 
     def submit(self, rows: list[Row]) -> None:
-        """Queues ``rows`` and returns once each has finished or failed (``row.finish``, ``row.error``)."""
+        """Queues ``rows`` and returns once each has finished or failed (``row.finish``,
+        ``row.error``)."""
         done = [threading.Event() for _ in rows]
         with self._ready:
             if self._closed:
@@ -80,7 +89,8 @@ class Scheduler:
             with torch.inference_mode():
                 while (joining := self._next_rows()) is not None:
                     self._run_pass(functools.partial(self._iterate, joining))
-        except Exception as exc:  # noqa: BLE001 - a fault of the loop itself: its callers must not wait forever
+        except Exception as exc:  # noqa: BLE001
+            # a fault of the loop itself: its callers must not wait forever
             logger.exception("the generation scheduler stopped")
             error = RuntimeError(f"the generation scheduler stopped: {exc}")
         with self._ready:
@@ -95,7 +105,8 @@ class Scheduler:
 
     @torch.inference_mode()
     def _iterate(self, joining: list[Row]) -> None:
-        """The joining rows prefilled, then one step of the batch; recorded as one pass of the rows in it."""
+        """The joining rows prefilled, then one step of the batch; recorded as one pass of the rows
+        in it."""
         started = time.monotonic()
         waits = [started - row.joined_at for row in joining]
         if joining:
@@ -119,18 +130,24 @@ class Scheduler:
             if self._closed:
                 return None
             if self.batch.rows and not self.batch.joinable:
-                return []  # this model's rows cannot join a running batch: they wait for it to empty
+                # this model's rows cannot join a running batch: they wait for it to empty
+                return []
             live = len(self.batch.live)
             if self._waiting and 2 * live >= self.max_rows and len(self._waiting) < GATHER_ROWS:
-                # A busy batch: a lone arrival waits a step or two for others to share its prefill pass.
+                # A busy batch: a lone arrival waits a step or two for others to share its prefill
+                # pass.
                 self._held += 1
                 if self._held <= GATHER_STEPS:
                     return []
             self._held = 0
-            return [self._waiting.popleft() for _ in range(min(self.max_rows - live, len(self._waiting)))]
+            return [
+                self._waiting.popleft()
+                for _ in range(min(self.max_rows - live, len(self._waiting)))
+            ]
 
     def _admit(self, rows: list[Row]) -> None:
-        """Prefills the joining rows; if that fails they fail, and the running rows only if the batch was touched."""
+        """Prefills the joining rows; if that fails they fail, and the running rows only if the
+        batch was touched."""
         try:
             self.batch.admit(rows)
         except Exception as exc:  # noqa: BLE001 - the joining rows answer with it

@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 EMBEDDING_TASKS = frozenset({"sentence-embeddings", "sentence-similarity"})
 RANKING_TASK = "sentence-ranking"
 TASKS = EMBEDDING_TASKS | {RANKING_TASK}
-# The modules of a SentenceTransformer that pooled feature-extraction computes (by the end of their type's name, as
-# sentence-transformers 2 to 6 name them): a directory with any other (Dense, LayerNorm, ...) would answer wrongly.
+# The modules of a SentenceTransformer that pooled feature-extraction computes (by the end of their
+# type's name, as sentence-transformers 2 to 6 name them): a directory with any other (Dense,
+# LayerNorm, ...) would answer wrongly.
 SERVED_MODULES = ("Transformer", "Pooling", "Normalize")
 # sentence-transformers' pooling for a model with no 1_Pooling/config.json: the mean of its tokens.
 DEFAULT_POOLING = "mean"
@@ -46,7 +47,8 @@ LEGACY_POOLING_KEYS = {
     "pooling_mode_weightedmean_tokens": "weightedmean",
     "pooling_mode_lasttoken": "lasttoken",
 }
-# Activations a CrossEncoder may name, and the default: sigmoid for one label (a relevance score), else the logits.
+# Activations a CrossEncoder may name, and the default: sigmoid for one label (a relevance score),
+# else the logits.
 SIGMOID, IDENTITY = "Sigmoid", "Identity"
 RANKING_KEYS = frozenset({"sentences", "query", "texts", "return_documents"})
 PAIRS = "sentence-ranking takes [query, passage] pairs: a list of them, or one"
@@ -71,15 +73,22 @@ def configure(model_dir: Path, loaded: Any) -> None:
     pooled feature-extraction for the embedding tasks (its pooling and normalization read by
     ``pooling``), or scores for ranking. Raises ``ModelLoadError`` for a directory that would
     answer otherwise than sentence-transformers."""
-    # sentence-transformers reads sentence_bert_config.json only beside a modules.json (else it builds its default
-    # modules): it always cuts, never refuses, at max_seq_length, else at what the model takes.
+    # sentence-transformers reads sentence_bert_config.json only beside a modules.json (else it
+    # builds its default modules): it always cuts, never refuses, at max_seq_length, else at what
+    # the model takes.
     listed = (model_dir / "modules.json").is_file()
     settings = _read(model_dir / "sentence_bert_config.json") if listed else {}
     max_seq_length = settings.get("max_seq_length") if isinstance(settings, dict) else None
-    loaded.truncate_to = max_seq_length if isinstance(max_seq_length, int) and max_seq_length > 0 else loaded.max_length
+    loaded.truncate_to = (
+        max_seq_length
+        if isinstance(max_seq_length, int) and max_seq_length > 0
+        else loaded.max_length
+    )
     if isinstance(settings, dict) and settings.get("do_lower_case"):
         _lower_case(loaded.tokenizer)
-    _check_modules(model_dir, SERVED_MODULES if loaded.task in EMBEDDING_TASKS else SERVED_MODULES[:1])
+    _check_modules(
+        model_dir, SERVED_MODULES if loaded.task in EMBEDDING_TASKS else SERVED_MODULES[:1]
+    )
     if loaded.task in EMBEDDING_TASKS:
         loaded.task = "feature-extraction"
         loaded.pooling = loaded.pooling or DEFAULT_POOLING
@@ -88,8 +97,9 @@ def configure(model_dir: Path, loaded: Any) -> None:
 
 
 def pooling_mode(settings: dict[str, Any]) -> str | None:
-    """The pooling a ``1_Pooling/config.json`` names: ``"pooling_mode": "mean"`` (sentence-transformers 6), or
-    ``pooling_mode_mean_tokens: true`` and its kin (earlier versions; none set means the mean, as they read it)."""
+    """The pooling a ``1_Pooling/config.json`` names: ``"pooling_mode": "mean"``
+    (sentence-transformers 6), or ``pooling_mode_mean_tokens: true`` and its kin (earlier versions;
+    none set means the mean, as they read it)."""
     mode = settings.get("pooling_mode")
     if isinstance(mode, list) and len(mode) == 1:
         mode = mode[0]
@@ -102,10 +112,12 @@ def pooling_mode(settings: dict[str, Any]) -> str | None:
 
 
 def score_activation(model_dir: Path, config: Any) -> str:
-    """The ``torch.nn`` activation a CrossEncoder applies to its logits, found where sentence-transformers looks:
-    ``config_sentence_transformers.json``, then ``config.json`` (``sentence_transformers.activation_fn``, or the
-    older ``sbert_ce_default_activation_function``), else sigmoid for one label and the logits for more. A path
-    outside ``torch`` is code of the model's own: sentence-transformers ignores it unless trusted, and so do we."""
+    """The ``torch.nn`` activation a CrossEncoder applies to its logits, found where
+    sentence-transformers looks: ``config_sentence_transformers.json``, then ``config.json``
+    (``sentence_transformers.activation_fn``, or the older
+    ``sbert_ce_default_activation_function``), else sigmoid for one label and the logits for more. A
+    path outside ``torch`` is code of the model's own: sentence-transformers ignores it unless
+    trusted, and so do we."""
     path = _read(model_dir / "config_sentence_transformers.json").get("activation_fn")
     if not path:
         path = (getattr(config, "sentence_transformers", None) or {}).get("activation_fn")
@@ -114,31 +126,41 @@ def score_activation(model_dir: Path, config: Any) -> str:
         name = path.rsplit(".", 1)[-1]
         activation = getattr(torch.nn, name, None)
         if not (isinstance(activation, type) and issubclass(activation, torch.nn.Module)):
-            raise ModelLoadError(f"{model_dir.name} names the activation {path!r}, which torch.nn does not have")
+            raise ModelLoadError(
+                f"{model_dir.name} names the activation {path!r}, which torch.nn does not have"
+            )
         try:
             activation()
         except TypeError as exc:
-            raise ModelLoadError(f"{model_dir.name}: the activation {path!r} is not a plain activation: {exc}") from exc
+            raise ModelLoadError(
+                f"{model_dir.name}: the activation {path!r} is not a plain activation: {exc}"
+            ) from exc
         return name
     if path:
         logger.warning(
-            "model_dir=%s names the activation %s, code of its own: the default is used instead", model_dir, path
+            "model_dir=%s names the activation %s, code of its own: the default is used instead",
+            model_dir,
+            path,
         )
     return SIGMOID if config.num_labels == 1 else IDENTITY
 
 
 def _lower_case(tokenizer: Any) -> None:
-    """``do_lower_case``: texts lowercased before the tokenizer's own normalization, as sentence-transformers does it
-    (a ``Lowercase`` put first, unless the tokenizer has one)."""
+    """``do_lower_case``: texts lowercased before the tokenizer's own normalization, as
+    sentence-transformers does it (a ``Lowercase`` put first, unless the tokenizer has one)."""
     from tokenizers.normalizers import Lowercase, Sequence
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        raise ModelLoadError("do_lower_case=true in sentence_bert_config.json needs a fast tokenizer (tokenizer.json)")
+        raise ModelLoadError(
+            "do_lower_case=true in sentence_bert_config.json needs a fast tokenizer "
+            "(tokenizer.json)"
+        )
     current = backend.normalizer
     steps = [] if current is None else [current]
     if isinstance(current, Sequence):
-        steps = list(current)  # type: ignore[call-overload]  # it iterates over its steps: its stub does not say so
+        # it iterates over its steps: its stub does not say so
+        steps = list(current)  # type: ignore[call-overload]
     if not any(isinstance(step, Lowercase) for step in steps):
         backend.normalizer = Sequence([Lowercase(), *steps])
 
@@ -147,15 +169,25 @@ def _check_modules(model_dir: Path, served: tuple[str, ...]) -> None:
     modules = _read(model_dir / "modules.json", default=[])
     if not isinstance(modules, list) or not all(isinstance(module, dict) for module in modules):
         raise ModelLoadError(f"{model_dir.name}: modules.json is not a list of modules")
-    others = [str(module.get("type")) for module in modules if not str(module.get("type")).endswith(served)]
+    others = [
+        str(module.get("type"))
+        for module in modules
+        if not str(module.get("type")).endswith(served)
+    ]
     if others:
         raise ModelLoadError(
-            f"{model_dir.name}'s modules.json has modules served only with code ({', '.join(others)}): served with no "
-            f"code are {', '.join(served)}"
+            f"{model_dir.name}'s modules.json has modules served only with code "
+            f"({', '.join(others)}): served with no code are {', '.join(served)}"
         )
-    paths = {str(module.get("path", "")) for module in modules if str(module.get("type")).endswith("Transformer")}
+    paths = {
+        str(module.get("path", ""))
+        for module in modules
+        if str(module.get("type")).endswith("Transformer")
+    }
     if paths - {""}:
-        raise ModelLoadError(f"{model_dir.name}: its transformer must be the directory itself, not {sorted(paths)}")
+        raise ModelLoadError(
+            f"{model_dir.name}: its transformer must be the directory itself, not {sorted(paths)}"
+        )
 
 
 def _read(path: Path, default: Any = None) -> Any:
@@ -169,15 +201,18 @@ def _read(path: Path, default: Any = None) -> Any:
 
 def max_seq_length(model_dir: Path) -> int | None:
     try:
-        value = json.loads((model_dir / "sentence_bert_config.json").read_text(encoding="utf-8"))["max_seq_length"]
+        value = json.loads((model_dir / "sentence_bert_config.json").read_text(encoding="utf-8"))[
+            "max_seq_length"
+        ]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return value if isinstance(value, int) and value > 0 else None
 
 
 def pooling(model_dir: Path, configured: str | None) -> tuple[str | None, bool]:
-    """``pooling=`` from serving.properties (``none`` for every token's vector), else what a sentence-transformers
-    directory says (``1_Pooling/config.json``, a ``Normalize`` module in ``modules.json``), else none."""
+    """``pooling=`` from serving.properties (``none`` for every token's vector), else what a
+    sentence-transformers directory says (``1_Pooling/config.json``, a ``Normalize`` module in
+    ``modules.json``), else none."""
     normalize = False
     try:
         modules = json.loads((model_dir / "modules.json").read_text(encoding="utf-8"))
@@ -193,18 +228,24 @@ def pooling(model_dir: Path, configured: str | None) -> tuple[str | None, bool]:
     mode = pooling_mode(settings)
     if mode in ("cls", "mean"):
         return mode, normalize
-    raise ModelLoadError(f"1_Pooling/config.json asks for a pooling this server does not do: {settings}; set pooling=")
+    raise ModelLoadError(
+        f"1_Pooling/config.json asks for a pooling this server does not do: {settings}; set "
+        "pooling="
+    )
 
 
 def request(inputs: Any, parameters: dict[str, Any], task: str) -> Rows:
-    """A request's rows (its sentences, the source first for similarity, or its pairs), its parameters and whether it
-    sent one input. A ranking's parameters are the toolkit pipeline's: ``query`` and ``return_documents``. Raises
-    ``InvalidInput`` naming what the task takes."""
-    if parameters:  # the Hugging Face toolkit drops them unread: a client relying on one would be misled
+    """A request's rows (its sentences, the source first for similarity, or its pairs), its
+    parameters and whether it sent one input. A ranking's parameters are the toolkit pipeline's:
+    ``query`` and ``return_documents``. Raises ``InvalidInput`` naming what the task takes."""
+    if parameters:
+        # the Hugging Face toolkit drops them unread: a client relying on one would be misled
         raise InvalidInput(f"{task} takes no parameters, not {sorted(parameters)}")
     if task == "sentence-similarity":
         if not isinstance(inputs, dict) or set(inputs) != {"source_sentence", "sentences"}:
-            raise InvalidInput('sentence-similarity takes {"source_sentence": "...", "sentences": ["...", ...]}')
+            raise InvalidInput(
+                'sentence-similarity takes {"source_sentence": "...", "sentences": ["...", ...]}'
+            )
         if not isinstance(inputs["source_sentence"], str):
             raise InvalidInput('"source_sentence" must be a string')
         sentences, _ = _texts(inputs["sentences"], '"sentences"')
@@ -213,7 +254,9 @@ def request(inputs: Any, parameters: dict[str, Any], task: str) -> Rows:
         return _ranking(inputs)
     if isinstance(inputs, dict):
         if set(inputs) != {"sentences"}:
-            raise InvalidInput('sentence-embeddings takes a string, a list of strings, or {"sentences": ...}')
+            raise InvalidInput(
+                'sentence-embeddings takes a string, a list of strings, or {"sentences": ...}'
+            )
         inputs = inputs["sentences"]
     sentences, single = _texts(inputs, '"inputs"')
     return sentences, {}, single
@@ -224,7 +267,9 @@ def _ranking(inputs: Any) -> Rows:
         return _pairs(inputs)
     unknown = set(inputs) - RANKING_KEYS
     if unknown:
-        raise InvalidInput(f"sentence-ranking takes {sorted(RANKING_KEYS)} in its inputs, not {sorted(unknown)}")
+        raise InvalidInput(
+            f"sentence-ranking takes {sorted(RANKING_KEYS)} in its inputs, not {sorted(unknown)}"
+        )
     sentences, query, texts = (inputs.get(key) for key in ("sentences", "query", "texts"))
     if sentences is not None:
         if query is not None and texts is not None:
@@ -236,16 +281,25 @@ def _ranking(inputs: Any) -> Rows:
     return_documents = inputs.get("return_documents", False)
     if not isinstance(return_documents, bool):
         raise InvalidInput(f'"return_documents" must be true or false, not {return_documents!r}')
-    return [(query, text) for text in documents], {"query": query, "return_documents": return_documents}, False
+    return (
+        [(query, text) for text in documents],
+        {"query": query, "return_documents": return_documents},
+        False,
+    )
 
 
 def _pairs(inputs: Any) -> Rows:
     if not isinstance(inputs, (list, tuple)) or not inputs:
         raise InvalidInput(PAIRS)
-    single = not isinstance(inputs[0], (list, tuple))  # as CrossEncoder.predict tells one pair from a list
+    # as CrossEncoder.predict tells one pair from a list
+    single = not isinstance(inputs[0], (list, tuple))
     pairs = [inputs] if single else list(inputs)
     for pair in pairs:
-        if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not all(isinstance(text, str) for text in pair):
+        if (
+            not isinstance(pair, (list, tuple))
+            or len(pair) != 2
+            or not all(isinstance(text, str) for text in pair)
+        ):
             raise InvalidInput(f"{PAIRS}; not {pair!r}"[:300])
     return [(query, passage) for query, passage in pairs], {}, single
 
@@ -254,23 +308,32 @@ def _texts(value: Any, name: str, single_allowed: bool = True) -> tuple[list[str
     if isinstance(value, str) and single_allowed:
         return [value], True
     if not isinstance(value, list) or not all(isinstance(text, str) for text in value):
-        raise InvalidInput(f"{name} must be {'a string or ' if single_allowed else ''}a list of strings")
+        raise InvalidInput(
+            f"{name} must be {'a string or ' if single_allowed else ''}a list of strings"
+        )
     if not value:
         raise InvalidInput(f"{name} is an empty list")
     return value, False
 
 
-def scores(tokenizer: Any, model: Any, requests: Sequence[TaskFields], forward: Forward) -> list[Any]:
-    """Each pair's score, in order, as ``CrossEncoder.predict`` gives it: the pair tokenized together and cut to the
-    model's length (longest text first), its logits through the model's activation; one number for a model of one
-    label, a list for more. ``forward`` runs the pairs of all requests in padded passes.
-    ``model``: a ``loading.HuggingFaceModel`` (typed ``Any``: ``loading`` imports this module)."""
+def scores(
+    tokenizer: Any, model: Any, requests: Sequence[TaskFields], forward: Forward
+) -> list[Any]:
+    """Each pair's score, in order, as ``CrossEncoder.predict`` gives it: the pair tokenized
+    together and cut to the model's length (longest text first), its logits through the model's
+    activation; one number for a model of one label, a list for more. ``forward`` runs the pairs of
+    all requests in padded passes. ``model``: a ``loading.HuggingFaceModel`` (typed ``Any``:
+    ``loading`` imports this module)."""
     limit = model.truncate_to
     rows = []
     for one in requests:
         for query, passage in one.inputs:
             encoded = tokenizer(
-                query, passage, truncation="longest_first" if limit else False, max_length=limit, return_tensors="pt"
+                query,
+                passage,
+                truncation="longest_first" if limit else False,
+                max_length=limit,
+                return_tensors="pt",
             )
             rows.append({key: encoded[key] for key in _MODEL_KEYS if key in encoded})
 
@@ -290,7 +353,8 @@ def scores(tokenizer: Any, model: Any, requests: Sequence[TaskFields], forward: 
 
 
 def shape(task: str, answers: list[Any], request: TaskFields) -> Any:
-    """A request's answer from its rows' (vectors or scores), as the toolkit's sentence pipelines give it."""
+    """A request's answer from its rows' (vectors or scores), as the toolkit's sentence pipelines
+    give it."""
     if task == "sentence-embeddings":
         return {"embeddings": answers[0] if request.single else answers}
     if task == "sentence-similarity":
@@ -299,8 +363,11 @@ def shape(task: str, answers: list[Any], request: TaskFields) -> Any:
     if "query" not in request.parameters:
         return {"scores": answers[0] if request.single else answers}
     if any(isinstance(score, list) for score in answers):
-        raise InvalidInput("a ranking needs a model of one label (a relevance score); send pairs for its logits")
-    # CrossEncoder.rank's records, stably sorted best first, with the toolkit's renaming of corpus_id to index last.
+        raise InvalidInput(
+            "a ranking needs a model of one label (a relevance score); send pairs for its logits"
+        )
+    # CrossEncoder.rank's records, stably sorted best first, with the toolkit's renaming of
+    # corpus_id to index last.
     ranked = sorted(range(len(answers)), key=lambda index: answers[index], reverse=True)
     texts = [passage for _, passage in request.inputs]
     documents = request.parameters["return_documents"]

@@ -32,9 +32,11 @@ from mme_runtime.huggingface.requests import TaskRequest
 
 # The tasks whose pipelines take "truncation": a text longer than the model takes may be cut to fit.
 TRUNCATING_TASKS = frozenset({"text-classification", "feature-extraction"})
-# What a request may not ask of the pipeline: tensors in the answer (not JSON), or fetching an image from a URL.
+# What a request may not ask of the pipeline: tensors in the answer (not JSON), or fetching an image
+# from a URL.
 REFUSED_PARAMETERS = frozenset({"return_tensors", "timeout"})
-# The keys of a prepared input that hold one entry per token: cut back to each row's own length after the pass.
+# The keys of a prepared input that hold one entry per token: cut back to each row's own length
+# after the pass.
 TOKEN_KEYS = frozenset(
     {
         "input_ids",
@@ -48,14 +50,16 @@ TOKEN_KEYS = frozenset(
 )
 # Padding values of the keys a tokenizer or an image processor makes; anything else pads with 0.
 PAD_VALUES = {"attention_mask": 0, "token_type_ids": 0, "special_tokens_mask": 1, "p_mask": 1}
-# What one more forward pass costs, in tokens of padding: measured on the CPU for a BERT of 4 layers and hidden 256,
-# a pass costs about 2.7 ms before its first token and 0.035 ms a token, in one row or sixteen. On a GPU the fixed
-# cost weighs more still, so grouping by this figure errs towards fewer passes there.
+# What one more forward pass costs, in tokens of padding: measured on the CPU for a BERT of 4 layers
+# and hidden 256, a pass costs about 2.7 ms before its first token and 0.035 ms a token, in one row
+# or sixteen. On a GPU the fixed cost weighs more still, so grouping by this figure errs towards
+# fewer passes there.
 PASS_COST_TOKENS = 64
 MAX_ROWS_PLANNED = 256
 # The copies of each tokenizer in this process (``copies_of``).
 _registry_lock = threading.Lock()
-_copies: dict[int, TokenizerCopies] = {}  # by id() of the tokenizer; an entry leaves with its tokenizer
+# by id() of the tokenizer; an entry leaves with its tokenizer
+_copies: dict[int, TokenizerCopies] = {}
 
 
 class TaskRunner:
@@ -77,7 +81,8 @@ class TaskRunner:
             )
 
     def run(self, requests: list[TaskRequest]) -> list[Any]:
-        """Each input's answer, in order (one per row of every request), with a tokenizer lent for the batch."""
+        """Each input's answer, in order (one per row of every request), with a tokenizer lent for
+        the batch."""
         if self._pipeline is None:
             with lent_tokenizer(self.model.tokenizer) as tokenizer:
                 if self.task == "sentence-ranking":
@@ -91,14 +96,16 @@ class TaskRunner:
             return self._run_texts(pipeline, requests)
 
     def _run_texts(self, pipeline: Any, requests: list[TaskRequest]) -> list[Any]:
-        plans: list[tuple[int, int, dict[str, Any]]] = []  # (first row, rows, postprocess parameters) per input
+        # (first row, rows, postprocess parameters) per input
+        plans: list[tuple[int, int, dict[str, Any]]] = []
         rows: list[dict[str, Any]] = []
         adapters: list[str | None] = []  # the LoRA adapter of each row (its request's)
         forward_parameters: dict[str, Any] | None = None
         for request in requests:
             before, forward, after = _parameters(pipeline, request, self.model)
             if forward_parameters is not None and forward != forward_parameters:
-                raise InvalidInput("requests with different forward parameters cannot share a pass")  # split, retried
+                # split, retried
+                raise InvalidInput("requests with different forward parameters cannot share a pass")
             forward_parameters = forward
             for item in request.inputs:
                 prepared = prepare(pipeline, item, before)
@@ -107,18 +114,22 @@ class TaskRunner:
                 plans.append((len(rows), len(prepared), after))
                 rows += prepared
                 adapters += [request.adapter] * len(prepared)
-        outputs = self._forward(rows, lambda batch: pipeline.forward(batch, **(forward_parameters or {})), adapters)
+        outputs = self._forward(
+            rows, lambda batch: pipeline.forward(batch, **(forward_parameters or {})), adapters
+        )
         if self.model.pooling is not None:
             return [self._pooled(outputs[first]) for first, _, _ in plans]
         chunked = _is_chunked(pipeline)
         return [
-            postprocess(pipeline, outputs[first : first + count] if chunked else outputs[first], after)
+            postprocess(
+                pipeline, outputs[first : first + count] if chunked else outputs[first], after
+            )
             for first, count, after in plans
         ]
 
     def _pooled(self, output: Any) -> list[float]:
-        """One vector for an input (feature-extraction with pooling): the mean of its tokens' vectors, or its first
-        token's (``[CLS]``), scaled to length 1 when the model asks for it."""
+        """One vector for an input (feature-extraction with pooling): the mean of its tokens'
+        vectors, or its first token's (``[CLS]``), scaled to length 1 when the model asks for it."""
         tokens = output[0][0]  # the row's own tokens: padding was cut off
         vector = tokens.mean(dim=0) if self.model.pooling == "mean" else tokens[0]
         if self.model.normalize:
@@ -126,7 +137,10 @@ class TaskRunner:
         return vector.tolist()  # type: ignore[no-any-return]
 
     def _forward(
-        self, rows: list[dict[str, Any]], forward: Callable[[Any], Any], adapters: list[str | None] | None = None
+        self,
+        rows: list[dict[str, Any]],
+        forward: Callable[[Any], Any],
+        adapters: list[str | None] | None = None,
     ) -> list[dict[str, Any]]:
         """The model over ``rows``, handed back row by row as a pass over each alone gives it
         (``cut_back``): sorted by length, in groups padded to their longest, so that a batch of
@@ -136,30 +150,47 @@ class TaskRunner:
         pad_id = getattr(self.model.tokenizer, "pad_token_id", None)
         for group in length_groups([length(row) or 0 for row in rows]):
             members = [rows[index] for index in group]
-            with self._selecting(None if adapters is None else [adapters[index] for index in group]):
+            with self._selecting(
+                None if adapters is None else [adapters[index] for index in group]
+            ):
                 batch = forward(members[0] if len(members) == 1 else pad(members, pad_id))
             for position, index in enumerate(group):
-                outputs[index] = batch if len(members) == 1 else cut_back(batch, position, members[position])
+                outputs[index] = (
+                    batch if len(members) == 1 else cut_back(batch, position, members[position])
+                )
         return outputs
 
     def _selecting(self, adapters: list[str | None] | None) -> AbstractContextManager[Any]:
-        """The pass in this block runs each row through its own adapter, when the model has adapters."""
+        """The pass in this block runs each row through its own adapter, when the model has
+        adapters."""
         model_adapters = getattr(self.model, "adapters", None)
-        return nullcontext() if model_adapters is None else model_adapters.selecting(adapters or [None])
+        return (
+            nullcontext()
+            if model_adapters is None
+            else model_adapters.selecting(adapters or [None])
+        )
 
     def _check_length(self, row: dict[str, Any]) -> None:
         limit = self.model.max_length
         tokens = length(row)
         if limit is not None and tokens is not None and tokens > limit:
-            advice = ', or send "parameters": {"truncation": true}' if self.task in TRUNCATING_TASKS else ""
-            raise InvalidInput(f"an input has {tokens} tokens and the model takes at most {limit}: shorten it{advice}")
+            advice = (
+                ', or send "parameters": {"truncation": true}'
+                if self.task in TRUNCATING_TASKS
+                else ""
+            )
+            raise InvalidInput(
+                f"an input has {tokens} tokens and the model takes at most {limit}: shorten "
+                f"it{advice}"
+            )
 
 
 def _parameters(
     pipeline: Any, request: TaskRequest, model: HuggingFaceModel
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """The request's parameters sorted by the pipeline into preprocess, forward and postprocess ones. Truncation
-    cuts at the model's own limit, and a sentence-transformers model truncates as sentence-transformers does."""
+    """The request's parameters sorted by the pipeline into preprocess, forward and postprocess
+    ones. Truncation cuts at the model's own limit, and a sentence-transformers model truncates as
+    sentence-transformers does."""
     refused = REFUSED_PARAMETERS & set(request.parameters)
     if refused:
         raise InvalidInput(f"parameters {sorted(refused)} are not accepted here")
@@ -169,12 +200,16 @@ def _parameters(
     if parameters.get("truncation") and model.task in TRUNCATING_TASKS:
         limit = model.truncate_to or model.max_length
         if limit is not None and model.task == "feature-extraction":
-            parameters["tokenize_kwargs"] = {"max_length": limit, **parameters.get("tokenize_kwargs", {})}
+            parameters["tokenize_kwargs"] = {
+                "max_length": limit,
+                **parameters.get("tokenize_kwargs", {}),
+            }
         elif limit is not None:
             parameters.setdefault("max_length", limit)
     try:
         before, forward, after = pipeline._sanitize_parameters(**parameters)
-    except Exception as exc:  # noqa: BLE001 - whatever the pipeline refuses in them is the request's
+    except Exception as exc:  # noqa: BLE001
+        # whatever the pipeline refuses in them is the request's
         raise InvalidInput(f"parameters {request.parameters}: {exc}") from exc
     return (
         {**pipeline._preprocess_params, **before},
@@ -183,8 +218,11 @@ def _parameters(
     )
 
 
-def prepare(pipeline: Any, item: Any, parameters: dict[str, Any], what: str = "input") -> list[dict[str, Any]]:
-    """One input prepared as the pipeline does: one row, or a chunked pipeline's rows (a recognizer's chunks)."""
+def prepare(
+    pipeline: Any, item: Any, parameters: dict[str, Any], what: str = "input"
+) -> list[dict[str, Any]]:
+    """One input prepared as the pipeline does: one row, or a chunked pipeline's rows (a
+    recognizer's chunks)."""
     try:
         prepared = pipeline.preprocess(item, **parameters)
         return list(prepared) if _is_chunked(pipeline) else [prepared]
@@ -196,7 +234,8 @@ def prepare(pipeline: Any, item: Any, parameters: dict[str, Any], what: str = "i
 def postprocess(pipeline: Any, outputs: Any, parameters: dict[str, Any]) -> Any:
     try:
         return pipeline.postprocess(outputs, **parameters)
-    except (TypeError, ValueError, KeyError, IndexError) as exc:  # a top_k of "abc", say: the batch is split
+    except (TypeError, ValueError, KeyError, IndexError) as exc:
+        # a top_k of "abc", say: the batch is split
         raise InvalidInput(f"the answer could not be made with these parameters: {exc}") from exc
 
 
@@ -207,8 +246,9 @@ def _is_chunked(pipeline: Any) -> bool:
 
 
 def shape(task: str, answers: list[Any], request: TaskRequest) -> Any:
-    """The answers of one request as the pipeline returns them for its input: for one input, its answer (a text
-    classifier's in a list unless ``top_k`` was given); for a list, the list (fill-mask unwraps a list of one)."""
+    """The answers of one request as the pipeline returns them for its input: for one input, its
+    answer (a text classifier's in a list unless ``top_k`` was given); for a list, the list
+    (fill-mask unwraps a list of one)."""
     if task in sentences.TASKS:
         return sentences.shape(task, answers, request)
     if request.single:
@@ -220,18 +260,21 @@ def shape(task: str, answers: list[Any], request: TaskRequest) -> Any:
 
 
 def length_groups(lengths: list[int]) -> list[list[int]]:
-    """Indices of ``lengths`` in groups that cost the fewest tokens in all: sorted by length, cut where a pass of its
-    own (``PASS_COST_TOKENS``) costs less than padding the shorter rows up to the longer ones would."""
+    """Indices of ``lengths`` in groups that cost the fewest tokens in all: sorted by length, cut
+    where a pass of its own (``PASS_COST_TOKENS``) costs less than padding the shorter rows up to
+    the longer ones would."""
     order = sorted(range(len(lengths)), key=lambda index: lengths[index])
     groups: list[list[int]] = []
-    for start in range(0, len(order), MAX_ROWS_PLANNED):  # the plan is quadratic in rows: plan long lists in windows
+    for start in range(0, len(order), MAX_ROWS_PLANNED):
+        # the plan is quadratic in rows: plan long lists in windows
         window = order[start : start + MAX_ROWS_PLANNED]
         # best[i]: the cheapest cost of the first i rows, and where its last group starts.
         best = [(0, 0)] + [(0, 0)] * len(window)
         for end in range(1, len(window) + 1):
             longest = lengths[window[end - 1]]
             best[end] = min(
-                (best[first][0] + PASS_COST_TOKENS + (end - first) * longest, first) for first in range(end)
+                (best[first][0] + PASS_COST_TOKENS + (end - first) * longest, first)
+                for first in range(end)
             )
         cuts, end = [], len(window)
         while end > 0:
@@ -242,9 +285,10 @@ def length_groups(lengths: list[int]) -> list[list[int]]:
 
 
 def pad(rows: list[dict[str, Any]], pad_id: int | None) -> dict[str, Any]:
-    """One batch of ``rows``: tensors padded on the right to the longest along their second dimension, and stacked
-    (images are one size already); anything else listed. A tokenizer with no pad token pads with id 0: the
-    attention mask hides it and every row is cut back before anyone reads it."""
+    """One batch of ``rows``: tensors padded on the right to the longest along their second
+    dimension, and stacked (images are one size already); anything else listed. A tokenizer with no
+    pad token pads with id 0: the attention mask hides it and every row is cut back before anyone
+    reads it."""
     batch: dict[str, Any] = {}
     for key in rows[0]:
         values = [row[key] for row in rows]
@@ -271,8 +315,8 @@ def length(row: dict[str, Any]) -> int | None:
 
 
 def cut_back(batch: Any, index: int, prepared: dict[str, Any]) -> Any:
-    """Row ``index`` of a batch's outputs, as a pass over that row alone would give them (batch dimension 1, and
-    per-token values cut back to the row's ``length``)."""
+    """Row ``index`` of a batch's outputs, as a pass over that row alone would give them (batch
+    dimension 1, and per-token values cut back to the row's ``length``)."""
     tokens = length(prepared)
     values = {key: _take(key, value, index, tokens) for key, value in batch.items()}
     return type(batch)(values) if isinstance(batch, dict) else values
@@ -293,7 +337,8 @@ def _take(key: str, value: Any, index: int, length: int | None) -> Any:
 
 
 class TokenizerCopies:
-    """The copies of one tokenizer. It holds the tokenizer weakly: the copies go when the models that hold it do."""
+    """The copies of one tokenizer. It holds the tokenizer weakly: the copies go when the models
+    that hold it do."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = weakref.ref(tokenizer)
@@ -352,7 +397,8 @@ def lent_tokenizer(tokenizer: Any) -> Iterator[Any]:
 
 @contextmanager
 def lent_pipeline(pipeline: Any) -> Iterator[Any]:
-    """A shallow copy of a transformers pipeline with a lent copy of its tokenizer, for this step."""
+    """A shallow copy of a transformers pipeline with a lent copy of its tokenizer, for this
+    step."""
     with lent_tokenizer(pipeline.tokenizer) as tokenizer:
         own = copy.copy(pipeline)
         own.tokenizer = tokenizer

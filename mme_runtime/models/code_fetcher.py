@@ -1,7 +1,9 @@
-"""Inference code from ``s3://bucket/key.tar.gz``: fetched once per container, cached by URI and ETag, unpacked safely.
+"""Inference code from ``s3://bucket/key.tar.gz``: fetched once per container, cached by URI and
+ETag, unpacked safely.
 
-A HEAD per load tells whether the cached copy is current; the GET happens only when the ETag is new, under a file
-lock, into a temporary directory that is renamed into place, so a failure never leaves a half-written entry.
+A HEAD per load tells whether the cached copy is current; the GET happens only when the ETag is new,
+under a file lock, into a temporary directory that is renamed into place, so a failure never leaves
+a half-written entry.
 """
 
 from __future__ import annotations
@@ -40,11 +42,15 @@ ATTEMPTS = 2  # each S3 call's, timed out after MME_S3_TIMEOUT_SECONDS
 
 
 class CodeFetchError(ModelLoadError):
-    """The code archive could not be fetched or unpacked; the message names the URI and the cause."""
+    """The code archive could not be fetched or unpacked; the message names the URI and the
+    cause."""
 
 
-def locate_code(model_dir: Path, submit_directory: str | None, fetcher: CodeFetcher) -> tuple[Path | None, str]:
-    """Where a model's inference code is: its ``code/``, else ``SAGEMAKER_SUBMIT_DIRECTORY``, else none (defaults).
+def locate_code(
+    model_dir: Path, submit_directory: str | None, fetcher: CodeFetcher
+) -> tuple[Path | None, str]:
+    """Where a model's inference code is: its ``code/``, else ``SAGEMAKER_SUBMIT_DIRECTORY``, else
+    none (defaults).
 
     Returns the directory (or None) and a description for the log line that says which was bound.
     """
@@ -56,7 +62,9 @@ def locate_code(model_dir: Path, submit_directory: str | None, fetcher: CodeFetc
             return fetcher.fetch(submit_directory), submit_directory
         local = Path(submit_directory)
         if not local.is_dir():
-            raise CodeFetchError(f"SAGEMAKER_SUBMIT_DIRECTORY={submit_directory}: no such directory")
+            raise CodeFetchError(
+                f"SAGEMAKER_SUBMIT_DIRECTORY={submit_directory}: no such directory"
+            )
         return local, str(local)
     return None, "defaults"
 
@@ -69,7 +77,8 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
 
 
 class CodeFetcher:
-    """Fetches and caches code archives under ``cache_dir`` (shared by every process of the container)."""
+    """Fetches and caches code archives under ``cache_dir`` (shared by every process of the
+    container)."""
 
     def __init__(self, cache_dir: Path, timeout_seconds: int = 30, client: Any = None) -> None:
         self.cache_dir = cache_dir
@@ -80,7 +89,9 @@ class CodeFetcher:
     def client(self) -> Any:
         if self._client is None:
             if boto3 is None:
-                raise CodeFetchError("fetching code from S3 needs boto3, which this Python does not have")
+                raise CodeFetchError(
+                    "fetching code from S3 needs boto3, which this Python does not have"
+                )
             # boto3 finds credentials and a custom endpoint (AWS_ENDPOINT_URL_S3) by itself.
             config = BotoConfig(
                 connect_timeout=min(5, self._timeout),
@@ -91,12 +102,15 @@ class CodeFetcher:
         return self._client
 
     def fetch(self, uri: str) -> Path:
-        """The directory holding the archive's contents, fetching it only if this ETag is not cached yet."""
+        """The directory holding the archive's contents, fetching it only if this ETag is not cached
+        yet."""
         started = time.monotonic()
         try:
             return self._fetch(uri)
         except CodeFetchError as exc:
-            if boto3 is None or not isinstance(exc.__cause__, (ReadTimeoutError, ConnectTimeoutError)):
+            if boto3 is None or not isinstance(
+                exc.__cause__, (ReadTimeoutError, ConnectTimeoutError)
+            ):
                 raise
             setting = f"MME_S3_TIMEOUT_SECONDS={self._timeout} per call, {ATTEMPTS} attempts"
             message = failures.timed_out(time.monotonic() - started, setting, f"fetching {uri}")
@@ -106,7 +120,9 @@ class CodeFetcher:
         bucket, key = parse_s3_uri(uri)
         etag = self._etag(uri, bucket, key)
         entry = self.cache_dir / _entry_name(uri, etag)
-        built = build_once(entry, lambda staging: self._download_and_extract(uri, bucket, key, etag, staging))
+        built = build_once(
+            entry, lambda staging: self._download_and_extract(uri, bucket, key, etag, staging)
+        )
         metrics.record_cache_lookup("code", hit=not built)
         if built:
             logger.info("code %s etag=%s fetched to %s", uri, etag, entry)
@@ -122,7 +138,9 @@ class CodeFetcher:
             raise CodeFetchError(f"{uri}: {_describe(exc)}") from exc
         return str(head["ETag"]).strip('"')
 
-    def _download_and_extract(self, uri: str, bucket: str, key: str, etag: str, staging: Path) -> Path:
+    def _download_and_extract(
+        self, uri: str, bucket: str, key: str, etag: str, staging: Path
+    ) -> Path:
         archive = staging / "archive"
         client = self.client
         try:
@@ -137,7 +155,8 @@ class CodeFetcher:
 
 
 def extract_archive(archive: Path, target: Path, uri: str) -> None:
-    """Unpacks a tar archive, refusing absolute paths, ``..``, links leaving ``target`` and special files."""
+    """Unpacks a tar archive, refusing absolute paths, ``..``, links leaving ``target`` and special
+    files."""
     target.mkdir(parents=True)
     try:
         with tarfile.open(archive) as tar:
@@ -148,7 +167,9 @@ def extract_archive(archive: Path, target: Path, uri: str) -> None:
     except tarfile.FilterError as exc:
         raise CodeFetchError(f"{uri}: unsafe archive entry refused: {exc}") from exc
     except (tarfile.TarError, EOFError, OSError) as exc:
-        raise CodeFetchError(f"{uri}: not a readable tar archive ({type(exc).__name__}: {exc})") from exc
+        raise CodeFetchError(
+            f"{uri}: not a readable tar archive ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def _check_member(member: tarfile.TarInfo, target: Path, uri: str) -> None:
@@ -161,7 +182,10 @@ def _check_member(member: tarfile.TarInfo, target: Path, uri: str) -> None:
         base = target if member.islnk() else (target / name).parent
         destination = (base / member.linkname).resolve()
         if not destination.is_relative_to(target.resolve()):
-            raise CodeFetchError(f"{uri}: unsafe archive entry refused: link {name!r} -> {member.linkname!r} leaves it")
+            raise CodeFetchError(
+                f"{uri}: unsafe archive entry refused: link {name!r} -> {member.linkname!r} leaves "
+                "it"
+            )
     elif not (member.isfile() or member.isdir()):
         raise CodeFetchError(f"{uri}: unsafe archive entry refused: {name!r} is a device or pipe")
 

@@ -1,10 +1,12 @@
-"""PEFT LoRA adapters served with no code: a directory with ``adapter_config.json`` and ``adapter_model.safetensors``
-is a model of its own over a base model, which is loaded once (``model_fn`` loads the base; equal bases are one
-package, ``package_cache.py``, and their tensors one copy, ``tensor_store.py``).
+"""PEFT LoRA adapters served with no code: a directory with ``adapter_config.json`` and
+``adapter_model.safetensors`` is a model of its own over a base model, which is loaded once
+(``model_fn`` loads the base; equal bases are one package, ``package_cache.py``, and their tensors
+one copy, ``tensor_store.py``).
 
-``read_adapter`` reads and checks an adapter, ``base_directory`` finds its base, and ``attach`` serves it over the
-base, row by row: each wrapped layer adds, for each row of a pass, the delta of that row's adapter, gathered in one
-batched product (no Python loop over adapters inside a pass), so the rows of many adapters share their passes.
+``read_adapter`` reads and checks an adapter, ``base_directory`` finds its base, and ``attach``
+serves it over the base, row by row: each wrapped layer adds, for each row of a pass, the delta of
+that row's adapter, gathered in one batched product (no Python loop over adapters inside a pass), so
+the rows of many adapters share their passes.
 """
 
 from __future__ import annotations
@@ -36,8 +38,16 @@ TASK_TYPES = {
     "TOKEN_CLS": "token-classification",
     "FEATURE_EXTRACTION": "feature-extraction",
 }
-# Options whose effect this server does not reproduce: an adapter that sets one fails its LOAD rather than answer wrong.
-UNSUPPORTED = ("use_dora", "layers_to_transform", "layer_replication", "lora_bias", "target_parameters", "use_qalora")
+# Options whose effect this server does not reproduce: an adapter that sets one fails its LOAD
+# rather than answer wrong.
+UNSUPPORTED = (
+    "use_dora",
+    "layers_to_transform",
+    "layer_replication",
+    "lora_bias",
+    "target_parameters",
+    "use_qalora",
+)
 
 
 def is_adapter_directory(model_dir: Path) -> bool:
@@ -46,8 +56,9 @@ def is_adapter_directory(model_dir: Path) -> bool:
 
 @dataclass
 class Adapter:
-    """One adapter's tensors: ``lora`` maps a module path to its (A, B, scaling); ``saved`` maps a module path to the
-    state of the whole module the adapter replaces (PEFT's ``modules_to_save``, a classification head)."""
+    """One adapter's tensors: ``lora`` maps a module path to its (A, B, scaling); ``saved`` maps a
+    module path to the state of the whole module the adapter replaces (PEFT's ``modules_to_save``, a
+    classification head)."""
 
     task: str | None
     lora: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
@@ -61,18 +72,23 @@ class Adapter:
 
 
 def read_adapter(model_dir: Path) -> Adapter:
-    """The adapter in ``model_dir``; ``ModelLoadError`` naming the problem when it is not one this server serves."""
+    """The adapter in ``model_dir``; ``ModelLoadError`` naming the problem when it is not one this
+    server serves."""
     from safetensors.torch import load_file
 
     try:
         config = json.loads((model_dir / CONFIG_FILE).read_text(encoding="utf-8"))
         tensors = load_file(str(model_dir / WEIGHT_FILE))
     except FileNotFoundError as exc:
-        raise ModelLoadError(f"an adapter needs {CONFIG_FILE} and {WEIGHT_FILE}: {exc.filename} is missing") from exc
+        raise ModelLoadError(
+            f"an adapter needs {CONFIG_FILE} and {WEIGHT_FILE}: {exc.filename} is missing"
+        ) from exc
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"the adapter in {model_dir.name} cannot be read: {exc}") from exc
     if config.get("peft_type") != "LORA":
-        raise ModelLoadError(f"peft_type {config.get('peft_type')!r} is not served: only LORA adapters are")
+        raise ModelLoadError(
+            f"peft_type {config.get('peft_type')!r} is not served: only LORA adapters are"
+        )
     for option in UNSUPPORTED:
         if config.get(option):
             raise ModelLoadError(f"adapter option {option}={config[option]!r} is not served")
@@ -91,12 +107,15 @@ def read_adapter(model_dir: Path) -> Adapter:
                 raise ModelLoadError(f"the adapter has lora_A for {module} but no lora_B")
             r, a = _pattern(ranks, module, rank), _pattern(alphas, module, alpha)
             scaling = a / r**0.5 if config.get("use_rslora") else a / r
-            lora[module] = (tensor, up, scaling)  # (A: rank x in, B: out x rank); fan_in_fan_out is Conv1D's: refused
+            # (A: rank x in, B: out x rank); fan_in_fan_out is Conv1D's: refused
+            lora[module] = (tensor, up, scaling)
         elif ".lora_B." not in path:
             module, _, parameter = path.rpartition(".")
             saved.setdefault(module, {})[parameter] = tensor
     if not lora:
-        raise ModelLoadError(f"{WEIGHT_FILE} holds no LoRA matrices (keys like {PREFIX}<module>.lora_A.weight)")
+        raise ModelLoadError(
+            f"{WEIGHT_FILE} holds no LoRA matrices (keys like {PREFIX}<module>.lora_A.weight)"
+        )
     return Adapter(TASK_TYPES.get(config.get("task_type") or ""), lora, saved)
 
 
@@ -109,28 +128,39 @@ def _pattern(pattern: dict[str, Any], module: str, default: float) -> float:
 
 
 def find_base(model_dir: Path, base_model: str | None, config: Config) -> Path:
-    """The adapter's base directory (``base_directory``), or for ``base_model=s3://bucket/key.tar.gz`` the archive
-    fetched once per ETag into ``MME_CACHE_DIR/bases`` (``code_fetcher.py``): its top, or its one directory that
-    holds a model."""
+    """The adapter's base directory (``base_directory``), or for
+    ``base_model=s3://bucket/key.tar.gz`` the archive fetched once per ETag into
+    ``MME_CACHE_DIR/bases`` (``code_fetcher.py``): its top, or its one directory that holds a
+    model."""
     if base_model is not None and base_model.startswith("s3://"):
-        fetched = CodeFetcher(config.cache_dir / "bases", config.s3_timeout_seconds).fetch(base_model)
-        return fetched if _holds_model(fetched) else _one_inside(fetched, f"the archive {base_model}")
+        fetched = CodeFetcher(config.cache_dir / "bases", config.s3_timeout_seconds).fetch(
+            base_model
+        )
+        return (
+            fetched if _holds_model(fetched) else _one_inside(fetched, f"the archive {base_model}")
+        )
     allowed = config.allow_any_model_location or not config.multi_model
     return base_directory(model_dir, base_model, None if allowed else config.model_root)
 
 
 def base_directory(model_dir: Path, base_model: str | None, model_root: Path | None) -> Path:
-    """The adapter's local base: ``base_model=`` in its ``serving.properties`` (a path under ``model_root``, None:
-    anywhere, or relative to the adapter), else the one directory inside the adapter's that holds a model (a Hugging
-    Face ``config.json``, or a PyTorch ``model.pt``/``model.pth`` with the ``code/`` that builds it)."""
+    """The adapter's local base: ``base_model=`` in its ``serving.properties`` (a path under
+    ``model_root``, None: anywhere, or relative to the adapter), else the one directory inside the
+    adapter's that holds a model (a Hugging Face ``config.json``, or a PyTorch
+    ``model.pt``/``model.pth`` with the ``code/`` that builds it)."""
     if base_model is not None:
         candidate = Path(base_model) if Path(base_model).is_absolute() else (model_dir / base_model)
         base = candidate.resolve()
         allowed = model_root is None or base.is_relative_to(model_root.resolve())
         if not (allowed or base.is_relative_to(model_dir.resolve())):
-            raise ModelLoadError(f"base_model={base_model} is outside the model root {model_root}", status=400)
+            raise ModelLoadError(
+                f"base_model={base_model} is outside the model root {model_root}", status=400
+            )
         if not _holds_model(base):
-            message = f"base_model={base_model}: no model there (no config.json, model.pt or model.pth in {base})"
+            message = (
+                f"base_model={base_model}: no model there (no config.json, model.pt or model.pth "
+                f"in {base})"
+            )
             raise ModelLoadError(message, status=400)
         return base
     return _one_inside(model_dir, "the adapter's directory")
@@ -141,8 +171,9 @@ def _one_inside(directory: Path, where: str) -> Path:
     if len(inside) != 1:
         found = "none" if not inside else ", ".join(path.name for path in inside)
         raise ModelLoadError(
-            f"the adapter's base is not known: set base_model=<directory or s3://...tar.gz> in its serving.properties, "
-            f"or ship the base as one directory inside {where} (found: {found})",
+            "the adapter's base is not known: set base_model=<directory or s3://...tar.gz> in its "
+            f"serving.properties, or ship the base as one directory inside {where} (found: "
+            f"{found})",
             status=400,
         )
     return inside[0]
@@ -153,7 +184,8 @@ def _holds_model(directory: Path) -> bool:
 
 
 class LoraLinear(torch.nn.Module):
-    """A base linear layer and the low-rank updates of the adapters that target it, picked row by row."""
+    """A base linear layer and the low-rank updates of the adapters that target it, picked row by
+    row."""
 
     def __init__(self, base: torch.nn.Linear, adapters: AdapterSet) -> None:
         super().__init__()
@@ -175,7 +207,8 @@ class LoraLinear(torch.nn.Module):
 
 
 class SavedModule(torch.nn.Module):
-    """A module some adapters replace whole (a classification head): each row goes through its adapter's copy."""
+    """A module some adapters replace whole (a classification head): each row goes through its
+    adapter's copy."""
 
     def __init__(self, base: torch.nn.Module, adapters: AdapterSet) -> None:
         super().__init__()
@@ -197,13 +230,15 @@ class SavedModule(torch.nn.Module):
 
 
 class AdapterSet:
-    """The adapters over one base module, and which adapter each row of the pass under way uses. One pass at a
-    time: ``selecting`` holds a lock for the pass (the adapters' shared batcher runs one anyway)."""
+    """The adapters over one base module, and which adapter each row of the pass under way uses. One
+    pass at a time: ``selecting`` holds a lock for the pass (the adapters' shared batcher runs one
+    anyway)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self.index: dict[str, int] = {}
-        self.groups: dict[int, torch.Tensor | None] = {}  # adapter -> the rows of the pass that use it (None: all)
+        # adapter -> the rows of the pass that use it (None: all)
+        self.groups: dict[int, torch.Tensor | None] = {}
         self.pass_lock = threading.Lock()
         self._lock = threading.Lock()
         self._next = 0
@@ -211,13 +246,16 @@ class AdapterSet:
         self._users: set[str] = set()
 
     def add(self, name: str, adapter: Adapter) -> None:
-        """Wraps the layers the adapter targets (once per layer) and gives them its tensors, on the module's device."""
+        """Wraps the layers the adapter targets (once per layer) and gives them its tensors, on the
+        module's device."""
         with self._lock:
             modules = dict(self.module.named_modules())
             missing = [path for path in (*adapter.lora, *adapter.saved) if path not in modules]
             if missing:
                 names = ", ".join(missing[:5])
-                raise ModelLoadError(f"the adapter targets modules the base does not have: {names}", status=400)
+                raise ModelLoadError(
+                    f"the adapter targets modules the base does not have: {names}", status=400
+                )
             index, self._next = self._next, self._next + 1
             for path, (down, up, scaling) in adapter.lora.items():
                 layer = self._wrapped(path, modules, LoraLinear)
@@ -237,7 +275,8 @@ class AdapterSet:
             return self._batcher
 
     def leave(self, name: str) -> None:
-        """``name``'s model is unloaded: its adapter goes, and the shared batcher with the last of them."""
+        """``name``'s model is unloaded: its adapter goes, and the shared batcher with the last of
+        them."""
         self.remove(name)
         with self._lock:
             self._users.discard(name)
@@ -260,14 +299,18 @@ class AdapterSet:
 
     @contextmanager
     def selecting(self, names: list[str | None]) -> Iterator[None]:
-        """Each row of the pass in this block uses the adapter named for it (None: the base alone)."""
+        """Each row of the pass in this block uses the adapter named for it (None: the base
+        alone)."""
         device = next(self.module.parameters()).device
         positions: dict[int, list[int]] = {}
         for row, name in enumerate(names):
-            if name in self.index:  # None (the base alone), or an adapter unloaded under its request
+            if name in self.index:
+                # None (the base alone), or an adapter unloaded under its request
                 positions.setdefault(self.index[name], []).append(row)
         with self.pass_lock:
-            self.groups = {index: torch.tensor(rows, device=device) for index, rows in positions.items()}
+            self.groups = {
+                index: torch.tensor(rows, device=device) for index, rows in positions.items()
+            }
             try:
                 yield
             finally:
@@ -288,7 +331,10 @@ class AdapterSet:
         if isinstance(layer, kind):
             return layer
         if kind is LoraLinear and not isinstance(layer, torch.nn.Linear):
-            raise ModelLoadError(f"the adapter targets {path}, a {type(layer).__name__}: only Linear layers are served")
+            raise ModelLoadError(
+                f"the adapter targets {path}, a {type(layer).__name__}: only Linear layers are "
+                "served"
+            )
         parent_path, _, child = path.rpartition(".")
         wrapper = kind(layer, self)
         setattr(modules[parent_path] if parent_path else self.module, child, wrapper)
@@ -297,15 +343,17 @@ class AdapterSet:
 
 
 def _replaced(base: torch.nn.Module, state: dict[str, torch.Tensor], path: str) -> torch.nn.Module:
-    """A copy of ``base`` holding the adapter's own state for it (same shapes, or the LOAD fails)."""
+    """A copy of ``base`` holding the adapter's own state for it (same shapes, or the LOAD
+    fails)."""
     replacement = copy.deepcopy(base)
     own = replacement.state_dict()
     for key, tensor in state.items():
         if key not in own or own[key].shape != tensor.shape:
             expected = tuple(own[key].shape) if key in own else "nothing"
             raise ModelLoadError(
-                f"the adapter's {path}.{key} has shape {tuple(tensor.shape)}, the base's {expected}: the base's "
-                "config.json must describe the model the adapter was trained on (num_labels, for a head)",
+                f"the adapter's {path}.{key} has shape {tuple(tensor.shape)}, the base's "
+                f"{expected}: the base's config.json must describe the model the adapter was "
+                "trained on (num_labels, for a head)",
                 status=400,
             )
     replacement.load_state_dict(state, strict=False)
@@ -316,7 +364,8 @@ _SETS_LOCK = threading.Lock()
 
 
 def attach(model: Any, module: torch.nn.Module, name: str, adapter: Adapter) -> AdapterSet:
-    """Adds ``name``'s adapter to the adapter set of ``module`` (the base ``model`` holds), made on the first."""
+    """Adds ``name``'s adapter to the adapter set of ``module`` (the base ``model`` holds), made on
+    the first."""
     with _SETS_LOCK:
         adapters = getattr(model, "adapters", None)
         if adapters is None:

@@ -1,19 +1,23 @@
-"""Packages of shared models, kept by their artifacts, so that no ``model_fn`` runs twice for the same files.
+"""Packages of shared models, kept by their artifacts, so that no ``model_fn`` runs twice for the
+same files.
 
 Two uses of one mechanism:
 
-* **Another name for the same artifacts** (a TorchScript ``model.pt``/``model.pth`` the defaults load, or the base of
-  a LoRA adapter) takes the same shared-memory file, with no loader run, and a host unpacks it once: one copy of the
-  weights; for adapters, one base their requests share passes over. Such a key is the artifacts' alone.
-* **A re-LOAD after an UNLOAD** (SageMaker unloads under memory pressure and loads again on the next request): the
-  package of the last model that used it is kept, least recently used first out, within ``MME_KEEP_UNLOADED_MB``,
-  and never while a LOAD needs the host memory it holds (``make_room``). A model with inference code (or any model
-  no other key fits) is kept under its name and its directory's files (path, size, modification time of each): the
-  same name over the same files skips its loader, ``model_fn``, the S3 code fetch and the packing. A file rewritten,
+* **Another name for the same artifacts** (a TorchScript ``model.pt``/``model.pth`` the defaults
+  load, or the base of a LoRA adapter) takes the same shared-memory file, with no loader run, and a
+  host unpacks it once: one copy of the weights; for adapters, one base their requests share passes
+  over. Such a key is the artifacts' alone.
+* **A re-LOAD after an UNLOAD** (SageMaker unloads under memory pressure and loads again on the next
+  request): the package of the last model that used it is kept, least recently used first out,
+  within ``MME_KEEP_UNLOADED_MB``, and never while a LOAD needs the host memory it holds
+  (``make_room``). A model with inference code (or any model no other key fits) is kept under its
+  name and its directory's files (path, size, modification time of each): the same name over the
+  same files skips its loader, ``model_fn``, the S3 code fetch and the packing. A file rewritten,
   added or removed is another key.
 
-The warm process keeps it for every model, shared or in a host of its own (a package remembers which: ``placement``);
-``MME_MODEL_CACHE_MB=0`` turns sharing across names off, ``MME_KEEP_UNLOADED_MB=0`` keeping.
+The warm process keeps it for every model, shared or in a host of its own (a package remembers
+which: ``placement``); ``MME_MODEL_CACHE_MB=0`` turns sharing across names off,
+``MME_KEEP_UNLOADED_MB=0`` keeping.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ def register_weight_files(names: Iterable[str]) -> None:
             _weight_files.append(name)
 
 
-Key = tuple[str, int, int]  # a path, its size and its modification time: what names one set of artifacts
+# a path, its size and its modification time: what names one set of artifacts
+Key = tuple[str, int, int]
 
 
 def key_for(path: Path) -> Key:
@@ -66,19 +71,22 @@ def key_for(path: Path) -> Key:
 class _Entry:
     package: Package
     users: set[str] = field(default_factory=set)
-    private: str | None = None  # why its models need a device host of their own (their loader said), if they do
+    # why its models need a device host of their own (their loader said), if they do
+    private: str | None = None
     threads: int | None = None  # the intra-op threads its model_fn chose, for such a host
 
     @property
     def held_bytes(self) -> int:
-        """The memory its own shared-memory file holds (pages other packages' tensors stood for were punched)."""
+        """The memory its own shared-memory file holds (pages other packages' tensors stood for were
+        punched)."""
         return os.fstat(self.package.fd).st_blocks * 512
 
 
 class PackageCache:
     def __init__(self, config: Config, release: Callable[[Package], None]) -> None:
         self.config = config
-        self.release_package = release  # the tensor store's: a package's tensors may be other packages' too
+        # the tensor store's: a package's tensors may be other packages' too
+        self.release_package = release
         self.entries: OrderedDict[Key, _Entry] = OrderedDict()  # least recently used first
 
     @property
@@ -87,19 +95,24 @@ class PackageCache:
         return sum(entry.held_bytes for entry in self.entries.values() if not entry.users)
 
     def key(self, spec: ModelSpec) -> Key | None:
-        """The model's artifacts when the defaults load them (any name may share them), else its name and files (for
-        its own re-LOAD); None when neither use is on."""
+        """The model's artifacts when the defaults load them (any name may share them), else its
+        name and files (for its own re-LOAD); None when neither use is on."""
         model_dir = Path(spec.model_dir)
         try:
             shared = self._shared_key(model_dir)
             if shared is not None:
                 return shared
-            return None if self.config.keep_unloaded_mb == 0 else _own_key(spec.name, model_dir, self.config)
+            return (
+                None
+                if self.config.keep_unloaded_mb == 0
+                else _own_key(spec.name, model_dir, self.config)
+            )
         except (OSError, ValueError, ModelLoadError):
             return None  # its loader reports what is wrong
 
     def take(self, key: Key, name: str) -> Package | None:
-        """The package already made from these artifacts, now used by ``name`` too; None (a miss) if there is none."""
+        """The package already made from these artifacts, now used by ``name`` too; None (a miss) if
+        there is none."""
         entry = self.entries.get(key)
         metrics.record_cache_lookup("model", hit=entry is not None)
         if entry is None:
@@ -111,17 +124,24 @@ class PackageCache:
         return entry.package
 
     def placement(self, key: Key) -> tuple[str | None, int | None]:
-        """What the loader that made the package said of where its models run: why they need a host of their own
-        (None: they share) and the threads their ``model_fn`` chose. The same files, so the same answer."""
+        """What the loader that made the package said of where its models run: why they need a host
+        of their own (None: they share) and the threads their ``model_fn`` chose. The same files, so
+        the same answer."""
         entry = self.entries[key]
         return entry.private, entry.threads
 
     def add(
-        self, key: Key, name: str, package: Package, private: str | None = None, threads: int | None = None
+        self,
+        key: Key,
+        name: str,
+        package: Package,
+        private: str | None = None,
+        threads: int | None = None,
     ) -> Package:
-        """The package ``name`` uses from now on: ``package``, or the one another name's loader made first (two
-        loads of the same artifacts at once), in which case ``package`` is closed. ``private`` and ``threads``: what
-        its loader said of where its models run (``placement``)."""
+        """The package ``name`` uses from now on: ``package``, or the one another name's loader made
+        first (two loads of the same artifacts at once), in which case ``package`` is closed.
+        ``private`` and ``threads``: what its loader said of where its models run
+        (``placement``)."""
         entry = self.entries.get(key)
         if entry is None:
             self.entries[key] = _Entry(package, {name}, private, threads)
@@ -132,8 +152,8 @@ class PackageCache:
         return entry.package
 
     def release(self, key: Key, name: str, keep: bool = True) -> None:
-        """``name`` is unloaded; once no model uses the package it is kept, if it fits (and ``keep``), for a LOAD to
-        come."""
+        """``name`` is unloaded; once no model uses the package it is kept, if it fits (and
+        ``keep``), for a LOAD to come."""
         entry = self.entries.get(key)
         if entry is None:
             return
@@ -144,12 +164,15 @@ class PackageCache:
             self.entries.move_to_end(key)
             self._evict_beyond(self.config.keep_unloaded_mb * MIB)
             if key in self.entries:
-                logger.info("model cache keeps %s (%d MiB kept in all)", key[0], self.kept_bytes // MIB)
+                logger.info(
+                    "model cache keeps %s (%d MiB kept in all)", key[0], self.kept_bytes // MIB
+                )
 
     def make_room(self, spec: ModelSpec, loading_bytes: int = 0) -> int:
-        """Before ``spec``'s loader runs: kept packages go, least recently used first, until the host has the memory
-        its LOAD will check for (its artifacts and the headroom, beside ``loading_bytes`` for the LOADs still
-        running), or none is left. Returns its artifacts' size."""
+        """Before ``spec``'s loader runs: kept packages go, least recently used first, until the
+        host has the memory its LOAD will check for (its artifacts and the headroom, beside
+        ``loading_bytes`` for the LOADs still running), or none is left. Returns its artifacts'
+        size."""
         model_bytes = artifact_bytes(Path(spec.model_dir))
         needed = model_bytes + loading_bytes + self.config.memory_headroom_mb * MIB
         while available_bytes()[0] < needed and self._evict_oldest("a LOAD needs the memory"):
@@ -167,7 +190,9 @@ class PackageCache:
         return None if path is None else key_for(path)
 
     def _evict_beyond(self, limit_bytes: int) -> None:
-        while self.kept_bytes > limit_bytes and self._evict_oldest(f"more than {limit_bytes // MIB} MiB kept"):
+        while self.kept_bytes > limit_bytes and self._evict_oldest(
+            f"more than {limit_bytes // MIB} MiB kept"
+        ):
             pass
 
     def _evict_oldest(self, why: str) -> bool:
@@ -184,8 +209,8 @@ class PackageCache:
 
 
 def _own_key(name: str, model_dir: Path, config: Config) -> Key:
-    """The model's name and every file it loads from: its directory, and a local ``SAGEMAKER_SUBMIT_DIRECTORY``
-    (an S3 one by its URI, as the code fetcher's cache is keyed)."""
+    """The model's name and every file it loads from: its directory, and a local
+    ``SAGEMAKER_SUBMIT_DIRECTORY`` (an S3 one by its URI, as the code fetcher's cache is keyed)."""
     roots = [model_dir.resolve()]
     if config.submit_directory and not config.submit_directory.startswith("s3://"):
         roots.append(Path(config.submit_directory).resolve())
@@ -195,18 +220,24 @@ def _own_key(name: str, model_dir: Path, config: Config) -> Key:
             if path.is_file():
                 stat = path.stat()
                 files.append(f"{path.relative_to(root)}:{stat.st_size}:{stat.st_mtime_ns}")
-    digest = xxhash.xxh3_128_hexdigest("\n".join([*map(str, roots), config.submit_directory or "", *files]).encode())
+    digest = xxhash.xxh3_128_hexdigest(
+        "\n".join([*map(str, roots), config.submit_directory or "", *files]).encode()
+    )
     return (f"{name}@{model_dir}#{digest}", len(files), 0)
 
 
 def _base_key(adapter_dir: Path, config: Config) -> Key | None:
-    """An adapter's base weights, with the adapter's task and the base's own script (a plain PyTorch base is what
-    its ``model_fn`` makes of its files): adapters of one base for one task take one package."""
+    """An adapter's base weights, with the adapter's task and the base's own script (a plain PyTorch
+    base is what its ``model_fn`` makes of its files): adapters of one base for one task take one
+    package."""
     settings = read_settings(adapter_dir, config)
-    task = settings.task or json.loads((adapter_dir / lora.CONFIG_FILE).read_text()).get("task_type")
+    task = settings.task or json.loads((adapter_dir / lora.CONFIG_FILE).read_text()).get(
+        "task_type"
+    )
     if settings.base_model is not None and settings.base_model.startswith("s3://"):
-        # Known by its URI, never asked of S3 here (the warm process's loop): a base fetched once stays the one its
-        # adapters use while any is loaded; the loader fetches it anew, by ETag, after the last is gone.
+        # Known by its URI, never asked of S3 here (the warm process's loop): a base fetched once
+        # stays the one its adapters use while any is loaded; the loader fetches it anew, by ETag,
+        # after the last is gone.
         return (f"{settings.base_model}#{task}", 0, 0)
     base = lora.find_base(adapter_dir, settings.base_model, config)
     names = (*_weight_files, *MODEL_FILES)

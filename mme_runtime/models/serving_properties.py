@@ -1,16 +1,17 @@
-"""A model's own serving settings: ``serving.properties`` in its directory, over the container-wide defaults.
+"""A model's own serving settings: ``serving.properties`` in its directory, over the container-wide
+defaults.
 
-The keys are the ones MMS's LOAD and the AWS large-model container use: ``batch_size`` (requests per forward
-pass) and ``max_batch_delay`` (milliseconds); ``max_concurrency`` (forward passes at once); ``isolation``
-(``process``: never share the device host); ``compile`` (``true``) and ``compile_mode`` ask for an AOTInductor
-compile of the model on each device (``pt2.py``); ``task``, ``trust_remote_code`` and ``pooling`` for a
-Hugging Face model served with no code (``huggingface/loading.py``); ``share_weights``
-(``false``: its tensors are its own, never held once with another model's, ``tensor_store.py``);
-``base_model`` (a LoRA adapter's base, ``lora.py``); ``max_new_tokens`` and
-``max_generation_seconds`` (a generative model's cap on new tokens and on the time of one
-generation, ``huggingface/generation.py``). A LOAD body that carries ``batch_size`` wins over
-both: MMS then sends it in every worker's LOAD message. A malformed file fails the LOAD, with the
-cause in the log.
+The keys are the ones MMS's LOAD and the AWS large-model container use: ``batch_size`` (requests per
+forward pass) and ``max_batch_delay`` (milliseconds); ``max_concurrency`` (forward passes at once);
+``isolation`` (``process``: never share the device host); ``compile`` (``true``) and
+``compile_mode`` ask for an AOTInductor compile of the model on each device (``pt2.py``); ``task``,
+``trust_remote_code`` and ``pooling`` for a Hugging Face model served with no code
+(``huggingface/loading.py``); ``share_weights`` (``false``: its tensors are its own, never held once
+with another model's, ``tensor_store.py``); ``base_model`` (a LoRA adapter's base, ``lora.py``);
+``max_new_tokens`` and ``max_generation_seconds`` (a generative model's cap on new tokens and on the
+time of one generation, ``huggingface/generation.py``). A LOAD body that carries ``batch_size`` wins
+over both: MMS then sends it in every worker's LOAD message. A malformed file fails the LOAD, with
+the cause in the log.
 """
 
 from __future__ import annotations
@@ -46,14 +47,16 @@ KNOWN_KEYS = (
 COMPILE_MODES = ("default", "max-autotune")
 ISOLATIONS = ("shared", "process")
 POOLINGS = ("mean", "cls", "none")
-# Forward passes of one model at once when nothing sets it: stock MMS runs one request per worker at once, so an
-# unbatched model keeps that parallelism; a batching model runs one pass at a time, which is what lets a batch form.
+# Forward passes of one model at once when nothing sets it: stock MMS runs one request per worker at
+# once, so an unbatched model keeps that parallelism; a batching model runs one pass at a time,
+# which is what lets a batch form.
 DEFAULT_UNBATCHED_CONCURRENCY = 4
 
 
 @dataclass(frozen=True)
 class ServingSettings:
-    """How one model is served: ``batch_size`` 1 means no batching; ``source`` says where the size came from."""
+    """How one model is served: ``batch_size`` 1 means no batching; ``source`` says where the size
+    came from."""
 
     batch_size: int
     max_batch_delay_ms: int
@@ -61,14 +64,20 @@ class ServingSettings:
     compile: bool = False
     compile_mode: str = "default"
     max_concurrency: int | None = None  # None: DEFAULT_UNBATCHED_CONCURRENCY unbatched, 1 batching
-    isolation: str | None = None  # "process": a host of its own; "shared": the shared host; None: the rules
+    isolation: str | None = (
+        None  # "process": a host of its own; "shared": the shared host; None: the rules
+    )
     task: str | None = None  # a Hugging Face model's task; None: HF_TASK, else its architecture's
     trust_remote_code: bool = False
-    pooling: str | None = None  # feature-extraction: mean, cls or none; None: what the directory says
-    share_weights: bool = True  # tensors equal to another model's are held once (MME_SHARE_WEIGHTS can turn it off)
-    base_model: str | None = None  # a LoRA adapter's base: a directory under the model root, or relative to its own
+    # feature-extraction: mean, cls or none; None: what the directory says
+    pooling: str | None = None
+    # tensors equal to another model's are held once (MME_SHARE_WEIGHTS can turn it off)
+    share_weights: bool = True
+    # a LoRA adapter's base: a directory under the model root, or relative to its own
+    base_model: str | None = None
     max_new_tokens: int | None = None  # a generative model's cap; None: the container's
-    max_generation_seconds: float | None = None  # when a generation is cut; None: before the request's timeout
+    # when a generation is cut; None: before the request's timeout
+    max_generation_seconds: float | None = None
 
     @property
     def batching(self) -> bool:
@@ -82,19 +91,24 @@ class ServingSettings:
         return 1 if self.batching else DEFAULT_UNBATCHED_CONCURRENCY
 
     def with_load_batch_size(self, batch_size: int) -> ServingSettings:
-        """The LOAD body's ``batch_size`` (MMS passes it on; 1 when the body had none) wins over the file."""
+        """The LOAD body's ``batch_size`` (MMS passes it on; 1 when the body had none) wins over the
+        file."""
         if batch_size <= 1:
             return self
         return replace(self, batch_size=min(batch_size, MAX_BATCH_SIZE), source="LOAD")
 
 
 def read_settings(model_dir: Path, config: Config) -> ServingSettings:
-    """The model's settings: its ``serving.properties`` where it has one, the container's defaults otherwise.
+    """The model's settings: its ``serving.properties`` where it has one, the container's defaults
+    otherwise.
 
     Raises ``ModelLoadError`` naming the file, line and problem when the file is malformed.
     """
     defaults = ServingSettings(
-        config.batch_size, config.max_batch_delay_ms, "MME_BATCH_SIZE", max_concurrency=config.max_concurrency
+        config.batch_size,
+        config.max_batch_delay_ms,
+        "MME_BATCH_SIZE",
+        max_concurrency=config.max_concurrency,
     )
     path = model_dir / FILE_NAME
     if not path.is_file():
@@ -108,7 +122,9 @@ def read_settings(model_dir: Path, config: Config) -> ServingSettings:
         isolation = _choice("isolation", values.get("isolation"), ISOLATIONS)
         concurrency = values.get("max_concurrency")
         return ServingSettings(
-            batch_size=defaults.batch_size if size is None else parse_int("batch_size", size, 1, MAX_BATCH_SIZE),
+            batch_size=defaults.batch_size
+            if size is None
+            else parse_int("batch_size", size, 1, MAX_BATCH_SIZE),
             max_batch_delay_ms=defaults.max_batch_delay_ms
             if delay is None
             else parse_int("max_batch_delay", delay, 0, MAX_BATCH_DELAY_MS),
@@ -120,12 +136,18 @@ def read_settings(model_dir: Path, config: Config) -> ServingSettings:
             else parse_int("max_concurrency", concurrency, 1, MAX_CONCURRENCY),
             isolation=isolation,
             task=values.get("task"),
-            trust_remote_code=parse_bool("trust_remote_code", values.get("trust_remote_code", "false")),
+            trust_remote_code=parse_bool(
+                "trust_remote_code", values.get("trust_remote_code", "false")
+            ),
             pooling=_choice("pooling", values.get("pooling"), POOLINGS),
             share_weights=parse_bool("share_weights", values.get("share_weights", "true")),
             base_model=values.get("base_model"),
-            max_new_tokens=_optional_int("max_new_tokens", values.get("max_new_tokens"), 1, MAX_NEW_TOKENS),
-            max_generation_seconds=_seconds("max_generation_seconds", values.get("max_generation_seconds")),
+            max_new_tokens=_optional_int(
+                "max_new_tokens", values.get("max_new_tokens"), 1, MAX_NEW_TOKENS
+            ),
+            max_generation_seconds=_seconds(
+                "max_generation_seconds", values.get("max_generation_seconds")
+            ),
         )
     except (ConfigError, OSError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{FILE_NAME} is malformed: {exc}") from exc
@@ -151,8 +173,9 @@ def _choice(key: str, value: str | None, choices: tuple[str, ...]) -> str | None
 
 
 def _parse(path: Path) -> dict[str, str]:
-    """``key=value`` lines (``#``/``!`` comments, blank lines); a line without ``=`` or a repeated key is an error.
-    Keys this container does not use are logged and ignored, since files are often shared with other servers."""
+    """``key=value`` lines (``#``/``!`` comments, blank lines); a line without ``=`` or a repeated
+    key is an error. Keys this container does not use are logged and ignored, since files are often
+    shared with other servers."""
     values: dict[str, str] = {}
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         stripped = line.strip()
@@ -165,11 +188,16 @@ def _parse(path: Path) -> dict[str, str]:
         if key in values:
             raise ConfigError(f"line {number}: {key} is set twice")
         if re.search(r"\s[#!]", value):
-            # Java properties (and the AWS large-model container's files) have no trailing comments: MMS would read
-            # the comment as part of the value, so it is refused rather than guessed at.
-            raise ConfigError(f"line {number}: {key}={value!r}: a comment must be on a line of its own")
+            # Java properties (and the AWS large-model container's files) have no trailing comments:
+            # MMS would read the comment as part of the value, so it is refused rather than guessed
+            # at.
+            raise ConfigError(
+                f"line {number}: {key}={value!r}: a comment must be on a line of its own"
+            )
         if key not in KNOWN_KEYS:
-            logger.warning("%s line %d: %s is not a setting of this container; ignored", path, number, key)
+            logger.warning(
+                "%s line %d: %s is not a setting of this container; ignored", path, number, key
+            )
             continue
         values[key] = value
     return values

@@ -1,14 +1,15 @@
-"""A model's inference code, once ``code_fetcher`` found it (its own ``code/``, else ``SAGEMAKER_SUBMIT_DIRECTORY``,
-fetched from S3): installs its ``requirements.txt``, imports its script by file path, and binds its contract
-functions once.
+"""A model's inference code, once ``code_fetcher`` found it (its own ``code/``, else
+``SAGEMAKER_SUBMIT_DIRECTORY``, fetched from S3): installs its ``requirements.txt``, imports its
+script by file path, and binds its contract functions once.
 
-Each script is imported under a module name unique to the model, so two models whose scripts are both called
-``inference.py`` never see each other's functions. Whether a function takes ``context`` is decided here, once.
-Requirements are installed at LOAD, before the code is imported, once per file content: into
-``<cache>/<sha256 of the file>`` (reused by later loads, serialised by a file lock) and onto this process's
-``sys.path`` only, after the server's own packages, so they add libraries and never replace torch or the serving
-stack (the server's installed versions are pip's constraints). A model whose requirements the image does not already
-satisfy gets a device host of its own (``loading.py``).
+Each script is imported under a module name unique to the model, so two models whose scripts are
+both called ``inference.py`` never see each other's functions. Whether a function takes ``context``
+is decided here, once. Requirements are installed at LOAD, before the code is imported, once per
+file content: into ``<cache>/<sha256 of the file>`` (reused by later loads, serialised by a file
+lock) and onto this process's ``sys.path`` only, after the server's own packages, so they add
+libraries and never replace torch or the serving stack (the server's installed versions are pip's
+constraints). A model whose requirements the image does not already satisfy gets a device host of
+its own (``loading.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class RequirementsError(ModelLoadError):
 
 
 def install_requirements(code_dir: Path, cache_dir: Path, timeout_seconds: int) -> Path | None:
-    """Installs ``code_dir/requirements.txt`` if present and returns the directory to put on ``sys.path``."""
+    """Installs ``code_dir/requirements.txt`` if present and returns the directory to put on
+    ``sys.path``."""
     requirements = code_dir / REQUIREMENTS
     if not requirements.is_file():
         return None
@@ -59,7 +61,8 @@ def install_requirements(code_dir: Path, cache_dir: Path, timeout_seconds: int) 
 
 
 def add_to_path(directory: Path) -> None:
-    """After the server's own packages, so a requirement can add a library but never swap torch underneath us."""
+    """After the server's own packages, so a requirement can add a library but never swap torch
+    underneath us."""
     entry = str(directory)
     if entry not in sys.path:
         sys.path.append(entry)
@@ -87,7 +90,9 @@ def _pip_install(requirements: Path, staging: Path, timeout_seconds: int) -> Pat
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_seconds)
     except subprocess.TimeoutExpired as exc:
         what = f"pip install -r {requirements}"
-        raise RequirementsError(failures.timed_out(timeout_seconds, "MME_PIP_TIMEOUT_SECONDS", what)) from exc
+        raise RequirementsError(
+            failures.timed_out(timeout_seconds, "MME_PIP_TIMEOUT_SECONDS", what)
+        ) from exc
     if result.returncode != 0:
         summary = _summary(result.stderr or result.stdout)
         raise RequirementsError(f"pip install -r {requirements} failed: {summary}")
@@ -104,13 +109,25 @@ def _installed_pins() -> str:
 
 
 def _summary(output: str) -> str:
-    lines = [line.strip() for line in output.splitlines() if line.strip() and "WARNING: Location" not in line]
+    lines = [
+        line.strip()
+        for line in output.splitlines()
+        if line.strip() and "WARNING: Location" not in line
+    ]
     errors = [line for line in lines if line.startswith("ERROR")] or lines
     return " | ".join(errors[-SUMMARY_LINES:])[:800] or "no output"
 
 
 USER_MODULE_PREFIX = "mme_user_"
-CONTRACT = ("model_fn", "input_fn", "predict_fn", "output_fn", "transform_fn", "pre_model_fn", "model_warmup_fn")
+CONTRACT = (
+    "model_fn",
+    "input_fn",
+    "predict_fn",
+    "output_fn",
+    "transform_fn",
+    "pre_model_fn",
+    "model_warmup_fn",
+)
 # Positional arguments each contract function takes before the optional trailing ``context``.
 ARITY = {
     "model_fn": 1,
@@ -133,7 +150,9 @@ class UserFunction:
 
     name: str
     function: Callable[..., Any]
-    takes_context: bool  # called with the request's context as its last argument (serving/contract.py)
+    takes_context: (
+        bool  # called with the request's context as its last argument (serving/contract.py)
+    )
 
     @classmethod
     def bind(cls, name: str, function: Callable[..., Any]) -> UserFunction:
@@ -141,7 +160,8 @@ class UserFunction:
 
 
 def _takes_context(name: str, function: Callable[..., Any]) -> bool:
-    """True when the function's trailing parameter is ``context``, or (toolkit rule) it has one extra parameter."""
+    """True when the function's trailing parameter is ``context``, or (toolkit rule) it has one
+    extra parameter."""
     try:
         parameters = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError):
@@ -157,7 +177,8 @@ def _takes_context(name: str, function: Callable[..., Any]) -> bool:
     required = [p for p in positional if p.default is inspect.Parameter.empty]
     if len(required) > expected:
         raise UserCodeError(
-            f"{name} takes {len(required)} required arguments; expected {expected} (plus an optional context)"
+            f"{name} takes {len(required)} required arguments; expected {expected} (plus an "
+            "optional context)"
         )
     return False
 
@@ -178,7 +199,8 @@ def find_script(code_dir: Path | None, program: str) -> Path | None:
 
 
 def import_script(model_name: str, script: Path) -> ModuleType:
-    """Imports ``script`` under a name unique to the model; its directory goes on ``sys.path`` for its helpers."""
+    """Imports ``script`` under a name unique to the model; its directory goes on ``sys.path`` for
+    its helpers."""
     code_dir = str(script.parent.resolve())
     if code_dir not in sys.path:
         sys.path.insert(0, code_dir)
@@ -190,9 +212,11 @@ def import_script(model_name: str, script: Path) -> ModuleType:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:  # boundary: any failure in user code at import fails the LOAD with its cause
+    except Exception as exc:
+        # boundary: any failure in user code at import fails the LOAD with its cause
         del sys.modules[name]
-        where = f"{script.parent.name}/{script.name}"  # code/inference.py, in the model or fetched from S3
+        # code/inference.py, in the model or fetched from S3
+        where = f"{script.parent.name}/{script.name}"
         if isinstance(exc, ImportError):
             raise UserCodeError(failures.import_error(exc, where)) from exc
         raise UserCodeError(failures.raised(f"importing {where}", exc)) from exc
@@ -212,22 +236,30 @@ def bind_functions(module: ModuleType | None) -> dict[str, UserFunction]:
             raise UserCodeError(f"{name} in {module.__file__} is not a function")
         functions[name] = UserFunction.bind(name, function)
     if "transform_fn" in functions and {"input_fn", "predict_fn", "output_fn"} & functions.keys():
-        raise UserCodeError("transform_fn cannot be combined with input_fn, predict_fn or output_fn")
+        raise UserCodeError(
+            "transform_fn cannot be combined with input_fn, predict_fn or output_fn"
+        )
     return functions
 
 
-def load_user_code(model_name: str, code_dir: Path | None, source: str, config: Config) -> dict[str, UserFunction]:
-    """The contract functions the script in the model's code directory defines (``locate_code`` found it: ``source``
-    says where, for the log), its requirements installed first. Raises ``ModelLoadError`` naming what is wrong."""
+def load_user_code(
+    model_name: str, code_dir: Path | None, source: str, config: Config
+) -> dict[str, UserFunction]:
+    """The contract functions the script in the model's code directory defines (``locate_code``
+    found it: ``source`` says where, for the log), its requirements installed first. Raises
+    ``ModelLoadError`` naming what is wrong."""
     if code_dir is not None:
-        packages = install_requirements(code_dir, config.cache_dir / "requirements", config.pip_timeout_seconds)
+        packages = install_requirements(
+            code_dir, config.cache_dir / "requirements", config.pip_timeout_seconds
+        )
         if packages is not None:
             add_to_path(packages)
     try:
         script = find_script(code_dir, config.program)
         module = import_script(model_name, script) if script is not None else None
         user = bind_functions(module)
-    except UserCodeError as exc:  # what the script raised, if anything, is the traceback worth logging
+    except UserCodeError as exc:
+        # what the script raised, if anything, is the traceback worth logging
         raise ModelLoadError(str(exc), trace=exc.__cause__) from exc
     logger.info(
         "model=%s code=%s script=%s functions=%s",

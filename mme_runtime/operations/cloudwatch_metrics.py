@@ -1,17 +1,20 @@
-"""Per-model CloudWatch metrics where nothing scrapes ``/metrics`` (SageMaker): every ``MME_CLOUDWATCH_METRICS_SECONDS``
-the entrypoint prints one Embedded Metric Format (EMF) line per model, and one for the container, to stdout. SageMaker
-sends stdout to CloudWatch Logs, which turns each such line into metrics.
+"""Per-model CloudWatch metrics where nothing scrapes ``/metrics`` (SageMaker): every
+``MME_CLOUDWATCH_METRICS_SECONDS`` the entrypoint prints one Embedded Metric Format (EMF) line per
+model, and one for the container, to stdout. SageMaker sends stdout to CloudWatch Logs, which turns
+each such line into metrics.
 
-The values are the ones ``/metrics`` shows (``ModelMetrics.snapshot``). Counts are what happened since the previous
-lines: what a model counted before its UNLOAD is reported once, by the next lines, from its stopped server's series, so
-an UNLOAD and a re-LOAD never give a negative or a repeated count. Latency is the interval's average and its 99th
-percentile interpolated in the histogram's buckets (as Prometheus's ``histogram_quantile``: only as fine as they are).
-Memory is the current value. A model's LOAD time is reported once, by the first lines after its LOAD; the LOAD and
-UNLOAD counts are the container's, as on ``/metrics``.
+The values are the ones ``/metrics`` shows (``ModelMetrics.snapshot``). Counts are what happened
+since the previous lines: what a model counted before its UNLOAD is reported once, by the next
+lines, from its stopped server's series, so an UNLOAD and a re-LOAD never give a negative or a
+repeated count. Latency is the interval's average and its 99th percentile interpolated in the
+histogram's buckets (as Prometheus's ``histogram_quantile``: only as fine as they are). Memory is
+the current value. A model's LOAD time is reported once, by the first lines after its LOAD; the LOAD
+and UNLOAD counts are the container's, as on ``/metrics``.
 
-The JSON is written here, not with AWS's ``aws-embedded-metrics``: importing that package imports aiohttp and asyncio
-for sinks we do not use (230 ms and 23 MiB more in the entrypoint, 9 more packages in the image), and it reads
-``AWS_EMF_*`` variables. Our lines hold a few fixed keys, which the tests check against the specification's schema.
+The JSON is written here, not with AWS's ``aws-embedded-metrics``: importing that package imports
+aiohttp and asyncio for sinks we do not use (230 ms and 23 MiB more in the entrypoint, 9 more
+packages in the image), and it reads ``AWS_EMF_*`` variables. Our lines hold a few fixed keys, which
+the tests check against the specification's schema.
 """
 
 from __future__ import annotations
@@ -43,23 +46,36 @@ LATENCY = "mme_request_duration_seconds"
 
 
 def emf_line(
-    namespace: str, dimensions: dict[str, str], data: list[Datum], properties: dict[str, object], timestamp_ms: int
+    namespace: str,
+    dimensions: dict[str, str],
+    data: list[Datum],
+    properties: dict[str, object],
+    timestamp_ms: int,
 ) -> str:
-    """One EMF document on one line: each datum under ``dimensions`` (none: a metric of the namespace alone)."""
+    """One EMF document on one line: each datum under ``dimensions`` (none: a metric of the
+    namespace alone)."""
     directive = {
         "Namespace": namespace,
         "Dimensions": [list(dimensions)],
         "Metrics": [{"Name": name, "Unit": unit} for name, _, unit in data],
     }
-    document: dict[str, object] = {"_aws": {"Timestamp": timestamp_ms, "CloudWatchMetrics": [directive]}}
+    document: dict[str, object] = {
+        "_aws": {"Timestamp": timestamp_ms, "CloudWatchMetrics": [directive]}
+    }
     document.update(properties)
     document.update(dimensions)
-    document.update({name: int(value) if float(value).is_integer() else round(value, 3) for name, value, _ in data})
+    document.update(
+        {
+            name: int(value) if float(value).is_integer() else round(value, 3)
+            for name, value, _ in data
+        }
+    )
     return json.dumps(document, separators=(",", ":"), allow_nan=False)
 
 
 def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
-    """Prometheus's ``histogram_quantile`` on cumulative ``(upper bound, count)`` pairs, ``+Inf`` last."""
+    """Prometheus's ``histogram_quantile`` on cumulative ``(upper bound, count)`` pairs, ``+Inf``
+    last."""
     if not buckets or buckets[-1][1] <= 0:
         return None
     rank, lower, below = q * buckets[-1][1], 0.0, 0.0
@@ -92,57 +108,102 @@ def named(samples: Samples, name: str) -> dict[Labels, float]:
 
 
 class EmfLines:
-    """Makes each interval's lines from a snapshot, remembering the counts the previous lines reported."""
+    """Makes each interval's lines from a snapshot, remembering the counts the previous lines
+    reported."""
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
         self._seen: dict[str, Samples] = {}  # model -> the counts as of the previous lines
         self._refused: set[str] = set()  # names CloudWatch takes no dimension of, told once
-        self._load_seconds: dict[str, float] = {}  # model -> its LOAD's seconds, reported once per LOAD
+        # model -> its LOAD's seconds, reported once per LOAD
+        self._load_seconds: dict[str, float] = {}
 
     def lines(self, families: list[Metric], stopped: list[Metric], timestamp_ms: int) -> list[str]:
         """``families`` and ``stopped`` as ``ModelMetrics.snapshot`` gives them."""
         counts, gauges = by_model(families, additive=True), by_model(families, additive=False)
         gone = by_model(stopped, additive=True)
-        gone.pop(CONTAINER, None)  # the container's part of a stopped server counts on, in ``families``
-        deltas = {model: self._deltas(model, counts.get(model, {}), gone.get(model, {})) for model in counts | gone}
+        # the container's part of a stopped server counts on, in ``families``
+        gone.pop(CONTAINER, None)
+        deltas = {
+            model: self._deltas(model, counts.get(model, {}), gone.get(model, {}))
+            for model in counts | gone
+        }
         self._seen = {model: seen for model, seen in self._seen.items() if model in counts}
-        self._load_seconds = {model: seconds for model, seconds in self._load_seconds.items() if model in gauges}
-        lines = [self._container_line(deltas.get(CONTAINER, {}), gauges.get(CONTAINER, {}), timestamp_ms)]
+        self._load_seconds = {
+            model: seconds for model, seconds in self._load_seconds.items() if model in gauges
+        }
+        lines = [
+            self._container_line(deltas.get(CONTAINER, {}), gauges.get(CONTAINER, {}), timestamp_ms)
+        ]
         for model in sorted((deltas.keys() | gauges.keys()) - {CONTAINER}):
             if model not in counts and model not in gauges and not any(deltas[model].values()):
-                continue  # gone with nothing to report: a LOAD that failed is no model of CloudWatch's
+                # gone with nothing to report: a LOAD that failed is no model of CloudWatch's
+                continue
             if model.isascii() and len(model) <= MAX_DIMENSION_VALUE:
-                lines.append(self._model_line(model, deltas.get(model, {}), gauges.get(model, {}), timestamp_ms))
+                lines.append(
+                    self._model_line(
+                        model, deltas.get(model, {}), gauges.get(model, {}), timestamp_ms
+                    )
+                )
             elif model not in self._refused:
                 self._refused.add(model)
-                logger.warning("model=%r has no CloudWatch metrics: a dimension must be ASCII, 1024 at most", model)
+                logger.warning(
+                    "model=%r has no CloudWatch metrics: a dimension must be ASCII, 1024 at most",
+                    model,
+                )
         return lines
 
     def _deltas(self, model: str, now: Samples, gone: Samples) -> Samples:
-        """Each count since the previous lines: now, plus what a stopped server took away, less what was reported."""
+        """Each count since the previous lines: now, plus what a stopped server took away, less what
+        was reported."""
         seen = self._seen.get(model, {})
-        deltas = {key: max(0.0, now.get(key, 0.0) + gone.get(key, 0.0) - seen.get(key, 0.0)) for key in now | gone}
-        # A count lower than reported with no stop behind it (a file left out of this merge) keeps its mark, so that
-        # its values are not reported again when the file is back.
-        self._seen[model] = {key: max(value, seen.get(key, 0.0) - gone.get(key, 0.0)) for key, value in now.items()}
+        deltas = {
+            key: max(0.0, now.get(key, 0.0) + gone.get(key, 0.0) - seen.get(key, 0.0))
+            for key in now | gone
+        }
+        # A count lower than reported with no stop behind it (a file left out of this merge) keeps
+        # its mark, so that its values are not reported again when the file is back.
+        self._seen[model] = {
+            key: max(value, seen.get(key, 0.0) - gone.get(key, 0.0)) for key, value in now.items()
+        }
         return deltas
 
     def _model_line(self, model: str, deltas: Samples, gauges: Samples, timestamp_ms: int) -> str:
-        codes = {dict(labels)["code"]: value for labels, value in named(deltas, "mme_requests_total").items()}
+        codes = {
+            dict(labels)["code"]: value
+            for labels, value in named(deltas, "mme_requests_total").items()
+        }
         data: list[Datum] = [
             ("Invocations", sum(codes.values()), "Count"),
-            ("Invocation4XXErrors", sum(value for code, value in codes.items() if code.startswith("4")), "Count"),
-            ("Invocation5XXErrors", sum(value for code, value in codes.items() if code.startswith("5")), "Count"),
+            (
+                "Invocation4XXErrors",
+                sum(value for code, value in codes.items() if code.startswith("4")),
+                "Count",
+            ),
+            (
+                "Invocation5XXErrors",
+                sum(value for code, value in codes.items() if code.startswith("5")),
+                "Count",
+            ),
         ]
         requests = deltas.get((f"{LATENCY}_count", ()), 0.0)
         if requests > 0:
-            data.append(("ModelLatency", 1000 * deltas.get((f"{LATENCY}_sum", ()), 0.0) / requests, "Milliseconds"))
-            buckets = sorted((float(dict(labels)["le"]), n) for labels, n in named(deltas, f"{LATENCY}_bucket").items())
+            data.append(
+                (
+                    "ModelLatency",
+                    1000 * deltas.get((f"{LATENCY}_sum", ()), 0.0) / requests,
+                    "Milliseconds",
+                )
+            )
+            buckets = sorted(
+                (float(dict(labels)["le"]), n)
+                for labels, n in named(deltas, f"{LATENCY}_bucket").items()
+            )
             if (tail := quantile(LATENCY_QUANTILE, buckets)) is not None:
                 data.append(("ModelLatencyP99", 1000 * tail, "Milliseconds"))
         loaded = gauges.get(("mme_model_load_seconds", ()))
-        if loaded is not None and self._load_seconds.get(model) != loaded:  # a new LOAD (a gauge repeats its value)
+        if loaded is not None and self._load_seconds.get(model) != loaded:
+            # a new LOAD (a gauge repeats its value)
             self._load_seconds[model] = loaded
             data.append(("LoadTime", loaded, "Seconds"))
         if (host := gauges.get(("mme_model_host_memory_bytes", ()))) is not None:
@@ -150,10 +211,15 @@ class EmfLines:
         if gpus := named(gauges, "mme_model_gpu_memory_bytes"):
             data.append(("GPUMemory", sum(gpus.values()), "Bytes"))
         statuses = {code: int(value) for code, value in sorted(codes.items()) if value}
-        return emf_line(self.namespace, {"ModelName": model}, data, {"StatusCodes": statuses}, timestamp_ms)
+        return emf_line(
+            self.namespace, {"ModelName": model}, data, {"StatusCodes": statuses}, timestamp_ms
+        )
 
     def _container_line(self, deltas: Samples, gauges: Samples, timestamp_ms: int) -> str:
-        loads = {dict(labels)["outcome"]: value for labels, value in named(deltas, f"{LOAD}_count").items()}
+        loads = {
+            dict(labels)["outcome"]: value
+            for labels, value in named(deltas, f"{LOAD}_count").items()
+        }
         data: list[Datum] = [
             ("ModelLoads", loads.get("success", 0.0), "Count"),
             ("ModelLoadFailures", loads.get("failure", 0.0), "Count"),
@@ -161,7 +227,13 @@ class EmfLines:
         if loads.get("success", 0.0) > 0:
             seconds = deltas.get((f"{LOAD}_sum", (("outcome", "success"),)), 0.0)
             data.append(("ModelLoadTime", seconds / loads["success"], "Seconds"))
-        data.append(("ModelUnloads", sum(named(deltas, "mme_model_unload_duration_seconds_count").values()), "Count"))
+        data.append(
+            (
+                "ModelUnloads",
+                sum(named(deltas, "mme_model_unload_duration_seconds_count").values()),
+                "Count",
+            )
+        )
         data.append(("ModelsLoaded", gauges.get(("mme_models_loaded", ()), 0.0), "Count"))
         return emf_line(self.namespace, {}, data, {}, timestamp_ms)
 
@@ -169,7 +241,9 @@ class EmfLines:
 class CloudWatchMetrics:
     """The thread that prints the lines; ``stop`` prints the last ones, for what happened since."""
 
-    def __init__(self, collector: ModelMetrics, seconds: int, namespace: str, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, collector: ModelMetrics, seconds: int, namespace: str, stream: TextIO | None = None
+    ) -> None:
         self.collector = collector
         self.seconds = seconds
         self.emf = EmfLines(namespace)
@@ -178,7 +252,8 @@ class CloudWatchMetrics:
         self._thread = threading.Thread(target=self._run, name="cloudwatch-metrics", daemon=True)
 
     def start(self) -> None:
-        self.collector.snapshot()  # from now on, what stopped servers counted is kept for the next lines
+        # from now on, what stopped servers counted is kept for the next lines
+        self.collector.snapshot()
         self._thread.start()
 
     def stop(self) -> None:
@@ -192,7 +267,8 @@ class CloudWatchMetrics:
             for line in self.emf.lines(families, stopped, int(time.time() * 1000)):
                 self.stream.write(line + "\n")
                 self.stream.flush()
-        except Exception:  # noqa: BLE001 - metrics must never stop the server; the next interval tries again
+        except Exception:  # noqa: BLE001
+            # metrics must never stop the server; the next interval tries again
             logger.exception("CloudWatch metrics not written")
 
     def _run(self) -> None:
@@ -202,14 +278,19 @@ class CloudWatchMetrics:
 
 
 def start(config: Config, collector: ModelMetrics | None) -> CloudWatchMetrics | None:
-    """Prints the lines every ``cloudwatch_metrics_seconds``; None when that is 0 or metrics are off."""
+    """Prints the lines every ``cloudwatch_metrics_seconds``; None when that is 0 or metrics are
+    off."""
     if config.cloudwatch_metrics_seconds == 0:
         return None
     if collector is None:
-        logger.warning("CloudWatch metrics off: MME_METRICS_PORT=0 turns off the values they report")
+        logger.warning(
+            "CloudWatch metrics off: MME_METRICS_PORT=0 turns off the values they report"
+        )
         return None
     seconds, namespace = config.cloudwatch_metrics_seconds, config.cloudwatch_namespace
     emitter = CloudWatchMetrics(collector, seconds, namespace)
     emitter.start()
-    logger.info("CloudWatch metrics (EMF lines, namespace %s) on stdout every %d s", namespace, seconds)
+    logger.info(
+        "CloudWatch metrics (EMF lines, namespace %s) on stdout every %d s", namespace, seconds
+    )
     return emitter

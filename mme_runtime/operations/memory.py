@@ -1,10 +1,10 @@
-"""Memory honesty before a load: estimate what the model needs and refuse (507) what will not fit; and
-memory given back after UNLOADs (``MemoryRelease``).
+"""Memory honesty before a load: estimate what the model needs and refuse (507) what will not fit;
+and memory given back after UNLOADs (``MemoryRelease``).
 
-The estimate is the size of the model's artifacts (what a loaded PyTorch model roughly occupies), against the host's
-available memory in the server and, in a worker bound to a GPU, that GPU's free memory as nvidia-smi reports it:
-asking NVML through nvidia-smi keeps CUDA uninitialised. SageMaker answers a 507 by unloading other models and
-retrying the LOAD.
+The estimate is the size of the model's artifacts (what a loaded PyTorch model roughly occupies),
+against the host's available memory in the server and, in a worker bound to a GPU, that GPU's free
+memory as nvidia-smi reports it: asking NVML through nvidia-smi keeps CUDA uninitialised. SageMaker
+answers a 507 by unloading other models and retrying the LOAD.
 """
 
 from __future__ import annotations
@@ -36,24 +36,32 @@ CGROUP_MEMORY_STAT = (
 
 
 def artifact_bytes(model_dir: Path) -> int:
-    """Apparent size of the model's files, its code excepted (a sparse file counts at its full size)."""
+    """Apparent size of the model's files, its code excepted (a sparse file counts at its full
+    size)."""
     total = 0
     for path in model_dir.rglob("*"):
-        if path.is_file() and not SKIPPED_DIRECTORIES.intersection(path.relative_to(model_dir).parts):
+        if path.is_file() and not SKIPPED_DIRECTORIES.intersection(
+            path.relative_to(model_dir).parts
+        ):
             total += path.stat().st_size
     return total
 
 
 def needs(model_bytes: int, headroom_mb: int) -> str:
-    """``needs about X MiB (the model's M MiB + MME_MEMORY_HEADROOM_MB=H)``: what a refused LOAD asked for."""
+    """``needs about X MiB (the model's M MiB + MME_MEMORY_HEADROOM_MB=H)``: what a refused LOAD
+    asked for."""
     needed = (model_bytes + headroom_mb * MIB) // MIB
-    return f"needs about {needed} MiB (the model's {model_bytes // MIB} MiB + MME_MEMORY_HEADROOM_MB={headroom_mb})"
+    return (
+        f"needs about {needed} MiB (the model's {model_bytes // MIB} MiB + "
+        f"MME_MEMORY_HEADROOM_MB={headroom_mb})"
+    )
 
 
 def available_bytes() -> tuple[int, str]:
-    """The host memory a LOAD may still take, and whose bound that is: the system's available memory, or in a
-    container whose cgroup sets a lower limit, what that limit leaves (its inactive page cache counted as free: the
-    kernel reclaims it first). /proc/meminfo, which psutil reads, knows nothing of the container's limit."""
+    """The host memory a LOAD may still take, and whose bound that is: the system's available
+    memory, or in a container whose cgroup sets a lower limit, what that limit leaves (its inactive
+    page cache counted as free: the kernel reclaims it first). /proc/meminfo, which psutil reads,
+    knows nothing of the container's limit."""
     available = psutil.virtual_memory().available
     limit = failures.cgroup_memory()
     if limit is not None:
@@ -65,12 +73,14 @@ def available_bytes() -> tuple[int, str]:
 
 
 def check_host_memory(model_dir: Path, headroom_mb: int) -> None:
-    """Raises InsufficientMemory when the artifacts plus headroom exceed the host's available memory."""
+    """Raises InsufficientMemory when the artifacts plus headroom exceed the host's available
+    memory."""
     model_bytes = artifact_bytes(model_dir)
     available, bound = available_bytes()
     if model_bytes + headroom_mb * MIB > available:
         raise InsufficientMemory(
-            f"out of host memory: {needs(model_bytes, headroom_mb)}, {available // MIB} MiB available {bound}"
+            f"out of host memory: {needs(model_bytes, headroom_mb)}, {available // MIB} MiB "
+            f"available {bound}"
         )
 
 
@@ -87,10 +97,11 @@ def _inactive_file_bytes() -> int:
 
 
 def check_context_memory(model_dir: Path, headroom_mb: int, model_bytes: int | None = None) -> bool:
-    """In a process whose CUDA context exists (a device host): the artifacts plus headroom against what that context
-    can still allocate, the card's free memory plus what torch's caching allocator holds unused. False when this
-    process has no CUDA context (nothing checked: never create one for this). ``model_bytes``: what the model adds
-    there when that is known to be less than its artifacts (tensors it shares with models already on the card)."""
+    """In a process whose CUDA context exists (a device host): the artifacts plus headroom against
+    what that context can still allocate, the card's free memory plus what torch's caching allocator
+    holds unused. False when this process has no CUDA context (nothing checked: never create one for
+    this). ``model_bytes``: what the model adds there when that is known to be less than its
+    artifacts (tensors it shares with models already on the card)."""
     import torch
 
     if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
@@ -100,27 +111,29 @@ def check_context_memory(model_dir: Path, headroom_mb: int, model_bytes: int | N
     model_bytes = artifact_bytes(model_dir) if model_bytes is None else model_bytes
     if model_bytes + headroom_mb * MIB > free:
         raise InsufficientMemory(
-            f"out of GPU memory: {needs(model_bytes, headroom_mb)}, {free // MIB} MiB free to this process's CUDA "
-            "context (the card's free memory and torch's unused cache)"
+            f"out of GPU memory: {needs(model_bytes, headroom_mb)}, {free // MIB} MiB free to this "
+            "process's CUDA context (the card's free memory and torch's unused cache)"
         )
     return True
 
 
 def check_gpu_memory(model_dir: Path, gpu: str, headroom_mb: int) -> None:
-    """Raises InsufficientMemory when the artifacts plus headroom exceed the free memory of ``gpu`` (an nvidia-smi
-    index or UUID: the physical card)."""
+    """Raises InsufficientMemory when the artifacts plus headroom exceed the free memory of ``gpu``
+    (an nvidia-smi index or UUID: the physical card)."""
     free = gpu_free_bytes(gpu)
     if free is None:
         return
     model_bytes = artifact_bytes(model_dir)
     if model_bytes + headroom_mb * MIB > free:
         raise InsufficientMemory(
-            f"out of GPU memory: {needs(model_bytes, headroom_mb)}, {free // MIB} MiB free on GPU {gpu} (nvidia-smi)"
+            f"out of GPU memory: {needs(model_bytes, headroom_mb)}, {free // MIB} MiB free on GPU "
+            f"{gpu} (nvidia-smi)"
         )
 
 
 def release_memory(ordinal: int | None) -> None:
-    """Freed tensors back to the system: glibc keeps freed heap unless asked, torch keeps freed GPU blocks cached."""
+    """Freed tensors back to the system: glibc keeps freed heap unless asked, torch keeps freed GPU
+    blocks cached."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -130,12 +143,15 @@ def release_memory(ordinal: int | None) -> None:
 
 
 class MemoryRelease:
-    """Gives the memory of UNLOADed models back with ``release`` (a full collection, as a model's objects may hold
-    reference cycles, then ``release_memory``) once for a burst of UNLOADs: ``settle_seconds`` after the last, at
-    most ``most_seconds`` after the first. A collection per UNLOAD held the interpreter lock over every model's
-    objects each time (110 ms at 1,000 models), so draining a host was quadratic and its other models stalled."""
+    """Gives the memory of UNLOADed models back with ``release`` (a full collection, as a model's
+    objects may hold reference cycles, then ``release_memory``) once for a burst of UNLOADs:
+    ``settle_seconds`` after the last, at most ``most_seconds`` after the first. A collection per
+    UNLOAD held the interpreter lock over every model's objects each time (110 ms at 1,000 models),
+    so draining a host was quadratic and its other models stalled."""
 
-    def __init__(self, release: Callable[[], None], settle_seconds: float = 0.2, most_seconds: float = 1.0) -> None:
+    def __init__(
+        self, release: Callable[[], None], settle_seconds: float = 0.2, most_seconds: float = 1.0
+    ) -> None:
         self._release = release
         self._settle, self._most = settle_seconds, most_seconds
         self._wanted = threading.Event()

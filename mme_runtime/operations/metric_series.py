@@ -1,9 +1,11 @@
-"""The Prometheus series one model process writes (``metrics.py`` records into them), and the values behind them.
+"""The Prometheus series one model process writes (``metrics.py`` records into them), and the values
+behind them.
 
-A process that serves one model writes every value to its directory (``PROMETHEUS_MULTIPROC_DIR``, set once). A
-device host serves many: each of its models' ``Series`` owns a value class of its own, and every value is made with
-that class and its model's directory in force (prometheus_client reads both when a value is made, never after, in a
-process that does not fork), so each model's files land in its own directory and go with it on UNLOAD.
+A process that serves one model writes every value to its directory (``PROMETHEUS_MULTIPROC_DIR``,
+set once). A device host serves many: each of its models' ``Series`` owns a value class of its own,
+and every value is made with that class and its model's directory in force (prometheus_client reads
+both when a value is made, never after, in a process that does not fork), so each model's files land
+in its own directory and go with it on UNLOAD.
 """
 
 from __future__ import annotations
@@ -19,17 +21,35 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, mmap_dict, values
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-# Up to this batch size every size has its own bucket; above it, powers of two and the batch size itself.
+# Up to this batch size every size has its own bucket; above it, powers of two and the batch size
+# itself.
 MAX_EXACT_BATCH_BUCKETS = 64
 DIRECTORY_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 # Held while a hosted model's values are made: the value class and the directory are process-wide.
 _MAKING_VALUES = threading.Lock()
 
-# prometheus_client makes each value file 64 KiB at once, and the pages mapped with its first value stay resident:
-# 192 KiB for each model of a device host (three files), where one model's values take about 11 KiB. Started at a
-# page, a file doubles as values are added (``MmapedDict`` grows it itself).
+# prometheus_client makes each value file 64 KiB at once, and the pages mapped with its first value
+# stay resident: 192 KiB for each model of a device host (three files), where one model's values
+# take about 11 KiB. Started at a page, a file doubles as values are added (``MmapedDict`` grows it
+# itself).
 mmap_dict._INITIAL_MMAP_SIZE = mmap.PAGESIZE
 
 
@@ -41,8 +61,9 @@ def batch_size_buckets(batch_size: int) -> list[float]:
 
 
 class Series:
-    """One model's metric objects (or the container's, with no model). With ``home`` (the process's own directory),
-    a device host's model: its values go to ``directory``, the process's other values to ``home``."""
+    """One model's metric objects (or the container's, with no model). With ``home`` (the process's
+    own directory), a device host's model: its values go to ``directory``, the process's other
+    values to ``home``."""
 
     def __init__(self, model: str | None, directory: Path, home: Path | None = None) -> None:
         self.model = model
@@ -53,15 +74,21 @@ class Series:
         if home is not None:
             with _MAKING_VALUES:  # no other series' class between the two lines
                 self._value_class = values.MultiProcessValue()
-                # prometheus_client keeps each value class's cleanup (it closes the class's files) last in this list.
+                # prometheus_client keeps each value class's cleanup (it closes the class's files)
+                # last in this list.
                 self._close_files = values._multi_process_cleanups[-1]
         self._children: dict[tuple[int, tuple[Any, ...]], Any] = {}
-        self.device_bytes: int | None = None  # a hosted model's own tensors on its GPU (not the process's pool)
+        # a hosted model's own tensors on its GPU (not the process's pool)
+        self.device_bytes: int | None = None
         self.gpu: str | None = None  # the host's card, once it reports its GPU memory
         self.batch_sizes: Histogram | None = None
-        # registry=None: the exporter reads the files; nothing in a model process exposes a registry.
+        # registry=None: the exporter reads the files; nothing in a model process exposes a
+        # registry.
         self.requests = Counter(
-            "mme_requests", "Requests answered by the model, by HTTP status code.", ["model", "code"], registry=None
+            "mme_requests",
+            "Requests answered by the model, by HTTP status code.",
+            ["model", "code"],
+            registry=None,
         )
         self.request_seconds = Histogram(
             "mme_request_duration_seconds",
@@ -86,33 +113,43 @@ class Series:
         )
         self.restarts = Counter(
             "mme_model_restarts",
-            "Times the model was loaded again after the device host that served it ended (a crash, an OOM kill).",
+            "Times the model was loaded again after the device host that served it ended (a crash, "
+            "an OOM kill).",
             ["model"],
             registry=None,
         )
-        # The same count under the name of the design before device hosts: kept for one release (docs/metrics.md).
+        # The same count under the name of the design before device hosts: kept for one release
+        # (docs/metrics.md).
         self.executor_restarts = Counter(
-            "mme_executor_restarts", "Deprecated: mme_model_restarts_total.", ["model"], registry=None
+            "mme_executor_restarts",
+            "Deprecated: mme_model_restarts_total.",
+            ["model"],
+            registry=None,
         )
-        # livesum: the exporter leaves out the files of processes that ended, so a dead host's memory goes.
+        # livesum: the exporter leaves out the files of processes that ended, so a dead host's
+        # memory goes.
         self.gpu_memory = Gauge(
             "mme_model_gpu_memory_bytes",
-            "GPU memory the model's own tensors take on each card (the host's pool and CUDA context not included).",
+            "GPU memory the model's own tensors take on each card (the host's pool and CUDA "
+            "context not included).",
             ["model", "gpu"],
             multiprocess_mode="livesum",
             registry=None,
         )
-        # livemax: on GPUs each card's host loads the model; the slowest is when it was ready everywhere.
+        # livemax: on GPUs each card's host loads the model; the slowest is when it was ready
+        # everywhere.
         self.load_seconds = Gauge(
             "mme_model_load_seconds",
-            "Seconds the model's LOAD took, from its start in the warm process to the model ready on its device.",
+            "Seconds the model's LOAD took, from its start in the warm process to the model ready "
+            "on its device.",
             ["model"],
             multiprocess_mode="livemax",
             registry=None,
         )
         self.loads = Histogram(
             "mme_model_load_duration_seconds",
-            "LOADs that reached the warm process, from their start to the first answer, by outcome.",
+            "LOADs that reached the warm process, from their start to the first answer, by "
+            "outcome.",
             ["outcome"],
             buckets=LOAD_BUCKETS,
             registry=None,
@@ -126,15 +163,20 @@ class Series:
         )
         self.quarantines = Counter(
             "mme_model_quarantines",
-            "Models moved out of their shared device host to one of their own after crashing it twice.",
+            "Models moved out of their shared device host to one of their own after crashing it "
+            "twice.",
             ["model"],
             registry=None,
         )
         self.cache_lookups = Counter(
-            "mme_cache_lookups", "Cache lookups, by cache and result (hit or miss).", ["cache", "result"], registry=None
+            "mme_cache_lookups",
+            "Cache lookups, by cache and result (hit or miss).",
+            ["cache", "result"],
+            registry=None,
         )
         if model is not None:
-            for restarts in (self.restarts, self.executor_restarts):  # 0 from the start, not after the first restart
+            for restarts in (self.restarts, self.executor_restarts):
+                # 0 from the start, not after the first restart
                 self.child(restarts, model)
 
     def child(self, family: Any, *labels: Any) -> Any:
@@ -150,7 +192,8 @@ class Series:
         """Closes a hosted model's files (its directory is handed to the exporter next)."""
         if self._close_files is not None:
             self._close_files()
-            # The cleanup would stay in prometheus_client's list (and its value class with it) for good.
+            # The cleanup would stay in prometheus_client's list (and its value class with it) for
+            # good.
             with contextlib.suppress(ValueError):
                 values._multi_process_cleanups.remove(self._close_files)
             self._close_files = None
@@ -162,7 +205,10 @@ class Series:
             return
         with _MAKING_VALUES:
             saved_class = values.ValueClass
-            values.ValueClass, os.environ[DIRECTORY_VARIABLE] = self._value_class, str(self.directory)
+            values.ValueClass, os.environ[DIRECTORY_VARIABLE] = (
+                self._value_class,
+                str(self.directory),
+            )
             try:
                 yield
             finally:

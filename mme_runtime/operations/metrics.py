@@ -1,18 +1,20 @@
-"""Prometheus values recorded in the model processes, for the entrypoint to expose (``metrics_exporter.py``), and
-where their files live.
+"""Prometheus values recorded in the model processes, for the entrypoint to expose
+(``metrics_exporter.py``), and where their files live.
 
-prometheus_client's multiprocess mode: each process keeps its values in files of its own under one directory, and
-the exporter merges every file at each scrape. The warm process writes under ``metrics/container/<pid>/``. A device
-host writes its own under ``metrics/container/<host pid>/``, and each model it serves has a directory of its own,
-``metrics/models/<model>/<host pid>/`` (``start_hosted``): every thread the host runs for a model records into that
-model's series (``bind``). A loader writes under ``metrics/models/<model>/<loader pid>/`` while it loads. When a
-model goes (UNLOAD) or its loader ends, its directory moves to ``metrics/unloaded/``; the exporter keeps the
-container's counters from it and deletes the rest, so an unloaded model's series go away while the container's
-totals keep counting. Each directory is marked with its owner's start time, so that a reused pid is never taken for
-its owner.
+prometheus_client's multiprocess mode: each process keeps its values in files of its own under one
+directory, and the exporter merges every file at each scrape. The warm process writes under
+``metrics/container/<pid>/``. A device host writes its own under ``metrics/container/<host pid>/``,
+and each model it serves has a directory of its own, ``metrics/models/<model>/<host pid>/``
+(``start_hosted``): every thread the host runs for a model records into that model's series
+(``bind``). A loader writes under ``metrics/models/<model>/<loader pid>/`` while it loads. When a
+model goes (UNLOAD) or its loader ends, its directory moves to ``metrics/unloaded/``; the exporter
+keeps the container's counters from it and deletes the rest, so an unloaded model's series go away
+while the container's totals keep counting. Each directory is marked with its owner's start time, so
+that a reused pid is never taken for its owner.
 
-Everything here does nothing until ``start_model``, ``start_hosted`` or ``start_container`` ran (metrics are off
-with ``MME_METRICS_PORT=0``), and a value that cannot be recorded is logged, never raised into a request.
+Everything here does nothing until ``start_model``, ``start_hosted`` or ``start_container`` ran
+(metrics are off with ``MME_METRICS_PORT=0``), and a value that cannot be recorded is logged, never
+raised into a request.
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ from mme_runtime.operations.metric_series import DIRECTORY_VARIABLE, Series, bat
 
 logger = logging.getLogger(__name__)
 
-# A server's directory holds this file: its process's start time, so a reused pid is not taken for the server.
+# A server's directory holds this file: its process's start time, so a reused pid is not taken for
+# the server.
 OWNER_FILE = "owner"
-# A hosted model's directory holds this file: its tensors' bytes in host memory (the host's PSS is every model's).
+# A hosted model's directory holds this file: its tensors' bytes in host memory (the host's PSS is
+# every model's).
 HOST_BYTES_FILE = "host_bytes"
 MKDIR_ATTEMPTS = 3
 
@@ -48,9 +52,12 @@ def models_dir(metrics_dir: Path) -> Path:
 
 
 def scan(directory: Path, pattern: str) -> list[Path]:
-    """The paths under ``directory`` that match ``pattern``, sorted. Processes remove directories at any time (a host
-    lets a model go): one that goes mid-scan is skipped, where ``Path.glob`` raises FileNotFoundError."""
-    return sorted(Path(path) for path in glob.glob(os.path.join(glob.escape(str(directory)), pattern)))
+    """The paths under ``directory`` that match ``pattern``, sorted. Processes remove directories at
+    any time (a host lets a model go): one that goes mid-scan is skipped, where ``Path.glob`` raises
+    FileNotFoundError."""
+    return sorted(
+        Path(path) for path in glob.glob(os.path.join(glob.escape(str(directory)), pattern))
+    )
 
 
 def unloaded_dir(metrics_dir: Path) -> Path:
@@ -62,9 +69,11 @@ def model_dir_name(model: str) -> str:
 
 
 def move_to_unloaded(metrics_dir: Path, server_dir: Path) -> None:
-    """Hands a model server's values over to the exporter's fold (``OSError`` if another process did it first)."""
+    """Hands a model server's values over to the exporter's fold (``OSError`` if another process did
+    it first)."""
     target = unloaded_dir(metrics_dir) / f"{server_dir.parent.name}@{server_dir.name}"
-    if target.exists():  # a host that served this model before (an UNLOAD and a re-LOAD): not folded yet
+    if target.exists():
+        # a host that served this model before (an UNLOAD and a re-LOAD): not folded yet
         target = target.with_name(f"{target.name}.{time.monotonic_ns()}")
     target.parent.mkdir(parents=True, exist_ok=True)
     server_dir.rename(target)
@@ -73,19 +82,21 @@ def move_to_unloaded(metrics_dir: Path, server_dir: Path) -> None:
 
 
 def process_started(pid: int) -> float | None:
-    """When process ``pid`` started, in clock ticks since boot (what ``OWNER_FILE`` holds), or None if there is no
-    such process. Read from /proc: psutil's start times add the boot time, which a VM whose clock is stepped reports
-    differently from one read to the next."""
+    """When process ``pid`` started, in clock ticks since boot (what ``OWNER_FILE`` holds), or None
+    if there is no such process. Read from /proc: psutil's start times add the boot time, which a VM
+    whose clock is stepped reports differently from one read to the next."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    # Fields after the command name (which may hold spaces and parentheses): state is the 3rd, starttime the 22nd.
+    # Fields after the command name (which may hold spaces and parentheses): state is the 3rd,
+    # starttime the 22nd.
     return float(stat.rsplit(")", 1)[1].split()[19])
 
 
 def server_alive(server_dir: Path) -> bool:
-    """Whether the model server that owns ``server_dir`` still runs (not merely a process with its pid)."""
+    """Whether the model server that owns ``server_dir`` still runs (not merely a process with its
+    pid)."""
     try:
         recorded = float((server_dir / OWNER_FILE).read_text())
     except (OSError, ValueError):
@@ -94,8 +105,8 @@ def server_alive(server_dir: Path) -> bool:
 
 
 def carry_over(directory: Path) -> None:
-    """Moves the files of this model's hosts that died into ``directory``: the exporter folds them as an ended
-    process's (counters and histograms kept, gauges dropped)."""
+    """Moves the files of this model's hosts that died into ``directory``: the exporter folds them
+    as an ended process's (counters and histograms kept, gauges dropped)."""
     for sibling in directory.parent.iterdir():
         if sibling == directory or not sibling.name.isdigit() or server_alive(sibling):
             continue
@@ -107,8 +118,9 @@ def carry_over(directory: Path) -> None:
 
 
 def claim(metrics_dir: Path, directory: Path) -> None:
-    """Marks ``directory`` as this process's. Processes of this model that died without stopping (a crash, or an
-    UNLOAD and a quick re-LOAD) end here: this one's counts start from zero, as after any restart."""
+    """Marks ``directory`` as this process's. Processes of this model that died without stopping (a
+    crash, or an UNLOAD and a quick re-LOAD) end here: this one's counts start from zero, as after
+    any restart."""
     (directory / OWNER_FILE).write_text(str(process_started(os.getpid())))
     for sibling in directory.parent.iterdir():
         if sibling != directory and sibling.name.isdigit() and not server_alive(sibling):
@@ -117,7 +129,8 @@ def claim(metrics_dir: Path, directory: Path) -> None:
 
 
 def make_directory(directory: Path) -> bool:
-    for attempt in range(MKDIR_ATTEMPTS):  # the exporter may remove an empty parent at the same moment
+    for attempt in range(MKDIR_ATTEMPTS):
+        # the exporter may remove an empty parent at the same moment
         try:
             directory.mkdir(parents=True, exist_ok=True)
             return True
@@ -136,20 +149,23 @@ _bound = threading.local()  # in a device host: the series of the model a thread
 def start_model(config: Config, model: str, server_pid: int) -> None:
     """Sends this process's values to the model's directory: a loader's, while it loads."""
     if _metrics is not None and _metrics.model == model:
-        return  # forked from the server: its objects already write here, to files of this process's own
+        # forked from the server: its objects already write here, to files of this process's own
+        return
     directory = models_dir(config.metrics_dir) / model_dir_name(model) / str(server_pid)
     if _start(config, model, directory) and server_pid == os.getpid():
         claim(config.metrics_dir, directory)
 
 
 def start_hosted(config: Config, model: str, restart: bool = False) -> Series | None:
-    """A device host's model: its series, writing to a directory of its own; None with metrics off. ``restart``: a
-    host that died served it, and its counts carry on here (in this host's directory)."""
+    """A device host's model: its series, writing to a directory of its own; None with metrics off.
+    ``restart``: a host that died served it, and its counts carry on here (in this host's
+    directory)."""
     directory = models_dir(config.metrics_dir) / model_dir_name(model) / str(os.getpid())
     if _metrics is None or not make_directory(directory):
         return None  # metrics are off (the host's own series, start_container, is made first)
     try:
-        (directory / HOST_BYTES_FILE).write_text("0")  # a hosted model's directory, before the exporter reads it
+        # a hosted model's directory, before the exporter reads it
+        (directory / HOST_BYTES_FILE).write_text("0")
         if restart:
             carry_over(directory)
         claim(config.metrics_dir, directory)
@@ -160,8 +176,8 @@ def start_hosted(config: Config, model: str, restart: bool = False) -> Series | 
 
 
 def stop_hosted(config: Config, series: Series | None) -> None:
-    """The host lets the model go: its series go away as a stopped server's do (its files are closed by
-    ``Series.close`` once its threads have ended)."""
+    """The host lets the model go: its series go away as a stopped server's do (its files are closed
+    by ``Series.close`` once its threads have ended)."""
     if series is None:
         return
     try:
@@ -171,19 +187,22 @@ def stop_hosted(config: Config, series: Series | None) -> None:
 
 
 def record_host_bytes(series: Series | None, host_bytes: int) -> None:
-    """A hosted model's tensors in host memory, for the exporter's ``mme_model_host_memory_bytes``."""
+    """A hosted model's tensors in host memory, for the exporter's
+    ``mme_model_host_memory_bytes``."""
     if series is not None:
         with contextlib.suppress(OSError):
             (series.directory / HOST_BYTES_FILE).write_text(str(host_bytes))
 
 
 def bind(series: Series | None) -> None:
-    """Records made by this thread go to ``series`` (a device host's thread working for one model)."""
+    """Records made by this thread go to ``series`` (a device host's thread working for one
+    model)."""
     _bound.series = series
 
 
 def current() -> Series | None:
-    """The series this thread records into: for threads it starts on the model's behalf (a batcher's)."""
+    """The series this thread records into: for threads it starts on the model's behalf (a
+    batcher's)."""
     return getattr(_bound, "series", None) or _metrics
 
 
@@ -203,7 +222,8 @@ def _start(config: Config, model: str | None, directory: Path) -> bool:
 
 
 def _recorder(function: Callable[P, None]) -> Callable[P, None]:
-    """Runs only with metrics on; a failure to record is logged, never raised into the caller's work."""
+    """Runs only with metrics on; a failure to record is logged, never raised into the caller's
+    work."""
 
     @functools.wraps(function)
     def record(*args: P.args, **kwargs: P.kwargs) -> None:
@@ -225,8 +245,8 @@ def _live() -> Series:
 
 @_recorder
 def record_requests(statuses: Callable[[], Sequence[int]], seconds: float) -> None:
-    """One message from the frontend, answered: each request's status (read only with metrics on), and the time the
-    backend took."""
+    """One message from the frontend, answered: each request's status (read only with metrics on),
+    and the time the backend took."""
     metrics = _live()
     for status in statuses():
         metrics.child(metrics.requests, metrics.model, str(status)).inc()
@@ -235,7 +255,8 @@ def record_requests(statuses: Callable[[], Sequence[int]], seconds: float) -> No
 
 @_recorder
 def record_pass(waits: Sequence[float], seconds: float, batch_size: int) -> None:
-    """One forward pass: how long each of its requests waited for it, how long it took, and how many it served."""
+    """One forward pass: how long each of its requests waited for it, how long it took, and how many
+    it served."""
     metrics = _live()
     for wait in waits:
         metrics.child(metrics.queue_seconds, metrics.model).observe(wait)
@@ -254,15 +275,16 @@ def record_pass(waits: Sequence[float], seconds: float, batch_size: int) -> None
 
 @_recorder
 def watch_gpu_memory(gpu: str) -> None:
-    """Called by a host whose model is on GPU ``gpu`` (the frontend's id): its memory is reported from now on,
-    and after every forward pass."""
+    """Called by a host whose model is on GPU ``gpu`` (the frontend's id): its memory is reported
+    from now on, and after every forward pass."""
     metrics = _live()
     metrics.gpu = gpu
     _record_gpu_memory(metrics)
 
 
 def record_device_bytes(gpu: str, device_bytes: int) -> None:
-    """A hosted model's own tensors on GPU ``gpu``: its memory gauge, instead of the host's whole pool."""
+    """A hosted model's own tensors on GPU ``gpu``: its memory gauge, instead of the host's whole
+    pool."""
     metrics = current()
     if metrics is not None:
         metrics.device_bytes = device_bytes
@@ -273,7 +295,11 @@ def _record_gpu_memory(metrics: Series) -> None:
     if metrics.gpu is not None:
         import torch  # only device hosts watch a GPU, and they have torch loaded
 
-        used = metrics.device_bytes if metrics.device_bytes is not None else torch.cuda.memory_reserved()
+        used = (
+            metrics.device_bytes
+            if metrics.device_bytes is not None
+            else torch.cuda.memory_reserved()
+        )
         metrics.child(metrics.gpu_memory, metrics.model, metrics.gpu).set(used)
 
 
@@ -293,7 +319,8 @@ def record_load(succeeded: bool, seconds: float) -> None:
 
 @_recorder
 def record_model_load(seconds: float) -> None:
-    """The bound model's LOAD, ready here after ``seconds`` (``mme_model_load_seconds``, per model)."""
+    """The bound model's LOAD, ready here after ``seconds`` (``mme_model_load_seconds``, per
+    model)."""
     metrics = _live()
     metrics.child(metrics.load_seconds, metrics.model).set(seconds)
 
@@ -317,7 +344,8 @@ def record_cache_lookup(cache: str, hit: bool) -> None:
 
 
 def stop_model(config: Config) -> None:
-    """The loader stops: its model's series go away (the exporter folds the container's counters)."""
+    """The loader stops: its model's series go away (the exporter folds the container's
+    counters)."""
     global _metrics
     if _metrics is None or _metrics.model is None:
         return

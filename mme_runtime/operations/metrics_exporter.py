@@ -1,17 +1,20 @@
-"""The Prometheus endpoint: ``GET /metrics`` on ``MME_METRICS_PORT``, served from a thread of the entrypoint.
+"""The Prometheus endpoint: ``GET /metrics`` on ``MME_METRICS_PORT``, served from a thread of the
+entrypoint.
 
-Each scrape merges the files the model processes wrote (``metrics.py``) with prometheus_client's own multiprocess
-reader, and adds what is read live: the model servers running and the host memory of each model's processes. The
-HTTP thread runs beside MMS, so it answers while a model loads. Only ``mme_`` series are shown: a library in a model
-process that makes prometheus_client metrics of its own writes them to the same files. ``snapshot`` gives the same
-to the CloudWatch lines (``cloudwatch_metrics.py``).
+Each scrape merges the files the model processes wrote (``metrics.py``) with prometheus_client's own
+multiprocess reader, and adds what is read live: the model servers running and the host memory of
+each model's processes. The HTTP thread runs beside MMS, so it answers while a model loads. Only
+``mme_`` series are shown: a library in a model process that makes prometheus_client metrics of its
+own writes them to the same files. ``snapshot`` gives the same to the CloudWatch lines
+(``cloudwatch_metrics.py``).
 
-Files of processes that ended are folded: their counters and histograms are added to a file this process owns, and
-their gauges dropped. A stopped model server's directory (``metrics/unloaded/``) folds into ``metrics/retired/``,
-keeping only the container's series, so the model's own go away and the container's totals never step back; the
-files of an executor that ended fold into its server's directory. Only this process writes those files, under one
-lock shared by the scrape thread and the supervisor's sweep; a directory or file is moved aside before its values
-are added, so a fold that fails halfway is never counted twice.
+Files of processes that ended are folded: their counters and histograms are added to a file this
+process owns, and their gauges dropped. A stopped model server's directory (``metrics/unloaded/``)
+folds into ``metrics/retired/``, keeping only the container's series, so the model's own go away and
+the container's totals never step back; the files of an executor that ended fold into its server's
+directory. Only this process writes those files, under one lock shared by the scrape thread and the
+supervisor's sweep; a directory or file is moved aside before its values are added, so a fold that
+fails halfway is never counted twice.
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ PREFIX = "mme_"
 ADDITIVE_KINDS = ("counter", "histogram")  # what folds add up; gauges end with their process
 FOLDING_SUFFIX = ".folding"  # a file or directory being folded: out of every merge
 EXITED = "exited"  # the pid part of the files that hold what a server's ended executors counted
-# Reading a process's proportional set size makes the kernel walk its page tables (8 ms for a torch process here):
-# each process's value is read at most this often, so frequent scrapes cost the models' cores nothing noticeable.
+# Reading a process's proportional set size makes the kernel walk its page tables (8 ms for a torch
+# process here): each process's value is read at most this often, so frequent scrapes cost the
+# models' cores nothing noticeable.
 HOST_MEMORY_SECONDS = 10.0
 
 
@@ -63,8 +67,10 @@ class ModelMetrics:
         self.metrics_dir = metrics_dir
         self.models_url = f"http://127.0.0.1:{port}/models/"
         self._lock = threading.Lock()
-        self._host_memory: dict[tuple[int, float], tuple[float, int]] = {}  # (pid, start) -> (read at, bytes)
-        self._folded: list[Metric] | None = None  # what folded servers recorded, once a snapshot asks for it
+        # (pid, start) -> (read at, bytes)
+        self._host_memory: dict[tuple[int, float], tuple[float, int]] = {}
+        # what folded servers recorded, once a snapshot asks for it
+        self._folded: list[Metric] | None = None
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:  # scrapes may come concurrently; the sweep folds too
@@ -72,8 +78,9 @@ class ModelMetrics:
         yield from families
 
     def snapshot(self) -> tuple[list[Metric], list[Metric]]:
-        """What a scrape shows, and what the servers folded since the last snapshot had recorded (their model series,
-        gone from a scrape; kept from the first call on): ``cloudwatch_metrics`` reports what stopped models counted."""
+        """What a scrape shows, and what the servers folded since the last snapshot had recorded
+        (their model series, gone from a scrape; kept from the first call on):
+        ``cloudwatch_metrics`` reports what stopped models counted."""
         with self._lock:
             families = self._families()
             folded, self._folded = self._folded or [], []
@@ -81,12 +88,15 @@ class ModelMetrics:
 
     def _families(self) -> list[Metric]:
         self._fold_unloaded()
-        merged = [family for family in self._merge(self._live_files()) if family.name.startswith(PREFIX)]
+        merged = [
+            family for family in self._merge(self._live_files()) if family.name.startswith(PREFIX)
+        ]
         return merged + list(self._live_gauges())
 
     def sweep(self) -> None:
-        """Folds what ended: servers that died without stopping (once MMS no longer has their model), and executors
-        that ended inside running servers. A failure is logged and tried again at the next sweep."""
+        """Folds what ended: servers that died without stopping (once MMS no longer has their
+        model), and executors that ended inside running servers. A failure is logged and tried again
+        at the next sweep."""
         for server_dir in self._server_dirs():
             try:
                 if server_alive(server_dir):
@@ -94,7 +104,8 @@ class ModelMetrics:
                         self._fold_exited_executors(server_dir)
                 elif self._registered(server_dir.parent.name) is False:
                     move_to_unloaded(self.metrics_dir, server_dir)
-            except (OSError, ValueError) as exc:  # it moved or ended meanwhile: the next sweep sees where it is now
+            except (OSError, ValueError) as exc:
+                # it moved or ended meanwhile: the next sweep sees where it is now
                 logger.debug("metrics sweep of %s: %s", server_dir, exc)
         with self._lock:
             self._fold_unloaded()
@@ -107,8 +118,13 @@ class ModelMetrics:
         skipped: set[str] = set()
         while True:
             try:
-                return list(MultiProcessCollector.merge([f for f in files if f not in skipped], accumulate=True))
-            except Exception as exc:  # noqa: BLE001 - a file being written or moved: find it, leave it out
+                return list(
+                    MultiProcessCollector.merge(
+                        [f for f in files if f not in skipped], accumulate=True
+                    )
+                )
+            except Exception as exc:  # noqa: BLE001
+                # a file being written or moved: find it, leave it out
                 bad = [f for f in files if f not in skipped and not _readable(f)]
                 if not bad:
                     raise
@@ -124,10 +140,12 @@ class ModelMetrics:
         return sorted(str(path) for path in paths if not _of_ended_process(path))
 
     def _fold_unloaded(self) -> None:
-        """Adds the container's counters of each stopped server to retired/, then deletes its directory."""
+        """Adds the container's counters of each stopped server to retired/, then deletes its
+        directory."""
         for directory in scan(unloaded_dir(self.metrics_dir), "*"):
             if directory.name.endswith(FOLDING_SUFFIX):
-                shutil.rmtree(directory, ignore_errors=True)  # added already, by a fold that then failed to delete
+                # added already, by a fold that then failed to delete
+                shutil.rmtree(directory, ignore_errors=True)
                 continue
             files = scan(directory, "*.db")
             values = _read_values(files, keep=lambda labels: "model" not in labels)
@@ -144,9 +162,11 @@ class ModelMetrics:
             shutil.rmtree(folding, ignore_errors=True)
 
     def _fold_exited_executors(self, server_dir: Path) -> None:
-        """Adds the counts of the server's executors that ended to the server's ``exited`` files, removing theirs:
-        an executor crashing again and again adds nothing to scrape."""
-        ended = [path for path in scan(server_dir, "*.db") if _of_ended_process(path, gauges_only=False)]
+        """Adds the counts of the server's executors that ended to the server's ``exited`` files,
+        removing theirs: an executor crashing again and again adds nothing to scrape."""
+        ended = [
+            path for path in scan(server_dir, "*.db") if _of_ended_process(path, gauges_only=False)
+        ]
         if not ended:
             return
         values = _read_values(ended, keep=lambda labels: True)
@@ -157,13 +177,16 @@ class ModelMetrics:
 
     def _live_gauges(self) -> Iterator[Metric]:
         servers: dict[str, list[psutil.Process]] = {}
-        hosted: dict[str, int] = {}  # a device host's models: their own tensors (the host's PSS is all of them)
+        # a device host's models: their own tensors (the host's PSS is all of them)
+        hosted: dict[str, int] = {}
         for directory in self._server_dirs():
             if not server_alive(directory):
                 continue
             model = urllib.parse.unquote(directory.parent.name)
             try:
-                hosted[model] = hosted.get(model, 0) + int((directory / HOST_BYTES_FILE).read_text())
+                hosted[model] = hosted.get(model, 0) + int(
+                    (directory / HOST_BYTES_FILE).read_text()
+                )
                 servers.setdefault(model, [])
                 continue
             except (OSError, ValueError):
@@ -174,16 +197,20 @@ class ModelMetrics:
                 continue
             try:
                 children = server.children(recursive=True)
-            except psutil.Error:  # an executor ending at this moment: the server still counts, its memory next time
+            except psutil.Error:
+                # an executor ending at this moment: the server still counts, its memory next time
                 children = []
             processes = [server, *children]
             servers.setdefault(model, []).extend(processes)
-        running = GaugeMetricFamily("mme_models_loaded", "Models whose model server runs (loading, or loaded).")
+        running = GaugeMetricFamily(
+            "mme_models_loaded", "Models whose model server runs (loading, or loaded)."
+        )
         running.add_metric([], len(servers))
         yield running
         host = GaugeMetricFamily(
             "mme_model_host_memory_bytes",
-            "Host memory of a model's processes (proportional set size: shared pages counted once).",
+            "Host memory of a model's processes (proportional set size: shared pages counted "
+            "once).",
             labels=["model"],
         )
         now = time.monotonic()
@@ -204,7 +231,9 @@ class ModelMetrics:
     def _registered(self, quoted_model: str) -> bool | None:
         """Whether MMS has the model; None when MMS does not answer."""
         try:
-            with urllib.request.urlopen(self.models_url + quoted_model, timeout=REQUEST_TIMEOUT_SECONDS):
+            with urllib.request.urlopen(
+                self.models_url + quoted_model, timeout=REQUEST_TIMEOUT_SECONDS
+            ):
                 return True
         except urllib.error.HTTPError as exc:
             exc.close()
@@ -217,7 +246,8 @@ Values = dict[str, dict[str, float]]  # file kind -> mmap key -> value
 
 
 def _read_values(paths: list[Path], keep: Callable[[dict[str, str]], bool]) -> Values:
-    """The additive ``mme_`` values of ``paths`` whose labels ``keep`` accepts; unreadable files are left out."""
+    """The additive ``mme_`` values of ``paths`` whose labels ``keep`` accepts; unreadable files are
+    left out."""
     values: Values = {}
     for path in sorted(paths):
         kind = path.name.split("_")[0]
@@ -225,7 +255,8 @@ def _read_values(paths: list[Path], keep: Callable[[dict[str, str]], bool]) -> V
             continue
         try:
             entries = MmapedDict.read_all_values_from_file(str(path))
-        except Exception as exc:  # noqa: BLE001 - cut short by a writer killed mid-creation: nothing to keep
+        except Exception as exc:  # noqa: BLE001
+            # cut short by a writer killed mid-creation: nothing to keep
             logger.warning("metrics: cannot read %s (%s): its values are lost", path, exc)
             continue
         for key, value, _, _ in entries:
@@ -248,8 +279,8 @@ def _add_values(values: Values, store_for: Callable[[str], Path]) -> None:
 
 
 def _of_ended_process(path: Path, gauges_only: bool = True) -> bool:
-    """Whether ``path`` (``<kind>_<pid>.db``, ``gauge_<mode>_<pid>.db``) belongs to a process that ended: its gauges
-    end with it (``gauges_only``), its other values are folded by a sweep."""
+    """Whether ``path`` (``<kind>_<pid>.db``, ``gauge_<mode>_<pid>.db``) belongs to a process that
+    ended: its gauges end with it (``gauges_only``), its other values are folded by a sweep."""
     parts = path.stem.split("_")
     if gauges_only and parts[0] != "gauge":
         return False
@@ -278,8 +309,8 @@ def start(config: Config) -> ModelMetrics | None:
     try:
         start_http_server(config.metrics_port, registry=registry)
     except OSError as exc:
-        # Serving models matters more than their metrics: say so loudly and go on without them. The collector is
-        # kept all the same: its sweep still clears what unloaded models leave behind.
+        # Serving models matters more than their metrics: say so loudly and go on without them. The
+        # collector is kept all the same: its sweep still clears what unloaded models leave behind.
         logger.error("metrics not served: cannot listen on port %d: %s", config.metrics_port, exc)
         return collector
     logger.info("Prometheus metrics on port %d at /metrics", config.metrics_port)

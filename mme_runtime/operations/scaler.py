@@ -1,15 +1,16 @@
 """Gives a batching model the frontend connections that fill its batches.
 
-MMS sends a model at most one request per worker connection at a time, so a batch of ``batch_size`` needs that many
-connections per device. They cost a frontend thread and a device host thread each, not a process or a copy of the
-weights. A batching model's device host asks for them in two steps (``ConnectionDemand`` in
-``serving/connection.py``): a few at LOAD, the whole batch once its requests overlap. Each ask is a request file in
-the runtime directory; the entrypoint's supervisor, which knows the management port, raises the model's worker count
-with MMS's scale call (``PUT /models/{name}?min_worker=N``). The LOAD's ask waits until the LOAD has completed, and
-half a second more: MMS answers a LOAD after its worker is READY, comparing its workers with the model's minimum
-then, so a minimum raised in between would turn that LOAD's 200 into 210 "Workers scaling in progress...". An ask
-from a model that serves is acted on at once. It never lowers a count someone set higher. Neither side imports
-torch.
+MMS sends a model at most one request per worker connection at a time, so a batch of ``batch_size``
+needs that many connections per device. They cost a frontend thread and a device host thread each,
+not a process or a copy of the weights. A batching model's device host asks for them in two steps
+(``ConnectionDemand`` in ``serving/connection.py``): a few at LOAD, the whole batch once its
+requests overlap. Each ask is a request file in the runtime directory; the entrypoint's supervisor,
+which knows the management port, raises the model's worker count with MMS's scale call (``PUT
+/models/{name}?min_worker=N``). The LOAD's ask waits until the LOAD has completed, and half a second
+more: MMS answers a LOAD after its worker is READY, comparing its workers with the model's minimum
+then, so a minimum raised in between would turn that LOAD's 200 into 210 "Workers scaling in
+progress...". An ask from a model that serves is acted on at once. It never lowers a count someone
+set higher. Neither side imports torch.
 """
 
 from __future__ import annotations
@@ -27,22 +28,30 @@ from mme_runtime.base.janitor import REQUEST_TIMEOUT_SECONDS, get_json, write_ma
 
 logger = logging.getLogger(__name__)
 
-REQUEST_LIFETIME_SECONDS = 120.0  # a LOAD slower than this gets no extra connections: the log says so
-READY_SECONDS = 0.5  # how long a model is seen READY before it is scaled: its LOAD's answer has left by then
+# a LOAD slower than this gets no extra connections: the log says so
+REQUEST_LIFETIME_SECONDS = 120.0
+# how long a model is seen READY before it is scaled: its LOAD's answer has left by then
+READY_SECONDS = 0.5
 
 
 def requests_dir(runtime_dir: Path) -> Path:
     return runtime_dir / "worker-requests"
 
 
-def request_workers(runtime_dir: Path, model_name: str, per_device: int, serving: bool = False) -> None:
-    """Written by a device host: ``model_name`` wants ``per_device`` frontend connections on each device. ``serving``:
-    asked by a model that answers requests, so its LOAD has answered and the scaler need not wait."""
-    write_marker(requests_dir(runtime_dir), model_name, {"per_device": per_device, "serving": serving})
+def request_workers(
+    runtime_dir: Path, model_name: str, per_device: int, serving: bool = False
+) -> None:
+    """Written by a device host: ``model_name`` wants ``per_device`` frontend connections on each
+    device. ``serving``: asked by a model that answers requests, so its LOAD has answered and the
+    scaler need not wait."""
+    write_marker(
+        requests_dir(runtime_dir), model_name, {"per_device": per_device, "serving": serving}
+    )
 
 
 class Scaler:
-    """Raises models' worker counts as their device hosts asked, on ``devices`` devices (GPUs, or 1 for the CPU)."""
+    """Raises models' worker counts as their device hosts asked, on ``devices`` devices (GPUs, or 1
+    for the CPU)."""
 
     def __init__(self, runtime_dir: Path, port: int, devices: int) -> None:
         self.directory = requests_dir(runtime_dir)
@@ -63,10 +72,13 @@ class Scaler:
                 continue
             model = str(wanted["model"])
             workers = int(wanted["per_device"]) * self.devices
-            if self._settle(model, workers, time.time() - written.st_mtime, bool(wanted.get("serving"))):
+            if self._settle(
+                model, workers, time.time() - written.st_mtime, bool(wanted.get("serving"))
+            ):
                 self._ready_since.pop(model, None)
                 with contextlib.suppress(OSError):
-                    if request.stat().st_ino == written.st_ino:  # else a newer request replaced it meanwhile
+                    if request.stat().st_ino == written.st_ino:
+                        # else a newer request replaced it meanwhile
                         request.unlink()
 
     def _settle(self, model: str, workers: int, age: float, serving: bool) -> bool:
@@ -79,22 +91,40 @@ class Scaler:
         if not isinstance(description, dict) or not any(
             worker.get("status") == "READY" for worker in description.get("workers") or []
         ):
-            # Not registered, or its LOAD has not completed: scaling now would race the LOAD's own workers.
+            # Not registered, or its LOAD has not completed: scaling now would race the LOAD's own
+            # workers.
             if expired:
-                logger.warning("model=%s never became ready: its %d batching workers were not added", model, workers)
+                logger.warning(
+                    "model=%s never became ready: its %d batching workers were not added",
+                    model,
+                    workers,
+                )
             return expired
         if int(description.get("minWorkers") or 0) >= workers:
             return True
-        if not serving and time.monotonic() - self._ready_since.setdefault(model, time.monotonic()) < READY_SECONDS:
+        if (
+            not serving
+            and time.monotonic() - self._ready_since.setdefault(model, time.monotonic())
+            < READY_SECONDS
+        ):
             return False  # its LOAD may not have answered yet
-        maximum = max(workers, int(description.get("maxWorkers") or 0))  # never lower a maximum set higher
-        query = urllib.parse.urlencode({"min_worker": workers, "max_worker": maximum, "synchronous": "false"})
+        # never lower a maximum set higher
+        maximum = max(workers, int(description.get("maxWorkers") or 0))
+        query = urllib.parse.urlencode(
+            {"min_worker": workers, "max_worker": maximum, "synchronous": "false"}
+        )
         try:
             urllib.request.urlopen(
-                urllib.request.Request(f"{url}?{query}", method="PUT"), timeout=REQUEST_TIMEOUT_SECONDS
+                urllib.request.Request(f"{url}?{query}", method="PUT"),
+                timeout=REQUEST_TIMEOUT_SECONDS,
             )
         except (urllib.error.URLError, OSError) as exc:
             logger.warning("model=%s could not be scaled to %d workers: %s", model, workers, exc)
             return expired  # tried again at the next sweep, until the request expires
-        logger.info("model=%s scaled to %d workers to fill its batches on %d device(s)", model, workers, self.devices)
+        logger.info(
+            "model=%s scaled to %d workers to fill its batches on %d device(s)",
+            model,
+            workers,
+            self.devices,
+        )
         return True

@@ -1,10 +1,12 @@
-"""Which model a device host was running when it died: a board the host writes and the warm process reads after.
+"""Which model a device host was running when it died: a board the host writes and the warm process
+reads after.
 
-The board is an anonymous shared mapping made before the host's fork, so it outlives the host. It holds, per model
-slot, how many of the model's calls are running, and, per thread of the host, the model the thread works for (its
-connections', loading and batching threads each work for one model). The host also has Python's ``faulthandler``
-write the stacks of its threads to a file when a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) kills it;
-that names the thread that crashed, and the board names its model.
+The board is an anonymous shared mapping made before the host's fork, so it outlives the host. It
+holds, per model slot, how many of the model's calls are running, and, per thread of the host, the
+model the thread works for (its connections', loading and batching threads each work for one model).
+The host also has Python's ``faulthandler`` write the stacks of its threads to a file when a fatal
+signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) kills it; that names the thread that crashed, and
+the board names its model.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import IO
 SLOTS = 1 << 16  # models: 256 KiB of counts, of which a host touches the pages of the slots it uses
 THREADS = 4096
 COUNT = struct.Struct("i")
-OWNER = struct.Struct("Qi")  # a thread's ident (threading.get_ident), the slot of the model it works for (-1: none)
+# a thread's ident (threading.get_ident), the slot of the model it works for (-1: none)
+OWNER = struct.Struct("Qi")
 NO_MODEL = -1
 # faulthandler's line for the thread that received the fatal signal, and its stack's lines after it.
 CRASHED_THREAD = re.compile(r"^Current thread (0x[0-9a-f]+)", re.MULTILINE)
@@ -35,11 +38,13 @@ class CrashBoard:
         self._lock = threading.Lock()
         for cell in range(THREADS):
             OWNER.pack_into(self.memory, self._owner_offset(cell), 0, NO_MODEL)
-        # The host's own index of its cells: a GPU's pass threads are marked and unmarked at every pass.
+        # The host's own index of its cells: a GPU's pass threads are marked and unmarked at every
+        # pass.
         self._cells: dict[int, int] = {}
         self._free = list(range(THREADS - 1, -1, -1))
 
-    # -- written by the host -------------------------------------------------------------------------------
+    # -- written by the host
+    # -------------------------------------------------------------------------------
 
     @contextmanager
     def running(self, slot: int) -> Iterator[None]:
@@ -56,13 +61,15 @@ class CrashBoard:
         with self._lock:
             cell = self._cells.get(ident)
             if cell is None:
-                if not self._free:  # a host with more threads than cells names fewer culprits, nothing worse
+                if not self._free:
+                    # a host with more threads than cells names fewer culprits, nothing worse
                     return
                 cell = self._cells[ident] = self._free.pop()
             OWNER.pack_into(self.memory, self._owner_offset(cell), ident, slot)
 
     def done(self, ident: int | None = None) -> None:
-        """The thread ends (its ident may be reused by a thread for another model), or is done with its model."""
+        """The thread ends (its ident may be reused by a thread for another model), or is done with
+        its model."""
         ident = ident or threading.get_ident()
         with self._lock:
             cell = self._cells.pop(ident, None)
@@ -70,7 +77,8 @@ class CrashBoard:
                 OWNER.pack_into(self.memory, self._owner_offset(cell), 0, NO_MODEL)
                 self._free.append(cell)
 
-    # -- read by the warm process after the host died --------------------------------------------------------
+    # -- read by the warm process after the host died
+    # --------------------------------------------------------
 
     def busy(self) -> list[int]:
         """Slots with a call running."""
@@ -81,7 +89,8 @@ class CrashBoard:
             counts.release()
 
     def culprit(self, crash_report: str) -> int | None:
-        """The slot of the model whose thread took the fatal signal, from faulthandler's report; None if unknown."""
+        """The slot of the model whose thread took the fatal signal, from faulthandler's report;
+        None if unknown."""
         found = CRASHED_THREAD.search(crash_report)
         if found is None:
             return None
@@ -106,7 +115,8 @@ class CrashBoard:
 
 
 def report_crashes(path: Path) -> IO[str]:
-    """In the host: faulthandler writes every thread's stack to ``path`` if a fatal signal kills the process."""
+    """In the host: faulthandler writes every thread's stack to ``path`` if a fatal signal kills the
+    process."""
     path.parent.mkdir(parents=True, exist_ok=True)
     report = path.open("w")
     faulthandler.enable(file=report, all_threads=True)
@@ -114,7 +124,8 @@ def report_crashes(path: Path) -> IO[str]:
 
 
 def crashed_stack(crash_report: str) -> str:
-    """The stack of the thread that took the fatal signal, as faulthandler wrote it ("" if it wrote none)."""
+    """The stack of the thread that took the fatal signal, as faulthandler wrote it ("" if it wrote
+    none)."""
     found = CRASHED_STACK.search(crash_report)
     return "" if found is None else found.group(1).rstrip()
 

@@ -1,19 +1,22 @@
-"""A device host: the one process that serves every shareable model on one device (a GPU, or the CPU), or a model
-that needs isolation on it (a private host: the same process, with one tenant).
+"""A device host: the one process that serves every shareable model on one device (a GPU, or the
+CPU), or a model that needs isolation on it (a private host: the same process, with one tenant).
 
-The warm process forks it, CUDA-free, for the first connection assigned to its device; the host binds its GPU before
-its first CUDA call, so a GPU holds one CUDA context and one caching allocator however many models it serves. The
-warm process sends it, over the control socket, each model once (``load``, with the model packed by the loader, or
-with no package when ``model_fn`` must run here) and then each frontend connection for it (``connect``). Each model
-keeps its own handler (user module, batcher, settings, context: a ``HostedModel``), loaded on a thread of its own;
-each connection is served from a thread of its own. ``unload`` lets a model go; its memory goes back to the system
-once per burst of UNLOADs (``MemoryRelease``).
+The warm process forks it, CUDA-free, for the first connection assigned to its device; the host
+binds its GPU before its first CUDA call, so a GPU holds one CUDA context and one caching allocator
+however many models it serves. The warm process sends it, over the control socket, each model once
+(``load``, with the model packed by the loader, or with no package when ``model_fn`` must run here)
+and then each frontend connection for it (``connect``). Each model keeps its own handler (user
+module, batcher, settings, context: a ``HostedModel``), loaded on a thread of its own; each
+connection is served from a thread of its own. ``unload`` lets a model go; its memory goes back to
+the system once per burst of UNLOADs (``MemoryRelease``).
 
-Every thread the host runs for a model is marked as that model's on the crash board (``crash_board.py``), and a fatal
-signal writes the threads' stacks to a file: if user code kills the host, the warm process can tell whose it was.
+Every thread the host runs for a model is marked as that model's on the crash board
+(``crash_board.py``), and a fatal signal writes the threads' stacks to a file: if user code kills
+the host, the warm process can tell whose it was.
 
-On a GPU, tensors that several models hold at one place in host memory are one tensor on the card (``DeviceTensors``
-in ``tensor_store.py``); on the CPU, the models' copy-on-write mappings of that place are one copy already.
+On a GPU, tensors that several models hold at one place in host memory are one tensor on the card
+(``DeviceTensors`` in ``tensor_store.py``); on the CPU, the models' copy-on-write mappings of that
+place are one copy already.
 """
 
 from __future__ import annotations
@@ -51,10 +54,16 @@ from mme_runtime.models.tensor_store import MAX_SEGMENTS, DeviceTensors, module_
 from mme_runtime.operations import metrics
 from mme_runtime.operations.memory import MemoryRelease, release_memory
 from mme_runtime.operations.metric_series import Series
-from mme_runtime.operations.scaler import request_workers
 from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, report_crashes
 from mme_runtime.processes.warm_protocol import receive, send
-from mme_runtime.serving.connection import Assignment, ConnectionDemand, Turns, answer_load, answer_message
+from mme_runtime.serving.connection import (
+    Assignment,
+    ConnectionDemand,
+    Turns,
+    answer_load,
+    answer_message,
+    start_batching,
+)
 from mme_runtime.serving.pass_threads import PassThreads
 
 logger = logging.getLogger(__name__)
@@ -64,28 +73,37 @@ UNLOAD_SECONDS = 5.0  # how long a host that is told to end waits for the UNLOAD
 
 
 class DeviceHost:
-    def __init__(self, control: socket.socket, config: Config, gpu: int | None, board: CrashBoard) -> None:
+    def __init__(
+        self, control: socket.socket, config: Config, gpu: int | None, board: CrashBoard
+    ) -> None:
         self.control = control
         self.config = config
         self.gpu = gpu
         self.board = board
         self.ordinal: int | None = None
         self.models: dict[str, HostedModel] = {}
-        self.unloading: dict[str, threading.Thread] = {}  # UNLOADs still letting go of their models, by name
+        # UNLOADs still letting go of their models, by name
+        self.unloading: dict[str, threading.Thread] = {}
         self._control_lock = threading.Lock()
-        self._unpacked: weakref.WeakValueDictionary[tuple[int, int, int], Any] = weakref.WeakValueDictionary()
+        self._unpacked: weakref.WeakValueDictionary[tuple[int, int, int], Any] = (
+            weakref.WeakValueDictionary()
+        )
         self.shared: DeviceTensors | None = None  # on a GPU, with MME_SHARE_WEIGHTS
-        self.passes: PassThreads | None = None  # on a GPU: the threads that run every model's passes
+        # on a GPU: the threads that run every model's passes
+        self.passes: PassThreads | None = None
         self.release: MemoryRelease  # made once the GPU is bound
-        self.turns = Turns("connections")  # every model's connections: idle in one epoll set, answered by workers
+        # every model's connections: idle in one epoll set, answered by workers
+        self.turns = Turns("connections")
 
     def serve(self) -> None:
         self.ordinal = devices.bind_gpu(self.gpu, self.config.cuda_visible_devices)
-        device = devices.worker_device(self.ordinal)  # the CPU where torch has no CUDA, whatever nvidia-smi says
+        # the CPU where torch has no CUDA, whatever nvidia-smi says
+        device = devices.worker_device(self.ordinal)
         if device.type == "cuda" and self.config.share_weights:
             self.shared = DeviceTensors(device)
         self.release = MemoryRelease.of_host(self.ordinal)
-        if self.gpu is not None:  # on a card nvidia-smi lists (the tests' fake ones too): the same path
+        if self.gpu is not None:
+            # on a card nvidia-smi lists (the tests' fake ones too): the same path
             self.passes = PassThreads(self.config.gpu_pass_threads, f"gpu{self.gpu}")
         logger.info("device host pid=%d gpu=%s serving", os.getpid(), self.gpu)
         while True:
@@ -97,9 +115,13 @@ class DeviceHost:
                 break
             try:
                 self._dispatch(message, fds)
-            except Exception:  # noqa: BLE001 - one bad message must not take every model of the host down
-                logger.exception("device host pid=%d: message %s not handled", os.getpid(), message.get("op"))
-        for unloading in list(self.unloading.values()):  # a private host's last model, say: its UNLOAD counted
+            except Exception:  # noqa: BLE001
+                # one bad message must not take every model of the host down
+                logger.exception(
+                    "device host pid=%d: message %s not handled", os.getpid(), message.get("op")
+                )
+        for unloading in list(self.unloading.values()):
+            # a private host's last model, say: its UNLOAD counted
             unloading.join(UNLOAD_SECONDS)
         logger.info("device host pid=%d: the warm process let go, stopping", os.getpid())
 
@@ -108,19 +130,41 @@ class DeviceHost:
         name = message["model"]
         if op == "load":
             spec = ModelSpec(**message["spec"])
-            if message.get("threads"):  # a private host: the count its model's model_fn chose in the loader
+            if message.get("threads"):
+                # a private host: the count its model's model_fn chose in the loader
                 devices.set_threads(int(message["threads"]))
-                logger.info("model=%s threads=%d, as its model_fn chose", name, int(message["threads"]))
+                logger.info(
+                    "model=%s threads=%d, as its model_fn chose", name, int(message["threads"])
+                )
             series = metrics.start_hosted(self.config, name, restart=bool(message.get("restart")))
-            model = self.models[name] = HostedModel(spec, int(message["slot"]), series, started=message["started"])
-            model.after = self.unloading.pop(name, None)  # the same name's UNLOAD, maybe still letting go
-            package = None if message.get("package") is None else Package.from_layout(fds, message["package"])
-            if package is not None:  # blobs in other models' files: held for them first, counted there
-                model.borrowed_host_bytes = sum(blob.nbytes for blob in package.blobs if blob.segment)
-            if message.get("resolved") is not None:  # what its loader resolved; else _our_handler resolves it
+            model = self.models[name] = HostedModel(
+                spec, int(message["slot"]), series, started=message["started"]
+            )
+            # the same name's UNLOAD, maybe still letting go
+            model.after = self.unloading.pop(name, None)
+            package = (
+                None
+                if message.get("package") is None
+                else Package.from_layout(fds, message["package"])
+            )
+            if package is not None:
+                # blobs in other models' files: held for them first, counted there
+                model.borrowed_host_bytes = sum(
+                    blob.nbytes for blob in package.blobs if blob.segment
+                )
+            # what its loader resolved; else _our_handler resolves it
+            if message.get("resolved") is not None:
                 model.resolved = ResolvedModel.from_message(message["resolved"])
-            arguments = (model, package, fds, int(message["batch_size"]), bool(message.get("restart")))
-            model.loading = threading.Thread(target=self._load, args=arguments, name=f"load-{name}", daemon=True)
+            arguments = (
+                model,
+                package,
+                fds,
+                int(message["batch_size"]),
+                bool(message.get("restart")),
+            )
+            model.loading = threading.Thread(
+                target=self._load, args=arguments, name=f"load-{name}", daemon=True
+            )
             model.loading.start()
         elif op == "connect":
             connection = socket.socket(fileno=fds[0])
@@ -133,33 +177,54 @@ class DeviceHost:
         elif op == "unload":
             leaving = self.models.pop(name, None)
             if leaving is not None:
-                # Its series go now, before a LOAD of the same name (the next message, maybe) makes their directory.
+                # Its series go now, before a LOAD of the same name (the next message, maybe) makes
+                # their directory.
                 metrics.stop_hosted(self.config, leaving.series)
-                unloading = threading.Thread(target=self._unload, args=(leaving,), name=f"unload-{name}", daemon=True)
-                self.unloading = {key: thread for key, thread in self.unloading.items() if thread.is_alive()}
+                unloading = threading.Thread(
+                    target=self._unload, args=(leaving,), name=f"unload-{name}", daemon=True
+                )
+                self.unloading = {
+                    key: thread for key, thread in self.unloading.items() if thread.is_alive()
+                }
                 self.unloading[name] = unloading
                 unloading.start()
 
     def _load(
-        self, model: HostedModel, package: Package | None, fds: list[int], batch_size: int, restart: bool
+        self,
+        model: HostedModel,
+        package: Package | None,
+        fds: list[int],
+        batch_size: int,
+        restart: bool,
     ) -> None:
-        """The model's handler here: the packed model adopted (or ``model_fn`` run here when there is no package),
-        placed on this host's device and warmed up; then the connections that waited for it are served."""
+        """The model's handler here: the packed model adopted (or ``model_fn`` run here when there
+        is no package), placed on this host's device and warmed up; then the connections that waited
+        for it are served."""
         spec = model.spec
-        if model.after is not None:  # what the old model holds under this name goes before the new one takes it
+        if model.after is not None:
+            # what the old model holds under this name goes before the new one takes it
             model.after.join(self.config.response_timeout_seconds)
         metrics.bind(model.series)
         self.board.work_for(model.slot)
         if restart:
             metrics.record_restart()
         try:
-            check_memory(spec, self.config, self.gpu, host=package is None, device_bytes=self._new_bytes(package))
+            check_memory(
+                spec,
+                self.config,
+                self.gpu,
+                host=package is None,
+                device_bytes=self._new_bytes(package),
+            )
             if is_our_handler(spec.handler):
                 loaded = self._our_handler(model, package, batch_size)
-            else:  # MMS's ``module:function``: initialised and called as MMS would, on this host's device
+            else:
+                # MMS's ``module:function``: initialised and called as MMS would, on this host's
+                # device
                 with self.board.running(model.slot):
                     loaded = load_model(spec, batch_size, "host", self.gpu, self.ordinal)
-        except BaseException as exc:  # noqa: BLE001 - boundary: user code's sys.exit too fails this LOAD alone
+        except BaseException as exc:  # noqa: BLE001
+            # boundary: user code's sys.exit too fails this LOAD alone
             model.failure = fail_load(spec, self.gpu, exc)
         else:
             model.loaded = loaded
@@ -168,18 +233,27 @@ class DeviceHost:
             for fd in fds:
                 os.close(fd)
             self.board.done()
-        # What loading freed back to the system: after its first large free glibc raises its mmap threshold, and the
-        # temporary buffers of every later load would stay as free heap (about 3x the model) until an UNLOAD.
+        # What loading freed back to the system: after its first large free glibc raises its mmap
+        # threshold, and the temporary buffers of every later load would stay as free heap (about 3x
+        # the model) until an UNLOAD.
         release_memory(None)
-        self._report({"model": spec.name, "loaded": model.loaded is not None, "package_unused": model.package_unused})
+        self._report(
+            {
+                "model": spec.name,
+                "loaded": model.loaded is not None,
+                "package_unused": model.package_unused,
+            }
+        )
         with model.lock:
             waiting, model.waiting = model.waiting, []
         for connection, assignment in waiting:
             self._connect(model, connection, assignment)
 
-    def _our_handler(self, model: HostedModel, package: Package | None, batch_size: int) -> LoadedModel:
-        """The model's own ``HandlerService``: the package adopted (or ``model_fn`` run), placed, its threads marked
-        as the model's on the crash board, its batching started."""
+    def _our_handler(
+        self, model: HostedModel, package: Package | None, batch_size: int
+    ) -> LoadedModel:
+        """The model's own ``HandlerService``: the package adopted (or ``model_fn`` run), placed,
+        its threads marked as the model's on the crash board, its batching started."""
         spec = model.spec
         loaded = model_handler(spec, self.config, self.gpu, self.ordinal, batch_size)
         handler = loaded.module
@@ -204,32 +278,44 @@ class DeviceHost:
         return loaded
 
     def _unpack(self, hosted: HostedModel, package: Package) -> Any:
-        """The model in the package; a package that another model here unpacked already (the same artifacts under
-        two names: the warm process's package cache) gives the same object, so its weights are here once. On a GPU,
-        its tensors held for other models too go to the card once (``DeviceTensors`` in ``tensor_store.py``)."""
+        """The model in the package; a package that another model here unpacked already (the same
+        artifacts under two names: the warm process's package cache) gives the same object, so its
+        weights are here once. On a GPU, its tensors held for other models too go to the card once
+        (``DeviceTensors`` in ``tensor_store.py``)."""
         name = hosted.spec.name
         identity = (os.fstat(package.fd).st_ino, package.pickle_offset, package.pickle_bytes)
         with self._control_lock:
             model = self._unpacked.get(identity)
         if model is not None:
-            logger.info("model=%s takes the model its package already gave this host (one copy)", name)
+            logger.info(
+                "model=%s takes the model its package already gave this host (one copy)", name
+            )
             hosted.borrows_all = True
-            if self.shared is not None:  # its tensors on the card stay while it uses them, whoever brought them
-                self.shared.join(name, [(package.segment_ids[blob.segment], blob.offset) for blob in package.blobs])
+            if self.shared is not None:
+                # its tensors on the card stay while it uses them, whoever brought them
+                self.shared.join(
+                    name,
+                    [(package.segment_ids[blob.segment], blob.offset) for blob in package.blobs],
+                )
             return model
         unpacked = unpack(package)
         model, module = unpacked.model, module_of(unpacked.model)
         if self.shared is not None and module is not None and unpacked.locations:
             hosted.borrowed_device_bytes = self.shared.place(module, unpacked.locations, name)
-        with self._control_lock, contextlib.suppress(TypeError):  # what cannot be weakly referenced is not shared
+        with self._control_lock, contextlib.suppress(TypeError):
+            # what cannot be weakly referenced is not shared
             self._unpacked[identity] = model
         return model
 
     def _new_bytes(self, package: Package | None) -> int | None:
-        """What the package's tensors add to this host's GPU, beyond those its models hold there already."""
+        """What the package's tensors add to this host's GPU, beyond those its models hold there
+        already."""
         if package is None or self.shared is None or not package.blobs:
             return None
-        places = [((package.segment_ids[blob.segment], blob.offset), blob.nbytes) for blob in package.blobs]
+        places = [
+            ((package.segment_ids[blob.segment], blob.offset), blob.nbytes)
+            for blob in package.blobs
+        ]
         return self.shared.new_bytes(places)
 
     def _report(self, message: dict[str, Any]) -> None:
@@ -239,7 +325,9 @@ class DeviceHost:
             except OSError:
                 pass  # the warm process is gone: the main loop ends
 
-    def _connect(self, model: HostedModel, connection: socket.socket, assignment: Assignment) -> None:
+    def _connect(
+        self, model: HostedModel, connection: socket.socket, assignment: Assignment
+    ) -> None:
         with model.lock:
             if model.loaded is None and model.failure is None:
                 model.waiting.append((connection, assignment))
@@ -251,7 +339,9 @@ class DeviceHost:
         try:
             answer_load(connection, model.spec)
         except OSError as exc:
-            logger.debug("model=%s connection closed before its LOAD was answered: %s", model.spec.name, exc)
+            logger.debug(
+                "model=%s connection closed before its LOAD was answered: %s", model.spec.name, exc
+            )
             connection.close()
             return
         model.connections.add(connection)
@@ -260,11 +350,14 @@ class DeviceHost:
         self.turns.add(connection, functools.partial(self._turn, model))
 
     def _record_memory(self, model: HostedModel, loaded: Any) -> None:
-        """What the model's LOAD added: a tensor held for another model first is that model's (counted once); a
-        LoRA adapter's own tensors are its own."""
+        """What the model's LOAD added: a tensor held for another model first is that model's
+        (counted once); a LoRA adapter's own tensors are its own."""
         own = loaded.model.model if isinstance(loaded.model, HuggingFaceModel) else loaded.model
         host_bytes, device_bytes = (0, 0) if model.borrows_all else tensor_bytes(own)
-        host_bytes, device_bytes = host_bytes - model.borrowed_host_bytes, device_bytes - model.borrowed_device_bytes
+        host_bytes, device_bytes = (
+            host_bytes - model.borrowed_host_bytes,
+            device_bytes - model.borrowed_device_bytes,
+        )
         if self.ordinal is None:
             host_bytes += loaded.adapter_bytes
         else:
@@ -274,17 +367,21 @@ class DeviceHost:
             metrics.record_device_bytes(str(self.gpu), max(0, device_bytes))
 
     def _turn(self, model: HostedModel, connection: socket.socket) -> bool:
-        """One message of the model's connection answered, on a worker thread that works for the model meanwhile (its
-        metrics series, its cell on the crash board); False once the frontend has gone or the model was unloaded."""
+        """One message of the model's connection answered, on a worker thread that works for the
+        model meanwhile (its metrics series, its cell on the crash board); False once the frontend
+        has gone or the model was unloaded."""
         loaded = model.loaded
         metrics.bind(model.series)
         self.board.work_for(model.slot)
         try:
             if loaded is None:
                 raise ValueError("the model was unloaded")
-            answer_message(connection, loaded, functools.partial(self.board.running, model.slot), model.demand)
+            answer_message(
+                connection, loaded, functools.partial(self.board.running, model.slot), model.demand
+            )
             return True
-        except (ValueError, OSError) as exc:  # the frontend disconnected (mms.protocol raises ValueError): normal
+        except (ValueError, OSError) as exc:
+            # the frontend disconnected (mms.protocol raises ValueError): a normal end
             logger.debug("model=%s connection closed: %s", model.spec.name, exc)
             model.connections.discard(connection)
             if model.demand is not None:
@@ -295,9 +392,11 @@ class DeviceHost:
             metrics.bind(None)
 
     def _unload(self, model: HostedModel) -> None:
-        """Closes the model's connections, ends its batcher and drops every reference, then gives the memory back."""
+        """Closes the model's connections, ends its batcher and drops every reference, then gives
+        the memory back."""
         if model.loading is not None:
-            model.loading.join()  # an UNLOAD during the load: what the load makes must not outlive the model
+            # an UNLOAD during the load: what the load makes must not outlive the model
+            model.loading.join()
         with model.lock:
             waiting, model.waiting = model.waiting, []
         for connection, _ in waiting:
@@ -327,10 +426,12 @@ class DeviceHost:
 
 
 def run_host(control: socket.socket, config: Config, gpu: int | None, board: CrashBoard) -> int:
-    """The host's life, in the child the warm process forked (``fork_child``); returns its exit status."""
+    """The host's life, in the child the warm process forked (``fork_child``); returns its exit
+    status."""
     configure_logging(config.log_level)
-    # MMS's per-request "[METRICS]" lines: the frontend files a model process's away, but a host's stdout is the
-    # container's (a CloudWatch Logs line per request on SageMaker). Our own metrics count every request.
+    # MMS's per-request "[METRICS]" lines: the frontend files a model process's away, but a host's
+    # stdout is the container's (a CloudWatch Logs line per request on SageMaker). Our own metrics
+    # count every request.
     logging.getLogger("mms.service").setLevel(logging.WARNING)
     devices.set_threads(devices.DEFAULT_THREADS)
     metrics.start_container(config)  # the host's own directory; each model gets one of its own too
@@ -343,7 +444,8 @@ def run_host(control: socket.socket, config: Config, gpu: int | None, board: Cra
 
 @dataclass
 class HostedModel:
-    """One model in the host: its handler once loaded, or why it failed, and the connections that wait or run."""
+    """One model in the host: its handler once loaded, or why it failed, and the connections that
+    wait or run."""
 
     spec: ModelSpec
     slot: int
@@ -352,47 +454,32 @@ class HostedModel:
     failure: LoadFailure | None = None
     waiting: list[tuple[socket.socket, Assignment]] = field(default_factory=list)
     connections: set[socket.socket] = field(default_factory=set)
-    demand: ConnectionDemand | None = None  # a batching model's busy connections, to open more (serving/connection.py)
+    # a batching model's busy connections, to open more (serving/connection.py)
+    demand: ConnectionDemand | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     loading: threading.Thread | None = None
-    borrowed_host_bytes: int = 0  # its tensors in host memory that another model brought (held once, theirs)
+    # its tensors in host memory that another model brought (held once, theirs)
+    borrowed_host_bytes: int = 0
     borrowed_device_bytes: int = 0  # the same on its GPU
-    borrows_all: bool = False  # it took the very model another one here unpacked (one package: all of it theirs)
-    started: float = 0.0  # when its LOAD began (wall clock, the warm process's): its load time is counted from it
-    after: threading.Thread | None = None  # the UNLOAD of a model of the same name, to end before this one loads
+    # it took the very model another one here unpacked (one package: all of it theirs)
+    borrows_all: bool = False
+    # when its LOAD began (wall clock, the warm process's): its load time is counted from it
+    started: float = 0.0
+    # the UNLOAD of a model of the same name, to end before this one loads
+    after: threading.Thread | None = None
     package_unused: bool = False  # its package was made with other code: model_fn ran here
-    resolved: ResolvedModel | None = None  # the model as its loader resolved it (None: resolved here)
+    # the model as its loader resolved it (None: resolved here)
+    resolved: ResolvedModel | None = None
 
 
 def model_handler(
     spec: ModelSpec, config: Config, gpu: int | None, ordinal: int | None, batch_size: int
 ) -> LoadedModel:
-    """A handler of the model's own (the module-level ``handler_service`` one is one per process), wrapped in MMS's
-    ``Service`` as MMS's own worker's is."""
+    """A handler of the model's own (the module-level ``handler_service`` one is one per process),
+    wrapped in MMS's ``Service`` as MMS's own worker's is."""
     from handler_service import HandlerService
 
     handler = HandlerService(config)
     service = Service(spec.name, spec.model_dir, None, handler.entry_point, ordinal, batch_size)
     devices.record_gpu(service.context.system_properties, gpu, ordinal)
     return LoadedModel(handler, service)
-
-
-def start_batching(spec: ModelSpec, config: Config, loaded: LoadedModel) -> ConnectionDemand | None:
-    """From here on the handler is called from many threads; our handler then batches their forward passes. A
-    batching model asks for the frontend connections that fill its batches as it comes to need them: the returned
-    ``ConnectionDemand`` watches its connections (``serving/connection.py``)."""
-    if not hasattr(loaded.module, "start_batcher"):
-        return None  # another handler (MMS's ``module:function``): it is called from the connections' threads as it is
-    settings = loaded.module.start_batcher()
-    if not settings.batching or settings.source == "LOAD":
-        return None  # MMS's own batching (LOAD's batch_size) fills its batches itself
-
-    def ask_for(per_device: int, serving: bool = True) -> None:
-        try:
-            request_workers(config.runtime_dir, spec.name, per_device, serving)
-        except OSError as exc:
-            logger.warning("model=%s could not ask for %d workers per device: %s", spec.name, per_device, exc)
-
-    at_load = min(config.batch_connections_at_load, settings.batch_size)
-    ask_for(at_load, serving=False)
-    return ConnectionDemand(ask_for, at_load, settings.batch_size)

@@ -1,9 +1,10 @@
-"""The warm process's device hosts, keyed by device and tenant: one per device (a card, or one of the CPU's pool) for
-every model that shares, and one per device for each model that needs isolation (tenant: its name). Each is forked
-CUDA-free on first use, with the crash board that says, once it has died, whose code killed it (``crash_board.py``).
+"""The warm process's device hosts, keyed by device and tenant: one per device (a card, or one of
+the CPU's pool) for every model that shares, and one per device for each model that needs isolation
+(tenant: its name). Each is forked CUDA-free on first use, with the crash board that says, once it
+has died, whose code killed it (``crash_board.py``).
 
-``shared_models.py`` decides what goes to which host and what a crash costs a model; this module starts hosts, talks
-to them and reads what a dead one left behind.
+``shared_models.py`` decides what goes to which host and what a crash costs a model; this module
+starts hosts, talks to them and reads what a dead one left behind.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from mme_runtime.processes.warm_protocol import receive, send
 
 logger = logging.getLogger(__name__)
 
-HOST_TITLE = "mme-device-host"  # what ps shows, then its device (and model, for a host of one model's own)
+# what ps shows, then its device (and model, for a host of one model's own)
+HOST_TITLE = "mme-device-host"
 CONTROL_SECONDS = 10.0
 CRASHES_BEFORE_QUARANTINE = 2
 SHARED = "shared"  # the tenant of every model that shares its device's host
@@ -32,8 +34,9 @@ SHARED = "shared"  # the tenant of every model that shares its device's host
 
 @dataclass(frozen=True)
 class HostKey:
-    """Which host: its device (the card's name within CUDA_VISIBLE_DEVICES, ``cpu=N`` for one of the CPU's pool of
-    shared hosts, ``cpu`` for a private one) and its tenant (``SHARED``, or the one model a private host serves)."""
+    """Which host: its device (the card's name within CUDA_VISIBLE_DEVICES, ``cpu=N`` for one of the
+    CPU's pool of shared hosts, ``cpu`` for a private one) and its tenant (``SHARED``, or the one
+    model a private host serves)."""
 
     device: str
     tenant: str = SHARED
@@ -53,13 +56,15 @@ class Host:
     control: socket.socket
     board: CrashBoard
     models: set[str] = field(default_factory=set)  # names sent to it
-    oom_kills: dict[str, int] = field(default_factory=failures.oom_kills)  # the kernel's count when it started
+    # the kernel's count when it started
+    oom_kills: dict[str, int] = field(default_factory=failures.oom_kills)
 
 
 @dataclass(frozen=True)
 class Crash:
-    """What a dead host left: how it ended, the slot of the model whose thread took the fatal signal (if one did),
-    the slots with a call running, and the crashed thread's stack (faulthandler's, for a fatal signal)."""
+    """What a dead host left: how it ended, the slot of the model whose thread took the fatal signal
+    (if one did), the slots with a call running, and the crashed thread's stack (faulthandler's, for
+    a fatal signal)."""
 
     host: Host
     cause: str
@@ -69,21 +74,23 @@ class Crash:
 
 
 class CrashCount:
-    """Crashes by model name, kept across a model's UNLOAD and LOAD: the second one quarantines the model."""
+    """Crashes by model name, kept across a model's UNLOAD and LOAD: the second one quarantines the
+    model."""
 
     def __init__(self) -> None:
         self.crashes: dict[str, int] = {}
 
     def blame(self, crash: Crash, on_host: Mapping[int, str]) -> str | None:
-        """Logs whose code killed the host, among its models (``on_host``: their names by slot), and counts it.
-        Returns that model's name when it should leave for a host of its own."""
+        """Logs whose code killed the host, among its models (``on_host``: their names by slot), and
+        counts it. Returns that model's name when it should leave for a host of its own."""
         running = sorted(name for slot, name in on_host.items() if slot in crash.running)
         culprit = None if crash.culprit is None else on_host.get(crash.culprit)
         if crash.culprit is None and len(running) == 1:
-            culprit = running[0]  # no fatal signal to go by (an exit, SIGKILL): the one model that was running
+            # no fatal signal to go by (an exit, SIGKILL): the one model that was running
+            culprit = running[0]
         logger.error(
-            "device host pid=%d gpu=%s %s while running model %s (calls running: %s); the other models load again "
-            "from their packages",
+            "device host pid=%d gpu=%s %s while running model %s (calls running: %s); the other "
+            "models load again from their packages",
             crash.host.pid,
             crash.host.key,
             crash.cause,
@@ -92,7 +99,9 @@ class CrashCount:
         )
         if crash.stack:
             logger.error(
-                "device host pid=%d: the thread that crashed, most recent call first:\n%s", crash.host.pid, crash.stack
+                "device host pid=%d: the thread that crashed, most recent call first:\n%s",
+                crash.host.pid,
+                crash.stack,
             )
         if culprit is None:
             return None
@@ -106,10 +115,13 @@ class DeviceHosts:
         self.close_in_children = close_in_children
         self.hosts: dict[HostKey, Host] = {}
 
-    def get(self, key: HostKey, gpu: int | None, env: dict[str, str], in_hand: socket.socket) -> Host:
-        """The host of ``key``, forked now if there is none, with the environment MMS gives its model processes (it
-        reads some of it, such as ``MMS_DECODE_INPUT_REQUEST``, while answering). ``in_hand``: the connection being
-        routed, which a new host must not keep a copy of (the frontend would never see it close)."""
+    def get(
+        self, key: HostKey, gpu: int | None, env: dict[str, str], in_hand: socket.socket
+    ) -> Host:
+        """The host of ``key``, forked now if there is none, with the environment MMS gives its
+        model processes (it reads some of it, such as ``MMS_DECODE_INPUT_REQUEST``, while
+        answering). ``in_hand``: the connection being routed, which a new host must not keep a copy
+        of (the frontend would never see it close)."""
         host = self.hosts.get(key)
         if host is not None:
             return host
@@ -120,7 +132,9 @@ class DeviceHosts:
         if key.private:  # named as the model's stub is, so that ps tells whose it is
             title += f" --model-name {key.tenant}"
         try:
-            pid = fork_child(title, functools.partial(run_host, theirs, self.config, gpu, board), close, env)
+            pid = fork_child(
+                title, functools.partial(run_host, theirs, self.config, gpu, board), close, env
+            )
         finally:
             theirs.close()
         ours.settimeout(CONTROL_SECONDS)
@@ -141,7 +155,8 @@ class DeviceHosts:
         return message
 
     def exited(self, pid: int, code: int) -> Crash | None:
-        """The crash of host ``pid`` (its report read, the host forgotten); None if ``pid`` was no host of ours."""
+        """The crash of host ``pid`` (its report read, the host forgotten); None if ``pid`` was no
+        host of ours."""
         host = next((host for host in self.hosts.values() if host.pid == pid), None)
         if host is None:
             return None
@@ -154,13 +169,19 @@ class DeviceHosts:
         except OSError:
             report = ""
         cause = failures.exit_cause(code, host.oom_kills)
-        crash = Crash(host, cause, host.board.culprit(report), frozenset(host.board.busy()), crashed_stack(report))
+        crash = Crash(
+            host,
+            cause,
+            host.board.culprit(report),
+            frozenset(host.board.busy()),
+            crashed_stack(report),
+        )
         host.board.close()
         return crash
 
     def retire(self, host: Host) -> None:
-        """Ends a private host whose model has gone: with its control socket closed it lets its models go and exits
-        (its exit is no crash: it is no host of ours any more)."""
+        """Ends a private host whose model has gone: with its control socket closed it lets its
+        models go and exits (its exit is no crash: it is no host of ours any more)."""
         if self.hosts.get(host.key) is host:
             del self.hosts[host.key]
             host.control.close()

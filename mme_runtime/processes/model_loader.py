@@ -1,11 +1,13 @@
-"""The loader: a short-lived child of the warm process that runs one model's ``model_fn``, CUDA-free, and packs the
-result for its device hosts (``model_package``), then exits: the package outlives it in the warm process.
+"""The loader: a short-lived child of the warm process that runs one model's ``model_fn``,
+CUDA-free, and packs the result for its device hosts (``model_package``), then exits: the package
+outlives it in the warm process.
 
-It resolves the model once (``loading.resolve_model``) and reports one message to the warm process: ``package``
-(with the shared-memory file), ``host_loads`` (the model cannot leave this process: the host runs ``model_fn``
-itself, and the reason is logged) or ``failure`` (the LOAD fails with this status and message); with ``resolved``
-for the hosts, and ``private`` when the model needs a device host of its own (and why). What
-a model's requirements install and its code imports here ends with this process. Its output is the model's log.
+It resolves the model once (``loading.resolve_model``) and reports one message to the warm process:
+``package`` (with the shared-memory file), ``host_loads`` (the model cannot leave this process: the
+host runs ``model_fn`` itself, and the reason is logged) or ``failure`` (the LOAD fails with this
+status and message); with ``resolved`` for the hosts, and ``private`` when the model needs a device
+host of its own (and why). What a model's requirements install and its code imports here ends with
+this process. Its output is the model's log.
 """
 
 from __future__ import annotations
@@ -55,15 +57,17 @@ from mme_runtime.processes.warm_protocol import send
 
 logger = logging.getLogger(__name__)
 
-# How long a failed LOAD waits after logging its cause, before MMS hears of the failure (_let_the_cause_be_read).
+# How long a failed LOAD waits after logging its cause, before MMS hears of the failure
+# (_let_the_cause_be_read).
 CAUSE_READ_SECONDS = 0.2
 
 
 def start_loader(
     spec: ModelSpec, request: dict[str, Any], stdio: list[int], close_fds: list[int]
 ) -> tuple[int, socket.socket]:
-    """Forks the model's loader with the stub's stdio, directory and environment (``request``); returns its pid and
-    the socket its report arrives on. ``close_fds``: what the forked child must not keep."""
+    """Forks the model's loader with the stub's stdio, directory and environment (``request``);
+    returns its pid and the socket its report arrives on. ``close_fds``: what the forked child must
+    not keep."""
     result, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     run = functools.partial(_run_loader, theirs, spec, request["cwd"])
     title = f"mme-loader {spec.name}"
@@ -76,13 +80,15 @@ def start_loader(
 
 def _run_loader(result: socket.socket, spec: ModelSpec, cwd: str) -> int:
     """In the forked child, its stdio already the model's: load, report. Returns its exit status."""
-    faulthandler.enable(all_threads=False)  # a crash in model_fn prints its stack to the model's log
+    # a crash in model_fn prints its stack to the model's log
+    faulthandler.enable(all_threads=False)
     os.chdir(cwd)
     config = Config.from_process_env()
     configure_logging(config.log_level)
     metrics.start_model(config, spec.name, os.getpid())  # counted as loading until it reports
     report, fds = _load(spec, config)
-    metrics.stop_model(config)  # what it counted for the container stays; the model's series are the host's
+    # what it counted for the container stays; the model's series are the host's
+    metrics.stop_model(config)
     if "failure" in report:
         _let_the_cause_be_read()
     send(result, report, fds)
@@ -96,7 +102,8 @@ def _load(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
     private = container_reason(spec.handler, config)
     if not is_our_handler(spec.handler):
         return {
-            "host_loads": f"its handler {spec.handler} is MMS's module:function, which the host initialises",
+            "host_loads": f"its handler {spec.handler} is MMS's module:function, "
+            "which the host initialises",
             "private": private,
         }, []
     model_dir = Path(spec.model_dir)
@@ -110,13 +117,17 @@ def _load(spec: ModelSpec, config: Config) -> tuple[dict[str, Any], list[int]]:
         report["resolved"] = resolved.message()
     if private is not None and "failure" not in report:
         report["private"] = private
-        if "package" in report and torch.get_num_threads() != 1:  # model_fn chose it: its own host runs with it
+        if "package" in report and torch.get_num_threads() != 1:
+            # model_fn chose it: its own host runs with it
             report["threads"] = torch.get_num_threads()
     return report, fds
 
 
-def _load_here(spec: ModelSpec, config: Config, resolved: ResolvedModel) -> tuple[dict[str, Any], list[int]]:
-    """``model_fn`` run here, its model packed; or why the host must run it, or why the LOAD fails."""
+def _load_here(
+    spec: ModelSpec, config: Config, resolved: ResolvedModel
+) -> tuple[dict[str, Any], list[int]]:
+    """``model_fn`` run here, its model packed; or why the host must run it, or why the LOAD
+    fails."""
     code = None if resolved.code_dir is None else str(resolved.code_dir)
     try:
         check_memory(spec, config, gpu=None)
@@ -125,23 +136,31 @@ def _load_here(spec: ModelSpec, config: Config, resolved: ResolvedModel) -> tupl
             started = time.monotonic()
             package = pack_torchscript_file(archive, spec.name)
             logger.info(
-                "model=%s loaded seconds=%.2f (TorchScript, packed as it is)", spec.name, time.monotonic() - started
+                "model=%s loaded seconds=%.2f (TorchScript, packed as it is)",
+                spec.name,
+                time.monotonic() - started,
             )
             return {"package": {**package.layout, "code": code}}, [package.fd]
         loaded = load_model(spec, batch_size=1, phase="preload", resolved=resolved)
     except LoadFailure as failure:
-        if devices.cuda_initialized():  # on whichever card it took here (all are visible): the host has its own
+        if devices.cuda_initialized():
+            # on whichever card it took here (all are visible): the host has its own
             return {
-                "host_loads": f"model_fn initialised CUDA and failed here ({failure.message}): it runs in the "
-                "device host, on the host's GPU"
+                "host_loads": f"model_fn initialised CUDA and failed here ({failure.message}): it "
+                "runs in the device host, on the host's GPU"
             }, []
         return _failure(failure), []
     if devices.cuda_initialized():
-        return {"host_loads": "model_fn initialised CUDA: it runs in the device host, on the host's GPU"}, []
+        return {
+            "host_loads": "model_fn initialised CUDA: it runs in the device host, on the host's GPU"
+        }, []
     served = loaded.module.service().served
     model = served.model
     if isinstance(model, HuggingFaceModel) and model.remote_code:
-        return {"host_loads": "its classes come from its directory (trust_remote_code): the host imports them"}, []
+        return {
+            "host_loads": "its classes come from its directory (trust_remote_code): the host "
+            "imports them"
+        }, []
     share = config.share_weights and served.settings.share_weights
     try:
         started = time.monotonic()
@@ -153,7 +172,9 @@ def _load_here(spec: ModelSpec, config: Config, resolved: ResolvedModel) -> tupl
         unpack(package, trial=True)
     except Exception as exc:  # noqa: BLE001 - any reason means the host must load it itself
         package.close()
-        return {"host_loads": f"{type(model).__name__} does not unpickle: {type(exc).__name__}: {exc}"}, []
+        return {
+            "host_loads": f"{type(model).__name__} does not unpickle: {type(exc).__name__}: {exc}"
+        }, []
     logger.info(
         "model=%s packed seconds=%.3f tensors=%d bytes=%d hashed=%s",
         spec.name,
@@ -167,7 +188,8 @@ def _load_here(spec: ModelSpec, config: Config, resolved: ResolvedModel) -> tupl
 
 
 def _plain_torchscript(model_dir: Path, resolved: ResolvedModel, config: Config) -> Path | None:
-    """The model's TorchScript archive, when the defaults alone serve it (no inference script, no ``model.pt2``)."""
+    """The model's TorchScript archive, when the defaults alone serve it (no inference script, no
+    ``model.pt2``)."""
     code_dir = resolved.code_dir
     if (code_dir is not None and (code_dir / config.program).is_file()) or pt2_file(model_dir):
         return None
@@ -176,9 +198,10 @@ def _plain_torchscript(model_dir: Path, resolved: ResolvedModel, config: Config)
 
 
 def _let_the_cause_be_read() -> None:
-    """The cause of a failed LOAD is logged to the model's stdout, which MMS reads on a thread of its own; once our
-    failure reaches MMS it kills the model's process and stops that thread, dropping lines it had not read yet (it
-    lost the cause now and then on a busy machine). A failed LOAD waits a moment for it: no other model waits."""
+    """The cause of a failed LOAD is logged to the model's stdout, which MMS reads on a thread of
+    its own; once our failure reaches MMS it kills the model's process and stops that thread,
+    dropping lines it had not read yet (it lost the cause now and then on a busy machine). A failed
+    LOAD waits a moment for it: no other model waits."""
     sys.stdout.flush()
     sys.stderr.flush()
     time.sleep(CAUSE_READ_SECONDS)

@@ -1,17 +1,18 @@
 """The warm process's side of the device hosts: every model, its load, its connections, its hosts.
 
-For each model MMS starts, the warm process binds the model's socket and forks a loader (``model_loader``), which
-runs ``model_fn`` once, CUDA-free, and hands back a package (or says why the host must load it, or why the LOAD
-fails), and whether the model needs a host of its own. Meanwhile the frontend's connections wait in the socket's
-backlog. Once the model is ready, each connection's LOAD message is read here and the connection goes to the host of
-its device and tenant (``device_hosts.py``), forked on first use; the model is sent to that host once, before its
-first connection. Each model is a ``SharedModel``: the stub MMS started for it, its own socket where the frontend
-connects, its loader's result socket, its package and its hosts.
+For each model MMS starts, the warm process binds the model's socket and forks a loader
+(``model_loader``), which runs ``model_fn`` once, CUDA-free, and hands back a package (or says why
+the host must load it, or why the LOAD fails), and whether the model needs a host of its own.
+Meanwhile the frontend's connections wait in the socket's backlog. Once the model is ready, each
+connection's LOAD message is read here and the connection goes to the host of its device and tenant
+(``device_hosts.py``), forked on first use; the model is sent to that host once, before its first
+connection. Each model is a ``SharedModel``: the stub MMS started for it, its own socket where the
+frontend connects, its loader's result socket, its package and its hosts.
 
-When the stub goes (UNLOAD), every host lets the model go (its package may be kept for a re-LOAD), and a private
-host ends. When a host dies, the model whose code killed it is named (``crash_board.py``); one named in two crashes of
-a shared host moves to a host of its own; the others are loaded again from their packages into a new host as the
-frontend reconnects.
+When the stub goes (UNLOAD), every host lets the model go (its package may be kept for a re-LOAD),
+and a private host ends. When a host dies, the model whose code killed it is named
+(``crash_board.py``); one named in two crashes of a shared host moves to a host of its own; the
+others are loaded again from their packages into a new host as the frontend reconnects.
 """
 
 from __future__ import annotations
@@ -42,32 +43,43 @@ from mme_runtime.serving.connection import device_of, read_assignment
 
 logger = logging.getLogger(__name__)
 
-# The frontend sends its LOAD message as soon as it connects; one that does not within this is dropped.
+# The frontend sends its LOAD message as soon as it connects; one that does not within this is
+# dropped.
 LOAD_MESSAGE_SECONDS = 2.0
 # How long the warm process waits for the rest of a loader's report once it has begun to arrive.
 RESULT_SECONDS = 1.0
 
 
 class SharedModels:
-    """Every model and device host of the warm process. The methods follow a model's life: what the warm process's
-    loop asks, a model arrives, its connections, a host dies, a model goes."""
+    """Every model and device host of the warm process. The methods follow a model's life: what the
+    warm process's loop asks, a model arrives, its connections, a host dies, a model goes."""
 
-    def __init__(self, config: Config, watcher: Watcher, close_in_children: Callable[[], list[int]]) -> None:
+    def __init__(
+        self, config: Config, watcher: Watcher, close_in_children: Callable[[], list[int]]
+    ) -> None:
         self.config = config
-        self.watcher = watcher  # the warm process's: every socket of ours it waits on, with what to do
+        # the warm process's: every socket of ours it waits on, with what to do
+        self.watcher = watcher
         self.close_in_children = close_in_children
         self.models: dict[str, SharedModel] = {}
-        self._free_slots: list[int] = []  # slots on the crash board given back by UNLOADs, taken first
+        # slots on the crash board given back by UNLOADs, taken first
+        self._free_slots: list[int] = []
         self.hosts = DeviceHosts(config, close_in_children)
         self.crash_count = CrashCount()
-        self.store = TensorStore(config.share_weights)  # every package, its tensors held once by content
+        # every package, its tensors held once by content
+        self.store = TensorStore(config.share_weights)
         self.cache = PackageCache(config, self.store.release)
 
     def descriptors(self) -> list[int]:
-        """What a forked child must close: every socket and package of ours (a copy would keep them alive)."""
+        """What a forked child must close: every socket and package of ours (a copy would keep them
+        alive)."""
         fds = [sock.fileno() for sock in self.watcher.sockets()]
         for model in self.models.values():
-            fds += [model.listener.fileno(), model.stub.fileno(), *(fd for fd in model.stdio if fd >= 0)]
+            fds += [
+                model.listener.fileno(),
+                model.stub.fileno(),
+                *(fd for fd in model.stdio if fd >= 0),
+            ]
         fds += self.hosts.descriptors() + self.store.descriptors()
         return sorted({fd for fd in fds if fd >= 0})
 
@@ -80,44 +92,66 @@ class SharedModels:
         for model in self.models.values():
             if model.loader == pid:
                 model.loader = None
-                if (model.result is not None or model.loader_silent) and not model.ready and model.failure is None:
-                    self._loader_reported(model, exit_code=code)  # its report, if it sent one before it exited
+                if (
+                    (model.result is not None or model.loader_silent)
+                    and not model.ready
+                    and model.failure is None
+                ):
+                    # its report, if it sent one before it exited
+                    self._loader_reported(model, exit_code=code)
                 return True
         return False
 
     def stop(self) -> None:
         self.hosts.stop()
 
-    def add(self, spec: ModelSpec, request: dict[str, Any], stub: socket.socket, stdio: list[int]) -> None:
-        """Binds the model's socket, tells the frontend it may connect, and starts the model's loader (unless the
-        same artifacts are loaded under another name already: then the model takes their package)."""
-        if (existing := self.models.get(spec.name)) is not None:  # unloaded, and loaded again before its stub went
+    def add(
+        self, spec: ModelSpec, request: dict[str, Any], stub: socket.socket, stdio: list[int]
+    ) -> None:
+        """Binds the model's socket, tells the frontend it may connect, and starts the model's
+        loader (unless the same artifacts are loaded under another name already: then the model
+        takes their package)."""
+        if (existing := self.models.get(spec.name)) is not None:
+            # unloaded, and loaded again before its stub went
             self._unload(existing)
         if len(self.models) >= SLOTS:
-            raise RuntimeError(f"{SLOTS} shared models are loaded already: the device hosts track no more")
+            raise RuntimeError(
+                f"{SLOTS} shared models are loaded already: the device hosts track no more"
+            )
         listener = bind_model_socket(request["argv"])
-        os.write(stdio[1], f"[PID] {request.get('pid', os.getpid())}\nMMS worker started.\n".encode())
+        os.write(
+            stdio[1], f"[PID] {request.get('pid', os.getpid())}\nMMS worker started.\n".encode()
+        )
         model = SharedModel(spec, request, stub, stdio, listener, self._free_slot(), time.time())
         self.models[spec.name] = model
         self.watcher.watch(stub, lambda: self._stub_readable(model))
-        if check_location(spec, self.config) is None:  # else its loader refuses it: nothing of its files is read
+        if check_location(spec, self.config) is None:
+            # else its loader refuses it: nothing of its files is read
             model.cache_key = self.cache.key(spec)
-            model.package = None if model.cache_key is None else self.cache.take(model.cache_key, spec.name)
+            model.package = (
+                None if model.cache_key is None else self.cache.take(model.cache_key, spec.name)
+            )
             if model.package is not None and model.cache_key is not None:
                 private, threads = self.cache.placement(model.cache_key)
                 if private is not None:
                     self._make_private(model, private, threads)
                 self._ready(model)
                 return
-            loading = sum(other.artifact_bytes for other in self.models.values() if other.loader is not None)
-            model.artifact_bytes = self.cache.make_room(spec, loading)  # kept packages give way to what loaders need
-        model.oom_kills = failures.oom_kills()  # should it die: whether the kernel's out-of-memory killer did it
+            loading = sum(
+                other.artifact_bytes for other in self.models.values() if other.loader is not None
+            )
+            # kept packages give way to what loaders need
+            model.artifact_bytes = self.cache.make_room(spec, loading)
+        # should it die: whether the kernel's out-of-memory killer did it
+        model.oom_kills = failures.oom_kills()
         model.loader, model.result = start_loader(spec, request, stdio, self.close_in_children())
-        model.result.settimeout(RESULT_SECONDS)  # a loader's child could hold the socket open after the loader died
+        # a loader's child could hold the socket open after the loader died
+        model.result.settimeout(RESULT_SECONDS)
         self.watcher.watch(model.result, lambda: self._loader_reported(model))
 
     def forget(self, name: str) -> bool:
-        """After ``add`` failed halfway: lets go of what it took; True if that included the stub and its stdio."""
+        """After ``add`` failed halfway: lets go of what it took; True if that included the stub and
+        its stdio."""
         model = self.models.get(name)
         if model is None:
             return False
@@ -136,7 +170,8 @@ class SharedModels:
             model.result = None
         spec = model.spec
         if report is None and exit_code is None and model.loader is not None:
-            model.loader_silent = True  # it died before it reported: how it ended, once reaped, says why
+            # it died before it reported: how it ended, once reaped, says why
+            model.loader_silent = True
             return
         if report is None:
             model.failure = model.loader_failure(exit_code)
@@ -147,9 +182,13 @@ class SharedModels:
             model.package = self.store.add(package, share=bool(report.get("share_weights")))
             if model.cache_key is not None:
                 placement = report.get("private"), report.get("threads")
-                model.package = self.cache.add(model.cache_key, spec.name, model.package, *placement)
+                model.package = self.cache.add(
+                    model.cache_key, spec.name, model.package, *placement
+                )
         else:
-            logger.warning("model=%s model_fn runs in the device host: %s", spec.name, report["host_loads"])
+            logger.warning(
+                "model=%s model_fn runs in the device host: %s", spec.name, report["host_loads"]
+            )
         if report is not None:
             model.resolved = report.get("resolved")
         if report is not None and report.get("private"):
@@ -162,8 +201,15 @@ class SharedModels:
     def _ready(self, model: SharedModel) -> None:
         """From now on the model's connections are routed (or refused with its failure)."""
         if model.failure is None:
-            where = "shares its device host" if model.tenant == SHARED else "has its own device host"
-            logger.info("model=%s %s (loaded in %.2f s)", model.spec.name, where, time.time() - model.started)
+            where = (
+                "shares its device host" if model.tenant == SHARED else "has its own device host"
+            )
+            logger.info(
+                "model=%s %s (loaded in %.2f s)",
+                model.spec.name,
+                where,
+                time.time() - model.started,
+            )
         model.ready = True
         self.watcher.watch(model.listener, lambda: self._connection_waiting(model))
         model.tell_stub({"shared": True})
@@ -174,8 +220,8 @@ class SharedModels:
         logger.info("model=%s served by a device host of its own: %s", model.spec.name, reason)
 
     def _move_to_own_host(self, model: SharedModel, reason: str) -> None:
-        """Quarantine: every shared host lets the model go, and its connections (the frontend reconnects) go to a host
-        of its own, which loads it from its package."""
+        """Quarantine: every shared host lets the model go, and its connections (the frontend
+        reconnects) go to a host of its own, which loads it from its package."""
         self._leave_hosts(model)
         self._make_private(model, reason, model.threads)
 
@@ -199,15 +245,21 @@ class SharedModels:
                 self._send_model(host, model, assignment.batch_size)
                 model.hosts.add(key)
             payload = {"op": "connect", "model": model.spec.name, "gpu": assignment.gpu}
-            self.hosts.send(host, {**payload, "batch_size": assignment.batch_size}, [connection.fileno()])
-        except OSError as exc:  # the host is dying: the frontend reconnects, and its reap starts a new one
+            self.hosts.send(
+                host, {**payload, "batch_size": assignment.batch_size}, [connection.fileno()]
+            )
+        except OSError as exc:
+            # the host is dying: the frontend reconnects, and its reap starts a new one
             logger.warning("model=%s gpu=%s device host unreachable: %s", model.spec.name, key, exc)
         finally:
             connection.close()  # the host holds its own descriptor now
 
     def _send_model(self, host: Host, model: SharedModel, batch_size: int) -> None:
-        """The model to a host, before its first connection there (whose LOAD message carries MMS's batch size)."""
-        self.hosts.send(host, model.load_message(batch_size), [] if model.package is None else model.package.fds)
+        """The model to a host, before its first connection there (whose LOAD message carries MMS's
+        batch size)."""
+        self.hosts.send(
+            host, model.load_message(batch_size), [] if model.package is None else model.package.fds
+        )
         host.models.add(model.spec.name)
 
     def _host_reported(self, host: Host) -> None:
@@ -220,12 +272,14 @@ class SharedModels:
         if model is not None and not model.load_recorded:
             metrics.record_load(bool(message.get("loaded")), time.time() - model.started)
             model.load_recorded = True
-        if model is not None and message.get("package_unused"):  # made with code the model no longer has
+        if model is not None and message.get("package_unused"):
+            # made with code the model no longer has
             self._release_package(model, keep=False)  # other hosts run its model_fn too
 
     def _host_died(self, crash: Crash) -> None:
-        """Names the model whose code killed the host and counts the crash against it (a second one in a shared host
-        moves it to a host of its own); the frontend's reconnections start a new host and send it the models again."""
+        """Names the model whose code killed the host and counts the crash against it (a second one
+        in a shared host moves it to a host of its own); the frontend's reconnections start a new
+        host and send it the models again."""
         key = crash.host.key
         self.watcher.forget(crash.host.control)
         on_host = [model for model in self.models.values() if key in model.hosts]
@@ -246,7 +300,8 @@ class SharedModels:
         self._unload(model)  # its end of the stub closed (or broke)
 
     def _unload(self, model: SharedModel) -> None:
-        """The model's process in MMS is gone (UNLOAD, or MMS stopping): every host lets it go, its memory is freed."""
+        """The model's process in MMS is gone (UNLOAD, or MMS stopping): every host lets it go, its
+        memory is freed."""
         name = model.spec.name
         if self.models.get(name) is not model:
             return
@@ -265,7 +320,8 @@ class SharedModels:
         logger.info("model=%s unloaded", name)
 
     def _release_package(self, model: SharedModel, keep: bool) -> None:
-        """The model lets go of its package: kept for a re-LOAD if it has a key, ``keep`` and it fits; else freed."""
+        """The model lets go of its package: kept for a re-LOAD if it has a key, ``keep`` and it
+        fits; else freed."""
         if model.package is not None and model.cache_key is not None:
             self.cache.release(model.cache_key, model.spec.name, keep)
         elif model.package is not None:
@@ -290,18 +346,22 @@ class SharedModels:
         model.hosts.clear()
 
     def _free_slot(self) -> int:
-        """A slot no loaded model holds: one an UNLOAD gave back, else the next never used (called below SLOTS)."""
+        """A slot no loaded model holds: one an UNLOAD gave back, else the next never used (called
+        below SLOTS)."""
         return self._free_slots.pop() if self._free_slots else len(self.models)
 
 
 @dataclass
 class SharedModel:
-    """One model MMS started, in the warm process: its stub, its socket, its loader, its package, its hosts."""
+    """One model MMS started, in the warm process: its stub, its socket, its loader, its package,
+    its hosts."""
 
     spec: ModelSpec
-    request: dict[str, Any]  # the stub's command line, environment and directory: its hosts' environment
+    # the stub's command line, environment and directory: its hosts' environment
+    request: dict[str, Any]
     stub: socket.socket  # closes when MMS ends the model's process (UNLOAD)
-    stdio: list[int]  # the stub's stdin, stdout and stderr: the model's log (-1: closed once it was served)
+    # the stub's stdin, stdout and stderr: the model's log (-1: closed once it was served)
+    stdio: list[int]
     listener: socket.socket
     slot: int
     started: float
@@ -311,26 +371,33 @@ class SharedModel:
     ready: bool = False  # connections are routed from now on
     failure: LoadFailure | None = None
     hosts: set[HostKey] = field(default_factory=set)
-    tenant: str = SHARED  # or its own name: it needs a host of its own (the loader said why, or it crashed twice)
+    # or its own name: it needs a host of its own (the loader said why, or it crashed twice)
+    tenant: str = SHARED
     threads: int | None = None  # the intra-op threads its model_fn chose, for a host of its own
     cache_key: Key | None = None  # its package's in the package cache (package_cache.py)
     cpu_host: str | None = None  # which of the CPU's hosts serves it
     served: bool = False  # a host has had it
     load_recorded: bool = False
-    oom_kills: dict[str, int] = field(default_factory=dict)  # the kernel's OOM kill counts as its loader started
+    # the kernel's OOM kill counts as its loader started
+    oom_kills: dict[str, int] = field(default_factory=dict)
     loader_silent: bool = False  # its loader died before it reported
     artifact_bytes: int = 0  # its files' size: what its loader's memory check counts
-    resolved: dict[str, Any] | None = None  # what its loader resolved (None: a kept package's host resolves it)
+    resolved: dict[str, Any] | None = (
+        None  # what its loader resolved (None: a kept package's host resolves it)
+    )
 
-    def host_key(self, device: str | None, models: Iterable[SharedModel], cpu_hosts: int) -> HostKey:
-        """The host of a connection assigned ``device`` (a card's name; None for the CPU): on the CPU, a shared model
-        goes to one of the pool (``cpu_host_for``), a private one to its own."""
+    def host_key(
+        self, device: str | None, models: Iterable[SharedModel], cpu_hosts: int
+    ) -> HostKey:
+        """The host of a connection assigned ``device`` (a card's name; None for the CPU): on the
+        CPU, a shared model goes to one of the pool (``cpu_host_for``), a private one to its own."""
         if self.tenant != SHARED:
             return HostKey(device or "cpu", self.tenant)
         return HostKey(device or cpu_host_for(self, models, cpu_hosts))
 
     def load_message(self, batch_size: int) -> dict[str, Any]:
-        """The model as a host takes it (its package's descriptors go beside), before its first connection there."""
+        """The model as a host takes it (its package's descriptors go beside), before its first
+        connection there."""
         return {
             "op": "load",
             "model": self.spec.name,
@@ -340,15 +407,20 @@ class SharedModel:
             "resolved": self.resolved,
             "batch_size": batch_size,
             "restart": self.served,  # served before, by a host that has died since
-            "started": time.time() if self.served else self.started,  # its load time counts from this
-            "threads": None if self.tenant == SHARED else self.threads,  # a shared host keeps torch's default
+            # its load time counts from this
+            "started": time.time() if self.served else self.started,
+            # a shared host keeps torch's default
+            "threads": None if self.tenant == SHARED else self.threads,
         }
 
     def loader_failure(self, exit_code: int | None) -> LoadFailure:
-        """The LOAD's failure when the loader ended with no report: how it ended (``exit_code``: None if unknown).
-        507 when the kernel's out-of-memory killer ended it, so that SageMaker makes room and tries again."""
+        """The LOAD's failure when the loader ended with no report: how it ended (``exit_code``:
+        None if unknown). 507 when the kernel's out-of-memory killer ended it, so that SageMaker
+        makes room and tries again."""
         if exit_code is None:
-            return LoadFailure(500, f"model {self.spec.name}: its loader died before it reported (see the log)")
+            return LoadFailure(
+                500, f"model {self.spec.name}: its loader died before it reported (see the log)"
+            )
         cause = failures.exit_cause(exit_code, self.oom_kills)
         status = 507 if failures.oom_killed(exit_code, self.oom_kills) else 500
         return LoadFailure(status, f"model {self.spec.name}: its loader {cause} before it reported")
@@ -360,20 +432,23 @@ class SharedModel:
             pass  # the stub is gone: its unload follows
 
     def accept(self) -> socket.socket | None:
-        """A frontend connection waiting on the model's socket (None if there is none after all). MMS connects once it
-        has read "MMS worker started." and counted the model's process started: from then on the stub's pipes may end
-        (earlier, MMS would fail the LOAD: "Backend stream closed")."""
+        """A frontend connection waiting on the model's socket (None if there is none after all).
+        MMS connects once it has read "MMS worker started." and counted the model's process started:
+        from then on the stub's pipes may end (earlier, MMS would fail the LOAD: "Backend stream
+        closed")."""
         try:
             connection, _ = self.listener.accept()
-        except OSError:  # BlockingIOError (none waits after all), InterruptedError, a socket closing
+        except OSError:
+            # BlockingIOError (none waits after all), InterruptedError, a socket closing
             return None
         self.stop_logging()
         return connection
 
     def stop_logging(self) -> None:
-        """Lets go of the stub's stdout and stderr once the model is served: its loader has written all it will (a
-        host logs to the container's own output), and the stub (``cat`` now) holds /dev/null instead. MMS reads each
-        of the two pipes with a thread of its own, about 90 KiB each, which ends at the pipe's end."""
+        """Lets go of the stub's stdout and stderr once the model is served: its loader has written
+        all it will (a host logs to the container's own output), and the stub (``cat`` now) holds
+        /dev/null instead. MMS reads each of the two pipes with a thread of its own, about 90 KiB
+        each, which ends at the pipe's end."""
         for index in (1, 2):
             if self.stdio[index] >= 0:
                 os.close(self.stdio[index])
@@ -396,13 +471,16 @@ class SharedModel:
 
 
 def cpu_host_for(model: SharedModel, models: Iterable[SharedModel], cpu_hosts: int) -> str:
-    """The CPU host of the pool (MME_CPU_HOSTS) that serves the model: the one with the fewest models when its first
-    connection arrived (one GIL per host: a pool lets Python-bound models run side by side), or the one that has its
-    artifacts under another name (so that they are there once)."""
+    """The CPU host of the pool (MME_CPU_HOSTS) that serves the model: the one with the fewest
+    models when its first connection arrived (one GIL per host: a pool lets Python-bound models run
+    side by side), or the one that has its artifacts under another name (so that they are there
+    once)."""
     if model.cpu_host is None:
         pool = [f"cpu={index}" for index in range(cpu_hosts)]
         others = list(models)
         taken = [other.cpu_host for other in others]
         same = [o.cpu_host for o in others if o.cpu_host and o.cache_key == model.cache_key]
-        model.cpu_host = same[0] if model.cache_key is not None and same else min(pool, key=taken.count)
+        model.cpu_host = (
+            same[0] if model.cache_key is not None and same else min(pool, key=taken.count)
+        )
     return model.cpu_host

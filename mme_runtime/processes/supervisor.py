@@ -1,4 +1,5 @@
-"""Starts the MMS frontend, keeps the process we started, and stops it with every worker on SIGTERM or SIGINT.
+"""Starts the MMS frontend, keeps the process we started, and stops it with every worker on SIGTERM
+or SIGINT.
 
 Runs in the entrypoint (often PID 1). Signal handlers only record the signal; the loop acts on it.
 It never imports torch.
@@ -20,7 +21,12 @@ from types import FrameType
 
 from retrying import retry
 
-from mme_runtime.base.child_processes import PR_SET_CHILD_SUBREAPER, exited_children, prctl, start_program
+from mme_runtime.base.child_processes import (
+    PR_SET_CHILD_SUBREAPER,
+    exited_children,
+    prctl,
+    start_program,
+)
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import EXIT_BOOT, EXIT_OK
 from mme_runtime.base.janitor import Janitor
@@ -59,7 +65,8 @@ class Supervisor:
     def install_signal_handlers(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
-        # Orphaned workers re-parent to us even when we are not PID 1, so we can reap and account for them.
+        # Orphaned workers re-parent to us even when we are not PID 1, so we can reap and account
+        # for them.
         prctl(PR_SET_CHILD_SUBREAPER, 1, "PR_SET_CHILD_SUBREAPER")
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
@@ -70,7 +77,8 @@ class Supervisor:
         return bool(self._pending)
 
     def run(self) -> int:
-        """Starts MMS (retrying a failed start), then supervises it until it exits or we are told to stop."""
+        """Starts MMS (retrying a failed start), then supervises it until it exits or we are told to
+        stop."""
         try:
             return self._run()
         except BaseException:
@@ -112,7 +120,8 @@ class Supervisor:
     def _sweep_metrics(model_metrics: ModelMetrics) -> None:
         try:
             model_metrics.sweep()
-        except Exception:  # noqa: BLE001 - metrics must never stop the server; the sweep runs again in a second
+        except Exception:  # noqa: BLE001
+            # metrics must never stop the server; the sweep runs again in a second
             logger.exception("metrics sweep failed")
 
     def _start_with_retry(self) -> None:
@@ -124,9 +133,11 @@ class Supervisor:
                 return True
             return False
 
-        start = retry(stop_max_attempt_number=attempts, wait_fixed=2000, retry_on_exception=retry_unless_stopping)(
-            self._start_once
-        )
+        start = retry(
+            stop_max_attempt_number=attempts,
+            wait_fixed=2000,
+            retry_on_exception=retry_unless_stopping,
+        )(self._start_once)
         start()
 
     def _start_once(self) -> None:
@@ -134,18 +145,20 @@ class Supervisor:
             self._kill_group(signal.SIGKILL)
             self._wait_for_group(KILL_WAIT_SECONDS)
         self.exit_status = None
-        # One process group holds the warm process, MMS and every model process: one group to signal.
+        # One process group holds the warm process, MMS and every model process: one group to
+        # signal.
         self.group = self._start_warm_process()
         logger.info("starting MMS: %s", " ".join(self.command))
         self.process = start_program(self.command, self.env, self.cwd, group=self.group)
         self._wait_until_ready()
 
     def _start_warm_process(self) -> int:
-        """Starts the warm process, which leads a new process group, and waits until it accepts; the start fails
-        (and is tried again) if it does not."""
+        """Starts the warm process, which leads a new process group, and waits until it accepts; the
+        start fails (and is tried again) if it does not."""
         socket_path = self.config.warm_socket
         socket_path.unlink(missing_ok=True)
-        # A new process group (not session: MMS must be able to join the group, which needs the same session).
+        # A new process group (not session: MMS must be able to join the group, which needs the same
+        # session).
         self.warm_process = start_program(self.warm_command, self.env, self.cwd, group=0)
         deadline = time.monotonic() + WARM_START_TIMEOUT_SECONDS
         while time.monotonic() < deadline and not self.stopping:
@@ -156,7 +169,10 @@ class Supervisor:
             time.sleep(POLL_SECONDS / 4)
         if self.warm_process.poll() is None:
             self.warm_process.kill()
-        raise StartError(f"the warm process did not accept on {socket_path} within {WARM_START_TIMEOUT_SECONDS} s")
+        raise StartError(
+            f"the warm process did not accept on {socket_path} within {WARM_START_TIMEOUT_SECONDS} "
+            "s"
+        )
 
     def _wait_until_ready(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_seconds
@@ -166,7 +182,9 @@ class Supervisor:
                 raise StartError("stop requested during start")
             self._reap()
             if self.exit_status is not None:
-                raise StartError(f"MMS exited with status {self.exit_status} before answering /ping")
+                raise StartError(
+                    f"MMS exited with status {self.exit_status} before answering /ping"
+                )
             if _ping(url):
                 return
             time.sleep(POLL_SECONDS)
@@ -177,7 +195,9 @@ class Supervisor:
         logger.info("received %s: stopping MMS and its workers", signal.Signals(signum).name)
         self._kill_group(signal.SIGTERM)
         if not self._wait_for_group(self.config.stop_grace_seconds):
-            logger.warning("MMS did not stop within %d s: killing it", self.config.stop_grace_seconds)
+            logger.warning(
+                "MMS did not stop within %d s: killing it", self.config.stop_grace_seconds
+            )
             self._kill_group(signal.SIGKILL)
             self._wait_for_group(KILL_WAIT_SECONDS)
         logger.info("MMS stopped")
@@ -192,7 +212,8 @@ class Supervisor:
             pass
 
     def _wait_for_group(self, timeout: float) -> bool:
-        """Waits until no process of the MMS group is left (reaping as we go); True if they all ended."""
+        """Waits until no process of the MMS group is left (reaping as we go); True if they all
+        ended."""
         if self.group is None:
             return True
         deadline = time.monotonic() + timeout
@@ -205,7 +226,8 @@ class Supervisor:
         return not _group_alive(self.group)
 
     def _reap(self) -> None:
-        """Collects every exited child: MMS itself and orphans re-parented to us (waitpid until 0 or ECHILD)."""
+        """Collects every exited child: MMS itself and orphans re-parented to us (waitpid until 0 or
+        ECHILD)."""
         for pid, code in exited_children():
             if self.process is not None and pid == self.process.pid:
                 self.exit_status = code
@@ -214,7 +236,8 @@ class Supervisor:
                 self.warm_process.returncode = code
                 if not self.stopping:
                     logger.warning(
-                        "warm process exited (%d): models cannot load until it is back", self.warm_process.returncode
+                        "warm process exited (%d): models cannot load until it is back",
+                        self.warm_process.returncode,
                     )
 
 

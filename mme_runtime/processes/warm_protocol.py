@@ -1,6 +1,6 @@
-"""The warm process's messages: length-prefixed JSON over a unix socket, with descriptors passed beside them
-(SCM_RIGHTS). Stubs, loaders and the warm process speak it; a model's socket and a loader's result
-socket are opened and drained here. Light on imports: the stub imports it too."""
+"""The warm process's messages: length-prefixed JSON over a unix socket, with descriptors passed
+beside them (SCM_RIGHTS). Stubs, loaders and the warm process speak it; a model's socket and a
+loader's result socket are opened and drained here. Light on imports: the stub imports it too."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import os
 import socket
 import struct
 
-# Every model's stub imports this module as it starts: typing (3 ms there) is for the type checker only.
+# Every model's stub imports this module as it starts: typing (3 ms there) is for the type checker
+# only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
@@ -57,8 +58,8 @@ def receive(sock: socket.socket, with_fds: int = 0) -> tuple[dict[str, Any] | No
 
 
 def bind_model_socket(argv: list[str]) -> socket.socket:
-    """The socket MMS's stub command line names (``--sock-name``), bound and listening, where the frontend's
-    connections for the model wait in the backlog until the model is ready."""
+    """The socket MMS's stub command line names (``--sock-name``), bound and listening, where the
+    frontend's connections for the model wait in the backlog until the model is ready."""
     path = argv[argv.index("--sock-name") + 1]
     try:
         os.remove(path)

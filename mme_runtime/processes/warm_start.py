@@ -1,10 +1,10 @@
-"""Warm start: a CUDA-free process with torch and the handler stack imported, from which every model process is
-forked: the loaders and the device hosts (``shared_models.py``).
+"""Warm start: a CUDA-free process with torch and the handler stack imported, from which every model
+process is forked: the loaders and the device hosts (``shared_models.py``).
 
-MMS still launches one process per model (the stub in MODEL_SERVER_HOME, ``warm_stub.py``); the stub hands its
-command line, environment and stdio to the warm process over a unix socket (SCM_RIGHTS), then becomes ``cat``
-reading that connection. MMS kills the stub to UNLOAD: the model leaves its hosts when the connection closes. User
-code is imported only after a fork.
+MMS still launches one process per model (the stub in MODEL_SERVER_HOME, ``warm_stub.py``); the stub
+hands its command line, environment and stdio to the warm process over a unix socket (SCM_RIGHTS),
+then becomes ``cat`` reading that connection. MMS kills the stub to UNLOAD: the model leaves its
+hosts when the connection closes. User code is imported only after a fork.
 """
 
 from __future__ import annotations
@@ -44,13 +44,14 @@ WARM_MODULES = (
     "mme_runtime.processes.device_host",
     "mme_runtime.serving.served_model",
 )
-# Imported where installed: the AWS SDK, which only code in S3 needs (the GPU proof's kit carries none).
+# Imported where installed: the AWS SDK, which only code in S3 needs (the GPU proof's kit carries
+# none).
 OPTIONAL_WARM_MODULES = ("boto3",)
 
 
 class WarmProcess:
-    """Accepts stub connections and takes each model in (``shared_models.py``): its loader, its connections, its
-    hosts."""
+    """Accepts stub connections and takes each model in (``shared_models.py``): its loader, its
+    connections, its hosts."""
 
     def __init__(self, listener: socket.socket, config: Config) -> None:
         from mme_runtime.processes.shared_models import SharedModels
@@ -79,7 +80,8 @@ class WarmProcess:
         from mme_runtime.base import devices
 
         connection, _ = self.listener.accept()
-        connection.settimeout(REQUEST_TIMEOUT_SECONDS)  # a client that connects and stalls must not stall us
+        # a client that connects and stalls must not stall us
+        connection.settimeout(REQUEST_TIMEOUT_SECONDS)
         try:
             request, fds = receive(connection, with_fds=STDIO_FDS)
         except (OSError, ValueError):
@@ -94,16 +96,20 @@ class WarmProcess:
             return
         # The warm process must stay CUDA-free for every later fork to be usable.
         if devices.cuda_initialized():
-            raise RuntimeError("CUDA was initialised in the warm process; it cannot fork model processes")
+            raise RuntimeError(
+                "CUDA was initialised in the warm process; it cannot fork model processes"
+            )
         self._warm_imports(request["argv"])
         try:
             self.shared.add(spec, request, connection, fds)
             loader = getattr(self.shared.models.get(spec.name), "loader", None)
             if loader is not None:
                 self.deaths.watch(loader, f"model={spec.name} load failed: its loader pid={loader}")
-        except Exception:  # noqa: BLE001 - one model's arrival must never end the process every model needs
+        except Exception:  # noqa: BLE001
+            # one model's arrival must never end the process every model needs
             logger.exception("model=%s could not be taken in: its LOAD fails", spec.name)
-            if not self.shared.forget(spec.name):  # else the stub and its stdio went with the model: closed once
+            if not self.shared.forget(spec.name):
+                # else the stub and its stdio went with the model: closed once
                 for fd in fds:
                     os.close(fd)
                 connection.close()
@@ -120,8 +126,9 @@ class WarmProcess:
             self.shared.child_exited(pid, code)
 
     def _warm_imports(self, argv: list[str]) -> None:
-        """Before the first model that needs one of ``LAZY_IMPORTS``, imports it here, once: every later such model's
-        processes inherit it instead of importing it again. Containers that serve none never pay."""
+        """Before the first model that needs one of ``LAZY_IMPORTS``, imports it here, once: every
+        later such model's processes inherit it instead of importing it again. Containers that serve
+        none never pay."""
         model_dir = _model_dir(argv)
         if model_dir is None:
             return
@@ -129,13 +136,18 @@ class WarmProcess:
             try:
                 if module in sys.modules or not needs(model_dir):
                     continue
-                from mme_runtime.base import devices  # imports torch: not before the warm process has it
+                # imports torch: not before the warm process has it
+                from mme_runtime.base import devices
 
                 started = time.monotonic()
                 importlib.import_module(module)
-                devices.single_threaded()  # as after the imports at start: nothing for the forks to inherit
-                logger.info("warm process: %s imported seconds=%.2f", label, time.monotonic() - started)
-            except Exception as exc:  # noqa: BLE001 - the warm process serves every model: the loader imports it
+                # as after the imports at start: nothing for the forks to inherit
+                devices.single_threaded()
+                logger.info(
+                    "warm process: %s imported seconds=%.2f", label, time.monotonic() - started
+                )
+            except Exception as exc:  # noqa: BLE001
+                # the warm process serves every model: the loader imports it
                 logger.warning("warm process: %s not imported for %s: %s", label, model_dir, exc)
 
 
@@ -147,7 +159,8 @@ def _uses_pt2(model_dir: Path) -> bool:
 
 # What only some models need, imported once before the first of them (``_warm_imports``).
 LAZY_IMPORTS: tuple[tuple[str, str, Callable[[Path], bool]], ...] = (
-    # torch.export's archive reader (model.pt2, compile=true): it brings torch's compiler (about 1.2 s and 70 MiB).
+    # torch.export's archive reader (model.pt2, compile=true): it brings torch's compiler (about 1.2
+    # s and 70 MiB).
     ("PyTorch 2 loader", "torch.export.pt2_archive._package", _uses_pt2),
     # transformers and its pipelines, for a Hugging Face directory served with no code
     # (``huggingface/loading.py``).
@@ -156,10 +169,13 @@ LAZY_IMPORTS: tuple[tuple[str, str, Callable[[Path], bool]], ...] = (
 
 
 def _spec(argv: list[str]) -> ModelSpec | None:
-    """The model MMS started this server for, from the arguments it passes (``--model-name``, ``--model-path``, ...)."""
+    """The model MMS started this server for, from the arguments it passes (``--model-name``,
+    ``--model-path``, ...)."""
     values = dict(zip(argv[1::2], argv[2::2], strict=False))
     try:
-        return ModelSpec(values["--model-name"], values["--model-path"], values["--handler"], values["--tmp-dir"])
+        return ModelSpec(
+            values["--model-name"], values["--model-path"], values["--handler"], values["--tmp-dir"]
+        )
     except KeyError:
         return None
 
@@ -184,10 +200,13 @@ def main() -> int:
     from mme_runtime.base import devices
     from mme_runtime.operations import metrics
 
-    metrics.start_container(config)  # what this process counts; each forked loader and host writes its own
-    devices.single_threaded()  # loaders and hosts are forked from here: no OpenMP pool for them to inherit
-    # What the imports made lives as long as every process forked from here: out of the collector's way, so a full
-    # collection in a device host (each UNLOAD runs one) walks the models' objects, not torch's.
+    # what this process counts; each forked loader and host writes its own
+    metrics.start_container(config)
+    # loaders and hosts are forked from here: no OpenMP pool for them to inherit
+    devices.single_threaded()
+    # What the imports made lives as long as every process forked from here: out of the collector's
+    # way, so a full collection in a device host (each UNLOAD runs one) walks the models' objects,
+    # not torch's.
     gc.freeze()
     raise_descriptor_limit()
     path = Path(config.warm_socket)

@@ -1,14 +1,17 @@
-"""One frontend connection, from the socket to the handler and back: its first message (the LOAD, which names the
-GPU the frontend assigned it) read by the warm process, which routes the connection to its device's host; there its
-LOAD is answered, then each inference message read with MMS's protocol (``mms.protocol``), answered by MMS's
-``Service`` (which calls ``handler_service.handle`` and so the model's ``ServedModel``, ``served_model.py``), and
-written back, with the request metrics recorded after.
+"""One frontend connection, from the socket to the handler and back: its first message (the LOAD,
+which names the GPU the frontend assigned it) read by the warm process, which routes the connection
+to its device's host; there its LOAD is answered, then each inference message read with MMS's
+protocol (``mms.protocol``), answered by MMS's ``Service`` (which calls ``handler_service.handle``
+and so the model's ``ServedModel``, ``served_model.py``), and written back, with the request metrics
+recorded after.
 
-A device host keeps its connections in ``Turns``: an idle connection waits in one epoll set, watched by one thread;
-a connection with a message to answer takes a turn on a worker thread (made when none is free, ended after a while
-with nothing to do), so a host's threads follow the requests in flight, not the models it holds. Every connection
-of a model answers at once. A batching model's ``ConnectionDemand`` counts its busy connections and asks for more
-once they are all busy (MMS sends one request per connection at a time, so a batch of ``batch_size`` needs that many).
+A device host keeps its connections in ``Turns``: an idle connection waits in one epoll set, and a
+worker thread waiting on the set answers it when its message arrives (workers are made when none is
+left waiting and end after a while with nothing to do), so a host's threads follow the requests in
+flight, not the models it holds. Every connection of a model answers at once. A batching model's
+``ConnectionDemand`` (made by ``start_batching``) counts its busy connections and asks for more
+once they are all busy (MMS sends one request per connection at a time, so a batch of
+``batch_size`` needs that many).
 """
 
 from __future__ import annotations
@@ -31,13 +34,15 @@ from mms.protocol.otf_message_handler import LOAD_MSG, create_load_model_respons
 from mms.service import emit_metrics
 
 from mme_runtime.base import devices
+from mme_runtime.base.config import Config
 from mme_runtime.models.loading import LoadedModel, ModelSpec
 from mme_runtime.operations import metrics
+from mme_runtime.operations.scaler import request_workers
 
 
 class ConnectionDemand:
-    """Counts one model's connections on this device and the requests they are answering; calls ``ask_for(full)``
-    once, the first time the ``at_load`` connections (or more) are all busy."""
+    """Counts one model's connections on this device and the requests they are answering; calls
+    ``ask_for(full)`` once, the first time the ``at_load`` connections (or more) are all busy."""
 
     def __init__(self, ask_for: Callable[[int], None], at_load: int, full: int) -> None:
         self._ask_for = ask_for
@@ -65,7 +70,8 @@ class ConnectionDemand:
         """Brackets one request, from its message read to its answer sent."""
         with self._lock:
             self._busy += 1
-            # Not before the LOAD's connections are all open: until then one request alone fills them.
+            # Not before the LOAD's connections are all open: until then one request alone fills
+            # them.
             grow = not self._asked and self._open >= self._at_load and self._busy >= self._open
             self._asked = self._asked or grow
         if grow:
@@ -78,11 +84,37 @@ class ConnectionDemand:
 
 
 logger = logging.getLogger(__name__)
-# How long a host's worker waits for another connection's turn before it ends, and how many wait for good: a turn
-# that found none waiting would first make a thread (a tenth of a millisecond on the request's path).
+# How long a host's worker waits for another connection's turn before it ends, and how many wait
+# for good: a turn that found none waiting would first make a thread (a tenth of a millisecond on
+# the request's path).
 WORKER_IDLE_SECONDS = 10.0
 SPARE_WORKERS = 2
 SERVICE_LOG = logging.getLogger("mms.service")  # where emit_metrics writes its per-request lines
+
+
+def start_batching(spec: ModelSpec, config: Config, loaded: LoadedModel) -> ConnectionDemand | None:
+    """From here on the handler is called from many threads; our handler then batches their forward
+    passes. A batching model asks for the frontend connections that fill its batches as it comes to
+    need them: the returned ``ConnectionDemand`` watches its connections."""
+    if not hasattr(loaded.module, "start_batcher"):
+        # another handler (MMS's ``module:function``): it is called from the connections' threads as
+        # it is
+        return None
+    settings = loaded.module.start_batcher()
+    if not settings.batching or settings.source == "LOAD":
+        return None  # MMS's own batching (LOAD's batch_size) fills its batches itself
+
+    def ask_for(per_device: int, serving: bool = True) -> None:
+        try:
+            request_workers(config.runtime_dir, spec.name, per_device, serving)
+        except OSError as exc:
+            logger.warning(
+                "model=%s could not ask for %d workers per device: %s", spec.name, per_device, exc
+            )
+
+    at_load = min(config.batch_connections_at_load, settings.batch_size)
+    ask_for(at_load, serving=False)
+    return ConnectionDemand(ask_for, at_load, settings.batch_size)
 
 
 @dataclass(frozen=True)
@@ -98,9 +130,12 @@ class Assignment:
         return cls(None if gpu is None else int(gpu), max(1, int(message.get("batchSize") or 1)))
 
 
-def read_assignment(connection: socket.socket, model_name: str, timeout: float) -> Assignment | None:
-    """Reads a frontend connection's first message, its LOAD (the GPU the frontend assigned it); None, with the
-    connection closed and the cause logged, when something else or nothing arrives within ``timeout``."""
+def read_assignment(
+    connection: socket.socket, model_name: str, timeout: float
+) -> Assignment | None:
+    """Reads a frontend connection's first message, its LOAD (the GPU the frontend assigned it);
+    None, with the connection closed and the cause logged, when something else or nothing arrives
+    within ``timeout``."""
     try:
         connection.settimeout(timeout)
         command, message = retrieve_msg(connection)
@@ -122,7 +157,9 @@ def device_of(assignment: Assignment, visible_devices: str | None) -> str | None
 
 def answer_load(connection: socket.socket, spec: ModelSpec) -> None:
     """A connection's first answer, once its model is loaded here: MMS's worker is ready."""
-    connection.sendall(create_load_model_response(200, f"loaded model {spec.name}. [PID]:{os.getpid()}"))
+    connection.sendall(
+        create_load_model_response(200, f"loaded model {spec.name}. [PID]:{os.getpid()}")
+    )
 
 
 def answer_message(
@@ -131,9 +168,10 @@ def answer_message(
     running: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     demand: ConnectionDemand | None = None,
 ) -> None:
-    """Reads one inference message and answers it. Raises ``ValueError`` or ``OSError`` when the frontend has
-    disconnected (a normal end: ``mms.protocol`` raises ValueError for a closed socket). ``running`` brackets the
-    handling (a device host marks whose code runs); a batching model's ``demand`` counts its busy connections."""
+    """Reads one inference message and answers it. Raises ``ValueError`` or ``OSError`` when the
+    frontend has disconnected (a normal end: ``mms.protocol`` raises ValueError for a closed
+    socket). ``running`` brackets the handling (a device host marks whose code runs); a batching
+    model's ``demand`` counts its busy connections."""
     command, message = retrieve_msg(connection)
     if command != b"I":
         raise ValueError(f"unexpected command {command!r} after LOAD")
@@ -143,22 +181,28 @@ def answer_message(
             context, response = _answer(loaded, message)
         connection.sendall(response)
     # Recorded once the answer is on its way: the caller does not wait for its metrics.
-    metrics.record_requests(functools.partial(_statuses, context, response), time.monotonic() - started)
+    metrics.record_requests(
+        functools.partial(_statuses, context, response), time.monotonic() - started
+    )
 
 
 class Turns:
-    """A device host's connections: each idle one waits in one epoll set; a worker thread waiting on the set takes a
-    connection whose message arrived, runs ``turn(connection)``, and waits again, until a turn returns False (the
-    connection has ended: it is closed here). One turn of a connection at a time (``EPOLLONESHOT``). A worker that
-    takes a turn makes another when none would be left waiting, and one of more than ``SPARE_WORKERS`` waiting ends
-    after ``idle_seconds``: threads follow the requests in flight, and a host of a thousand idle models runs two."""
+    """A device host's connections: each idle one waits in one epoll set; a worker thread waiting on
+    the set takes a connection whose message arrived, runs ``turn(connection)``, and waits again,
+    until a turn returns False (the connection has ended: it is closed here). One turn of a
+    connection at a time (``EPOLLONESHOT``). A worker that takes a turn makes another when none
+    would be left waiting, and one of more than ``SPARE_WORKERS`` waiting ends after
+    ``idle_seconds``: threads follow the requests in flight, and a host of a thousand idle models
+    runs two."""
 
     def __init__(self, name: str, idle_seconds: float = WORKER_IDLE_SECONDS) -> None:
         self._name = name
         self._idle_seconds = idle_seconds
         self._epoll = select.epoll()
         self._turns: dict[int, tuple[socket.socket, Callable[[socket.socket], bool]]] = {}
-        self._armed: set[int] = set()  # registered with the epoll set (ONESHOT: re-armed after each turn)
+        self._armed: set[int] = (
+            set()
+        )  # registered with the epoll set (ONESHOT: re-armed after each turn)
         self._lock = threading.Lock()
         self._waiting = 0  # workers waiting on the epoll set
         self.workers = 0
@@ -194,7 +238,9 @@ class Turns:
                     continue
                 self._waiting -= 1
                 last = self._waiting == 0
-            if last:  # another waits while this one answers: a long turn holds no other connection back
+            if (
+                last
+            ):  # another waits while this one answers: a long turn holds no other connection back
                 self._add_worker()
             fd = events[0][0]
             connection, turn = self._turns[fd]
@@ -235,21 +281,24 @@ class Turns:
 
 
 def _answer(loaded: LoadedModel, message: list[dict[str, Any]]) -> tuple[Any, bytes]:
-    """MMS's own ``Service.predict`` for one message (its metrics, its statuses for errors outside the handler), on a
-    copy of the service whose context is the message's own: the connections' threads answer at once. Returns that
-    context, which holds each request's status, with the answer."""
+    """MMS's own ``Service.predict`` for one message (its metrics, its statuses for errors outside
+    the handler), on a copy of the service whose context is the message's own: the connections'
+    threads answer at once. Returns that context, which holds each request's status, with the
+    answer."""
     service = copy.copy(loaded.service)
-    # Service keeps its context in ``_context`` (MMS 1.1.11, pinned); the copy shares system_properties, not requests.
+    # Service keeps its context in ``_context`` (MMS 1.1.11, pinned); the copy shares
+    # system_properties, not requests.
     service._context = copy.copy(loaded.service.context)
     response = service.predict(message)
-    if service.context.metrics is not None and SERVICE_LOG.isEnabledFor(logging.INFO):  # off in a device host
+    if service.context.metrics is not None and SERVICE_LOG.isEnabledFor(logging.INFO):
+        # off in a device host
         emit_metrics(service.context.metrics.store)
     return service.context, bytes(response)
 
 
 def _statuses(context: Any, response: bytes) -> list[int]:
-    """Each request's HTTP status: the response's own code when ``Service.predict`` failed them all (it leads the
-    response), else what the handler set for each."""
+    """Each request's HTTP status: the response's own code when ``Service.predict`` failed them all
+    (it leads the response), else what the handler set for each."""
     requests = context.request_ids or {}
     code = int.from_bytes(response[:4], "big", signed=True)
     if code != 200:

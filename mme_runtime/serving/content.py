@@ -1,10 +1,11 @@
-"""What goes in and out of a request: content types (parsing media types, negotiating ``Accept``, the JSON/CSV/NPY
-codecs for tensors), and each request's answer: its status and, for a failure, its error body.
+"""What goes in and out of a request: content types (parsing media types, negotiating ``Accept``,
+the JSON/CSV/NPY codecs for tensors), and each request's answer: its status and, for a failure, its
+error body.
 
 Decoding failures raise ``InvalidInput`` (400), unknown types ``UnsupportedContentType`` (415) and
-``UnsupportedAccept`` (406): the client sees which types are supported. A failed step's status comes from the error
-(``StepError``; out of memory with the numbers, 507), and its body says what went wrong in JSON with the request's
-id, never a traceback (the log has it).
+``UnsupportedAccept`` (406): the client sees which types are supported. A failed step's status comes
+from the error (``StepError``; out of memory with the numbers, 507), and its body says what went
+wrong in JSON with the request's id, never a traceback (the log has it).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from mme_runtime.base.errors import (
     InsufficientMemory,
     InvalidInput,
     ModelLoadError,
+    PayloadTooLarge,
     RequestTimeout,
     UnsupportedAccept,
     UnsupportedContentType,
@@ -41,10 +43,13 @@ CSV = "text/csv"
 NPY = "application/x-npy"
 ANY = "*/*"
 SUPPORTED = (JSON, CSV, NPY)
-# Decoded to str before reaching input_fn, as the toolkit does, so user scripts get text for text formats.
-# Arrays and numpy scalars as JSON numbers (float32 in its shortest form); keys that are not strings as strings.
+# Decoded to str before reaching input_fn, as the toolkit does, so user scripts get text for text
+# formats. Arrays and numpy scalars as JSON numbers (float32 in its shortest form); keys that are
+# not strings as strings.
 ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
-TEXT_TYPES = frozenset({JSON, CSV, "text/plain", "application/jsonlines", "application/x-www-form-urlencoded"})
+TEXT_TYPES = frozenset(
+    {JSON, CSV, "text/plain", "application/jsonlines", "application/x-www-form-urlencoded"}
+)
 
 
 def media_type(value: str | None) -> str | None:
@@ -89,7 +94,8 @@ def _matches(media_range: str, candidate: str) -> bool:
 
 
 def negotiate(accept: str | None, default: str, supported: Sequence[str] = SUPPORTED) -> str:
-    """Picks the response type: the best supported match for ``accept``, ``default`` for none or ``*/*``."""
+    """Picks the response type: the best supported match for ``accept``, ``default`` for none or
+    ``*/*``."""
     if accept is None or not accept.strip():
         return default
     for _, _, media_range in _accept_ranges(accept):
@@ -107,7 +113,9 @@ def decode(body: bytes | bytearray | str, content_type: str | None) -> torch.Ten
     if essence is None:
         raise UnsupportedContentType(f"missing Content-Type; supported: {', '.join(SUPPORTED)}")
     if essence not in SUPPORTED:
-        raise UnsupportedContentType(f"unsupported Content-Type {content_type!r}; supported: {', '.join(SUPPORTED)}")
+        raise UnsupportedContentType(
+            f"unsupported Content-Type {content_type!r}; supported: {', '.join(SUPPORTED)}"
+        )
     if len(body) == 0:
         raise InvalidInput(f"empty request body for {essence}")
     if essence == NPY:
@@ -122,15 +130,21 @@ def encode(prediction: Any, accept: str) -> bytes:
     """Encodes a prediction (tensor, array, list or scalar) as JSON, CSV or NPY."""
     array = _to_numpy(prediction)
     if accept == JSON:
-        if _finite(array):  # orjson would write NaN and infinity as null: those keep the standard library's spelling
+        if _finite(array):
+            # orjson would write NaN and infinity as null: those keep the standard library's
+            # spelling
             try:
                 return orjson.dumps(array, option=ORJSON_OPTIONS)
             except TypeError:
-                pass  # a type orjson does not know (a non-contiguous array, say): the slower path below decides
+                # a type orjson does not know (a non-contiguous array, say): the slower path below
+                # decides
+                pass
         try:
             return json.dumps(_jsonable(array), allow_nan=True).encode("utf-8")
         except TypeError as exc:
-            raise TypeError(f"prediction of type {type(prediction).__name__} cannot be encoded as JSON") from exc
+            raise TypeError(
+                f"prediction of type {type(prediction).__name__} cannot be encoded as JSON"
+            ) from exc
     if accept == CSV:
         buffer = io.StringIO()
         np.savetxt(buffer, np.atleast_2d(np.asarray(array)), delimiter=",", fmt="%s")
@@ -153,18 +167,22 @@ def _decode_json(text: str) -> Any:
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError:
-        # The standard library's parser names the problem better, and accepts NaN and Infinity, which the caller
-        # then hears about by name; it runs only for bodies orjson refused.
+        # The standard library's parser names the problem better, and accepts NaN and Infinity,
+        # which the caller then hears about by name; it runs only for bodies orjson refused.
         try:
             value = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise InvalidInput(f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+            raise InvalidInput(
+                f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+            ) from exc
     # The toolkit's convention: {"instances": [...]} or {"inputs": [...]} wrap the actual data.
     if isinstance(value, dict):
         for key in ("instances", "inputs"):
             if key in value:
                 return value[key]
-        raise InvalidInput("JSON object must hold the data under 'instances' or 'inputs', or be an array")
+        raise InvalidInput(
+            "JSON object must hold the data under 'instances' or 'inputs', or be an array"
+        )
     return value
 
 
@@ -257,7 +275,8 @@ MAX_CHAINED = 8  # exceptions followed through __cause__ and __context__
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """Host or device memory exhaustion (``failures.is_out_of_memory``), raised by a contract function or not."""
+    """Host or device memory exhaustion (``failures.is_out_of_memory``), raised by a contract
+    function or not."""
     return failures.is_out_of_memory(exc.cause if isinstance(exc, StepError) else exc)
 
 
@@ -265,8 +284,9 @@ def is_client_error(exc: BaseException) -> bool:
     return isinstance(exc, BaseInferenceToolkitError) and 400 <= int(exc.status_code) < 500
 
 
-# What input_fn raises when it cannot decode the request (json.JSONDecodeError and UnicodeDecodeError are ValueErrors,
-# a missing key a KeyError): the client's bad input, answered 400. Anything else it raises stays 500.
+# What input_fn raises when it cannot decode the request (json.JSONDecodeError and
+# UnicodeDecodeError are ValueErrors, a missing key a KeyError): the client's bad input,
+# answered 400. Anything else it raises stays 500.
 DECODING_ERRORS = (ValueError, TypeError, KeyError, IndexError)
 
 
@@ -282,7 +302,11 @@ def http_status(exc: BaseException) -> int:
 
 def is_decoding_error(exc: BaseException) -> bool:
     """An exception the user's ``input_fn`` raised decoding the request (``DECODING_ERRORS``)."""
-    return isinstance(exc, StepError) and exc.step == "input_fn" and isinstance(exc.cause, DECODING_ERRORS)
+    return (
+        isinstance(exc, StepError)
+        and exc.step == "input_fn"
+        and isinstance(exc.cause, DECODING_ERRORS)
+    )
 
 
 def release_cached_device_memory() -> None:
@@ -291,20 +315,23 @@ def release_cached_device_memory() -> None:
 
 
 def release_memory_of(exc: BaseException) -> None:
-    """After an out-of-memory error is answered and logged: the frames its tracebacks hold let go of their tensors,
-    and torch's cache gives what they held back to the card, so the next request finds it."""
+    """After an out-of-memory error is answered and logged: the frames its tracebacks hold let go of
+    their tensors, and torch's cache gives what they held back to the card, so the next request
+    finds it."""
     seen: BaseException | None = exc
     for _ in range(MAX_CHAINED):
         if seen is None:
             break
-        traceback.clear_frames(seen.__traceback__)  # frames still running (none here) are left as they are
+        # frames still running (none here) are left as they are
+        traceback.clear_frames(seen.__traceback__)
         seen = seen.__cause__ or seen.__context__
     release_cached_device_memory()
 
 
 class StepError(Exception):
-    """A failure inside a user (or default) contract function: 500, naming the function. ``explained``: the answer's
-    message where it was written when the error was caught (out of memory: the numbers as they were then)."""
+    """A failure inside a user (or default) contract function: 500, naming the function.
+    ``explained``: the answer's message where it was written when the error was caught (out of
+    memory: the numbers as they were then)."""
 
     def __init__(self, step: str, cause: Exception, explained: str | None = None) -> None:
         super().__init__(f"{step}: {cause}")
@@ -314,12 +341,17 @@ class StepError(Exception):
 
 
 def error_response(exc: Exception, request: Any) -> tuple[bytes, str]:
-    """The body and content type answering ``request`` (an ``InferenceContext``) with ``exc``; logs it."""
+    """The body and content type answering ``request`` (an ``InferenceContext``) with ``exc``; logs
+    it."""
     status = http_status(exc)
     if isinstance(exc, StepError) and exc.explained:
-        message, error_type = exc.explained, "InsufficientMemory" if status == 507 else type(exc.cause).__name__
+        message, error_type = (
+            exc.explained,
+            "InsufficientMemory" if status == 507 else type(exc.cause).__name__,
+        )
     elif isinstance(exc, StepError):
-        cause = first_line(exc.cause) if status < 500 else str(exc.cause)  # a client sees what it sent wrong
+        # a client sees what it sent wrong
+        cause = first_line(exc.cause) if status < 500 else str(exc.cause)
         message = f"{exc.step} raised {type(exc.cause).__name__}: {cause}"
         error_type = type(exc.cause).__name__
     elif isinstance(exc, BaseInferenceToolkitError):
@@ -339,26 +371,42 @@ def error_response(exc: Exception, request: Any) -> tuple[bytes, str]:
             exc_info=_traceback_of(exc),
         )
     else:
-        logger.warning("model=%s request=%s status=%d: %s", request.model_name, request.request_id, status, message)
-    body = {"code": status, "type": error_type, "message": message, "request_id": request.request_id}
+        logger.warning(
+            "model=%s request=%s status=%d: %s",
+            request.model_name,
+            request.request_id,
+            status,
+            message,
+        )
+    body = {
+        "code": status,
+        "type": error_type,
+        "message": message,
+        "request_id": request.request_id,
+    }
     return json.dumps(body).encode("utf-8"), ERROR_CONTENT_TYPE
 
 
 def _traceback_of(exc: Exception) -> BaseException | None:
-    """What a failed request's log line shows the traceback of: what the user's function raised; none for a timeout."""
+    """What a failed request's log line shows the traceback of: what the user's function raised;
+    none for a timeout."""
     if isinstance(exc, RequestTimeout):
         return None
     return exc.cause if isinstance(exc, StepError) else exc
 
 
 def load_failure(step: str, exc: Exception) -> ContainerError:
-    """The error a failed load step answers with (507 for memory, the user's own status, else 500), in words
-    (``failures.raised``): the process that fails the LOAD logs it once, with the traceback of what user code raised."""
+    """The error a failed load step answers with (507 for memory, the user's own status, else 500),
+    in words (``failures.raised``): the process that fails the LOAD logs it once, with the traceback
+    of what user code raised."""
     if isinstance(exc, ContainerError) and type(exc).__module__.startswith("mme_runtime."):
         # Ours, in words of its own (no model file, say): the step goes before them.
-        return type(exc)(f"{step} failed: {exc.message}"[:MAX_MESSAGE_CHARS], int(exc.status_code), exc.trace)
+        return type(exc)(
+            f"{step} failed: {exc.message}"[:MAX_MESSAGE_CHARS], int(exc.status_code), exc.trace
+        )
     message = failures.raised(step, exc)[:MAX_MESSAGE_CHARS]
-    if isinstance(exc, BaseInferenceToolkitError):  # the user's, with a status of its choosing: deliberate
+    if isinstance(exc, BaseInferenceToolkitError):
+        # the user's, with a status of its choosing: deliberate
         return ContainerError(message, int(exc.status_code))
     kind = InsufficientMemory if is_out_of_memory(exc) else ModelLoadError
     return kind(message, trace=exc)
@@ -373,7 +421,8 @@ def phrase(status: int) -> str:
 
 @dataclass(eq=False)
 class RequestInFlight:
-    """One request on its way through the contract: its context, the Accept it is answered with, and the answer."""
+    """One request on its way through the contract: its context, the Accept it is answered with, and
+    the answer."""
 
     context: InferenceContext
     accept: str
@@ -393,8 +442,28 @@ def request_body(item: Any) -> Any:
     return item
 
 
+def read_request(
+    item: Any, request: RequestInFlight, max_request_bytes: int
+) -> tuple[Any, str | None]:
+    """The request's payload and content type, with its Accept settled on ``request``."""
+    payload = request_body(item)
+    if isinstance(payload, (bytes, bytearray, str)) and len(payload) > max_request_bytes:
+        raise PayloadTooLarge(
+            f"request body of {len(payload)} bytes exceeds the limit of "
+            f"{max_request_bytes} (SAGEMAKER_MAX_REQUEST_SIZE)"
+        )
+    content_type = request.context.header("content-type")
+    accept = request.context.header("accept")
+    if accept is not None and accept.strip() not in ("", ANY):
+        request.accept = accept
+    if isinstance(payload, (bytes, bytearray)) and media_type(content_type) in TEXT_TYPES:
+        payload = utf8_text(payload)
+    return payload, content_type
+
+
 def to_bytes(result: Any) -> bytes:
-    """What ``output_fn`` returned, as the answer's bytes (anything else JSON-encoded, or a 500 naming the type)."""
+    """What ``output_fn`` returned, as the answer's bytes (anything else JSON-encoded, or a 500
+    naming the type)."""
     if isinstance(result, (bytes, bytearray)):
         return bytes(result)
     if isinstance(result, str):
@@ -402,4 +471,6 @@ def to_bytes(result: Any) -> bytes:
     try:
         return encode(result, JSON)
     except TypeError as exc:
-        raise StepError("output_fn", TypeError(f"returned {type(result).__name__}, expected bytes or str")) from exc
+        raise StepError(
+            "output_fn", TypeError(f"returned {type(result).__name__}, expected bytes or str")
+        ) from exc

@@ -1,7 +1,9 @@
-"""The ``context`` user functions receive: MMS's context API plus the model's device and the request's headers.
+"""The ``context`` user functions receive: MMS's context API plus the model's device and the
+request's headers.
 
-Existing scripts keep using ``context.system_properties[...]`` and ``context.get_request_header(idx, name)``;
-new code can read ``context.device``, ``context.gpu_id``, ``context.request_headers`` and the rest directly.
+Existing scripts keep using ``context.system_properties[...]`` and ``context.get_request_header(idx,
+name)``; new code can read ``context.device``, ``context.gpu_id``, ``context.request_headers`` and
+the rest directly.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ CUSTOM_ATTRIBUTES = "x-amzn-sagemaker-custom-attributes"
 
 
 class InferenceContext:
-    """A view of MMS's ``Context`` for one model, or for one request of a batch (``request_index``)."""
+    """A view of MMS's ``Context`` for one model, or for one request of a batch
+    (``request_index``)."""
 
-    def __init__(self, mms_context: Any, device: torch.device, request_index: int | None = None) -> None:
+    def __init__(
+        self, mms_context: Any, device: torch.device, request_index: int | None = None
+    ) -> None:
         self._mms = mms_context
         self.device = device
         self.request_index = request_index
@@ -44,8 +49,9 @@ class InferenceContext:
     def gpu_id(self) -> int | None:
         """The GPU the frontend assigned this device host (an nvidia-smi index), None on the CPU.
 
-        ``system_properties["gpu_id"]`` is the CUDA ordinal of that GPU inside this host instead (0 in our
-        hosts, which see only their GPU), so that ``cuda:{gpu_id}`` in existing scripts names the right card.
+        ``system_properties["gpu_id"]`` is the CUDA ordinal of that GPU inside this host instead (0
+        in our hosts, which see only their GPU), so that ``cuda:{gpu_id}`` in existing scripts names
+        the right card.
         """
         properties = self._mms.system_properties
         gpu = properties.get(ASSIGNED_GPU_ID, properties.get("gpu_id"))
@@ -68,7 +74,9 @@ class InferenceContext:
         if self._headers is None:
             self._headers = {}
             if self.request_index is not None and self._mms.request_processor:
-                properties = self._mms.request_processor[self.request_index].get_request_properties()
+                properties = self._mms.request_processor[
+                    self.request_index
+                ].get_request_properties()
                 self._headers = {k.lower(): v for k, v in properties.items() if isinstance(v, str)}
         return self._headers
 
@@ -77,9 +85,11 @@ class InferenceContext:
 
     @property
     def custom_attributes(self) -> str | None:
-        """``X-Amzn-SageMaker-Custom-Attributes`` of this request (``CustomAttributes`` in ``invoke_endpoint``)."""
+        """``X-Amzn-SageMaker-Custom-Attributes`` of this request (``CustomAttributes`` in
+        ``invoke_endpoint``)."""
         return self.header(CUSTOM_ATTRIBUTES)
 
     def __getattr__(self, name: str) -> Any:
-        # Everything else is MMS's context API: system_properties, get_request_header, set_response_status, ...
+        # Everything else is MMS's context API: system_properties, get_request_header,
+        # set_response_status, ...
         return getattr(self._mms, name)

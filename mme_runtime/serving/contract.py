@@ -1,23 +1,32 @@
-"""A model's contract functions: the user's ``model_fn``, ``input_fn``, ``predict_fn``, ``output_fn`` or
-``transform_fn`` over the PyTorch defaults, each bound once, and how a load step or a request step calls them.
+"""A model's contract functions: the user's ``model_fn``, ``input_fn``, ``predict_fn``,
+``output_fn`` or ``transform_fn`` over the PyTorch defaults, each bound once, and how a load step or
+a request step calls them. ``bind_code`` binds them at LOAD: the model's code (a LoRA adapter's
+over a plain base: the base's) over the defaults that serve its directory.
 
-A failing request step raises ``StepError`` (its status decided in ``content.py``; out of memory, with the numbers
-as they were when it was caught); a failing load step fails the LOAD with the step named.
+A failing request step raises ``StepError`` (its status decided in ``content.py``; out of memory,
+with the numbers as they were when it was caught); a failing load step fails the LOAD with the step
+named.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from sagemaker_inference.errors import BaseInferenceToolkitError
 
 from mme_runtime.base import failures
 from mme_runtime.base.config import Config
+from mme_runtime.base.errors import ModelLoadError
+from mme_runtime.models import lora
+from mme_runtime.models.code_fetcher import CodeFetcher, locate_code
+from mme_runtime.models.loading import ResolvedModel
 from mme_runtime.models.serving_properties import ServingSettings
-from mme_runtime.models.user_code import UserFunction
+from mme_runtime.models.user_code import USER_MODULE_PREFIX, UserFunction, load_user_code
 from mme_runtime.serving import content
 from mme_runtime.serving.content import StepError, is_out_of_memory, load_failure
 from mme_runtime.serving.context import InferenceContext
@@ -34,8 +43,10 @@ class Contract:
     ) -> None:
         self._functions = dict(functions or {})
         self.accepts = tuple(accepts)  # what the default output_fn writes
-        self.answers_whole = "transform_fn" in self._functions  # no batching: the request goes in and out whole
-        # Decided once per model, not per request: only our default output_fn needs Accept negotiated up front.
+        # no batching: the request goes in and out whole
+        self.answers_whole = "transform_fn" in self._functions
+        # Decided once per model, not per request: only our default output_fn needs Accept
+        # negotiated up front.
         self.negotiates_accept = not self.answers_whole and "output_fn" not in user
 
     @classmethod
@@ -61,13 +72,15 @@ class Contract:
             raise StepError(name, exc) from exc
 
     def run_load_step(self, name: str, context: InferenceContext, *args: Any) -> Any:
-        """A load step (``pre_model_fn``, ``model_fn``, ``model_warmup_fn``), skipped when the model has none."""
+        """A load step (``pre_model_fn``, ``model_fn``, ``model_warmup_fn``), skipped when the model
+        has none."""
         function = self._functions.get(name)
         if function is None:
             return None
         try:
             return _apply(function, args, context)
-        except Exception as exc:  # boundary: the LOAD fails with the cause named; the traceback is logged
+        except Exception as exc:
+            # boundary: the LOAD fails with the cause named; the traceback is logged
             raise load_failure(name, exc) from exc
 
 
@@ -107,3 +120,80 @@ def register_defaults(provider: DefaultsProvider) -> None:
 def defaults_provider(model_dir: Path) -> DefaultsProvider | None:
     """The registered defaults that serve ``model_dir``; None: the PyTorch ones."""
     return next((provider for provider in _providers if provider.serves(model_dir)), None)
+
+
+@dataclass(frozen=True)
+class ModelCode:
+    """What a model's LOAD binds: its contract, and where its code and ``model_fn`` come from."""
+
+    contract: Contract
+    # where model_fn and the code come from: the model's, or its base's
+    source_dir: Path
+    code_dir: Path | None  # the directory its inference code came from (None: the defaults)
+    user_modules: dict[str, ModuleType]  # its scripts, under the model's unique name
+    scheduling: Any  # a generative model's defaults: its scheduler batches, not the batcher
+    adapter: lora.Adapter | None  # a LoRA adapter's directory: attached over its base when placed
+
+
+def bind_code(
+    model_name: str, model_dir: Path, resolved: ResolvedModel, defaults: Any, config: Config
+) -> ModelCode:
+    """The model's user code (imported under the model's unique name) over ``defaults`` (the
+    PyTorch ones) or registered ones, functions bound."""
+    settings = resolved.settings
+    source_dir, plain_adapter = _adapter_base(model_dir, settings, config)
+    code_dir, source = resolved.code_dir, resolved.code_source
+    if source_dir != model_dir:  # a LoRA adapter over a plain base: the base's code serves it
+        fetcher = CodeFetcher(config.cache_dir / "code", config.s3_timeout_seconds)
+        code_dir, source = locate_code(source_dir, config.submit_directory, fetcher)
+    user = load_user_code(model_name, code_dir, source, config)
+    user_modules = {
+        name: sys.modules[name]
+        for name in {function.function.__module__ for function in user.values()}
+        if name.startswith(USER_MODULE_PREFIX) and name in sys.modules
+    }
+    defaults = _defaults_for(
+        source_dir if plain_adapter else model_dir, user, defaults, settings, config
+    )
+    contract = Contract.bind(defaults, user)
+    schedules = getattr(defaults, "schedules_itself", False) and "predict_fn" not in user
+    adapter = plain_adapter or (None if "model_fn" in user else getattr(defaults, "adapter", None))
+    return ModelCode(
+        contract, source_dir, code_dir, user_modules, defaults if schedules else None, adapter
+    )
+
+
+def _adapter_base(
+    model_dir: Path, settings: ServingSettings, config: Config
+) -> tuple[Path, lora.Adapter | None]:
+    """Where the model's code and ``model_fn`` come from: its own directory, or for a LoRA
+    adapter over a plain PyTorch base (a ``code/inference.py`` of its own), that base's, with
+    the adapter (a base that registered defaults serve, a Hugging Face one, is theirs to
+    load)."""
+    if not lora.is_adapter_directory(model_dir):
+        return model_dir, None
+    try:
+        base = lora.find_base(model_dir, settings.base_model, config)
+        if defaults_provider(base) is not None:
+            return model_dir, None
+        return base, lora.read_adapter(model_dir)
+    except ModelLoadError as exc:
+        raise load_failure("reading the LoRA adapter", exc) from exc
+
+
+def _defaults_for(
+    model_dir: Path,
+    user: Mapping[str, Any],
+    defaults: Any,
+    settings: ServingSettings,
+    config: Config,
+) -> Any:
+    """The PyTorch defaults, or registered ones (a Hugging Face model's) where they serve the
+    directory and user code leaves a contract function to the defaults."""
+    provider = defaults_provider(model_dir)
+    if provider is None or "transform_fn" in user or CONTRACT <= set(user):
+        return defaults
+    try:
+        return provider.make(model_dir, settings, config)
+    except ModelLoadError as exc:
+        raise load_failure(provider.step, exc) from exc

@@ -1,13 +1,14 @@
 """One model's contract, from its LOAD to its UNLOAD, and each message's requests through it.
 
-``load`` runs ``model_fn`` in a CUDA-free loader (model on host memory); ``adopt`` takes the model ``model_fn`` built
-there (a device host); ``attach`` runs once the host's GPU is bound: it places the model, may compile it, answers its
-warm-up sample, and ``start_batcher`` then lets many threads call ``transform``: each message's requests, each read
-on its own, ``input_fn`` for each, one ``predict_fn`` per batch (through the batcher, so requests from many
-connections share a forward pass), ``output_fn`` for each. Each request carries its own status (``content.py``): one
-bad request never fails its neighbours, and tracebacks go to the log, never to clients. A request whose forward pass
-is not done within ``SAGEMAKER_MODEL_SERVER_TIMEOUT`` is answered 504 (the pass runs on: a thread cannot be
-stopped). ``close`` lets the model go.
+``load`` runs ``model_fn`` in a CUDA-free loader (model on host memory); ``adopt`` takes the model
+``model_fn`` built there (a device host); ``attach`` runs once the host's GPU is bound: it places
+the model, may compile it, answers its warm-up sample, and ``start_batcher`` then lets many threads
+call ``transform``: each message's requests, each read on its own, ``input_fn`` for each, one
+``predict_fn`` per batch (through the batcher, so requests from many connections share a forward
+pass), ``output_fn`` for each. Each request carries its own status (``content.py``): one bad request
+never fails its neighbours, and tracebacks go to the log, never to clients. A request whose forward
+pass is not done within ``SAGEMAKER_MODEL_SERVER_TIMEOUT`` is answered 504 (the pass runs on: a
+thread cannot be stopped). ``close`` lets the model go.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -29,75 +30,90 @@ from sagemaker_inference.transformer import Transformer as ToolkitTransformer
 
 from mme_runtime.base import failures
 from mme_runtime.base.config import Config
-from mme_runtime.base.errors import ModelLoadError, PayloadTooLarge, RequestTimeout
+from mme_runtime.base.errors import RequestTimeout
 from mme_runtime.models import lora
-from mme_runtime.models.code_fetcher import CodeFetcher, locate_code
 from mme_runtime.models.loading import ResolvedModel, resolve_model
 from mme_runtime.models.serving_properties import ServingSettings
-from mme_runtime.models.user_code import USER_MODULE_PREFIX, load_user_code
 from mme_runtime.operations import metrics
 from mme_runtime.serving import content
-from mme_runtime.serving.batcher import Batcher, Job, group, rows, run_batch, run_by_first, signature
+from mme_runtime.serving.batcher import (
+    Batcher,
+    Job,
+    group,
+    rows,
+    run_batch,
+    run_by_first,
+    signature,
+)
 from mme_runtime.serving.content import (
     RequestInFlight,
-    StepError,
     error_response,
     http_status,
     is_client_error,
     is_out_of_memory,
     load_failure,
     phrase,
+    read_request,
     release_cached_device_memory,
     release_memory_of,
-    request_body,
     to_bytes,
 )
 from mme_runtime.serving.context import InferenceContext
-from mme_runtime.serving.contract import CONTRACT, Contract, defaults_provider
+from mme_runtime.serving.contract import Contract, bind_code
 from mme_runtime.serving.pass_threads import PassThreads
-from mme_runtime.serving.placement import compiled, place_model, warmup_sample
+from mme_runtime.serving.placement import compiled, dry_run, place_model
 
 logger = logging.getLogger(__name__)
 
 HOST = torch.device("cpu")
-# MMS times each request too, and past its timer answers 500 "Worker died." and drops the connection: ours answers
-# a moment before, in words (its timer is SAGEMAKER_MODEL_SERVER_TIMEOUT or longer, started a moment before ours).
+# MMS times each request too, and past its timer answers 500 "Worker died." and drops the
+# connection: ours answers a moment before, in words (its timer is SAGEMAKER_MODEL_SERVER_TIMEOUT or
+# longer, started a moment before ours).
 TIMEOUT_MARGIN_SECONDS = 1.0
 T = TypeVar("T")
 
 
 class ServedModel(ToolkitTransformer):  # type: ignore[misc]
-    """One model's contract: loaded once, placed on its device once, then answering each message's requests (the
-    toolkit's Transformer, answering per request: per-item batches and status-carrying errors)."""
+    """One model's contract: loaded once, placed on its device once, then answering each message's
+    requests (the toolkit's Transformer, answering per request: per-item batches and status-carrying
+    errors)."""
 
     def __init__(self, default_inference_handler: Any, config: Config) -> None:
         super().__init__(default_inference_handler=default_inference_handler)
         self._config = config
         self._contract = Contract()
         self._model: Any = None
-        self._context: InferenceContext | None = None  # the model's, once it is placed on its device
+        # the model's, once it is placed on its device
+        self._context: InferenceContext | None = None
         self._attached = False
         self._settings = ServingSettings(1, 0, "none")
         self._batcher: Batcher | None = None
-        # torch's grad mode is per thread: the connections' threads get the one the loading thread had after model_fn.
+        # torch's grad mode is per thread: the connections' threads get the one the loading thread
+        # had after model_fn.
         self._grad_enabled: bool | None = None
-        # Called after each forward pass; what it raises fails the pass's requests (a write to shared weights).
+        # Called after each forward pass; what it raises fails the pass's requests (a write to
+        # shared weights).
         self.after_forward: Callable[[], None] | None = None
-        # Run first and last in each thread its batcher starts and ends, now or later (a device host marks the thread
-        # its model's: crash_board.py).
+        # Run first and last in each thread its batcher starts and ends, now or later (a device host
+        # marks the thread its model's: crash_board.py).
         self.thread_started: Callable[[], None] = lambda: None
         self.thread_ended: Callable[[], None] = lambda: None
-        # A GPU device host's threads for every model's passes (``batcher.PassThreads``); None: each model's own.
+        # A GPU device host's threads for every model's passes (``batcher.PassThreads``); None: each
+        # model's own.
         self.pass_threads: PassThreads | None = None
-        # LoRA adapters over a plain module (``lora.py``): each job's rows use its own model's adapter.
+        # LoRA adapters over a plain module (``lora.py``): each job's rows use its own model's
+        # adapter.
         self.row_adapters: Any = None
         self._defaults = default_inference_handler
         self._loaded = False
         self._code_dir: Path | None = None
         self._user_modules: dict[str, ModuleType] = {}
-        self._adapter: lora.Adapter | None = None  # a LoRA adapter's directory: attached over its base when placed
-        self._source_dir: Path | None = None  # where model_fn and the code come from: the model's, or its base's
-        self._scheduling: Any = None  # a generative model's defaults: its scheduler batches, not the batcher
+        # a LoRA adapter's directory: attached over its base when placed
+        self._adapter: lora.Adapter | None = None
+        # where model_fn and the code come from: the model's, or its base's
+        self._source_dir: Path | None = None
+        # a generative model's defaults: its scheduler batches, not the batcher
+        self._scheduling: Any = None
 
     @property
     def model(self) -> Any:
@@ -117,9 +133,12 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
     def settings(self) -> ServingSettings:
         return self._settings
 
-    def load(self, mms_context: Any, device: torch.device = HOST, resolved: ResolvedModel | None = None) -> None:
-        """Imports the user's code and runs ``model_fn``: what a loader does once per model. ``resolved``: the
-        model as its LOAD resolved it (``loading.resolve_model``); None resolves it here."""
+    def load(
+        self, mms_context: Any, device: torch.device = HOST, resolved: ResolvedModel | None = None
+    ) -> None:
+        """Imports the user's code and runs ``model_fn``: what a loader does once per model.
+        ``resolved``: the model as its LOAD resolved it (``loading.resolve_model``); None resolves
+        it here."""
         context = InferenceContext(mms_context, device)
         started = time.monotonic()
         self._prepare(context, resolved)
@@ -133,17 +152,22 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         made_with_code: str | None,
         resolved: ResolvedModel | None = None,
     ) -> bool:
-        """Imports the user's code and takes the model ``model_fn`` returned in another process (``make_model``
-        rebuilds it here, so it runs once the user's classes are importable): what a device host does. Unless the
-        code is not what ``model_fn`` ran with (``made_with_code``: a new object at SAGEMAKER_SUBMIT_DIRECTORY's S3
-        URI since the package was made, and kept): then ``model_fn`` runs here, and False says the package went
-        unused."""
+        """Imports the user's code and takes the model ``model_fn`` returned in another process
+        (``make_model`` rebuilds it here, so it runs once the user's classes are importable): what a
+        device host does. Unless the code is not what ``model_fn`` ran with (``made_with_code``: a
+        new object at SAGEMAKER_SUBMIT_DIRECTORY's S3 URI since the package was made, and kept):
+        then ``model_fn`` runs here, and False says the package went unused."""
         context = InferenceContext(mms_context, HOST)
         self._prepare(context, resolved)
         code = None if self._code_dir is None else str(self._code_dir)
         if code != made_with_code:
             name = context.model_name
-            logger.info("model=%s code is %s, its package's was %s: model_fn runs here", name, code, made_with_code)
+            logger.info(
+                "model=%s code is %s, its package's was %s: model_fn runs here",
+                name,
+                code,
+                made_with_code,
+            )
             self._run_model_fn(context)
             return False
         try:
@@ -160,57 +184,21 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         self._loaded = True
 
     def _prepare(self, context: InferenceContext, resolved: ResolvedModel | None) -> None:
-        """The model's settings and its user code (imported under the model's unique name), functions bound."""
+        """The model's settings and its user code (imported under the model's unique name),
+        functions bound."""
         model_dir = Path(context.model_dir)
-        config = self._config
-        resolved = resolved or resolve_model(model_dir, config)
+        resolved = resolved or resolve_model(model_dir, self._config)
         self._settings = resolved.settings
-        self._source_dir, plain_adapter = self._adapter_base(context, model_dir)
-        code_dir, source = resolved.code_dir, resolved.code_source
-        if self._source_dir != model_dir:  # a LoRA adapter over a plain base: the base's code serves it
-            fetcher = CodeFetcher(config.cache_dir / "code", config.s3_timeout_seconds)
-            code_dir, source = locate_code(self._source_dir, config.submit_directory, fetcher)
-        user = load_user_code(context.model_name, code_dir, source, config)
-        self._user_modules = {
-            name: sys.modules[name]
-            for name in {function.function.__module__ for function in user.values()}
-            if name.startswith(USER_MODULE_PREFIX) and name in sys.modules
-        }
-        defaults = self._defaults_for(context, self._source_dir if plain_adapter else model_dir, user)
-        self._contract = Contract.bind(defaults, user)
-        schedules = getattr(defaults, "schedules_itself", False) and "predict_fn" not in user
-        self._scheduling = defaults if schedules else None
-        self._adapter = plain_adapter or (None if "model_fn" in user else getattr(defaults, "adapter", None))
-        self._code_dir = code_dir
+        code = bind_code(context.model_name, model_dir, resolved, self._defaults, self._config)
+        self._contract, self._code_dir = code.contract, code.code_dir
+        self._source_dir, self._adapter = code.source_dir, code.adapter
+        self._user_modules, self._scheduling = code.user_modules, code.scheduling
 
-    def _adapter_base(self, context: InferenceContext, model_dir: Path) -> tuple[Path, lora.Adapter | None]:
-        """Where the model's code and ``model_fn`` come from: its own directory, or for a LoRA adapter over a plain
-        PyTorch base (a ``code/inference.py`` of its own), that base's, with the adapter (a base
-        that registered defaults serve, a Hugging Face one, is theirs to load)."""
-        if not lora.is_adapter_directory(model_dir):
-            return model_dir, None
-        try:
-            base = lora.find_base(model_dir, self._settings.base_model, self._config)
-            if defaults_provider(base) is not None:
-                return model_dir, None
-            return base, lora.read_adapter(model_dir)
-        except ModelLoadError as exc:
-            raise load_failure("reading the LoRA adapter", exc) from exc
-
-    def _defaults_for(self, context: InferenceContext, model_dir: Path, user: Mapping[str, Any]) -> Any:
-        """The PyTorch defaults, or registered ones (a Hugging Face model's) where they serve the
-        directory and user code leaves a contract function to the defaults."""
-        provider = defaults_provider(model_dir)
-        if provider is None or "transform_fn" in user or CONTRACT <= set(user):
-            return self._defaults
-        try:
-            return provider.make(model_dir, self._settings, self._config)
-        except ModelLoadError as exc:
-            raise load_failure(provider.step, exc) from exc
-
-    def attach(self, mms_context: Any, device: torch.device, resolved: ResolvedModel | None = None) -> None:
-        """Places the loaded model on this device host's device and warms it up; runs in the host (loading it
-        first, from ``resolved`` where given, when ``adopt`` did not)."""
+    def attach(
+        self, mms_context: Any, device: torch.device, resolved: ResolvedModel | None = None
+    ) -> None:
+        """Places the loaded model on this device host's device and warms it up; runs in the host
+        (loading it first, from ``resolved`` where given, when ``adopt`` did not)."""
         if not self._loaded:
             self.load(mms_context, device, resolved)
         properties = mms_context.system_properties
@@ -218,8 +206,8 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         properties["batch_size"] = self._settings.batch_size  # what context.batch_size reports
         if self._settings.batching and self._contract.answers_whole:
             logger.warning(
-                "model=%s batch_size=%d ignored: transform_fn answers each request whole (batching needs "
-                "input_fn/predict_fn/output_fn)",
+                "model=%s batch_size=%d ignored: transform_fn answers each request whole (batching "
+                "needs input_fn/predict_fn/output_fn)",
                 mms_context.model_name,
                 self._settings.batch_size,
             )
@@ -228,18 +216,28 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         try:
             self._model = place_model(self._model, device)
             if self._adapter is not None:
-                module = self._model if isinstance(self._model, torch.nn.Module) else self._model.model
+                module = (
+                    self._model if isinstance(self._model, torch.nn.Module) else self._model.model
+                )
                 adapters = lora.attach(self._model, module, self._context.model_name, self._adapter)
-                if self._source_dir != Path(self._context.model_dir):  # a plain module: its rows picked per job
+                if self._source_dir != Path(self._context.model_dir):
+                    # a plain module: its rows picked per job
                     self.row_adapters = adapters
         except Exception as exc:  # boundary: a model that cannot be placed fails the host's LOAD
             raise load_failure("placing the model", exc) from exc
         if self._settings.compile:
             self._model = compiled(
-                self._model, self._contract, self._context, self._settings, self._config, self._code_dir
+                self._model,
+                self._contract,
+                self._context,
+                self._settings,
+                self._config,
+                self._code_dir,
             )
-        self._contract.run_load_step("model_warmup_fn", self._context, self._context.model_dir, self._model)
-        self._dry_run(self._context)
+        self._contract.run_load_step(
+            "model_warmup_fn", self._context, self._context.model_dir, self._model
+        )
+        dry_run(self._code_dir, self._context, self._config.default_accept, self._answer)
         self._attached = True
         logger.info(
             "model=%s device=%s gpu=%s batch_size=%d max_batch_delay_ms=%d (%s) ready",
@@ -252,47 +250,52 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         )
 
     def start_batcher(self) -> ServingSettings:
-        """From now on ``transform`` may be called from many threads at once: their forward passes go through one
-        batcher (one at a time, gathered up to ``batch_size``). Called by the host once the model is attached."""
+        """From now on ``transform`` may be called from many threads at once: their forward passes
+        go through one batcher (one at a time, gathered up to ``batch_size``). Called by the host
+        once the model is attached."""
         if self._context is None:
             raise RuntimeError("attach the model before starting its batcher")
         self._grad_enabled = torch.is_grad_enabled()
+        size, delay = self._settings.batch_size, self._settings.max_batch_delay_ms
+        name, run_pass, ended = self._context.model_name, self.on_pass_thread, self.thread_ended
         if self._scheduling is not None:  # its rows share steps in its own scheduler: no batcher
-            name = self._context.model_name
-            self._scheduling.start(self._model, self._settings.batch_size, name, self.on_pass_thread)
+            self._scheduling.start(self._model, size, name, run_pass)
             return self._settings
         if self._batcher is None:
-            size, delay, name = self._settings.batch_size, self._settings.max_batch_delay_ms, self._context.model_name
             adapters = getattr(self._model, "adapters", None)
-            if adapters is not None:  # one queue for every adapter of the base: their requests share its passes
-                # Its threads are no one adapter's (none is marked the culprit of a crash in a pass over them all),
-                # and it outlives the adapter that made it: of that adapter's hooks it takes the unmarking alone.
-                unmarked = functools.partial(self.on_pass_thread, mark=False)
+            if adapters is not None:
+                # one queue for every adapter of the base: their requests share its passes
+                # Its threads are no one adapter's (none is marked the culprit of a crash in a pass
+                # over them all), and it outlives the adapter that made it: of that adapter's hooks
+                # it takes the unmarking alone.
+                unmarked = functools.partial(run_pass, mark=False)
                 make = functools.partial(
-                    Batcher, run_by_first, size, delay, name, thread_ended=self.thread_ended, run_pass=unmarked
+                    Batcher, run_by_first, size, delay, name, thread_ended=ended, run_pass=unmarked
                 )
                 self._batcher = adapters.batcher(name, make)
             else:
-                started, ended = self.thread_started, self.thread_ended
+                run, started = self._run_jobs, self.thread_started
                 concurrency = self._settings.concurrency
                 self._batcher = Batcher(
-                    self._run_jobs, size, delay, name, concurrency, started, ended, run_pass=self.on_pass_thread
+                    run, size, delay, name, concurrency, started, ended, run_pass=run_pass
                 )
         return self._settings
 
     @property
     def scheduler_threads(self) -> list[threading.Thread]:
-        """The generation scheduler's thread, which lives as long as the model (a batcher's threads run
-        ``thread_started`` and ``thread_ended`` themselves)."""
+        """The generation scheduler's thread, which lives as long as the model (a batcher's threads
+        run ``thread_started`` and ``thread_ended`` themselves)."""
         return [] if self._scheduling is None else list(self._scheduling.threads)
 
     def close(self) -> None:
-        """Lets go of the model (its UNLOAD in a device host): the batcher's threads end, the user module goes."""
+        """Lets go of the model (its UNLOAD in a device host): the batcher's threads end, the user
+        module goes."""
         adapters = getattr(self._model, "adapters", None)
         if adapters is not None and self._context is not None:
             if self._batcher is not None:
                 self._batcher.withdraw(self._run_jobs)
-            adapters.leave(self._context.model_name)  # its adapter goes; the shared batcher with the last one
+            # its adapter goes; the shared batcher with the last one
+            adapters.leave(self._context.model_name)
         elif self._batcher is not None:
             self._batcher.close()
         self._batcher = None
@@ -301,25 +304,11 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
             self._scheduling = None
         self._model = None
         for name, module in self._user_modules.items():  # its script, under the model's unique name
-            if sys.modules.get(name) is module:  # not a LOAD of the same name that imported it again since
+            if sys.modules.get(name) is module:
+                # not a LOAD of the same name that imported it again since
                 del sys.modules[name]
         self._contract = Contract()
         self._attached = self._loaded = False
-
-    def _dry_run(self, context: InferenceContext) -> None:
-        """Answers the model's sample request (``code/warmup.json``, ``.csv`` or ``.npy``) once per device host, so
-        TorchScript profiling and lazy initialisation are paid at LOAD, not by the first caller."""
-        found = warmup_sample(self._code_dir)
-        if found is None:
-            return
-        sample, payload, content_type = found
-        started = time.monotonic()
-        request = RequestInFlight(context, self._config.default_accept)
-        self._answer([request], [payload], [content_type])
-        if request.error is not None:  # a sample the model cannot answer fails the LOAD, with the cause
-            cause = request.error.cause if isinstance(request.error, StepError) else request.error
-            raise load_failure(f"warm-up request code/{sample}", cause) from request.error
-        logger.info("model=%s warm-up request seconds=%.3f", context.model_name, time.monotonic() - started)
 
     def validate_and_initialize(self, model_dir: str | None = None, context: Any = None) -> None:
         """The toolkit's entry point: load and attach on the host when nothing did it before."""
@@ -327,15 +316,18 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
             self.attach(context, HOST)
 
     def on_pass_thread(self, function: Callable[[], T], mark: bool = True) -> T:
-        """``function()`` on the device's pass threads, marked as this model's there (unless ``mark`` is false: a
-        pass over several models), or on this thread where there are none."""
+        """``function()`` on the device's pass threads, marked as this model's there (unless
+        ``mark`` is false: a pass over several models), or on this thread where there are none."""
         if self.pass_threads is None:
             return function()
         started = self.thread_started if mark else (lambda: None)
-        return cast(T, self.pass_threads.run(function, metrics.current(), started, self.thread_ended))
+        return cast(
+            T, self.pass_threads.run(function, metrics.current(), started, self.thread_ended)
+        )
 
     def transform(self, data: list[Any], context: Any) -> list[bytes]:
-        """Answers one message's requests (MMS's ``context`` is this message's own); safe from many threads."""
+        """Answers one message's requests (MMS's ``context`` is this message's own); safe from many
+        threads."""
         if not self._attached:
             self.validate_and_initialize(context=context)
         assert self._context is not None
@@ -346,7 +338,7 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         for index, item in enumerate(data):
             request = RequestInFlight(base.for_request(index), self._config.default_accept)
             try:
-                payload, content_type = self._read(item, request)
+                payload, content_type = read_request(item, request, self._config.max_request_bytes)
             except Exception as exc:  # request boundary: this request answers with its status
                 request.error, payload, content_type = exc, None, None
             requests.append(request)
@@ -361,26 +353,11 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
                 status = http_status(request.error)
                 context.set_response_status(status, phrase(status), index)
                 if is_out_of_memory(request.error):
-                    release_memory_of(request.error)  # so the next request finds the memory this one could not
+                    # so the next request finds the memory this one could not
+                    release_memory_of(request.error)
             context.set_response_content_type(index, request.content_type)
             results.append(request.body)
         return results
-
-    def _read(self, item: Any, request: RequestInFlight) -> tuple[Any, str | None]:
-        """The request's payload and content type, with its Accept settled on ``request``."""
-        payload = request_body(item)
-        if isinstance(payload, (bytes, bytearray, str)) and len(payload) > self._config.max_request_bytes:
-            raise PayloadTooLarge(
-                f"request body of {len(payload)} bytes exceeds the limit of {self._config.max_request_bytes} "
-                "(SAGEMAKER_MAX_REQUEST_SIZE)"
-            )
-        content_type = request.context.header("content-type")
-        accept = request.context.header("accept")
-        if accept is not None and accept.strip() not in ("", content.ANY):
-            request.accept = accept
-        if isinstance(payload, (bytes, bytearray)) and content.media_type(content_type) in content.TEXT_TYPES:
-            payload = content.utf8_text(payload)
-        return payload, content_type
 
     def _answer(
         self,
@@ -389,9 +366,10 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         content_types: list[str | None],
         deadline: float | None = None,
     ) -> None:
-        """The contract on requests that have no error yet: ``input_fn`` for each, one ``predict_fn`` per batch,
-        ``output_fn`` for each (or ``transform_fn`` for each, alone). Sets each request's body or error; a request
-        whose pass is not done by ``deadline`` (``time.monotonic``) gets a ``RequestTimeout``."""
+        """The contract on requests that have no error yet: ``input_fn`` for each, one
+        ``predict_fn`` per batch, ``output_fn`` for each (or ``transform_fn`` for each, alone). Sets
+        each request's body or error; a request whose pass is not done by ``deadline``
+        (``time.monotonic``) gets a ``RequestTimeout``."""
         jobs = []
         for request, payload, content_type in zip(requests, payloads, content_types, strict=True):
             if request.error is None:
@@ -421,7 +399,11 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
 
     def _timed_out(self, late: str) -> RequestTimeout:
         step = "transform_fn" if self._contract.answers_whole else "predict_fn"
-        where = f"{step} still running" if late == "running" else f"waiting behind a call of {step} still running"
+        where = (
+            f"{step} still running"
+            if late == "running"
+            else f"waiting behind a call of {step} still running"
+        )
         seconds = self._config.response_timeout_seconds
         return RequestTimeout(failures.timed_out(seconds, "SAGEMAKER_MODEL_SERVER_TIMEOUT", where))
 
@@ -431,7 +413,9 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
             return Job((payload, content_type, request.accept), request, None, 1)
         if self._contract.negotiates_accept:
             # Decided before any work, so an Accept we cannot produce costs the caller nothing.
-            request.accept = content.negotiate(request.accept, self._config.default_accept, self._contract.accepts)
+            request.accept = content.negotiate(
+                request.accept, self._config.default_accept, self._contract.accepts
+            )
         data = self._contract.call("input_fn", request.context, payload, content_type)
         shape = signature(data) if self._settings.batch_size > 1 else None  # rows to batch by shape
         count = rows(data) if shape is not None else 1
@@ -454,7 +438,8 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
                     job.result, job.error = None, exc
 
     def _selecting(self, jobs: list[Job]) -> AbstractContextManager[Any]:
-        """The rows of a pass over adapters: a lone job's are all its model's; a batch's, each job's own."""
+        """The rows of a pass over adapters: a lone job's are all its model's; a batch's, each job's
+        own."""
         adapters = self.row_adapters
         if adapters is None:
             return nullcontext()
@@ -462,7 +447,9 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         if len(jobs) == 1:
             selected = adapters.selecting_all(jobs[0].request.context.model_name)
         else:
-            selected = adapters.selecting([job.request.context.model_name for job in jobs for _ in range(job.rows)])
+            selected = adapters.selecting(
+                [job.request.context.model_name for job in jobs for _ in range(job.rows)]
+            )
         return selected
 
     def _run_jobs_here(self, jobs: list[Job]) -> None:
@@ -470,11 +457,20 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
             for job in jobs:
                 try:
                     with self._selecting([job]):
-                        job.result = self._contract.call("transform_fn", job.request.context, self._model, *job.data)
+                        job.result = self._contract.call(
+                            "transform_fn", job.request.context, self._model, *job.data
+                        )
                 except Exception as exc:  # request boundary
                     job.error = exc
             return
-        run_batch(jobs, self._predict, self._context, _retry_in_halves, release_cached_device_memory, self._selecting)
+        run_batch(
+            jobs,
+            self._predict,
+            self._context,
+            _retry_in_halves,
+            release_cached_device_memory,
+            self._selecting,
+        )
 
     def _predict(self, data: Any, request: RequestInFlight | InferenceContext) -> Any:
         """``predict_fn`` with a lone request's own context, or the model's for a batch."""
@@ -491,6 +487,6 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
 
 
 def _retry_in_halves(exc: BaseException) -> bool:
-    """A failed batch is retried in halves when a smaller one may pass: out of memory, or a client error that one of
-    its requests may have caused alone."""
+    """A failed batch is retried in halves when a smaller one may pass: out of memory, or a client
+    error that one of its requests may have caused alone."""
     return is_out_of_memory(exc) or is_client_error(exc)
