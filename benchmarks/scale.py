@@ -14,6 +14,8 @@ benchmark measures, with nothing else running:
 * idle CPU over ``--idle-seconds`` with no request: our processes' (the warm process, the device
   hosts and the stubs) and the Java frontend's, in % of one core;
 * threads and open descriptors: ours (per model loaded, over the empty server) and the frontend's;
+  and once more after the last step, when every model has been idle long enough for its batcher's
+  threads to end (what an idle model costs);
 * the memory of the server's whole process tree (PSS, as every benchmark here counts it) per model
   loaded.
 
@@ -44,6 +46,7 @@ import torch
 from model_factory import tiny_net  # tests/, which the benchmarks package puts on the path
 
 from benchmarks.benchlib import REPO, Server, our_server, percentile, serve, table
+from mme_runtime.serving.batcher import IDLE_SECONDS as BATCHER_IDLE_SECONDS
 
 BODY = json.dumps([[1.0, 2.0, 3.0, 4.0]]).encode()
 PROBE_RATE = 5.0  # invokes a second of the model that stays while the others go
@@ -298,6 +301,9 @@ def main(argv: Sequence[str] = ()) -> int:
                 }
                 rows.append(row)
                 print(f"{len(loaded)} models: {row}", file=sys.stderr, flush=True)
+            # Idle means idle: once a batcher's threads have ended too, what an idle model costs.
+            time.sleep(BATCHER_IDLE_SECONDS + args.idle_seconds)
+            idle_threads, idle_fds = counts(ours(server))
             unload_ms, probe_ms, failed = unload_all(server, loaded)
             time.sleep(5)
             after_memory = server.tree_memory_mib()
@@ -359,6 +365,12 @@ def main(argv: Sequence[str] = ()) -> int:
         f"p99 {percentile(unload_ms, 99):.1f} ms, {failed} failed; "
         f"the probe, invoked {PROBE_RATE:g} times a "
         f"second meanwhile: p50 {percentile(probe_ms, 50):.1f} ms, p99 {probe_p99:.1f} ms"
+    )
+    print(
+        f"* after {BATCHER_IDLE_SECONDS + args.idle_seconds:.0f} s with no request (a batcher's "
+        f"threads end after {BATCHER_IDLE_SECONDS:.0f} s idle): our threads "
+        f"{(idle_threads - empty_threads) / max(1, len(loaded)):.2f} per model, fds "
+        f"{(idle_fds - empty_fds) / max(1, len(loaded)):.2f} per model"
     )
     ours_added = (after_memory - after_frontend) - (empty_memory - empty_frontend)
     print(
