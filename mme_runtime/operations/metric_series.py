@@ -53,6 +53,32 @@ _MAKING_VALUES = threading.Lock()
 mmap_dict._INITIAL_MMAP_SIZE = mmap.PAGESIZE
 
 
+class MappedFile(mmap_dict.MmapedDict):
+    """prometheus_client's value file, holding one descriptor instead of two: the mapping keeps one
+    of its own (CPython duplicates it), so the file object ``MmapedDict`` keeps open besides is a
+    second descriptor per file, three per model in a device host, which would reach the process's
+    limit long before its memory at thousands of models. The file is opened again for the moment
+    it grows."""
+
+    def __init__(self, filename: str, read_mode: bool = False) -> None:
+        super().__init__(filename, read_mode)  # type: ignore[no-untyped-call]
+        self._f.close()
+        self._f: Any = None
+
+    def _init_value(self, key: str) -> None:
+        with open(self._fname, "a+b") as self._f:  # growing maps the file anew
+            super()._init_value(key)  # type: ignore[no-untyped-call]
+        self._f = None
+
+    def close(self) -> None:
+        if self._m is not None:
+            self._m.close()
+            self._m: Any = None
+
+
+values.MmapedDict = MappedFile  # type: ignore[attr-defined]  # what every value class made from now on opens its files with
+
+
 def batch_size_buckets(batch_size: int) -> list[float]:
     if batch_size <= MAX_EXACT_BATCH_BUCKETS:
         return [float(size) for size in range(1, batch_size + 1)]

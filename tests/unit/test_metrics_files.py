@@ -297,6 +297,17 @@ def test_an_ended_executor_folds_into_its_server_and_its_gauges_go(config: Confi
         server.stop()
 
 
+def descriptors_into(directory: Path) -> int:
+    """This process's open descriptors on files in ``directory``."""
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue  # the listing's own descriptor, closed by now
+    return sum(1 for target in targets if target.startswith(f"{directory}/"))
+
+
 def test_a_hosted_model_s_files_grow_from_a_page_and_go_with_it(config: Config, exporter: Exporter) -> None:
     # prometheus_client would make each file 64 KiB, resident once mapped: 192 KiB for every model of a device host.
     from prometheus_client import values
@@ -311,11 +322,16 @@ def test_a_hosted_model_s_files_grow_from_a_page_and_go_with_it(config: Config, 
             metrics.record_requests(lambda requests=requests: [200] * requests, 0.01)  # type: ignore[misc]
             metrics.record_pass([0.001] * requests, 0.005, batch_size=64)  # 64 buckets: its file has to grow
             metrics.bind(None)
+            # One descriptor per file, the mapping's own (prometheus_client's file object would be a second),
+            # after growing too: at thousands of models a host's descriptors are its limit.
+            files = sorted(series.directory.glob("*.db"))
+            assert files and descriptors_into(series.directory) == len(files)
             if model == "small":
                 sizes = {path.name: path.stat().st_size for path in series.directory.glob("*.db")}
                 assert sizes and all(size < 65536 for size in sizes.values()), sizes  # 32 KiB for 64 buckets
                 series.close()
                 assert len(values._multi_process_cleanups) == cleanups  # nothing of it stays in the process
+                assert descriptors_into(series.directory) == 0
                 metrics.stop_hosted(config, series)
 
     in_child(host)
