@@ -445,11 +445,12 @@ class SharedModel:
         return connection
 
     def stop_logging(self) -> None:
-        """Lets go of the stub's stdout and stderr once the model is served: its loader has written
-        all it will (a host logs to the container's own output), and the stub (``cat`` now) holds
-        /dev/null instead. MMS reads each of the two pipes with a thread of its own, about 90 KiB
-        each, which ends at the pipe's end."""
-        for index in (1, 2):
+        """Lets go of the stub's stdio once the model is served: its loader has read and written all
+        it will (a host logs to the container's own output), and the stub (``cat`` now) holds its
+        connection and /dev/null instead. MMS reads the stub's stdout and stderr with a thread each,
+        about 90 KiB each, which ends at the pipe's end; at thousands of models the descriptors
+        count too."""
+        for index in (0, 1, 2):
             if self.stdio[index] >= 0:
                 os.close(self.stdio[index])
                 self.stdio[index] = -1

@@ -60,6 +60,27 @@ def test_isolated_models_hosts_are_forked_from_the_warm_process(server: RunningS
     print(f"LOAD to first response through the warm process: {elapsed:.3f} s")
 
 
+def test_a_served_model_leaves_no_descriptor_of_its_stub_s_stdio_in_the_warm_process(server: RunningServer) -> None:
+    """At thousands of models every descriptor per model counts: once a model is served, the warm process keeps its
+    socket, its stub's connection and its package, none of the stub's pipes."""
+    pipes_before = _pipes(warm_process(server))
+    for name in ("quiet-a", "quiet-b", "quiet-c"):
+        model_factory.torchscript_model(server.model_dir(name))
+        assert server.load(name).status_code == 200
+        assert server.invoke(name, json.dumps([[1, 2, 3, 4]])).status_code == 200
+    assert wait_until(lambda: _pipes(warm_process(server)) <= pipes_before, 5)
+
+
+def _pipes(process: psutil.Process) -> int:
+    count = 0
+    for fd in Path(f"/proc/{process.pid}/fd").iterdir():
+        try:
+            count += fd.readlink().name.startswith("pipe:")
+        except OSError:
+            continue
+    return count
+
+
 def test_user_code_never_reaches_the_warm_process_or_another_model(server: RunningServer) -> None:
     for name in ("first", "second"):
         model_factory.write_code(server.model_dir(name), MARKING_SCRIPT.format(name=name))
