@@ -17,7 +17,7 @@ import hf_sentence_models
 import numpy as np
 import pytest
 import requests
-from serving import RunningServer, batch_passes, borrowed, wait_until
+from serving import RunningServer, batch_passes, borrowed, npy, wait_until
 
 NPY = "application/x-npy"
 TASKS = {"embeddings": "sentence-embeddings", "similarity": "sentence-similarity", "ranking": "sentence-ranking"}
@@ -75,12 +75,6 @@ def reference(sentence_root: Path) -> Any:
 
 
 close = hf_models.answers_close
-
-
-def npy(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, np.asarray(value))  # as the SageMaker SDK's NumpySerializer writes it
-    return buffer.getvalue()
 
 
 def mixed_requests() -> list[tuple[str, Any]]:
