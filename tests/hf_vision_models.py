@@ -13,17 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hf_models import corpus
+from hf_models import _transformers, corpus
 
 OBJECT_LABELS = {0: "cat", 1: "dog", 2: "bird", 3: "car"}
 SEGMENT_LABELS = {0: "sky", 1: "road", 2: "tree", 3: "person"}
-
-
-def _transformers() -> Any:
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    return transformers
 
 
 def _labels(names: dict[int, str]) -> dict[str, Any]:

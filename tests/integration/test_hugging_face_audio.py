@@ -19,7 +19,7 @@ import hf_audio_models
 import hf_models
 import numpy as np
 import pytest
-from serving import RunningServer, batch_passes, start_server
+from serving import RunningServer, batch_passes, borrowed
 
 ASR = "automatic-speech-recognition"
 MODELS = {"ctc": ASR, "classifier": "audio-classification", "whisper": ASR}
@@ -37,9 +37,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, built: Path) -> Iterator[RunningServer]:
+def server(shared_server: RunningServer, built: Path) -> Iterator[RunningServer]:
     """Each model batched (up to 16 requests a pass), its task told by its directory alone (no task=)."""
-    with start_server(tmp_path_factory.mktemp("hf-audio-serving")) as running:
+    with borrowed(shared_server) as running:
         for name in MODELS:
             shutil.copytree(built / name, running.models / name)
             (running.models / name / "serving.properties").write_text("batch_size=16\nmax_batch_delay=50\n")

@@ -5,6 +5,7 @@ request at fault only, and a generation past its time limit answers what it has 
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import shutil
@@ -62,14 +63,22 @@ def generate(server: RunningServer, name: str, inputs: Any, **parameters: Any) -
 def alone(source: Path, kind: str, prefix: str | None, key: str, text: str, **parameters: Any) -> Any:
     """transformers' own answer for ``text`` alone: its pipeline, or generate on the prefixed text (transformers 5 has
     no text-to-text pipeline), decoded as transformers 4.57's pipelines did."""
-    import transformers
-
     if prefix is None:
-        return transformers.pipeline("text-generation", model=str(source))(text, **parameters)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(source)
-    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(source)
+        return reference(source)(text, **parameters)
+    tokenizer, model = reference(source, seq2seq=True)
     output = model.generate(**tokenizer(prefix + text, return_tensors="pt"), **parameters)
     return [{key: tokenizer.decode(output[0], skip_special_tokens=True)}]
+
+
+@functools.cache
+def reference(source: Path, seq2seq: bool = False) -> Any:
+    """The model read once: a text-generation pipeline, or a seq2seq model's (tokenizer, model)."""
+    import transformers
+
+    if not seq2seq:
+        return transformers.pipeline("text-generation", model=str(source))
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(source)
+    return transformers.AutoTokenizer.from_pretrained(source), model
 
 
 def test_sixteen_clients_each_get_what_generate_gives_their_input_alone(

@@ -17,7 +17,7 @@ import hf_sentence_models
 import numpy as np
 import pytest
 import requests
-from serving import RunningServer, batch_passes, start_server, wait_until
+from serving import RunningServer, batch_passes, borrowed, npy, wait_until
 
 NPY = "application/x-npy"
 TASKS = {"embeddings": "sentence-embeddings", "similarity": "sentence-similarity", "ranking": "sentence-ranking"}
@@ -33,8 +33,8 @@ def sentence_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, sentence_root: Path) -> Iterator[RunningServer]:
-    with start_server(tmp_path_factory.mktemp("sentence-serving")) as running:
+def server(shared_server: RunningServer, sentence_root: Path) -> Iterator[RunningServer]:
+    with borrowed(shared_server) as running:
         for name, task in TASKS.items():
             model = running.models / name
             shutil.copytree(sentence_root / ("cross-encoder" if name == "ranking" else "bi-encoder"), model)
@@ -75,12 +75,6 @@ def reference(sentence_root: Path) -> Any:
 
 
 close = hf_models.answers_close
-
-
-def npy(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, np.asarray(value))  # as the SageMaker SDK's NumpySerializer writes it
-    return buffer.getvalue()
 
 
 def mixed_requests() -> list[tuple[str, Any]]:

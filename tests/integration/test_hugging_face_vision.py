@@ -15,7 +15,7 @@ from typing import Any
 import hf_vision_models
 import pytest
 import requests
-from serving import RunningServer, batch_passes, start_server
+from serving import RunningServer, batch_passes, borrowed
 
 MODELS = {
     "detr": ("object-detection", hf_vision_models.detr),
@@ -41,9 +41,9 @@ def pipelines(models: dict[str, Path]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path]) -> Iterator[RunningServer]:
+def server(shared_server: RunningServer, models: dict[str, Path]) -> Iterator[RunningServer]:
     """Each model batched (16 requests to a pass at most); its task told by its architecture, as HF_TASK would."""
-    with start_server(tmp_path_factory.mktemp("hf-vision-serving")) as running:
+    with borrowed(shared_server) as running:
         for name, path in models.items():
             shutil.copytree(path, running.models / name)
             (running.models / name / "serving.properties").write_text("batch_size=16\nmax_batch_delay=50\n")

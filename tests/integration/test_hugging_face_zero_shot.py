@@ -18,7 +18,7 @@ import hf_models
 import hf_zero_shot_models
 import pytest
 import requests
-from serving import RunningServer, batch_passes, start_server, wait_until
+from serving import RunningServer, batch_passes, borrowed, wait_until
 
 ZERO_SHOT = "zero-shot-classification"
 TABLES = "table-question-answering"
@@ -36,8 +36,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, built: Path) -> Iterator[RunningServer]:
-    with start_server(tmp_path_factory.mktemp("zero-shot-serving")) as running:
+def server(shared_server: RunningServer, built: Path) -> Iterator[RunningServer]:
+    with borrowed(shared_server) as running:
         shutil.copytree(built / "nli", running.models / "nli")
         (running.models / "nli" / "serving.properties").write_text(f"task={ZERO_SHOT}\n{BATCHED}")
         shutil.copytree(built / "tapas", running.models / "tapas")  # its task from its architecture
