@@ -11,11 +11,13 @@ in its own directory and go with it on UNLOAD.
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +109,6 @@ class Series:
         # a hosted model's own tensors on its GPU (not the process's pool)
         self.device_bytes: int | None = None
         self.gpu: str | None = None  # the host's card, once it reports its GPU memory
-        self.batch_sizes: Histogram | None = None
         # registry=None: the exporter reads the files; nothing in a model process exposes a
         # registry.
         self.requests = Counter(
@@ -205,6 +206,34 @@ class Series:
                 # 0 from the start, not after the first restart
                 self.child(restarts, model)
 
+    @functools.cached_property
+    def answers(self) -> AnswerValues:
+        """The model's values that every request and pass records into, made at its first request
+        (a model that never answers writes none); read as a plain attribute after."""
+        return AnswerValues(
+            self.child(self.request_seconds, self.model),
+            self.child(self.queue_seconds, self.model),
+            self.child(self.predict_seconds, self.model),
+        )
+
+    def request_count(self, status: int) -> Any:
+        """The model's count of requests answered ``status``."""
+        code = str(status)
+        self.answers.requests[code] = made = self.child(self.requests, self.model, code)
+        return made
+
+    def batch_size_histogram(self, batch_size: int) -> Any:
+        """The model's passes by size, bucketed for its ``batch_size`` (known at its first pass)."""
+        family = Histogram(
+            "mme_batch_size",
+            "Requests per forward pass.",
+            ["model"],
+            buckets=batch_size_buckets(batch_size),
+            registry=None,
+        )
+        self.answers.batch_sizes = made = self.child(family, self.model)
+        return made
+
     def child(self, family: Any, *labels: Any) -> Any:
         """``family.labels(*labels)``, its values made in this series' directory."""
         key = (id(family), labels)
@@ -239,3 +268,15 @@ class Series:
                 yield
             finally:
                 values.ValueClass, os.environ[DIRECTORY_VARIABLE] = saved_class, str(self._home)
+
+
+@dataclass
+class AnswerValues:
+    """A model's values of the families its requests and passes record into: held, not looked up
+    per request."""
+
+    request_seconds: Any
+    queue_seconds: Any
+    predict_seconds: Any
+    requests: dict[str, Any] = field(default_factory=dict)  # by status code
+    batch_sizes: Any = None

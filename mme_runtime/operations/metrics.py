@@ -31,10 +31,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ParamSpec
 
-from prometheus_client import Histogram, values
+from prometheus_client import values
 
 from mme_runtime.base.config import Config
-from mme_runtime.operations.metric_series import DIRECTORY_VARIABLE, Series, batch_size_buckets
+from mme_runtime.operations.metric_series import DIRECTORY_VARIABLE, Series
 
 logger = logging.getLogger(__name__)
 
@@ -248,9 +248,10 @@ def record_requests(statuses: Callable[[], Sequence[int]], seconds: float) -> No
     """One message from the frontend, answered: each request's status (read only with metrics on),
     and the time the backend took."""
     metrics = _live()
+    answers = metrics.answers
     for status in statuses():
-        metrics.child(metrics.requests, metrics.model, str(status)).inc()
-        metrics.child(metrics.request_seconds, metrics.model).observe(seconds)
+        (answers.requests.get(str(status)) or metrics.request_count(status)).inc()
+        answers.request_seconds.observe(seconds)
 
 
 @_recorder
@@ -258,18 +259,11 @@ def record_pass(waits: Sequence[float], seconds: float, batch_size: int) -> None
     """One forward pass: how long each of its requests waited for it, how long it took, and how many
     it served."""
     metrics = _live()
+    answers = metrics.answers
     for wait in waits:
-        metrics.child(metrics.queue_seconds, metrics.model).observe(wait)
-    metrics.child(metrics.predict_seconds, metrics.model).observe(seconds)
-    if metrics.batch_sizes is None:
-        metrics.batch_sizes = Histogram(
-            "mme_batch_size",
-            "Requests per forward pass.",
-            ["model"],
-            buckets=batch_size_buckets(batch_size),
-            registry=None,
-        )
-    metrics.child(metrics.batch_sizes, metrics.model).observe(len(waits))
+        answers.queue_seconds.observe(wait)
+    answers.predict_seconds.observe(seconds)
+    (answers.batch_sizes or metrics.batch_size_histogram(batch_size)).observe(len(waits))
     _record_gpu_memory(metrics)
 
 

@@ -16,9 +16,8 @@ import json
 import logging
 import math
 import traceback
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import orjson
@@ -264,9 +263,6 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-if TYPE_CHECKING:
-    from mme_runtime.serving.context import InferenceContext
-
 logger = logging.getLogger(__name__)
 
 ERROR_CONTENT_TYPE = "application/json"
@@ -419,18 +415,6 @@ def phrase(status: int) -> str:
         return "Error"
 
 
-@dataclass(eq=False)
-class RequestInFlight:
-    """One request on its way through the contract: its context, the Accept it is answered with, and
-    the answer."""
-
-    context: InferenceContext
-    accept: str
-    body: bytes = b""
-    content_type: str = ERROR_CONTENT_TYPE
-    error: Exception | None = None
-
-
 def request_body(item: Any) -> Any:
     """The request body MMS hands over (parameter "body" for raw payloads)."""
     if isinstance(item, Mapping):
@@ -443,22 +427,22 @@ def request_body(item: Any) -> Any:
 
 
 def read_request(
-    item: Any, request: RequestInFlight, max_request_bytes: int
-) -> tuple[Any, str | None]:
-    """The request's payload and content type, with its Accept settled on ``request``."""
+    item: Any, header: Callable[[str], str | None], max_request_bytes: int
+) -> tuple[Any, str | None, str | None]:
+    """The request's payload, its content type, and the Accept it asks for (None: the default),
+    from its body and its ``header`` function (the request's context's)."""
     payload = request_body(item)
     if isinstance(payload, (bytes, bytearray, str)) and len(payload) > max_request_bytes:
         raise PayloadTooLarge(
             f"request body of {len(payload)} bytes exceeds the limit of "
             f"{max_request_bytes} (SAGEMAKER_MAX_REQUEST_SIZE)"
         )
-    content_type = request.context.header("content-type")
-    accept = request.context.header("accept")
-    if accept is not None and accept.strip() not in ("", ANY):
-        request.accept = accept
+    content_type, accept = header("content-type"), header("accept")
+    if accept is not None and accept.strip() in ("", ANY):
+        accept = None
     if isinstance(payload, (bytes, bytearray)) and media_type(content_type) in TEXT_TYPES:
         payload = utf8_text(payload)
-    return payload, content_type
+    return payload, content_type, accept
 
 
 def to_bytes(result: Any) -> bytes:

@@ -1,7 +1,13 @@
 """A model's contract functions: the user's ``model_fn``, ``input_fn``, ``predict_fn``,
 ``output_fn`` or ``transform_fn`` over the PyTorch defaults, each bound once, and how a load step or
-a request step calls them. ``bind_code`` binds them at LOAD: the model's code (a LoRA adapter's
-over a plain base: the base's) over the defaults that serve its directory.
+a request step calls them, with the ``context`` they receive. ``bind_code`` binds them at LOAD: the
+model's code (a LoRA adapter's over a plain base: the base's) over the defaults that serve its
+directory.
+
+The context is MMS's context API plus the model's device and the request's headers: existing
+scripts keep using ``context.system_properties[...]`` and ``context.get_request_header(idx,
+name)``; new code can read ``context.device``, ``context.gpu_id``, ``context.request_headers`` and
+the rest directly.
 
 A failing request step raises ``StepError`` (its status decided in ``content.py``; out of memory,
 with the numbers as they were when it was caught); a failing load step fails the LOAD with the step
@@ -17,10 +23,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import torch
 from sagemaker_inference.errors import BaseInferenceToolkitError
 
 from mme_runtime.base import failures
 from mme_runtime.base.config import Config
+from mme_runtime.base.devices import ASSIGNED_GPU_ID
 from mme_runtime.base.errors import ModelLoadError
 from mme_runtime.models import lora
 from mme_runtime.models.code_fetcher import CodeFetcher, locate_code
@@ -28,8 +36,103 @@ from mme_runtime.models.loading import ResolvedModel
 from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.models.user_code import USER_MODULE_PREFIX, UserFunction, load_user_code
 from mme_runtime.serving import content
-from mme_runtime.serving.content import StepError, is_out_of_memory, load_failure
-from mme_runtime.serving.context import InferenceContext
+from mme_runtime.serving.content import (
+    ERROR_CONTENT_TYPE,
+    StepError,
+    is_out_of_memory,
+    load_failure,
+)
+
+CUSTOM_ATTRIBUTES = "x-amzn-sagemaker-custom-attributes"
+
+
+class InferenceContext:
+    """A view of MMS's ``Context`` for one model, or for one request of a batch
+    (``request_index``)."""
+
+    def __init__(
+        self, mms_context: Any, device: torch.device, request_index: int | None = None
+    ) -> None:
+        self._mms = mms_context
+        self.device = device
+        self.request_index = request_index
+        self._headers: dict[str, str] | None = None
+
+    def for_request(self, index: int) -> InferenceContext:
+        return InferenceContext(self._mms, self.device, index)
+
+    @property
+    def mms_context(self) -> Any:
+        return self._mms
+
+    @property
+    def model_name(self) -> str:
+        return str(self._mms.model_name)
+
+    @property
+    def model_dir(self) -> str:
+        return str(self._mms.system_properties.get("model_dir"))
+
+    @property
+    def gpu_id(self) -> int | None:
+        """The GPU the frontend assigned this device host (an nvidia-smi index), None on the CPU.
+
+        ``system_properties["gpu_id"]`` is the CUDA ordinal of that GPU inside this host instead (0
+        in our hosts, which see only their GPU), so that ``cuda:{gpu_id}`` in existing scripts names
+        the right card.
+        """
+        properties = self._mms.system_properties
+        gpu = properties.get(ASSIGNED_GPU_ID, properties.get("gpu_id"))
+        return None if gpu is None else int(gpu)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self._mms.system_properties.get("batch_size") or 1)
+
+    @property
+    def request_id(self) -> str | None:
+        if self.request_index is None or not self._mms.request_ids:
+            return None
+        request_id = self._mms.request_ids.get(self.request_index)
+        return None if request_id is None else str(request_id)
+
+    @property
+    def request_headers(self) -> Mapping[str, str]:
+        """This request's HTTP headers, keys in lower case."""
+        if self._headers is None:
+            self._headers = {}
+            if self.request_index is not None and self._mms.request_processor:
+                properties = self._mms.request_processor[
+                    self.request_index
+                ].get_request_properties()
+                self._headers = {k.lower(): v for k, v in properties.items() if isinstance(v, str)}
+        return self._headers
+
+    def header(self, name: str) -> str | None:
+        return self.request_headers.get(name.lower())
+
+    @property
+    def custom_attributes(self) -> str | None:
+        """``X-Amzn-SageMaker-Custom-Attributes`` of this request (``CustomAttributes`` in
+        ``invoke_endpoint``)."""
+        return self.header(CUSTOM_ATTRIBUTES)
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything else is MMS's context API: system_properties, get_request_header,
+        # set_response_status, ...
+        return getattr(self._mms, name)
+
+
+@dataclass(eq=False)
+class RequestInFlight:
+    """One request on its way through the contract: its context, the Accept it is answered with, and
+    the answer."""
+
+    context: InferenceContext
+    accept: str
+    body: bytes = b""
+    content_type: str = ERROR_CONTENT_TYPE
+    error: Exception | None = None
 
 
 class Contract:

@@ -20,9 +20,8 @@ from mme_runtime.base.config import Config
 from mme_runtime.models.pt2 import compile_model
 from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.serving import content
-from mme_runtime.serving.content import RequestInFlight, StepError, load_failure
-from mme_runtime.serving.context import InferenceContext
-from mme_runtime.serving.contract import Contract
+from mme_runtime.serving.content import StepError, load_failure
+from mme_runtime.serving.contract import Contract, InferenceContext, RequestInFlight
 
 logger = logging.getLogger(__name__)
 

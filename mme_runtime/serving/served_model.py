@@ -46,7 +46,6 @@ from mme_runtime.serving.batcher import (
     signature,
 )
 from mme_runtime.serving.content import (
-    RequestInFlight,
     error_response,
     http_status,
     is_client_error,
@@ -58,8 +57,7 @@ from mme_runtime.serving.content import (
     release_memory_of,
     to_bytes,
 )
-from mme_runtime.serving.context import InferenceContext
-from mme_runtime.serving.contract import Contract, bind_code
+from mme_runtime.serving.contract import Contract, InferenceContext, RequestInFlight, bind_code
 from mme_runtime.serving.pass_threads import PassThreads
 from mme_runtime.serving.placement import compiled, dry_run, place_model
 
@@ -338,7 +336,10 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         for index, item in enumerate(data):
             request = RequestInFlight(base.for_request(index), self._config.default_accept)
             try:
-                payload, content_type = read_request(item, request, self._config.max_request_bytes)
+                payload, content_type, accept = read_request(
+                    item, request.context.header, self._config.max_request_bytes
+                )
+                request.accept = accept or request.accept
             except Exception as exc:  # request boundary: this request answers with its status
                 request.error, payload, content_type = exc, None, None
             requests.append(request)

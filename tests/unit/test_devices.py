@@ -13,7 +13,7 @@ import torch
 from mme_runtime.base import devices
 from mme_runtime.base.config import Config
 from mme_runtime.models.loading import LoadFailure, ModelSpec, check_memory
-from mme_runtime.serving.context import InferenceContext
+from mme_runtime.serving.contract import InferenceContext
 
 
 @pytest.mark.parametrize(
