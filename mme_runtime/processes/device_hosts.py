@@ -19,6 +19,7 @@ from typing import Any
 from mme_runtime.base import failures
 from mme_runtime.base.child_processes import fork_child, kill
 from mme_runtime.base.config import Config
+from mme_runtime.base.nvidia import gpu_count
 from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, crashed_stack
 from mme_runtime.processes.device_host import run_host
 from mme_runtime.processes.warm_protocol import receive, send
@@ -114,20 +115,23 @@ class DeviceHosts:
         self.config = config
         self.close_in_children = close_in_children
         self.hosts: dict[HostKey, Host] = {}
+        self.cpu_only = gpu_count() == 0  # no card for the frontend to assign
 
     def get(
-        self, key: HostKey, gpu: int | None, env: dict[str, str], in_hand: socket.socket
+        self, key: HostKey, gpu: int | None, env: dict[str, str], in_hand: socket.socket | None
     ) -> Host:
         """The host of ``key``, forked now if there is none, with the environment MMS gives its
         model processes (it reads some of it, such as ``MMS_DECODE_INPUT_REQUEST``, while
-        answering). ``in_hand``: the connection being routed, which a new host must not keep a copy
-        of (the frontend would never see it close)."""
+        answering). ``in_hand``: the connection being routed, if any, which a new host must not keep
+        a copy of (the frontend would never see it close)."""
         host = self.hosts.get(key)
         if host is not None:
             return host
         board = CrashBoard()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        close = [*self.close_in_children(), ours.fileno(), in_hand.fileno()]
+        close = [*self.close_in_children(), ours.fileno()]
+        if in_hand is not None:
+            close.append(in_hand.fileno())
         title = f"{HOST_TITLE} gpu={gpu}" if gpu is not None else f"{HOST_TITLE} {key.device}"
         if key.private:  # named as the model's stub is, so that ps tells whose it is
             title += f" --model-name {key.tenant}"
@@ -141,6 +145,12 @@ class DeviceHosts:
         host = self.hosts[key] = Host(key, pid, ours, board)
         logger.info("device host pid=%d gpu=%s started", pid, key)
         return host
+
+    def start_own(self, model: str, env: dict[str, str]) -> Host | None:
+        """The host of a model that no host may share, forked before its first connection (while
+        its loader loads) where its key is known by then: on the CPU. On GPUs the card comes with
+        the connection, and so does the host (None)."""
+        return self.get(HostKey("cpu", model), None, env, None) if self.cpu_only else None
 
     def send(self, host: Host, payload: dict[str, Any], fds: list[int] | None = None) -> None:
         """``OSError`` when the host is gone or stuck: its reap follows."""

@@ -30,7 +30,13 @@ from typing import Any
 from mme_runtime.base import failures
 from mme_runtime.base.child_processes import Watcher, kill
 from mme_runtime.base.config import Config
-from mme_runtime.models.loading import LoadFailure, ModelSpec, check_location, refuse_load
+from mme_runtime.models.loading import (
+    LoadFailure,
+    ModelSpec,
+    check_location,
+    container_reason,
+    refuse_load,
+)
 from mme_runtime.models.model_package import Package
 from mme_runtime.models.package_cache import Key, PackageCache
 from mme_runtime.models.tensor_store import TensorStore
@@ -148,6 +154,11 @@ class SharedModels:
         # a loader's child could hold the socket open after the loader died
         model.result.settimeout(RESULT_SECONDS)
         self.watcher.watch(model.result, lambda: self._loader_reported(model))
+        if container_reason(spec.handler, self.config) is not None:
+            own = self.hosts.start_own(spec.name, model.request["env"])
+            if own is not None:  # it ends with the model, should the model never reach it
+                self.watcher.watch(own.control, lambda: self._host_reported(own))
+                model.hosts.add(own.key)
 
     def forget(self, name: str) -> bool:
         """After ``add`` failed halfway: lets go of what it took; True if that included the stub and
@@ -241,7 +252,7 @@ class SharedModels:
             host = self.hosts.get(key, assignment.gpu, model.request["env"], connection)
             if not self.watcher.watches(host.control):  # a host started just now
                 self.watcher.watch(host.control, lambda: self._host_reported(host))
-            if key not in model.hosts:
+            if model.spec.name not in host.models:
                 self._send_model(host, model, assignment.batch_size)
                 model.hosts.add(key)
             payload = {"op": "connect", "model": model.spec.name, "gpu": assignment.gpu}
@@ -333,14 +344,13 @@ class SharedModels:
         name = model.spec.name
         for key in model.hosts:
             host = self.hosts.hosts.get(key)
-            if host is None or name not in host.models:
-                continue
-            host.models.discard(name)
-            try:
-                self.hosts.send(host, {"op": "unload", "model": name})
-            except OSError as exc:
-                logger.info("model=%s device host gone before its unload: %s", name, exc)
-            if key.private and not host.models:
+            if host is not None and name in host.models:
+                host.models.discard(name)
+                try:
+                    self.hosts.send(host, {"op": "unload", "model": name})
+                except OSError as exc:
+                    logger.info("model=%s device host gone before its unload: %s", name, exc)
+            if host is not None and key.private and not host.models:
                 self.watcher.forget(host.control)
                 self.hosts.retire(host)
         model.hosts.clear()
@@ -382,9 +392,8 @@ class SharedModel:
     oom_kills: dict[str, int] = field(default_factory=dict)
     loader_silent: bool = False  # its loader died before it reported
     artifact_bytes: int = 0  # its files' size: what its loader's memory check counts
-    resolved: dict[str, Any] | None = (
-        None  # what its loader resolved (None: a kept package's host resolves it)
-    )
+    # what its loader resolved (None: a kept package's host resolves it)
+    resolved: dict[str, Any] | None = None
 
     def host_key(
         self, device: str | None, models: Iterable[SharedModel], cpu_hosts: int
