@@ -136,9 +136,8 @@ class DeviceHost:
                 logger.info(
                     "model=%s threads=%d, as its model_fn chose", name, int(message["threads"])
                 )
-            series = metrics.start_hosted(self.config, name, restart=bool(message.get("restart")))
             model = self.models[name] = HostedModel(
-                spec, int(message["slot"]), series, started=message["started"]
+                spec, int(message["slot"]), None, started=message["started"]
             )
             # the same name's UNLOAD, maybe still letting go
             model.after = self.unloading.pop(name, None)
@@ -177,9 +176,6 @@ class DeviceHost:
         elif op == "unload":
             leaving = self.models.pop(name, None)
             if leaving is not None:
-                # Its series go now, before a LOAD of the same name (the next message, maybe) makes
-                # their directory.
-                metrics.stop_hosted(self.config, leaving.series)
                 unloading = threading.Thread(
                     target=self._unload, args=(leaving,), name=f"unload-{name}", daemon=True
                 )
@@ -202,8 +198,10 @@ class DeviceHost:
         for it are served."""
         spec = model.spec
         if model.after is not None:
-            # what the old model holds under this name goes before the new one takes it
+            # what the old model holds under this name, its metrics directory included, goes
+            # before the new one takes it
             model.after.join(self.config.response_timeout_seconds)
+        model.series = metrics.start_hosted(self.config, spec.name, restart)
         metrics.bind(model.series)
         self.board.work_for(model.slot)
         if restart:
@@ -373,6 +371,8 @@ class DeviceHost:
         loaded = model.loaded
         metrics.bind(model.series)
         self.board.work_for(model.slot)
+        with model.turns_ended:
+            model.turns += 1
         try:
             if loaded is None:
                 raise ValueError("the model was unloaded")
@@ -390,6 +390,9 @@ class DeviceHost:
         finally:
             self.board.done()
             metrics.bind(None)
+            with model.turns_ended:
+                model.turns -= 1
+                model.turns_ended.notify_all()
 
     def _unload(self, model: HostedModel) -> None:
         """Closes the model's connections, ends its batcher and drops every reference, then gives
@@ -406,6 +409,8 @@ class DeviceHost:
                 connection.shutdown(socket.SHUT_RDWR)  # its thread wakes from its read and ends
             except OSError:
                 pass
+        with model.turns_ended:  # answered, but not yet counted: its metrics first
+            model.turns_ended.wait_for(lambda: model.turns == 0, UNLOAD_SECONDS)
         started = time.monotonic()
         served = model.loaded is not None  # a LOAD that failed here is no UNLOAD
         ours = None if model.loaded is None else getattr(model.loaded.module, "served", None)
@@ -419,6 +424,9 @@ class DeviceHost:
         self.release.request()  # soon, once for every UNLOAD of a burst
         if model.series is not None:
             model.series.close()
+            # handed to the exporter once written to for the last time (a value made later would
+            # find no directory)
+            metrics.stop_hosted(self.config, model.series)
         metrics.bind(None)  # the container's count: the host's own series
         if served:
             metrics.record_unload(True, time.monotonic() - started)
@@ -454,6 +462,8 @@ class HostedModel:
     failure: LoadFailure | None = None
     waiting: list[tuple[socket.socket, Assignment]] = field(default_factory=list)
     connections: set[socket.socket] = field(default_factory=set)
+    turns: int = 0  # messages being answered
+    turns_ended: threading.Condition = field(default_factory=threading.Condition)
     # a batching model's busy connections, to open more (serving/connection.py)
     demand: ConnectionDemand | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)

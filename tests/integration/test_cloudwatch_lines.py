@@ -4,8 +4,11 @@ specification's schema (``emf_schema.py``)."""
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import time
+import urllib.parse
 from typing import Any
 
 import model_factory
@@ -17,6 +20,7 @@ pytestmark = pytest.mark.integration
 
 ROW = json.dumps([[0.5] * model_factory.IN_FEATURES])
 INTERVAL_SECONDS = 1
+RACES = 8
 
 
 def total(documents: list[dict[str, Any]], metric: str, model: str | None) -> float:
@@ -28,6 +32,7 @@ def test_the_lines_count_each_request_once(tmp_path_factory: pytest.TempPathFact
     env = {"MME_CLOUDWATCH_METRICS_SECONDS": str(INTERVAL_SECONDS), "MME_CLOUDWATCH_NAMESPACE": "mme-test"}
     with start_server(tmp_path_factory.mktemp("cloudwatch"), env) as server:
         model_factory.torchscript_model(server.model_dir("plain"))
+        model_factory.torchscript_model(server.model_dir("racing"))
         assert server.load("plain").status_code == 200
         statuses = [server.invoke("plain", ROW).status_code for _ in range(4)]
         statuses.append(server.invoke("plain", "{not json").status_code)
@@ -57,5 +62,21 @@ def test_the_lines_count_each_request_once(tmp_path_factory: pytest.TempPathFact
         assert total(documents, "Invocations", "plain") == 9, server.log_text()[-3000:]
         assert total(documents, "ModelLoads", None) == 2
         assert total(documents, "ModelUnloads", None) == 1
+
+        # A model's first request answered, and its UNLOAD right after (a kept-alive client: no
+        # time between them), again and again: each request counted, no value lost.
+        address = urllib.parse.urlsplit(server.url)
+        with contextlib.closing(http.client.HTTPConnection(address.hostname, address.port, timeout=30)) as client:
+            for _ in range(RACES):
+                assert server.load("racing").status_code == 200
+                for method, path, body in (("POST", "/models/racing/invoke", ROW), ("DELETE", "/models/racing", None)):
+                    client.request(method, path, body, {"Content-Type": "application/json"})
+                    answer = client.getresponse()
+                    assert answer.status == 200, answer.read()
+                    answer.read()
+        wait_until(lambda: total(lines(), "Invocations", "racing") >= RACES, 30)
+        time.sleep(3 * INTERVAL_SECONDS)
+        assert total(lines(), "Invocations", "racing") == RACES
+        assert "not recorded" not in server.log_text()
         assert stop_server(server) == 0
         assert total(lines(), "Invocations", "plain") == 9  # the last lines, at the stop, repeat nothing
