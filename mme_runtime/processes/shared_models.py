@@ -455,8 +455,8 @@ class SharedModel:
 
     def stop_logging(self) -> None:
         """Lets go of the stub's stdio once the model is served: its loader has read and written all
-        it will (a host logs to the container's own output), and the stub (``cat`` now) holds its
-        connection and /dev/null instead. MMS reads the stub's stdout and stderr with a thread each,
+        it will (a host logs to the container's own output), and the stub (``head -c 1`` now) holds
+        its connection alone. MMS reads the stub's stdout and stderr with a thread each,
         about 90 KiB each, which ends at the pipe's end; at thousands of models the descriptors
         count too."""
         for index in (0, 1, 2):

@@ -3,8 +3,8 @@ process is forked: the loaders and the device hosts (``shared_models.py``).
 
 MMS still launches one process per model (the stub in MODEL_SERVER_HOME, ``warm_stub.py``); the stub
 hands its command line, environment and stdio to the warm process over a unix socket (SCM_RIGHTS),
-then becomes ``cat`` reading that connection. MMS kills the stub to UNLOAD: the model leaves its
-hosts when the connection closes. User code is imported only after a fork.
+then becomes ``head -c 1`` reading that connection. MMS kills the stub to UNLOAD: the model leaves
+its hosts when the connection closes. User code is imported only after a fork.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 nothing (every model pays for this process: importing ``config`` alone would cost it 13 MiB).
 
 The stub hands its command line, environment and stdio to the warm process, which answers ``shared``
-once the model is ready to take connections; the stub then becomes ``cat`` reading its connection, a
-process of a few hundred KiB that MMS can kill to UNLOAD (the warm process sees the connection
-close) and that exits when the warm process closes it (MMS then starts the model again).
+once the model is ready to take connections; the stub then becomes ``head -c 1`` reading its
+connection, with no other descriptor: a process of a few hundred KiB that MMS can kill to UNLOAD
+(the warm process sees the connection close) and that exits when the warm process closes it (MMS
+then starts the model again). Nothing is written to it after ``shared``.
 """
 
 from __future__ import annotations
@@ -36,21 +37,22 @@ def run_via_warm_process(socket_path: str, environment: dict[str, str]) -> int:
             "mme-gpu: the warm process ended before it took the model", file=sys.stderr, flush=True
         )
         return 1
-    _become_cat(client, sys.argv)
-    return 1  # not reached: _become_cat replaces this process
+    _become_reader(client, sys.argv)
+    return 1  # not reached: _become_reader replaces this process
 
 
-def _become_cat(client: socket.socket, argv: list[str]) -> None:
-    """Replaces this Python process by ``cat`` reading the warm process's connection; never returns.
-    Its title (cat's ``argv[0]``, which it only prints in errors) names the model, as the Python
-    stub's command line did."""
+def _become_reader(client: socket.socket, argv: list[str]) -> None:
+    """Replaces this Python process by ``head -c 1`` reading the warm process's connection, its
+    only descriptor; never returns. ``head`` (unlike ``cat``, which checks its stdout first) needs
+    no stdout until it has read something, and it never will: MMS's threads reading the stub's
+    pipes end once the warm process lets go of them too, and at thousands of models each
+    descriptor counts. Its title (``argv[0]``) names the model, as the Python stub's command line
+    did."""
     sys.stdout.flush()
+    sys.stderr.flush()
     os.dup2(client.fileno(), 0)
-    # Nothing more is logged through the stub: MMS's threads reading its pipes end once the warm
-    # process lets go too.
-    quiet = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(quiet, 1)
-    os.dup2(quiet, 2)
-    os.close(quiet)
+    client.close()
+    for fd in (1, 2):
+        os.close(fd)
     model = argv[argv.index("--model-name") + 1] if "--model-name" in argv else "?"
-    os.execvp("cat", [f"{STUB_TITLE} --model-name {model}"])
+    os.execvp("head", [f"{STUB_TITLE} --model-name {model}", "-c", "1"])

@@ -71,6 +71,26 @@ def test_a_served_model_leaves_no_descriptor_of_its_stub_s_stdio_in_the_warm_pro
     assert wait_until(lambda: _pipes(warm_process(server)) <= pipes_before, 5)
 
 
+def test_a_served_model_s_stub_holds_one_descriptor(server: RunningServer) -> None:
+    """The process MMS started for a model waits on its connection to the warm process alone (its stdio closed):
+    MMS's reading threads ended with its pipes, and nothing more is written there."""
+    model_factory.torchscript_model(server.model_dir("one-fd"))
+    assert server.load("one-fd").status_code == 200
+    assert server.invoke("one-fd", json.dumps([[1, 2, 3, 4]])).status_code == 200
+    [stub] = [p for p in psutil.Process(server.process.pid).children(recursive=True) if _is_stub(p, "one-fd")]
+    descriptors = {fd.name: fd.readlink().name for fd in Path(f"/proc/{stub.pid}/fd").iterdir()}
+    assert list(descriptors) == ["0"] and descriptors["0"].startswith("socket:"), descriptors
+    assert server.unload("one-fd").status_code == 200
+    assert wait_until(lambda: not alive([stub]), 10)
+
+
+def _is_stub(process: psutil.Process, model: str) -> bool:
+    try:
+        return process.cmdline()[:1] == [f"mme-model-stub --model-name {model}"]
+    except psutil.Error:
+        return False
+
+
 def _pipes(process: psutil.Process) -> int:
     count = 0
     for fd in Path(f"/proc/{process.pid}/fd").iterdir():
