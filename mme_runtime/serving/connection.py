@@ -179,11 +179,12 @@ def answer_message(
     with demand.answering() if demand else contextlib.nullcontext():
         with running():
             context, response = _answer(loaded, message)
+        # Counted before the answer leaves (microseconds): a host killed once a client has its
+        # answer, or an UNLOAD right after it, loses no count.
+        metrics.record_requests(
+            functools.partial(_statuses, context, response), time.monotonic() - started
+        )
         connection.sendall(response)
-    # Recorded once the answer is on its way: the caller does not wait for its metrics.
-    metrics.record_requests(
-        functools.partial(_statuses, context, response), time.monotonic() - started
-    )
 
 
 class Turns:

@@ -49,7 +49,7 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
 
 
 def settled(server: RunningServer, expected: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> Samples:
-    """Scrapes until every expected series has its value (a model process records a request just after answering
+    """Scrapes until every expected series has its value (the exporter reads the model processes' files as they are
     it), then returns that scrape; the caller's assertions report what differs if it never gets there."""
     samples: Samples = {}
 
