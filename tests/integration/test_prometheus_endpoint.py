@@ -50,7 +50,7 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
 
 def settled(server: RunningServer, expected: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> Samples:
     """Scrapes until every expected series has its value (the exporter reads the model processes' files as they are
-    it), then returns that scrape; the caller's assertions report what differs if it never gets there."""
+    written), then returns that scrape; the caller's assertions report what differs if it never gets there."""
     samples: Samples = {}
 
     def matches() -> bool:
