@@ -116,7 +116,7 @@ def test_the_card_s_tests_are_summed_up_from_their_junit_file(tmp_path: Path) ->
 def test_the_kit_serves_a_model_from_a_venv_where_pip_reaches_nothing_else(tmp_path: Path) -> None:
     making = subprocess.Popen([str(SCRIPTS / "gpu-proof-kit"), "--out", str(tmp_path / "kit")], text=True)
     # Meanwhile the dry run's venv, made as --dry-run makes it: packing the kit's Java (xz) and installing torch take
-    # about 45 s each, on one core each.
+    # about 10 and 15 s, on one core each.
     venv = tmp_path / "venv"
     try:
         proof.dry_run_venv(venv)
