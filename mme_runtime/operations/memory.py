@@ -158,11 +158,11 @@ class MemoryRelease:
     """Gives the memory of UNLOADed models back with ``release`` once for a burst of UNLOADs:
     ``settle_seconds`` after the last, at most ``most_seconds`` after the first. ``release`` is told
     whether a full collection is needed: only when something an UNLOAD let go of (``request``) is
-    still alive by then, held by a reference cycle. A full collection holds the interpreter lock
-    over every model's objects (260 ms at 1,000 models on the 2-core VM), and the models that stay
-    wait for it: a model invoked meanwhile answered in 312 ms instead of 30. An UNLOAD whose model
-    leaves no cycle behind (the collector found none but a metrics value class per model, now
-    reused, and ctypes' per-call classes) costs them nothing but the heap's trim."""
+    still alive at a release and at the next, held by a reference cycle. A full collection holds
+    the interpreter lock over every model's objects (260 ms at 1,000 models on the 2-core VM), and
+    the models that stay wait for it: a model invoked meanwhile answered in 312 ms instead of 30.
+    An UNLOAD whose model leaves no cycle behind (the collector found none but a metrics value
+    class per model, now reused, and ctypes' per-call classes) costs them only the heap's trim."""
 
     def __init__(
         self,
@@ -201,6 +201,8 @@ class MemoryRelease:
         self._wanted.set()
 
     def _run(self) -> None:
+        # alive at the last release: held by a thread that is ending, or by a cycle
+        waiting: list[weakref.ref[Any]] = []
         while True:
             self._wanted.wait()
             first = time.monotonic()
@@ -210,7 +212,12 @@ class MemoryRelease:
             with self._lock:
                 leaving, self._leaving = self._leaving, []
                 collect, self._collect = self._collect, False
-            collect = collect or any(part() is not None for part in leaving)
+            # Alive at two releases in a row: a cycle holds it (a worker that still answered the
+            # model's last message when the release ran has ended by the next one).
+            collect = collect or any(part() is not None for part in waiting)
+            waiting = [] if collect else [part for part in leaving if part() is not None]
+            if waiting:
+                self._wanted.set()  # looked at again, a settle later
             del leaving
             self._release(collect)
             self.releases += 1
