@@ -47,6 +47,9 @@ MAX_EXACT_BATCH_BUCKETS = 64
 DIRECTORY_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 # Held while a hosted model's values are made: the value class and the directory are process-wide.
 _MAKING_VALUES = threading.Lock()
+# Value classes of closed series, with their cleanups: a new series takes one (a class per model
+# would be garbage that only a full collection frees).
+_SPARE_CLASSES: list[tuple[Any, Any]] = []
 
 # prometheus_client makes each value file 64 KiB at once, and the pages mapped with its first value
 # stay resident: 192 KiB for each model of a device host (three files), where one model's values
@@ -101,10 +104,14 @@ class Series:
         self._close_files: Any = None
         if home is not None:
             with _MAKING_VALUES:  # no other series' class between the two lines
-                self._value_class = values.MultiProcessValue()
-                # prometheus_client keeps each value class's cleanup (it closes the class's files)
-                # last in this list.
-                self._close_files = values._multi_process_cleanups[-1]
+                if _SPARE_CLASSES:  # a closed series': its files closed, its values forgotten
+                    self._value_class, self._close_files = _SPARE_CLASSES.pop()
+                    values._multi_process_cleanups.append(self._close_files)
+                else:
+                    self._value_class = values.MultiProcessValue()
+                    # prometheus_client keeps each value class's cleanup (it closes the class's
+                    # files) last in this list.
+                    self._close_files = values._multi_process_cleanups[-1]
         self._children: dict[tuple[int, tuple[Any, ...]], Any] = {}
         # a hosted model's own tensors on its GPU (not the process's pool)
         self.device_bytes: int | None = None
@@ -251,6 +258,10 @@ class Series:
             # good.
             with contextlib.suppress(ValueError):
                 values._multi_process_cleanups.remove(self._close_files)
+            # A class is a reference cycle: only a full collection frees one, which stalls every
+            # model of the host (``MemoryRelease``). The next series takes it instead.
+            with _MAKING_VALUES:
+                _SPARE_CLASSES.append((self._value_class, self._close_files))
             self._close_files = None
 
     @contextmanager

@@ -414,14 +414,18 @@ class DeviceHost:
         started = time.monotonic()
         served = model.loaded is not None  # a LOAD that failed here is no UNLOAD
         ours = None if model.loaded is None else getattr(model.loaded.module, "served", None)
+        # what must be freed: a full collection only if a cycle keeps some of it alive
+        leaving: list[Any] = [model.loaded]
         if ours is not None:  # our handler (one that is not ours has nothing to end)
+            leaving += ours.parts()
             for thread in ours.scheduler_threads:
                 self.board.done(thread.ident)
             ours.close()
-        model.loaded = None
+        model.loaded = ours = None
         if self.shared is not None:
             self.shared.release(model.spec.name)
-        self.release.request()  # soon, once for every UNLOAD of a burst
+        self.release.request(leaving)  # soon, once for every UNLOAD of a burst
+        leaving.clear()
         if model.series is not None:
             model.series.close()
             # handed to the exporter once written to for the last time (a value made later would

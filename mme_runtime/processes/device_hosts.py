@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import logging
 import socket
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,8 +47,59 @@ class HostKey:
     def private(self) -> bool:
         return self.tenant != SHARED
 
+    @property
+    def ends_when_empty(self) -> bool:
+        """A host with no model left ends: a private one, and one of the CPU's pool (forked again,
+        in milliseconds, for the next model it is chosen for; an idle one held 40-50 MiB of its
+        models' freed heap after a mass UNLOAD). A GPU's shared host stays: a new CUDA context
+        costs its next LOAD seconds."""
+        return self.private or self.device.startswith("cpu")
+
     def __str__(self) -> str:
         return f"{self.device} model={self.tenant}" if self.private else self.device
+
+
+class CpuPool:
+    """Which of the CPU's shared hosts (``MME_CPU_HOSTS``) serves each shared model: the one with
+    the fewest models when its first connection arrives (one GIL per host: a pool lets Python-bound
+    models run side by side), or the one that serves its artifacts under another name already (so
+    that they are there once). The counts are kept as models come and go, so a choice costs the same
+    at 2,000 models as at 2 (a scan of every model cost the warm process milliseconds a LOAD)."""
+
+    def __init__(self, size: int) -> None:
+        self.served: Counter[str] = Counter({f"cpu={index}": 0 for index in range(size)})
+        self._by_artifacts: dict[Hashable, Counter[str]] = {}  # a package's key: its hosts
+        self._placed: dict[str, tuple[str, Hashable | None]] = {}  # a model: its host, its key
+
+    def host_for(self, name: str, artifacts: Hashable | None) -> str:
+        """The host of model ``name`` (whose package's key is ``artifacts``): chosen once, kept
+        until ``leave``."""
+        placed = self._placed.get(name)
+        if placed is not None:
+            return placed[0]
+        same = None if artifacts is None else self._by_artifacts.get(artifacts)
+        # the first with the fewest models: the pool's order breaks ties
+        host = next(iter(same)) if same else min(self.served, key=self.served.__getitem__)
+        self._placed[name] = host, artifacts
+        self.served[host] += 1
+        if artifacts is not None:
+            self._by_artifacts.setdefault(artifacts, Counter())[host] += 1
+        return host
+
+    def leave(self, name: str) -> None:
+        """Model ``name`` is gone (its UNLOAD): it counts no more."""
+        placed = self._placed.pop(name, None)
+        if placed is None:
+            return
+        host, artifacts = placed
+        self.served[host] -= 1
+        same = None if artifacts is None else self._by_artifacts.get(artifacts)
+        if same is not None:
+            same[host] -= 1
+            if same[host] <= 0:
+                del same[host]
+            if not same:
+                del self._by_artifacts[artifacts]
 
 
 @dataclass
@@ -190,13 +242,13 @@ class DeviceHosts:
         return crash
 
     def retire(self, host: Host) -> None:
-        """Ends a private host whose model has gone: with its control socket closed it lets its
-        models go and exits (its exit is no crash: it is no host of ours any more)."""
+        """Ends a host whose models have gone (``ends_when_empty``): with its control socket closed
+        it lets its models go and exits (its exit is no crash: it is no host of ours any more)."""
         if self.hosts.get(host.key) is host:
             del self.hosts[host.key]
             host.control.close()
             host.board.close()
-            logger.info("device host pid=%d gpu=%s retired: its model is gone", host.pid, host.key)
+            logger.info("device host pid=%d gpu=%s retired: it serves no model", host.pid, host.key)
 
     def descriptors(self) -> list[int]:
         return [host.control.fileno() for host in self.hosts.values()]

@@ -23,7 +23,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +42,15 @@ from mme_runtime.models.package_cache import Key, PackageCache
 from mme_runtime.models.tensor_store import TensorStore
 from mme_runtime.operations import metrics
 from mme_runtime.processes.crash_board import SLOTS
-from mme_runtime.processes.device_hosts import SHARED, Crash, CrashCount, DeviceHosts, Host, HostKey
+from mme_runtime.processes.device_hosts import (
+    SHARED,
+    CpuPool,
+    Crash,
+    CrashCount,
+    DeviceHosts,
+    Host,
+    HostKey,
+)
 from mme_runtime.processes.model_loader import start_loader
 from mme_runtime.processes.warm_protocol import bind_model_socket, drain, receive, send
 from mme_runtime.serving.connection import device_of, read_assignment
@@ -71,6 +79,7 @@ class SharedModels:
         # slots on the crash board given back by UNLOADs, taken first
         self._free_slots: list[int] = []
         self.hosts = DeviceHosts(config, close_in_children)
+        self.cpu_pool = CpuPool(config.cpu_hosts)
         self.crash_count = CrashCount()
         # every package, its tensors held once by content
         self.store = TensorStore(config.share_weights)
@@ -79,7 +88,7 @@ class SharedModels:
     def descriptors(self) -> list[int]:
         """What a forked child must close: every socket and package of ours (a copy would keep them
         alive)."""
-        fds = [sock.fileno() for sock in self.watcher.sockets()]
+        fds = [self.watcher.fileno(), *(sock.fileno() for sock in self.watcher.sockets())]
         for model in self.models.values():
             fds += [
                 model.listener.fileno(),
@@ -247,7 +256,7 @@ class SharedModels:
             refuse_load(connection, model.failure, model.spec, self.config, drain=False)
             return
         device = device_of(assignment, self.config.cuda_visible_devices)
-        key = model.host_key(device, self.models.values(), self.config.cpu_hosts)
+        key = model.host_key(device, self.cpu_pool)
         try:
             host = self.hosts.get(key, assignment.gpu, model.request["env"], connection)
             if not self.watcher.watches(host.control):  # a host started just now
@@ -317,6 +326,7 @@ class SharedModels:
         if self.models.get(name) is not model:
             return
         del self.models[name]
+        self.cpu_pool.leave(name)
         self._free_slots.append(model.slot)
         for sock in (model.stub, model.listener, model.result):
             if sock is not None:
@@ -340,7 +350,7 @@ class SharedModels:
         model.package, model.cache_key = None, None
 
     def _leave_hosts(self, model: SharedModel) -> None:
-        """Every host that has the model lets it go; a private host left with no model ends."""
+        """Every host that has the model lets it go; one left with none ends (``HostKey``)."""
         name = model.spec.name
         for key in model.hosts:
             host = self.hosts.hosts.get(key)
@@ -350,7 +360,7 @@ class SharedModels:
                     self.hosts.send(host, {"op": "unload", "model": name})
                 except OSError as exc:
                     logger.info("model=%s device host gone before its unload: %s", name, exc)
-            if host is not None and key.private and not host.models:
+            if host is not None and key.ends_when_empty and not host.models:
                 self.watcher.forget(host.control)
                 self.hosts.retire(host)
         model.hosts.clear()
@@ -385,7 +395,6 @@ class SharedModel:
     tenant: str = SHARED
     threads: int | None = None  # the intra-op threads its model_fn chose, for a host of its own
     cache_key: Key | None = None  # its package's in the package cache (package_cache.py)
-    cpu_host: str | None = None  # which of the CPU's hosts serves it
     served: bool = False  # a host has had it
     load_recorded: bool = False
     # the kernel's OOM kill counts as its loader started
@@ -395,14 +404,12 @@ class SharedModel:
     # what its loader resolved (None: a kept package's host resolves it)
     resolved: dict[str, Any] | None = None
 
-    def host_key(
-        self, device: str | None, models: Iterable[SharedModel], cpu_hosts: int
-    ) -> HostKey:
+    def host_key(self, device: str | None, cpu_pool: CpuPool) -> HostKey:
         """The host of a connection assigned ``device`` (a card's name; None for the CPU): on the
-        CPU, a shared model goes to one of the pool (``cpu_host_for``), a private one to its own."""
+        CPU, a shared model goes to one of the pool (``CpuPool``), a private one to its own."""
         if self.tenant != SHARED:
             return HostKey(device or "cpu", self.tenant)
-        return HostKey(device or cpu_host_for(self, models, cpu_hosts))
+        return HostKey(device or cpu_pool.host_for(self.spec.name, self.cache_key))
 
     def load_message(self, batch_size: int) -> dict[str, Any]:
         """The model as a host takes it (its package's descriptors go beside), before its first
@@ -478,19 +485,3 @@ class SharedModel:
             if fd >= 0:
                 os.close(fd)
         self.stdio = [-1, -1, -1]
-
-
-def cpu_host_for(model: SharedModel, models: Iterable[SharedModel], cpu_hosts: int) -> str:
-    """The CPU host of the pool (MME_CPU_HOSTS) that serves the model: the one with the fewest
-    models when its first connection arrived (one GIL per host: a pool lets Python-bound models run
-    side by side), or the one that has its artifacts under another name (so that they are there
-    once)."""
-    if model.cpu_host is None:
-        pool = [f"cpu={index}" for index in range(cpu_hosts)]
-        others = list(models)
-        taken = [other.cpu_host for other in others]
-        same = [o.cpu_host for o in others if o.cpu_host and o.cache_key == model.cache_key]
-        model.cpu_host = (
-            same[0] if model.cache_key is not None and same else min(pool, key=taken.count)
-        )
-    return model.cpu_host

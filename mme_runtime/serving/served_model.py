@@ -285,6 +285,10 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         run ``thread_started`` and ``thread_ended`` themselves)."""
         return [] if self._scheduling is None else list(self._scheduling.threads)
 
+    def parts(self) -> list[Any]:
+        """What its UNLOAD frees: itself, its model, its user modules (``MemoryRelease``)."""
+        return [self, self._model, *self._user_modules.values()]
+
     def close(self) -> None:
         """Lets go of the model (its UNLOAD in a device host): the batcher's threads end, the user
         module goes."""

@@ -122,3 +122,22 @@ def test_the_watcher_calls_a_readable_socket_s_handler_until_it_is_forgotten() -
     assert calls == ["c"]  # a was forgotten, b is gone: only c
     for sock in (a, a_peer, b_peer, c, c_peer):
         sock.close()
+
+
+def test_the_watcher_s_set_is_one_descriptor_that_a_forked_child_can_close() -> None:
+    watcher = Watcher()
+    pairs = [socket.socketpair() for _ in range(300)]
+    calls: list[int] = []
+    for index, (ours, _) in enumerate(pairs):
+        watcher.watch(ours, lambda index=index: calls.append(index))  # type: ignore[misc]
+    pairs[123][1].send(b"x")
+    watcher.run_once(1)
+    assert calls == [123]  # only the ready one
+    os.fstat(watcher.fileno())  # a descriptor of its own, for fork_child's closes
+    ours, peer = pairs[7]
+    watcher.forget(ours)
+    ours.close()
+    watcher.forget(ours)  # forgotten twice, closed: nothing to do
+    for ours, peer in pairs:
+        ours.close()
+        peer.close()

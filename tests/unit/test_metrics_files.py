@@ -315,9 +315,11 @@ def test_a_hosted_model_s_files_grow_from_a_page_and_go_with_it(config: Config, 
     def host() -> None:
         metrics.start_container(config)
         cleanups = len(values._multi_process_cleanups)
+        classes = []
         for model, requests in (("small", 1), ("wide", 60)):
             series = metrics.start_hosted(config, model)
             assert series is not None
+            classes.append(series._value_class)
             metrics.bind(series)
             metrics.record_requests(lambda requests=requests: [200] * requests, 0.01)  # type: ignore[misc]
             metrics.record_pass([0.001] * requests, 0.005, batch_size=64)  # 64 buckets: its file has to grow
@@ -333,6 +335,9 @@ def test_a_hosted_model_s_files_grow_from_a_page_and_go_with_it(config: Config, 
                 assert len(values._multi_process_cleanups) == cleanups  # nothing of it stays in the process
                 assert descriptors_into(series.directory) == 0
                 metrics.stop_hosted(config, series)
+        # The value class a closed series made goes to the next: a class per model would be garbage that only a
+        # full collection frees, and a host's full collection stalls every model it serves (issue #37).
+        assert classes[0] is classes[1]
 
     in_child(host)
     samples = scrape(exporter())

@@ -155,3 +155,33 @@ def test_loads_still_running_count_toward_the_room_a_load_needs(tmp_path: Path, 
     assert cache.make_room(spec("small", small)) == MIB and not released  # this LOAD alone fits
     assert cache.make_room(spec("small", small), loading_bytes=available) == MIB  # beside the others, it does not
     assert len(released) == 1
+
+
+def test_an_unload_reads_what_its_own_package_holds_not_every_kept_one(
+    tmp_path: Path, released: Released, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Summing every kept file's size on each UNLOAD made a mass UNLOAD of thousands quadratic (issue #37).
+    reads: list[str] = []
+    held = package_cache._Entry.held_bytes.fget  # type: ignore[attr-defined]
+
+    def counted(entry: package_cache._Entry) -> int:
+        reads.append(next(iter(entry.users), "?"))
+        return held(entry)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(package_cache._Entry, "held_bytes", property(counted))
+    cache = PackageCache(Config(keep_unloaded_mb=4), released)
+    keys = {name: loaded(cache, name, user_code_model(tmp_path / name), megabytes=1) for name in "abcde"}
+    for name in "abcd":
+        cache.release(keys[name][0], name)
+    assert len(reads) == 4  # each package's size read once, as it was unloaded
+    # 4 packages of a little over 1 MiB > 4 MiB: a went; b, c and d are kept
+    assert released == [keys["a"][1]]
+    assert 3 * MIB <= cache.kept_bytes < 4 * MIB
+    assert cache.take(keys["c"][0], "c") is keys["c"][1]
+    assert 2 * MIB <= cache.kept_bytes < 3 * MIB  # c in use again
+    cache.release(keys["e"][0], "e", keep=False)
+    assert released == [keys["a"][1], keys["e"][1]]
+    cache.release(keys["c"][0], "c")
+    cache.release(keys["c"][0], "c")  # twice: nothing more
+    assert 3 * MIB <= cache.kept_bytes < 4 * MIB
+    assert len(reads) == 5
