@@ -47,14 +47,6 @@ class HostKey:
     def private(self) -> bool:
         return self.tenant != SHARED
 
-    @property
-    def ends_when_empty(self) -> bool:
-        """A host with no model left ends: a private one, and one of the CPU's pool (forked again,
-        in milliseconds, for the next model it is chosen for; an idle one held 40-50 MiB of its
-        models' freed heap after a mass UNLOAD). A GPU's shared host stays: a new CUDA context
-        costs its next LOAD seconds."""
-        return self.private or self.device.startswith("cpu")
-
     def __str__(self) -> str:
         return f"{self.device} model={self.tenant}" if self.private else self.device
 
@@ -242,13 +234,13 @@ class DeviceHosts:
         return crash
 
     def retire(self, host: Host) -> None:
-        """Ends a host whose models have gone (``ends_when_empty``): with its control socket closed
-        it lets its models go and exits (its exit is no crash: it is no host of ours any more)."""
+        """Ends a private host whose model has gone: with its control socket closed it lets its
+        models go and exits (its exit is no crash: it is no host of ours any more)."""
         if self.hosts.get(host.key) is host:
             del self.hosts[host.key]
             host.control.close()
             host.board.close()
-            logger.info("device host pid=%d gpu=%s retired: it serves no model", host.pid, host.key)
+            logger.info("device host pid=%d gpu=%s retired: its model is gone", host.pid, host.key)
 
     def descriptors(self) -> list[int]:
         return [host.control.fileno() for host in self.hosts.values()]

@@ -350,7 +350,7 @@ class SharedModels:
         model.package, model.cache_key = None, None
 
     def _leave_hosts(self, model: SharedModel) -> None:
-        """Every host that has the model lets it go; one left with none ends (``HostKey``)."""
+        """Every host that has the model lets it go; a private host left with no model ends."""
         name = model.spec.name
         for key in model.hosts:
             host = self.hosts.hosts.get(key)
@@ -360,7 +360,7 @@ class SharedModels:
                     self.hosts.send(host, {"op": "unload", "model": name})
                 except OSError as exc:
                     logger.info("model=%s device host gone before its unload: %s", name, exc)
-            if host is not None and key.ends_when_empty and not host.models:
+            if host is not None and key.private and not host.models:
                 self.watcher.forget(host.control)
                 self.hosts.retire(host)
         model.hosts.clear()
