@@ -18,7 +18,7 @@ from typing import Any
 import hf_models
 import pytest
 import requests
-from serving import RunningServer, batch_passes, start_server, wait_until
+from serving import RunningServer, batch_passes, borrowed, wait_until
 
 # name -> (builder, serving.properties, prefix the task puts before the text, key of the answer)
 MODELS = {
@@ -38,8 +38,8 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, sources: dict[str, Path]) -> Iterator[RunningServer]:
-    with start_server(tmp_path_factory.mktemp("hf-generation")) as running:
+def server(shared_server: RunningServer, sources: dict[str, Path]) -> Iterator[RunningServer]:
+    with borrowed(shared_server) as running:
         for name, (kind, properties, _, _) in MODELS.items():
             shutil.copytree(sources[kind], running.models / name)
             (running.models / name / "serving.properties").write_text(properties)

@@ -24,8 +24,8 @@ from serving import RunningServer, start_server, wait_until
 
 pytestmark = pytest.mark.slow
 
-MODEL_SERVER_TIMEOUT_SECONDS = 5  # SAGEMAKER_MODEL_SERVER_TIMEOUT here, in place of its default 60
-LOAD_SLEEP_SECONDS = 12  # well past it, as a 90 s model_fn is past the default
+MODEL_SERVER_TIMEOUT_SECONDS = 3  # SAGEMAKER_MODEL_SERVER_TIMEOUT here, in place of its default 60
+LOAD_SLEEP_SECONDS = 7  # well past it, as a 90 s model_fn is past the default
 STARTED_LINE = "MMS worker started."  # what the frontend reads on the model's stdout (WorkerLifeCycle)
 ROWS = json.dumps([[1.0, 2.0, 3.0, 4.0]])
 
