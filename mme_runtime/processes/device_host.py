@@ -231,10 +231,6 @@ class DeviceHost:
             for fd in fds:
                 os.close(fd)
             self.board.done()
-        # What loading freed back to the system: after its first large free glibc raises its mmap
-        # threshold, and the temporary buffers of every later load would stay as free heap (about 3x
-        # the model) until an UNLOAD.
-        release_memory(None)
         self._report(
             {
                 "model": spec.name,
@@ -246,6 +242,10 @@ class DeviceHost:
             waiting, model.waiting = model.waiting, []
         for connection, assignment in waiting:
             self._connect(model, connection, assignment)
+        # What loading freed back to the system, once the LOAD is answered (a new host's first trim
+        # takes 7 ms): after its first large free glibc raises its mmap threshold, and the temporary
+        # buffers of every later load would stay as free heap (about 3x the model) until an UNLOAD.
+        release_memory(None)
 
     def _our_handler(
         self, model: HostedModel, package: Package | None, batch_size: int
