@@ -11,13 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from mms.service import Service
 from sagemaker_inference.default_handler_service import DefaultHandlerService
 
 from inference_handler import DefaultPytorchInferenceHandler
+from mme_runtime.base import devices
 from mme_runtime.base.config import Config
 from mme_runtime.base.devices import worker_device
 from mme_runtime.huggingface import defaults as hugging_face
-from mme_runtime.models.loading import ResolvedModel
+from mme_runtime.models.loading import LoadedModel, ModelSpec, ResolvedModel
 from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.serving.served_model import ServedModel
 
@@ -95,3 +97,14 @@ def start_batcher() -> ServingSettings:
 def handle(data: list[Any] | None, context: Any) -> list[bytes] | None:
     """MMS's function entry point: ``data is None`` asks to initialise."""
     return service().entry_point(data, context)
+
+
+def model_handler(
+    spec: ModelSpec, config: Config, gpu: int | None, ordinal: int | None, batch_size: int
+) -> LoadedModel:
+    """A handler of the model's own in a device host (the module-level one of ``handle`` is one per
+    process), wrapped in MMS's ``Service`` as MMS's own worker's is."""
+    handler = HandlerService(config)
+    wrapped = Service(spec.name, spec.model_dir, None, handler.entry_point, ordinal, batch_size)
+    devices.record_gpu(wrapped.context.system_properties, gpu, ordinal)
+    return LoadedModel(handler, wrapped)

@@ -102,6 +102,7 @@ class Series:
         self._home = home  # the process's own directory, when this series is a hosted model's
         self._value_class: Any = None
         self._close_files: Any = None
+        self._closed = False  # its value class may serve another series now
         if home is not None:
             with _MAKING_VALUES:  # no other series' class between the two lines
                 if _SPARE_CLASSES:  # a closed series': its files closed, its values forgotten
@@ -246,12 +247,15 @@ class Series:
         key = (id(family), labels)
         made = self._children.get(key)
         if made is None:
+            if self._closed:
+                raise RuntimeError(f"the metrics of {self.model} are closed")
             with self._making_values():
                 made = self._children[key] = family.labels(*labels)
         return made
 
     def close(self) -> None:
         """Closes a hosted model's files (its directory is handed to the exporter next)."""
+        self._closed = True
         if self._close_files is not None:
             self._close_files()
             # The cleanup would stay in prometheus_client's list (and its value class with it) for

@@ -32,8 +32,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from mms.service import Service
-
 from mme_runtime.base import devices
 from mme_runtime.base.config import Config
 from mme_runtime.base.logs import configure_logging
@@ -85,6 +83,8 @@ class DeviceHost:
         # UNLOADs still letting go of their models, by name
         self.unloading: dict[str, threading.Thread] = {}
         self._control_lock = threading.Lock()
+        # a model's metrics directory changes hands under it: from an UNLOAD to a LOAD of its name
+        self._directories = threading.Lock()
         self._unpacked: weakref.WeakValueDictionary[tuple[int, int, int], Any] = (
             weakref.WeakValueDictionary()
         )
@@ -122,7 +122,7 @@ class DeviceHost:
                 )
         for unloading in list(self.unloading.values()):
             # a private host's last model, say: its UNLOAD counted
-            unloading.join(UNLOAD_SECONDS)
+            unloading.join(2 * UNLOAD_SECONDS)  # its messages' wait, then the rest
         logger.info("device host pid=%d: the warm process let go, stopping", os.getpid())
 
     def _dispatch(self, message: dict[str, Any], fds: list[int]) -> None:
@@ -201,7 +201,8 @@ class DeviceHost:
             # what the old model holds under this name, its metrics directory included, goes
             # before the new one takes it
             model.after.join(self.config.response_timeout_seconds)
-        model.series = metrics.start_hosted(self.config, spec.name, restart)
+        with self._directories:  # that UNLOAD, if still running, leaves the directory to this one
+            model.series = metrics.start_hosted(self.config, spec.name, restart)
         metrics.bind(model.series)
         self.board.work_for(model.slot)
         if restart:
@@ -253,6 +254,8 @@ class DeviceHost:
         """The model's own ``HandlerService``: the package adopted (or ``model_fn`` run), placed,
         its threads marked as the model's on the crash board, its batching started."""
         spec = model.spec
+        from handler_service import model_handler  # the handler layer, above this one
+
         loaded = model_handler(spec, self.config, self.gpu, self.ordinal, batch_size)
         handler = loaded.module
         context = loaded.service.context
@@ -368,11 +371,11 @@ class DeviceHost:
         """One message of the model's connection answered, on a worker thread that works for the
         model meanwhile (its metrics series, its cell on the crash board); False once the frontend
         has gone or the model was unloaded."""
-        loaded = model.loaded
-        metrics.bind(model.series)
-        self.board.work_for(model.slot)
         with model.turns_ended:
             model.turns += 1
+            loaded = None if model.closing else model.loaded
+        metrics.bind(model.series)
+        self.board.work_for(model.slot)
         try:
             if loaded is None:
                 raise ValueError("the model was unloaded")
@@ -400,6 +403,8 @@ class DeviceHost:
         if model.loading is not None:
             # an UNLOAD during the load: what the load makes must not outlive the model
             model.loading.join()
+        with model.turns_ended:
+            model.closing = True  # no message is answered from now on
         with model.lock:
             waiting, model.waiting = model.waiting, []
         for connection, _ in waiting:
@@ -429,8 +434,11 @@ class DeviceHost:
         if model.series is not None:
             model.series.close()
             # handed to the exporter once written to for the last time (a value made later would
-            # find no directory)
-            metrics.stop_hosted(self.config, model.series)
+            # find no directory), unless a LOAD of the same name that waited too long took it
+            with self._directories:
+                successor = self.models.get(model.spec.name)
+                if successor is None or successor.series is None:
+                    metrics.stop_hosted(self.config, model.series)
         metrics.bind(None)  # the container's count: the host's own series
         if served:
             metrics.record_unload(True, time.monotonic() - started)
@@ -467,6 +475,7 @@ class HostedModel:
     waiting: list[tuple[socket.socket, Assignment]] = field(default_factory=list)
     connections: set[socket.socket] = field(default_factory=set)
     turns: int = 0  # messages being answered
+    closing: bool = False  # its UNLOAD began: no more messages are answered
     turns_ended: threading.Condition = field(default_factory=threading.Condition)
     # a batching model's busy connections, to open more (serving/connection.py)
     demand: ConnectionDemand | None = None
@@ -484,16 +493,3 @@ class HostedModel:
     package_unused: bool = False  # its package was made with other code: model_fn ran here
     # the model as its loader resolved it (None: resolved here)
     resolved: ResolvedModel | None = None
-
-
-def model_handler(
-    spec: ModelSpec, config: Config, gpu: int | None, ordinal: int | None, batch_size: int
-) -> LoadedModel:
-    """A handler of the model's own (the module-level ``handler_service`` one is one per process),
-    wrapped in MMS's ``Service`` as MMS's own worker's is."""
-    from handler_service import HandlerService
-
-    handler = HandlerService(config)
-    service = Service(spec.name, spec.model_dir, None, handler.entry_point, ordinal, batch_size)
-    devices.record_gpu(service.context.system_properties, gpu, ordinal)
-    return LoadedModel(handler, service)
