@@ -143,8 +143,8 @@ class Watcher:
         self._epoll.register(fd, select.EPOLLIN)
 
     def forget(self, sock: socket.socket) -> None:
-        """Stops watching ``sock``; before it is closed, or at once after (its descriptor may be
-        reused)."""
+        """Stops watching ``sock``, before it closes: a child forked a moment earlier may still
+        hold a copy, and epoll would keep reporting its number, which the next socket may reuse."""
         watched = self._handlers.pop(sock, None)
         if watched is None:
             return

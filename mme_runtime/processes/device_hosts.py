@@ -1,7 +1,8 @@
 """The warm process's device hosts, keyed by device and tenant: one per device (a card, or one of
 the CPU's pool) for every model that shares, and one per device for each model that needs isolation
-(tenant: its name). Each is forked CUDA-free on first use, with the crash board that says, once it
-has died, whose code killed it (``crash_board.py``).
+(tenant: its name). Each is forked CUDA-free on first use (``start_own``: a private one on the CPU,
+at its model's LOAD), with the crash board that says, once it has died, whose code killed it
+(``crash_board.py``).
 
 ``shared_models.py`` decides what goes to which host and what a crash costs a model; this module
 starts hosts, talks to them and reads what a dead one left behind.
@@ -214,8 +215,7 @@ class DeviceHosts:
         host = next((host for host in self.hosts.values() if host.pid == pid), None)
         if host is None:
             return None
-        del self.hosts[host.key]
-        host.control.close()
+        del self.hosts[host.key]  # its control socket: closed by the caller, once it forgot it
         path = crash_report_path(self.config.runtime_dir, pid)
         try:
             report = path.read_text(errors="replace")

@@ -5,9 +5,10 @@ For each model MMS starts, the warm process binds the model's socket and forks a
 the host must load it, or why the LOAD fails), and whether the model needs a host of its own.
 Meanwhile the frontend's connections wait in the socket's backlog. Once the model is ready, each
 connection's LOAD message is read here and the connection goes to the host of its device and tenant
-(``device_hosts.py``), forked on first use; the model is sent to that host once, before its first
-connection. Each model is a ``SharedModel``: the stub MMS started for it, its own socket where the
-frontend connects, its loader's result socket, its package and its hosts.
+(``device_hosts.py``), forked on first use (on the CPU, the host of a model that no host may share
+while its loader loads); the model is sent to that host once, before its first connection. Each
+model is a ``SharedModel``: the stub MMS started for it, its own socket where the frontend connects,
+its loader's result socket, its package and its hosts.
 
 When the stub goes (UNLOAD), every host lets the model go (its package may be kept for a re-LOAD),
 and a private host ends. When a host dies, the model whose code killed it is named
@@ -216,6 +217,7 @@ class SharedModels:
         if model.failure is not None:
             metrics.record_load(False, time.time() - model.started)
             model.load_recorded = True
+            self._leave_hosts(model)  # a host started for it while it loaded ends
         self._ready(model)
 
     def _ready(self, model: SharedModel) -> None:
@@ -301,10 +303,12 @@ class SharedModels:
         in a shared host moves it to a host of its own); the frontend's reconnections start a new
         host and send it the models again."""
         key = crash.host.key
-        self.watcher.forget(crash.host.control)
-        on_host = [model for model in self.models.values() if key in model.hosts]
+        self.watcher.forget(crash.host.control)  # before it closes: its number may be reused
+        crash.host.control.close()
+        on_host = [model for model in self.models.values() if model.spec.name in crash.host.models]
+        for model in self.models.values():
+            model.hosts.discard(key)  # its own host too, had the model not reached it yet
         for model in on_host:
-            model.hosts.discard(key)
             model.served = True
         name = self.crash_count.blame(crash, {model.slot: model.spec.name for model in on_host})
         culprit = None if name is None else self.models.get(name)

@@ -20,8 +20,8 @@ STUB_TITLE = "mme-model-stub"
 
 
 def run_via_warm_process(socket_path: str, environment: dict[str, str]) -> int:
-    """Asks the warm process to serve our model and becomes ``cat`` once it takes it (never returns
-    then); 1, with the cause on stderr, if there is no warm process or it ends first.
+    """Asks the warm process to serve our model and becomes ``head -c 1`` once it takes it (never
+    returns then); 1, with the cause on stderr, if there is no warm process or it ends first.
     ``environment`` is the stub's, which the model's processes take."""
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

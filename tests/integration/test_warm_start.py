@@ -57,7 +57,28 @@ def test_isolated_models_hosts_are_forked_from_the_warm_process(server: RunningS
     [host] = server.worker_pids("warm")
     assert psutil.Process(host).ppid() == warm_process(server).pid
     assert f"{HOST_TITLE} cpu --model-name warm" in " ".join(psutil.Process(host).cmdline())
+    # On the CPU its host is forked while its loader loads, not after it (at its first connection).
+    log = server.log_text()
+    assert log.index("gpu=cpu model=warm started") < log.index("model=warm served by a device host of its own")
     print(f"LOAD to first response through the warm process: {elapsed:.3f} s")
+
+
+def test_a_failed_load_leaves_no_host_of_its_own(server: RunningServer) -> None:
+    model_factory.failing_model(server.model_dir("broken-own"))
+    assert server.load("broken-own").status_code >= 400
+    assert "gpu=cpu model=broken-own started" in server.log_text()  # forked while its loader loaded
+    assert wait_until(lambda: not _own_hosts(server, "broken-own"), 10)
+
+
+def _own_hosts(server: RunningServer, model: str) -> list[psutil.Process]:
+    title, found = f"{HOST_TITLE} cpu --model-name {model}", []
+    for process in alive(server.descendants()):
+        try:
+            if title in " ".join(process.cmdline()):
+                found.append(process)
+        except psutil.NoSuchProcess:
+            continue
+    return found
 
 
 def test_a_served_model_leaves_no_descriptor_of_its_stub_s_stdio_in_the_warm_process(server: RunningServer) -> None:
