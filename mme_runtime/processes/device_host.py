@@ -422,7 +422,7 @@ class DeviceHost:
         # what must be freed: a full collection only if a cycle keeps some of it alive
         leaving: list[Any] = [model.loaded]
         if ours is not None:  # our handler (one that is not ours has nothing to end)
-            leaving += ours.parts()
+            leaving += ours.parts(owns_model=not model.borrows_all)
             for thread in ours.scheduler_threads:
                 self.board.done(thread.ident)
             ours.close()

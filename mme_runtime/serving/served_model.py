@@ -285,9 +285,12 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         run ``thread_started`` and ``thread_ended`` themselves)."""
         return [] if self._scheduling is None else list(self._scheduling.threads)
 
-    def parts(self) -> list[Any]:
-        """What its UNLOAD frees: itself, its model, its user modules (``MemoryRelease``)."""
-        return [self, self._model, *self._user_modules.values()]
+    def parts(self, owns_model: bool = True) -> list[Any]:
+        """What its UNLOAD frees (``MemoryRelease``): itself, its user modules, and its model unless
+        another model here holds it too (``owns_model`` false: it took another's package whole; a
+        LoRA adapter's base), which would keep it alive and cost every UNLOAD a full collection."""
+        shared = not owns_model or getattr(self._model, "adapters", None) is not None
+        return [self, *([] if shared else [self._model]), *self._user_modules.values()]
 
     def close(self) -> None:
         """Lets go of the model (its UNLOAD in a device host): the batcher's threads end, the user

@@ -225,3 +225,13 @@ def test_the_batcher_an_adapter_shares_runs_no_thread_marked_as_that_adapter_s(t
     results = service.handle([{"body": b'{"inputs": "a good movie"}'}], mms_context(adapter, [{}]))
     assert json.loads(results[0])[0]["label"], results
     assert service.served.scheduler_threads == [] and marked == []
+
+
+def test_an_unload_waits_on_the_model_only_where_no_other_model_holds_it(tmp_path: Path) -> None:
+    """``MemoryRelease`` runs a full collection when a part an UNLOAD let go of stays alive: a model another one holds
+    (the same package under two names) must not be a part, or every UNLOAD of it would stall the host."""
+    served = service_for(model_factory.torchscript_model(tmp_path / "m")).served
+    model = served.model
+    assert any(part is model for part in served.parts())
+    assert not any(part is model for part in served.parts(owns_model=False))
+    assert served in served.parts(owns_model=False)
