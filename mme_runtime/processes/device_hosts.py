@@ -44,6 +44,11 @@ class HostKey:
     device: str
     tenant: str = SHARED
 
+    @classmethod
+    def own(cls, model: str, device: str | None = None) -> HostKey:
+        """The host of a model that needs one of its own, on ``device`` (None: the CPU)."""
+        return cls(device or "cpu", model)
+
     @property
     def private(self) -> bool:
         return self.tenant != SHARED
@@ -60,7 +65,7 @@ class CpuPool:
     at 2,000 models as at 2 (a scan of every model cost the warm process milliseconds a LOAD)."""
 
     def __init__(self, size: int) -> None:
-        self.served: Counter[str] = Counter({f"cpu={index}": 0 for index in range(size)})
+        self.models_on: Counter[str] = Counter({f"cpu={index}": 0 for index in range(size)})
         self._by_artifacts: dict[Hashable, Counter[str]] = {}  # a package's key: its hosts
         self._placed: dict[str, tuple[str, Hashable | None]] = {}  # a model: its host, its key
 
@@ -72,9 +77,9 @@ class CpuPool:
             return placed[0]
         same = None if artifacts is None else self._by_artifacts.get(artifacts)
         # the first with the fewest models: the pool's order breaks ties
-        host = next(iter(same)) if same else min(self.served, key=self.served.__getitem__)
+        host = next(iter(same)) if same else min(self.models_on, key=self.models_on.__getitem__)
         self._placed[name] = host, artifacts
-        self.served[host] += 1
+        self.models_on[host] += 1
         if artifacts is not None:
             self._by_artifacts.setdefault(artifacts, Counter())[host] += 1
         return host
@@ -85,7 +90,7 @@ class CpuPool:
         if placed is None:
             return
         host, artifacts = placed
-        self.served[host] -= 1
+        self.models_on[host] -= 1
         same = None if artifacts is None else self._by_artifacts.get(artifacts)
         if same is not None:
             same[host] -= 1
@@ -195,7 +200,7 @@ class DeviceHosts:
         """The host of a model that no host may share, forked before its first connection (while
         its loader loads) where its key is known by then: on the CPU. On GPUs the card comes with
         the connection, and so does the host (None)."""
-        return self.get(HostKey("cpu", model), None, env, None) if self.cpu_only else None
+        return self.get(HostKey.own(model), None, env, None) if self.cpu_only else None
 
     def send(self, host: Host, payload: dict[str, Any], fds: list[int] | None = None) -> None:
         """``OSError`` when the host is gone or stuck: its reap follows."""

@@ -412,7 +412,7 @@ class SharedModel:
         """The host of a connection assigned ``device`` (a card's name; None for the CPU): on the
         CPU, a shared model goes to one of the pool (``CpuPool``), a private one to its own."""
         if self.tenant != SHARED:
-            return HostKey(device or "cpu", self.tenant)
+            return HostKey.own(self.tenant, device)
         return HostKey(device or cpu_pool.host_for(self.spec.name, self.cache_key))
 
     def load_message(self, batch_size: int) -> dict[str, Any]:

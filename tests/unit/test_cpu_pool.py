@@ -17,7 +17,7 @@ def test_a_model_goes_to_the_host_with_the_fewest_models_the_first_on_a_tie() ->
     assert pool.host_for("m0", None) == "cpu=0"  # chosen once
     pool.leave("m0")
     pool.leave("m2")
-    assert pool.served == {"cpu=0": 0, "cpu=1": 2}
+    assert pool.models_on == {"cpu=0": 0, "cpu=1": 2}
     assert pool.host_for("m5", None) == "cpu=0"
     pool.leave("never-placed")  # nothing to do
 
@@ -36,8 +36,8 @@ def test_a_choice_costs_the_same_with_thousands_of_models() -> None:
     pool = CpuPool(2)
     for index in range(5000):
         pool.host_for(f"m{index}", ("file", index, 0))
-    assert pool.served == {"cpu=0": 2500, "cpu=1": 2500}
+    assert pool.models_on == {"cpu=0": 2500, "cpu=1": 2500}
     for index in range(5000):
         pool.leave(f"m{index}")
-    assert pool.served == {"cpu=0": 0, "cpu=1": 0}
+    assert pool.models_on == {"cpu=0": 0, "cpu=1": 0}
     assert not pool._by_artifacts  # nothing kept for models gone
