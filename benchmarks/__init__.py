@@ -17,6 +17,9 @@
                  Java frontend
 ``gpu``          the README's GPU claims on a card, a part at a time (run by scripts/gpu-proof, only
                  when named)
+``lora_generation``
+                 LoRA adapters of one LLM decoding in one batch, against one adapter, batching off,
+                 and the AWS Hugging Face stack serving each merged (run only when named)
 ``benchlib``     what they share: start a server on a free port, drive it, measure its process tree,
                  print a table
 ``peers``        the stacks we compare against, each installed into a virtual environment of its own

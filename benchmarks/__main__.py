@@ -13,7 +13,8 @@ the docs.
 
 NAME is one of device_host, stock, batching, pt2, preload, hugging_face, sharing, reload, handler
 (none: all of these, in that order), gpu (run only when named: what scripts/gpu-proof measures on a
-card) or scale (run only when named: thousands of models, issue #37). Options after ``--`` go to the
+card), scale (run only when named: thousands of models, issue #37) or lora_generation (run only
+when named: LoRA adapters decoding together, issue #36). Options after ``--`` go to the
 one benchmark named. The benchmarks run in this process, one after another; each one's stdout (its
 results: tables and the lines that say what they measured) is echoed and kept, its progress goes to
 stderr.
@@ -58,11 +59,12 @@ BENCHMARKS: dict[str, str] = {
     "handler": "benchmarks.handler",
     "gpu": "benchmarks.gpu",
     "scale": "benchmarks.scale",
+    "lora_generation": "benchmarks.lora_generation",
 }
 # Run only when named: the GPU proof's rows (scripts/gpu-proof), which mean something on a card
-# alone; and scale, 2,000 models loaded and unloaded (about 10 minutes), which answers another
-# question than the others.
-WHEN_NAMED = ("gpu", "scale")
+# alone; scale, 2,000 models loaded and unloaded (about 10 minutes), which answers another question
+# than the others; and lora_generation (about 20 minutes), generation over LoRA adapters.
+WHEN_NAMED = ("gpu", "scale", "lora_generation")
 DEFAULT_DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
 

@@ -355,6 +355,43 @@ def marian(directory: Path, seed: int = 0) -> Path:
     return _save(model, tokenizer, directory)
 
 
+def llama(
+    directory: Path,
+    hidden: int = 64,
+    layers: int = 2,
+    intermediate: int = 128,
+    heads: int = 2,
+    kv_heads: int = 1,
+    seed: int = 0,
+) -> Path:
+    """A Llama-shaped causal LM (grouped-query attention, rotary positions, untied embeddings) with random weights
+    and a byte-level BPE tokenizer trained here. Tokens the corpus never uses are scaled down in the output layer
+    (by 0.1), so that greedy text is made of the corpus's word pieces rather than stray bytes."""
+    transformers = _transformers()
+
+    vocab, merges = _byte_bpe(["<|endoftext|>"])
+    tokenizer = transformers.GPT2Tokenizer(vocab=vocab, merges=merges, model_max_length=512)
+    end = tokenizer.eos_token_id
+    config = transformers.LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        bos_token_id=end,
+        eos_token_id=end,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = _lively(transformers.LlamaForCausalLM(config), end, seed=seed)
+    used = {token for line in corpus() for token in tokenizer(" " + line)["input_ids"]}
+    with torch.no_grad():
+        model.lm_head.weight[[token for token in range(len(vocab)) if token not in used | {end}]] *= 0.1
+    return _save(model, tokenizer, directory)
+
+
 def answers_close(ours: Any, theirs: Any, tolerance: float = 1e-4) -> bool:
     """Two answers alike: numbers within ``tolerance``, texts, labels and structure exactly."""
     if isinstance(ours, dict):

@@ -21,7 +21,7 @@ if str(REPO) not in sys.path:  # benchmarks/ is a package at the repository root
     sys.path.insert(0, str(REPO))
 
 NAMES = ["device_host", "stock", "batching", "pt2", "preload", "hugging_face", "sharing", "reload", "handler"]
-NAMED_ONLY = ["gpu", "scale"]  # run only when named
+NAMED_ONLY = ["gpu", "scale", "lora_generation"]  # run only when named
 # Prose around and between two marker pairs: a CRLF line, non-ASCII text and no final newline must all survive.
 BEFORE = "# Benchmarks\r\n\nWhat these numbers mean \u2014 and what they do not.\n\n"
 BETWEEN = "\n\nProse between the two sections.\n\n"
