@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mme_runtime.base.errors import ModelLoadError
-from mme_runtime.models import lora
+from mme_runtime.models import lora, lora_layers
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_a_pass_that_mixes_adapters_answers_each_row_as_peft_merged(made: tuple[
     base, adapter_dirs = made
     module, holder = base_module(base), Holder()
     for index, directory in enumerate(adapter_dirs):
-        lora.attach(holder, module, f"a{index}", lora.read_adapter(directory))
+        lora_layers.attach(holder, module, f"a{index}", lora.read_adapter(directory))
     torch.manual_seed(0)
     ids = torch.randint(5, 300, (6, 12))
     names: list[str | None] = ["a0", "a1", "a2", None, "a1", "a0"]
@@ -54,8 +54,8 @@ def test_a_pass_that_mixes_adapters_answers_each_row_as_peft_merged(made: tuple[
 def test_an_adapter_that_leaves_takes_its_tensors_and_no_others(made: tuple[Path, list[Path]]) -> None:
     base, adapter_dirs = made
     module, holder = base_module(base), Holder()
-    lora.attach(holder, module, "a0", lora.read_adapter(adapter_dirs[0]))
-    lora.attach(holder, module, "a1", lora.read_adapter(adapter_dirs[1]))
+    lora_layers.attach(holder, module, "a0", lora.read_adapter(adapter_dirs[0]))
+    lora_layers.attach(holder, module, "a1", lora.read_adapter(adapter_dirs[1]))
     assert holder.adapters.remove("a0") == 1
     ids = torch.randint(5, 300, (1, 8))
     with torch.inference_mode(), holder.adapters.selecting(["a1"]):
@@ -70,7 +70,7 @@ def test_rslora_and_rank_patterns_scale_as_peft_does(made: tuple[Path, list[Path
     base, _ = made
     directory = lora_models.adapter(base, tmp_path / "rs", seed=7, use_rslora=True, rank_pattern={"value": 4})
     module, holder = base_module(base), Holder()
-    lora.attach(holder, module, "rs", lora.read_adapter(directory))
+    lora_layers.attach(holder, module, "rs", lora.read_adapter(directory))
     ids = torch.randint(5, 300, (2, 10))
     with torch.inference_mode(), holder.adapters.selecting(["rs", "rs"]):
         ours = module(input_ids=ids).logits
@@ -109,7 +109,7 @@ def test_a_head_of_another_shape_is_refused_naming_what_to_fix(made: tuple[Path,
     transformers.AutoModelForSequenceClassification.from_config(config).save_pretrained(other)
     directory = lora_models.adapter(other, tmp_path / "five-labels", seed=1)
     with pytest.raises(ModelLoadError, match="num_labels") as raised:
-        lora.attach(Holder(), base_module(base), "five", lora.read_adapter(directory))
+        lora_layers.attach(Holder(), base_module(base), "five", lora.read_adapter(directory))
     assert raised.value.status == 400
 
 
