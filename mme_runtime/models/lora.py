@@ -27,6 +27,8 @@ WEIGHT_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 # What makes a directory a base: a Hugging Face model's config, or a PyTorch model's file.
 BASE_FILES = ("config.json", "model.pt", "model.pth")
+# Where PEFT records the base an adapter was trained over: a hub id, or the path it was loaded from.
+RECORDED_BASE = "base_model_name_or_path"
 # PEFT's task types and the Hugging Face tasks they are served as.
 TASK_TYPES = {
     "SEQ_CLS": "text-classification",
@@ -150,19 +152,24 @@ def find_base(model_dir: Path, base_model: str | None, config: Config) -> Path:
         return (
             fetched if _holds_model(fetched) else _one_inside(fetched, f"the archive {base_model}")
         )
-    allowed = config.allow_any_model_location or not config.multi_model
-    return base_directory(model_dir, base_model, None if allowed else config.model_root)
+    anywhere = config.allow_any_model_location or not config.multi_model
+    return base_directory(model_dir, base_model, config.model_root, anywhere)
 
 
-def base_directory(model_dir: Path, base_model: str | None, model_root: Path | None) -> Path:
-    """The adapter's local base: ``base_model=`` in its ``serving.properties`` (a path under
-    ``model_root``, None: anywhere, or relative to the adapter), else the one directory inside the
-    adapter's that holds a model (a Hugging Face ``config.json``, or a PyTorch
-    ``model.pt``/``model.pth`` with the ``code/`` that builds it)."""
+def base_directory(
+    model_dir: Path, base_model: str | None, model_root: Path, anywhere: bool = False
+) -> Path:
+    """The adapter's local base, the first that is given of (docs/sharing.md#lora-adapters):
+    ``base_model=`` in its ``serving.properties`` (relative to the adapter, or absolute); the one
+    directory inside the adapter's that holds a model (a Hugging Face ``config.json``, or a PyTorch
+    ``model.pt``/``model.pth`` with the ``code/`` that builds it); the base PEFT recorded in its
+    ``adapter_config.json``, where that names a model here. Under ``model_root`` unless
+    ``anywhere``. A JSON read and a few stats, never S3: the warm process keys packages with it."""
+    root = model_root.resolve()
     if base_model is not None:
         candidate = Path(base_model) if Path(base_model).is_absolute() else (model_dir / base_model)
         base = candidate.resolve()
-        allowed = model_root is None or base.is_relative_to(model_root.resolve())
+        allowed = anywhere or base.is_relative_to(root)
         if not (allowed or base.is_relative_to(model_dir.resolve())):
             raise ModelLoadError(
                 f"base_model={base_model} is outside the model root {model_root}", status=400
@@ -174,11 +181,68 @@ def base_directory(model_dir: Path, base_model: str | None, model_root: Path | N
             )
             raise ModelLoadError(message, status=400)
         return base
-    return _one_inside(model_dir, "the adapter's directory")
+    inside = _models_inside(model_dir)
+    if len(inside) == 1:
+        return inside[0]
+    name = _recorded_base(model_dir)
+    tried: list[str] = []
+    for candidate in _named_candidates(model_dir, name, root):
+        if not (anywhere or candidate.is_relative_to(root)):
+            tried.append(f"{candidate} is outside the model root")
+        elif _holds_model(candidate):
+            return candidate
+        else:
+            why = "holds no model" if candidate.is_dir() else "is not there"
+            tried.append(f"{candidate} {why}")
+    raise ModelLoadError(_unknown_base(name, tried, inside), status=400)
+
+
+def _unknown_base(name: str | None, tried: list[str], inside: list[Path]) -> str:
+    """What was looked for, and the two ways to name the base."""
+    if name:
+        recorded = (
+            f"{RECORDED_BASE} in its {CONFIG_FILE} is {name!r}, which names no model here "
+            f"({', '.join([*tried, 'and nothing is downloaded from the Hugging Face Hub'])})"
+        )
+    else:
+        recorded = f"its {CONFIG_FILE} names none ({RECORDED_BASE})"
+    shipped = "no directory inside the adapter's holds a model"
+    if inside:
+        shipped = f"several inside the adapter's do ({', '.join(path.name for path in inside)})"
+    return (
+        f"the adapter's base is not known: {recorded}; {shipped}. Set base_model=<directory or "
+        "s3://...tar.gz> in the adapter's serving.properties, or ship the base as one directory "
+        "inside the adapter's (the same archive)"
+    )
+
+
+def _recorded_base(model_dir: Path) -> str | None:
+    """The base PEFT wrote when it saved the adapter: a hub id, or the path it was loaded from."""
+    try:
+        config = json.loads((model_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"the adapter in {model_dir.name} cannot be read: {exc}") from exc
+    name = config.get(RECORDED_BASE) if isinstance(config, dict) else None
+    return (name.strip() or None) if isinstance(name, str) else None
+
+
+def _named_candidates(model_dir: Path, name: str | None, root: Path) -> list[Path]:
+    """Where a recorded base may be: an absolute path as it is; a relative name (``base``, a hub id
+    such as ``org/model``) beside the adapter, then under the model root."""
+    if not name or "\0" in name:
+        return []
+    if Path(name).is_absolute():
+        return [Path(name).resolve()]
+    nearest = [model_dir.resolve().parent / name, root / name]
+    return list(dict.fromkeys(path.resolve() for path in nearest))
+
+
+def _models_inside(directory: Path) -> list[Path]:
+    return sorted(path for path in directory.iterdir() if path.is_dir() and _holds_model(path))
 
 
 def _one_inside(directory: Path, where: str) -> Path:
-    inside = sorted(path for path in directory.iterdir() if path.is_dir() and _holds_model(path))
+    inside = _models_inside(directory)
     if len(inside) != 1:
         found = "none" if not inside else ", ".join(path.name for path in inside)
         raise ModelLoadError(
