@@ -4,6 +4,7 @@ merged in."""
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -157,3 +158,80 @@ def mlp_merged(base_dir: Path, adapter_dir: Path) -> torch.nn.Module:
     import peft
 
     return peft.PeftModel.from_pretrained(_mlp_module(base_dir), str(adapter_dir)).merge_and_unload().eval()
+
+
+# The linear layers of a Llama-style decoder layer: PEFT's "all linear layers" for these models.
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL_LINEAR = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
+
+
+def causal_base(directory: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+    """A tiny Llama-shaped causal LM (grouped-query attention, rotary positions) with random weights and a
+    byte-level BPE tokenizer trained here: the base of the generative adapters."""
+    import transformers
+
+    vocab, merges = hf_models._byte_bpe(["<|endoftext|>"])
+    tokenizer = transformers.GPT2Tokenizer(vocab=vocab, merges=merges, model_max_length=256)
+    end = tokenizer.eos_token_id
+    config = transformers.LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=end,
+        eos_token_id=end,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = hf_models._lively(transformers.LlamaForCausalLM(config), end, seed=seed, std=0.2)
+    return hf_models._save(model, tokenizer, directory)
+
+
+def causal_adapter(
+    base_dir: Path, directory: Path, seed: int, rank: int = 8, targets: tuple[str, ...] = ALL_LINEAR, **options: Any
+) -> Path:
+    """A CAUSAL_LM LoRA adapter of ``causal_base``'s model, with random A and B (and saved modules), as PEFT saves
+    it."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir))
+    options.setdefault("lora_alpha", 2 * rank)
+    config = peft.LoraConfig(task_type="CAUSAL_LM", r=rank, target_modules=list(targets), **options)
+    wrapped = peft.get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in wrapped.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+            elif "modules_to_save" in name:
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    with warnings.catch_warnings():  # an embedding among the targets: PEFT says it saves the embedding too
+        warnings.simplefilter("ignore", UserWarning)
+        wrapped.save_pretrained(str(directory))
+    (directory / "README.md").unlink(missing_ok=True)
+    return directory
+
+
+def peft_causal(base_dir: Path, adapter_dir: Path | None) -> Any:
+    """PEFT's model of the adapter over the base (None: the base alone), unmerged: the reference of generation."""
+    import peft
+    import transformers
+
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir))
+    if adapter_dir is not None:
+        model = peft.PeftModel.from_pretrained(model, str(adapter_dir))
+    return model.eval()
+
+
+def peft_generate(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """What PEFT's ``generate`` gives a prompt alone, greedy: the new tokens."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+        )
+    return list(output[0, len(prompt) :].tolist())

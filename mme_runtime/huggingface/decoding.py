@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ class Row:
 
     prompt: list[int]
     max_new_tokens: int
+    model: str | None = None  # the model it is for: a LoRA adapter's name picks its adapter
     eos: frozenset[int] = frozenset()
     processors: Any = None  # a transformers LogitsProcessorList, or None: the raw logits
     do_sample: bool = False
@@ -99,13 +101,16 @@ def record(rows: Sequence[Row | None], tokens: torch.Tensor) -> None:
 class DecodingBatch:
     """The rows being decoded together on one model, and their caches. Not thread-safe: one
     scheduler thread owns it. ``rows`` has one entry per row of the caches: a ``Row``, or None for a
-    place a finished row left."""
+    place a finished row left. Where the model has LoRA adapters (``holder.adapters``,
+    ``lora_layers.py``), each row's passes use its own model's."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, holder: Any = None) -> None:
         from transformers import DynamicCache, EncoderDecoderCache
 
         self._caches = (DynamicCache, EncoderDecoderCache)
         self.model = model
+        self._holder = holder
+        self._selected: tuple[tuple[str | None, ...], Any] = ((), None)  # the steps' rows
         self.encoder_decoder = bool(model.config.is_encoder_decoder)
         self.device = next(model.parameters()).device
         parameters = set(inspect.signature(model.forward).parameters)
@@ -122,6 +127,21 @@ class DecodingBatch:
             "position_ids" in parameters if not self.encoder_decoder else _relative_or_hooked(model)
         )
         self._reset()
+
+    def _adapters(
+        self, rows: Sequence[Row | None], steps: bool = False
+    ) -> AbstractContextManager[Any]:
+        """The passes in this block give each row its own model's adapter (``steps``: the batch's
+        rows, whose selection is kept while they stay the same)."""
+        adapters = getattr(self._holder, "adapters", None)
+        if adapters is None:
+            return nullcontext()
+        names = tuple(None if row is None else row.model for row in rows)
+        if not steps:
+            return adapters.using(adapters.selection(list(names)))  # type: ignore[no-any-return]
+        if self._selected[0] != names:
+            self._selected = (names, adapters.selection(list(names)))
+        return adapters.using(self._selected[1])  # type: ignore[no-any-return]
 
     def _reset(self) -> None:
         self.rows: list[Row | None] = []
@@ -254,15 +274,16 @@ class DecodingBatch:
         padded = bool((mask == 0).any())
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # generate's, from the mask
         cache = self._caches[0](config=self.model.config.get_text_config(decoder=True))
-        outputs = self.model(
-            input_ids=ids,
-            attention_mask=mask if padded else None,  # generate drops a mask of ones
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            return_dict=True,
-            **self._keep,
-        )
+        with self._adapters(rows):
+            outputs = self.model(
+                input_ids=ids,
+                attention_mask=mask if padded else None,  # generate drops a mask of ones
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                return_dict=True,
+                **self._keep,
+            )
         return outputs, mask, torch.tensor(lengths, device=self.device)
 
     def _prefill_encoder_decoder(self, rows: list[Row]) -> tuple[Any, ...]:
@@ -277,21 +298,22 @@ class DecodingBatch:
         encoder_mask = torch.tensor(
             [[1] * n + [0] * (longest - n) for n in lengths], device=self.device
         )
-        encoded = self.model.get_encoder()(
-            input_ids=ids, attention_mask=encoder_mask, return_dict=True
-        )
         starts = [[row.tokens[0]] for row in rows]  # the decoder's start token, set by the planner
         config = self.model.config.get_text_config(decoder=True)
         cache = self._caches[1](self._caches[0](config=config), self._caches[0](config=config))
-        outputs = self.model(
-            encoder_outputs=BaseModelOutput(last_hidden_state=encoded.last_hidden_state),
-            attention_mask=encoder_mask,
-            decoder_input_ids=torch.tensor(starts, device=self.device),
-            past_key_values=cache,
-            use_cache=True,
-            return_dict=True,
-            **self._keep,
-        )
+        with self._adapters(rows):
+            encoded = self.model.get_encoder()(
+                input_ids=ids, attention_mask=encoder_mask, return_dict=True
+            )
+            outputs = self.model(
+                encoder_outputs=BaseModelOutput(last_hidden_state=encoded.last_hidden_state),
+                attention_mask=encoder_mask,
+                decoder_input_ids=torch.tensor(starts, device=self.device),
+                past_key_values=cache,
+                use_cache=True,
+                return_dict=True,
+                **self._keep,
+            )
         ones = torch.ones(len(rows), 1, dtype=torch.long, device=self.device)
         return outputs, ones, ones[:, 0].clone(), encoded.last_hidden_state, encoder_mask
 
@@ -308,28 +330,30 @@ class DecodingBatch:
 
             self._override.positions = self.positions.unsqueeze(1)
             try:
+                with self._adapters(self.rows, steps=True):
+                    outputs = self.model(
+                        encoder_outputs=BaseModelOutput(last_hidden_state=self.encoded),
+                        attention_mask=self.encoder_mask,
+                        decoder_input_ids=inputs,
+                        decoder_attention_mask=mask if padded else None,
+                        past_key_values=self.cache,
+                        use_cache=True,
+                        return_dict=True,
+                        **self._keep,
+                    )
+            finally:
+                self._override.positions = None
+        else:
+            with self._adapters(self.rows, steps=True):
                 outputs = self.model(
-                    encoder_outputs=BaseModelOutput(last_hidden_state=self.encoded),
-                    attention_mask=self.encoder_mask,
-                    decoder_input_ids=inputs,
-                    decoder_attention_mask=mask if padded else None,
+                    input_ids=inputs,
+                    attention_mask=mask if padded else None,
+                    position_ids=self.positions.unsqueeze(1),
                     past_key_values=self.cache,
                     use_cache=True,
                     return_dict=True,
                     **self._keep,
                 )
-            finally:
-                self._override.positions = None
-        else:
-            outputs = self.model(
-                input_ids=inputs,
-                attention_mask=mask if padded else None,
-                position_ids=self.positions.unsqueeze(1),
-                past_key_values=self.cache,
-                use_cache=True,
-                return_dict=True,
-                **self._keep,
-            )
         self.cache = outputs.past_key_values
         self.mask = mask
         # An empty place stays at position 0, so that it never runs past the model's positions.

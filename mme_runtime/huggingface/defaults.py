@@ -8,8 +8,8 @@ them to the serving core.
 A generative task (``generation.py``) is not batched by the batcher: its model's scheduler decodes
 the rows of every request together, step by step, so ``predict_fn`` returns when that request's
 own rows are done. A LoRA adapter's directory (``lora.py``) is served the same way: ``model_fn``
-loads its base, the adapter is attached when the model is placed, and each request names its
-adapter, so that the base's pass picks it for its rows.
+loads its base, the adapter is attached when the model is placed (``lora_layers.py``), and each
+request (each generated row) names its adapter, so that the base's pass picks it for its rows.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class HuggingFaceDefaults:
         requests = data.requests if isinstance(data, TaskBatch) else [data]
         if self.schedules_itself:
             if self._generator is None:  # the warm-up request, before the scheduler starts
-                self.start(model, self._limits.max_rows, "warm-up")
+                self.start(model, self._limits.max_rows, getattr(context, "model_name", "warm-up"))
             assert self._generator is not None
             generated = self._generator.run(requests)
             owners = [request for request in requests for _ in request.inputs]

@@ -17,6 +17,8 @@ import copy
 import functools
 import threading
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from numbers import Real
 from typing import Any
@@ -116,7 +118,12 @@ class GenerationRunner:
             if model.task == "text-generation"
             else TextToText(model, model.task)
         )
-        self._scheduler = Scheduler(DecodingBatch(model.model), limits.max_rows, name, run_pass)
+        self.name = name
+        self._scheduler = _join_scheduler(
+            model,
+            name,
+            lambda: Scheduler(DecodingBatch(model.model, model), limits.max_rows, name, run_pass),
+        )
         self._vocabulary = vocabulary(model.model)
         # the scheduler thread's, for stop sequences
         self._stop_tokenizer = copy.deepcopy(model.tokenizer)
@@ -128,7 +135,17 @@ class GenerationRunner:
         return [self._scheduler.thread]
 
     def close(self) -> None:
-        self._scheduler.close()
+        """This model's rows leave the scheduler; the scheduler ends with its last model."""
+        scheduler = self._scheduler
+        with _SCHEDULERS_LOCK:
+            scheduler.users.discard(self.name)
+            last = not scheduler.users
+            if last and self.model.scheduler is scheduler:
+                self.model.scheduler = None
+        if last:
+            scheduler.close()
+        else:
+            scheduler.withdraw(self.name)
 
     def run(self, requests: list[TaskRequest]) -> list[list[dict[str, Any]]]:
         """Each input's answers (one per returned sequence), in order."""
@@ -224,6 +241,7 @@ class GenerationRunner:
             row = Row(
                 ids,
                 config.max_new_tokens,
+                self.name,
                 ends,
                 processors if len(processors) else None,
                 bool(config.do_sample),
@@ -288,7 +306,9 @@ class GenerationRunner:
     ) -> tuple[list[list[int]], bool]:
         """``generate`` for one input alone (beam search, say), stopped at the deadline: one at a
         time, on a pass thread of a GPU's."""
-        with self._alone:
+        adapters = self.model.adapters
+        selected = nullcontext() if adapters is None else adapters.selecting_all(self.name)
+        with self._alone, selected:
             generated: tuple[list[list[int]], bool] = self._run_pass(
                 functools.partial(self._generate, prompt, config, stops, deadline)
             )
@@ -316,6 +336,20 @@ class GenerationRunner:
             )
         sequences = getattr(output, "sequences", output)
         return [sequence.tolist() for sequence in sequences], time.monotonic() >= deadline
+
+
+_SCHEDULERS_LOCK = threading.Lock()
+
+
+def _join_scheduler(model: HuggingFaceModel, name: str, make: Callable[[], Scheduler]) -> Scheduler:
+    """The scheduler of every model over ``model``'s weights (a base and its LoRA adapters), made by
+    the first (``make``): their rows decode in the same steps."""
+    with _SCHEDULERS_LOCK:
+        scheduler: Scheduler | None = model.scheduler
+        if scheduler is None or scheduler.closed:
+            scheduler = model.scheduler = make()
+        scheduler.users.add(name)
+        return scheduler
 
 
 def _first_token(model: Any) -> list[int]:

@@ -37,7 +37,9 @@ class ModelUnloaded(RuntimeError):
 
 
 class Scheduler:
-    """The queue in front of one model's generations and the thread that decodes them."""
+    """The queue in front of one model's generations and the thread that decodes them. The models
+    over one base (its LoRA adapters, and the base itself) share one (``users``): their rows decode
+    in the same steps, each with its own adapter."""
 
     def __init__(
         self, batch: DecodingBatch, max_rows: int, name: str, run_pass: RunPass = run_here
@@ -50,6 +52,8 @@ class Scheduler:
         self._ready = threading.Condition()
         self._closed = False
         self._held = 0  # steps the waiting rows have been held back to gather
+        self.users: set[str] = set()  # the models whose rows it decodes (``generation.py``)
+        self._withdrawn: set[str] = set()  # models gone whose rows still wait or run
         # what a row submitted too late gets
         self._failure: BaseException = ModelUnloaded("the model was unloaded")
         self._series = metrics.current()  # a device host's threads each record for their own model
@@ -73,6 +77,17 @@ class Scheduler:
             self._ready.notify()
         for event in done:
             event.wait()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def withdraw(self, model: str) -> None:
+        """``model`` is unloaded while other models' rows still decode here: its own rows fail with
+        ``ModelUnloaded`` before the next step."""
+        with self._ready:
+            self._withdrawn.add(model)
+            self._ready.notify()
 
     def close(self) -> None:
         """Ends the thread; rows waiting or running fail with ``ModelUnloaded``."""
@@ -129,6 +144,8 @@ class Scheduler:
                 self._ready.wait()
             if self._closed:
                 return None
+            if self._withdrawn:
+                self._drop_withdrawn()
             if self.batch.rows and not self.batch.joinable:
                 # this model's rows cannot join a running batch: they wait for it to empty
                 return []
@@ -144,6 +161,17 @@ class Scheduler:
                 self._waiting.popleft()
                 for _ in range(min(self.max_rows - live, len(self._waiting)))
             ]
+
+    def _drop_withdrawn(self) -> None:
+        """The rows of models withdrawn leave the queue and the batch, failed."""
+        gone, self._withdrawn = self._withdrawn, set()
+        leaving = [row for row in self._waiting if row.model in gone]
+        self._waiting = deque(row for row in self._waiting if row.model not in gone)
+        running = [row for row in self.batch.live if row.model in gone]
+        if running:
+            self.batch.drop(running)
+        for row in leaving + running:
+            self._done(row, ModelUnloaded(f"the model {row.model} was unloaded"))
 
     def _admit(self, rows: list[Row]) -> None:
         """Prefills the joining rows; if that fails they fail, and the running rows only if the

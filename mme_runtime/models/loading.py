@@ -52,10 +52,12 @@ LOG_DRAIN_SECONDS = 0.3
 # closeFuture listener): one interrupted before it took our LOAD reply from its queue answers 500
 # "Worker died." instead of our status.
 REPLY_LINGER_SECONDS = 0.05
-# LOAD failures answered with their own status: 403 (outside the model root) and 507 (SageMaker
-# evicts and retries). A bad name is not among them: the janitor could not address a name holding
-# "/" to clean it up.
-REPLIED_STATUSES = frozenset({403, 507})
+# LOAD failures answered with their own status: 400 (the model is wrong, not the server: a LoRA
+# adapter whose base is not found or does not fit it, or model_fn's own 400), 403 (outside the model
+# root) and 507 (SageMaker evicts and retries). MMS 1.1.11 answers each with its own words, "Failed
+# to start workers": the cause is in the log. A bad name is not among them: the janitor could not
+# address a name holding "/" to clean it up.
+REPLIED_STATUSES = frozenset({400, 403, 507})
 OUR_HANDLER = "handler_service"  # the module MMS names for this container's handler
 
 

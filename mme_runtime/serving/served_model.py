@@ -31,7 +31,7 @@ from sagemaker_inference.transformer import Transformer as ToolkitTransformer
 from mme_runtime.base import failures
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import RequestTimeout
-from mme_runtime.models import lora
+from mme_runtime.models import lora, lora_layers
 from mme_runtime.models.loading import ResolvedModel, resolve_model
 from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.operations import metrics
@@ -99,15 +99,14 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         # A GPU device host's threads for every model's passes (``batcher.PassThreads``); None: each
         # model's own.
         self.pass_threads: PassThreads | None = None
-        # LoRA adapters over a plain module (``lora.py``): each job's rows use its own model's
-        # adapter.
+        # LoRA adapters over a plain module (``lora_layers.py``): each job's rows use its own
         self.row_adapters: Any = None
         self._defaults = default_inference_handler
         self._loaded = False
         self._code_dir: Path | None = None
         self._user_modules: dict[str, ModuleType] = {}
-        # a LoRA adapter's directory: attached over its base when placed
-        self._adapter: lora.Adapter | None = None
+        self._adapter: lora.Adapter | None = None  # a LoRA adapter's: attached when placed
+        self._adapter_bytes = 0  # its tensors, held by the layers it wraps once attached
         # where model_fn and the code come from: the model's, or its base's
         self._source_dir: Path | None = None
         # a generative model's defaults: its scheduler batches, not the batcher
@@ -120,7 +119,7 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
     @property
     def adapter_bytes(self) -> int:
         """A LoRA adapter's own tensors (its base's are the base package's)."""
-        return 0 if self._adapter is None else self._adapter.nbytes
+        return self._adapter_bytes
 
     @property
     def code_dir(self) -> Path | None:
@@ -214,13 +213,13 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         try:
             self._model = place_model(self._model, device)
             if self._adapter is not None:
-                module = (
-                    self._model if isinstance(self._model, torch.nn.Module) else self._model.model
-                )
-                adapters = lora.attach(self._model, module, self._context.model_name, self._adapter)
+                plain = isinstance(self._model, torch.nn.Module)  # else a Hugging Face model's
+                module = self._model if plain else self._model.model
+                name, adapter = self._context.model_name, self._adapter
+                adapters = lora_layers.attach(self._model, module, name, adapter)
+                self._adapter_bytes, self._adapter = adapter.nbytes, None
                 if self._source_dir != Path(self._context.model_dir):
-                    # a plain module: its rows picked per job
-                    self.row_adapters = adapters
+                    self.row_adapters = adapters  # a plain module: its rows picked per job
         except Exception as exc:  # boundary: a model that cannot be placed fails the host's LOAD
             raise load_failure("placing the model", exc) from exc
         if self._settings.compile:
@@ -255,20 +254,19 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
             raise RuntimeError("attach the model before starting its batcher")
         self._grad_enabled = torch.is_grad_enabled()
         size, delay = self._settings.batch_size, self._settings.max_batch_delay_ms
-        name, run_pass, ended = self._context.model_name, self.on_pass_thread, self.thread_ended
-        if self._scheduling is not None:  # its rows share steps in its own scheduler: no batcher
+        name, ended = self._context.model_name, self.thread_ended
+        adapters = getattr(self._model, "adapters", None)
+        # a pass over a base's adapters is no one model's: none is marked the culprit of its crash
+        run_pass = functools.partial(self.on_pass_thread, mark=adapters is None)
+        if self._scheduling is not None:  # its rows share steps in a scheduler: no batcher
             self._scheduling.start(self._model, size, name, run_pass)
             return self._settings
         if self._batcher is None:
-            adapters = getattr(self._model, "adapters", None)
             if adapters is not None:
-                # one queue for every adapter of the base: their requests share its passes
-                # Its threads are no one adapter's (none is marked the culprit of a crash in a pass
-                # over them all), and it outlives the adapter that made it: of that adapter's hooks
-                # it takes the unmarking alone.
-                unmarked = functools.partial(run_pass, mark=False)
+                # one queue for every adapter of the base: their requests share its passes; it
+                # outlives the adapter that made it: of that adapter's hooks it takes the unmarking.
                 make = functools.partial(
-                    Batcher, run_by_first, size, delay, name, thread_ended=ended, run_pass=unmarked
+                    Batcher, run_by_first, size, delay, name, thread_ended=ended, run_pass=run_pass
                 )
                 self._batcher = adapters.batcher(name, make)
             else:
@@ -282,8 +280,10 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
     @property
     def scheduler_threads(self) -> list[threading.Thread]:
         """The generation scheduler's thread, which lives as long as the model (a batcher's threads
-        run ``thread_started`` and ``thread_ended`` themselves)."""
-        return [] if self._scheduling is None else list(self._scheduling.threads)
+        run ``thread_started`` and ``thread_ended`` themselves); none for one its adapters share."""
+        if self._scheduling is None or getattr(self._model, "adapters", None) is not None:
+            return []
+        return list(self._scheduling.threads)
 
     def parts(self, owns_model: bool = True) -> list[Any]:
         """What its UNLOAD frees (``MemoryRelease``): itself, its user modules, and its model unless

@@ -1,7 +1,7 @@
 """PEFT LoRA adapters served with no code through the real frontend: each adapter is a model of its own over one base
 loaded once, 16 clients over several adapters get what PEFT's merged model answers for their own adapter (their rows
-sharing passes over the base), a base shipped inside the adapter's directory is found, and an adapter whose base is
-missing fails its LOAD with the cause in the log."""
+sharing passes over the base), a base shipped inside the adapter's directory or named in its adapter_config.json is
+found, and an adapter whose base is missing fails its LOAD with 400 and the cause in the log."""
 
 from __future__ import annotations
 
@@ -94,12 +94,39 @@ def test_a_base_shipped_inside_the_adapter_is_found(server: RunningServer) -> No
     assert label_scores(server, "shipped", TEXTS[0]) == pytest.approx(expected(server, "adapter-0", TEXTS[0]), abs=1e-4)
 
 
-def test_an_adapter_whose_base_is_missing_fails_its_load_with_the_cause(server: RunningServer) -> None:
+def peft_files_only(server: RunningServer, adapter: str, name: str, recorded_base: str) -> Path:
+    """A copy of ``adapter`` as PEFT's ``save_pretrained`` leaves it, recording ``recorded_base`` as its base."""
+    directory = Path(shutil.copytree(server.model_dir(adapter), server.models / name))
+    (directory / "serving.properties").unlink()
+    config = json.loads((directory / "adapter_config.json").read_text())
+    (directory / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": recorded_base}))
+    assert sorted(path.name for path in directory.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    return directory
+
+
+def test_an_adapter_with_only_peft_s_files_takes_the_base_its_config_names_beside_it(server: RunningServer) -> None:
+    peft_files_only(server, "adapter-2", "peft-only", "base")  # saved by a run that loaded the base from ./base
+    response = server.load("peft-only")
+    assert response.status_code == 200, server.log_text()[-3000:]
+    wanted = expected(server, "adapter-2", TEXTS[1])
+    assert label_scores(server, "peft-only", TEXTS[1]) == pytest.approx(wanted, abs=1e-4)
+    assert "model=peft-only shares its package" in server.log_text()  # the base the others loaded
+
+
+def test_an_adapter_whose_base_is_missing_fails_its_load_with_400_and_the_cause(server: RunningServer) -> None:
     orphan = Path(shutil.copytree(server.model_dir("adapter-1"), server.models / "orphan"))
     (orphan / "serving.properties").write_text("base_model=../no-such-base\n")
-    response = server.load("orphan")
-    assert response.status_code >= 400
-    assert "base_model=../no-such-base: no model there" in server.log_text()
+    assert server.load("orphan").status_code == 400
+    assert wait_until(lambda: "base_model=../no-such-base: no model there" in server.log_text(), 5)
+    # A hub id PEFT recorded is never downloaded: the log says where the name was looked for and how to name the base.
+    peft_files_only(server, "adapter-1", "hub-id", "meta-llama/Llama-3-8B")
+    response = server.load("hub-id")
+    assert response.status_code == 400, response.text  # MMS 1.1.11 carries our status, never our message
+    cause = "base_model_name_or_path in its adapter_config.json is 'meta-llama/Llama-3-8B', which names no model here"
+    assert wait_until(lambda: cause in server.log_text(), 5), server.log_text()[-3000:]
+    assert "Set base_model=<directory or s3://...tar.gz> in the adapter's serving.properties" in server.log_text()
+    # Answered with our status, MMS leaves the name registered with no worker: the janitor unregisters it.
+    assert wait_until(lambda: server.describe("hub-id").status_code == 404, 10)
     assert label_scores(server, "adapter-1", TEXTS[0]) == pytest.approx(
         expected(server, "adapter-1", TEXTS[0]), abs=1e-4
     )

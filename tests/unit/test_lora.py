@@ -11,8 +11,11 @@ import lora_models
 import pytest
 import torch
 
+from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
-from mme_runtime.models import lora
+from mme_runtime.models import lora, lora_layers
+from mme_runtime.models.loading import ModelSpec
+from mme_runtime.models.package_cache import PackageCache
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,7 @@ def test_a_pass_that_mixes_adapters_answers_each_row_as_peft_merged(made: tuple[
     base, adapter_dirs = made
     module, holder = base_module(base), Holder()
     for index, directory in enumerate(adapter_dirs):
-        lora.attach(holder, module, f"a{index}", lora.read_adapter(directory))
+        lora_layers.attach(holder, module, f"a{index}", lora.read_adapter(directory))
     torch.manual_seed(0)
     ids = torch.randint(5, 300, (6, 12))
     names: list[str | None] = ["a0", "a1", "a2", None, "a1", "a0"]
@@ -54,8 +57,8 @@ def test_a_pass_that_mixes_adapters_answers_each_row_as_peft_merged(made: tuple[
 def test_an_adapter_that_leaves_takes_its_tensors_and_no_others(made: tuple[Path, list[Path]]) -> None:
     base, adapter_dirs = made
     module, holder = base_module(base), Holder()
-    lora.attach(holder, module, "a0", lora.read_adapter(adapter_dirs[0]))
-    lora.attach(holder, module, "a1", lora.read_adapter(adapter_dirs[1]))
+    lora_layers.attach(holder, module, "a0", lora.read_adapter(adapter_dirs[0]))
+    lora_layers.attach(holder, module, "a1", lora.read_adapter(adapter_dirs[1]))
     assert holder.adapters.remove("a0") == 1
     ids = torch.randint(5, 300, (1, 8))
     with torch.inference_mode(), holder.adapters.selecting(["a1"]):
@@ -70,7 +73,7 @@ def test_rslora_and_rank_patterns_scale_as_peft_does(made: tuple[Path, list[Path
     base, _ = made
     directory = lora_models.adapter(base, tmp_path / "rs", seed=7, use_rslora=True, rank_pattern={"value": 4})
     module, holder = base_module(base), Holder()
-    lora.attach(holder, module, "rs", lora.read_adapter(directory))
+    lora_layers.attach(holder, module, "rs", lora.read_adapter(directory))
     ids = torch.randint(5, 300, (2, 10))
     with torch.inference_mode(), holder.adapters.selecting(["rs", "rs"]):
         ours = module(input_ids=ids).logits
@@ -109,7 +112,7 @@ def test_a_head_of_another_shape_is_refused_naming_what_to_fix(made: tuple[Path,
     transformers.AutoModelForSequenceClassification.from_config(config).save_pretrained(other)
     directory = lora_models.adapter(other, tmp_path / "five-labels", seed=1)
     with pytest.raises(ModelLoadError, match="num_labels") as raised:
-        lora.attach(Holder(), base_module(base), "five", lora.read_adapter(directory))
+        lora_layers.attach(Holder(), base_module(base), "five", lora.read_adapter(directory))
     assert raised.value.status == 400
 
 
@@ -119,9 +122,78 @@ def test_the_base_is_the_setting_or_the_one_directory_inside(made: tuple[Path, l
     assert lora.base_directory(adapter_dirs[0], "../base", root) == base.resolve()
     with pytest.raises(ModelLoadError, match="outside the model root") as outside:
         lora.base_directory(adapter_dirs[0], "/etc", root)
+    unnamed = Path(shutil.copytree(adapter_dirs[0], tmp_path / "unnamed"))
+    rewrite_config(unnamed, base_model_name_or_path=None)
     with pytest.raises(ModelLoadError, match="the adapter's base is not known") as unknown:
-        lora.base_directory(adapter_dirs[0], None, root)
+        lora.base_directory(unnamed, None, tmp_path)
     assert outside.value.status == unknown.value.status == 400
     shipped = Path(shutil.copytree(adapter_dirs[0], tmp_path / "shipped"))
     lora_models.ship_base_inside(base, shipped)
     assert lora.base_directory(shipped, None, tmp_path) == shipped / "base"
+
+
+def fake_base(directory: Path) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text("{}")
+    return directory
+
+
+def fake_adapter(directory: Path, recorded: str | None) -> Path:
+    """An adapter directory with only PEFT's config, naming its base as PEFT does."""
+    directory.mkdir(parents=True)
+    (directory / lora.CONFIG_FILE).write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": recorded}))
+    return directory
+
+
+def test_the_base_peft_recorded_is_a_path_or_a_name_beside_the_adapter_then_under_the_model_root(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "models"
+    bert, beside, mirrored = fake_base(root / "bert"), fake_base(root / "team" / "bert"), fake_base(root / "org" / "m")
+    assert lora.base_directory(fake_adapter(root / "absolute", str(bert)), None, root) == bert
+    assert lora.base_directory(fake_adapter(root / "relative", "bert"), None, root) == bert
+    assert lora.base_directory(fake_adapter(root / "team" / "a", "bert"), None, root) == beside
+    assert lora.base_directory(fake_adapter(root / "team" / "b", "org/m"), None, root) == mirrored
+
+
+def test_the_setting_wins_then_a_base_shipped_inside_then_the_recorded_one(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    recorded, other = fake_base(root / "recorded"), fake_base(root / "other")
+    adapter = fake_adapter(root / "adapter", "recorded")
+    inside = fake_base(adapter / "base")
+    assert lora.base_directory(adapter, "../other", root) == other
+    assert lora.base_directory(adapter, None, root) == inside
+    fake_base(adapter / "second-base")  # two inside: neither is the one, the recorded name decides
+    assert lora.base_directory(adapter, None, root) == recorded
+
+
+def test_a_hub_id_that_names_nothing_here_fails_saying_where_it_looked_and_how_to_name_the_base(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    adapter = fake_adapter(root / "tenant" / "model", "meta-llama/Llama-3-8B")
+    with pytest.raises(ModelLoadError) as unknown:
+        lora.base_directory(adapter, None, root)
+    message = unknown.value.message
+    assert unknown.value.status == 400
+    assert "base_model_name_or_path in its adapter_config.json is 'meta-llama/Llama-3-8B'" in message
+    assert f"{root}/tenant/meta-llama/Llama-3-8B is not there, {root}/meta-llama/Llama-3-8B is not there" in message
+    assert "nothing is downloaded from the Hugging Face Hub" in message
+    assert "Set base_model=<directory or s3://...tar.gz> in the adapter's serving.properties" in message
+    assert "ship the base as one directory inside the adapter's" in message
+
+
+def test_a_recorded_base_outside_the_model_root_is_refused_unless_any_location_is(tmp_path: Path) -> None:
+    root, elsewhere = tmp_path / "models", fake_base(tmp_path / "elsewhere")
+    adapter = fake_adapter(root / "adapter", str(elsewhere))
+    with pytest.raises(ModelLoadError, match=f"{elsewhere} is outside the model root"):
+        lora.find_base(adapter, None, Config(model_root=root))
+    assert lora.find_base(adapter, None, Config(model_root=root, allow_any_model_location=True)) == elsewhere
+
+
+def test_an_adapter_naming_its_base_takes_the_package_of_the_adapters_that_set_it(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    (fake_base(root / "mlp") / "model.pth").write_bytes(b"\0" * 64)
+    fake_adapter(root / "named", "mlp")
+    (fake_adapter(root / "set", None) / "serving.properties").write_text("base_model=../mlp\n")
+    cache = PackageCache(Config(model_root=root), lambda package: None)
+    keys = [cache.key(ModelSpec(name, str(root / name), "handler_service", "/tmp")) for name in ("named", "set")]
+    assert keys[0] is not None and keys[0] == keys[1]

@@ -9,7 +9,7 @@ import pytest
 
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
-from mme_runtime.models.serving_properties import read_settings
+from mme_runtime.models.serving_properties import KNOWN_KEYS, read_settings
 
 
 def test_without_a_file_the_container_defaults_apply(tmp_path: Path) -> None:
@@ -70,3 +70,9 @@ def test_every_properties_block_in_the_readme_reads_as_a_serving_properties_file
     for block in blocks:
         (tmp_path / "serving.properties").write_text(block)
         read_settings(tmp_path, Config())  # raises, naming the line, on anything the server would refuse
+
+
+def test_the_docs_table_of_every_key_lists_each_key_the_server_reads() -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "batching.md").read_text()
+    section = page.split("\n## serving.properties\n", 1)[1].split("\n## ", 1)[0]
+    assert sorted(re.findall(r"^\| `([a-z_]+)` \|", section, re.MULTILINE)) == sorted(KNOWN_KEYS)

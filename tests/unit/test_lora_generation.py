@@ -1,0 +1,222 @@
+"""LoRA adapters for generation, in process (no server): the adapters of one base and the base itself decode in one
+continuous batch, each row with its own adapter in every wrapped layer, and each client's greedy tokens are exactly
+what PEFT's generate gives its adapter alone, whatever the ranks, targets and scalings mixed in the batch; seeded
+sampling does not depend on the rows beside it; an adapter unloaded mid-answer fails only its own rows; adapters this
+server cannot serve are refused at LOAD with the reason."""
+
+from __future__ import annotations
+
+import functools
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import hf_models
+import lora_models
+import pytest
+import torch
+
+from mme_runtime.base.errors import ModelLoadError
+from mme_runtime.huggingface import loading as hf_loading
+from mme_runtime.huggingface.generation import GenerationLimits, GenerationRunner
+from mme_runtime.huggingface.requests import TaskRequest
+from mme_runtime.huggingface.scheduler import ModelUnloaded
+from mme_runtime.models import lora, lora_layers
+
+CPU = torch.device("cpu")
+# name -> (rank, targets, options): ranks 4 to 64 in one batch, attention only or all linear layers, rsLoRA, an
+# lm_head of its own (PEFT's modules_to_save)
+ADAPTERS: dict[str, tuple[int, tuple[str, ...], dict[str, Any]]] = {
+    "r4-attention": (4, lora_models.ATTENTION, {}),
+    "r16-all": (16, lora_models.ALL_LINEAR, {}),
+    "r64-rslora": (64, lora_models.ALL_LINEAR, {"use_rslora": True, "lora_alpha": 16}),
+    "r8-alpha": (8, ("q_proj", "v_proj", "down_proj"), {"lora_alpha": 3}),
+    "r8-head": (8, lora_models.ATTENTION, {"modules_to_save": ["lm_head"]}),
+}
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    root = tmp_path_factory.mktemp("lora-generation")
+    base = lora_models.causal_base(root / "base")
+    adapters = {
+        name: lora_models.causal_adapter(base, root / name, seed=seed, rank=rank, targets=targets, **options)
+        for seed, (name, (rank, targets, options)) in enumerate(ADAPTERS.items())
+    }
+    return base, adapters
+
+
+def served(base: Path, adapters: dict[str, Path]) -> tuple[Any, dict[str, GenerationRunner]]:
+    """The base placed once with every adapter attached, and a runner per model (the base's own as ``base``)."""
+    model = hf_loading.load(base, "text-generation", trust_remote_code=False).place(CPU)
+    for name, directory in adapters.items():
+        lora_layers.attach(model, model.model, name, lora.read_adapter(directory))
+    limits = GenerationLimits(max_rows=16)
+    runners = {name: GenerationRunner(model, CPU, limits, name) for name in [*adapters, "base"]}
+    return model, runners
+
+
+def ask(runner: GenerationRunner, text: str, **parameters: Any) -> str:
+    answer = runner.run([TaskRequest([text], parameters, single=True)])
+    return str(answer[0][0]["generated_text"])
+
+
+@functools.cache
+def peft_model(base: Path, adapter: Path | None) -> Any:
+    return lora_models.peft_causal(base, adapter)
+
+
+def peft_text(base: Path, adapter: Path | None, text: str, new_tokens: int) -> str:
+    """PEFT's generate for the text alone, as the text-generation pipeline writes the answer."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(base))
+    prompt = tokenizer(text)["input_ids"]
+    new = lora_models.peft_generate(peft_model(base, adapter), prompt, new_tokens)
+    full = tokenizer.decode(prompt + new, skip_special_tokens=True)
+    return text + full[len(tokenizer.decode(prompt, skip_special_tokens=True)) :]
+
+
+def test_sixteen_clients_over_five_adapters_and_the_base_get_peft_generate_exactly(
+    made: tuple[Path, dict[str, Path]],
+) -> None:
+    """Two requests per client, prompts of 1 to 30 words and 1 to 16 new tokens: rows of every adapter and of the base
+    join and leave one batch, and each answer has the tokens PEFT's generate gives its adapter alone."""
+    base, adapters = made
+    model, runners = served(base, adapters)
+    names = [*adapters, "base"]
+    rng = random.Random(3)
+    cases = [
+        (names[index % len(names)], hf_models.text_of_tokens(rng.randint(1, 30), index), rng.randint(1, 16))
+        for index in range(32)
+    ]
+    mixed: list[set[str | None]] = []
+    step = model.scheduler.batch.step
+
+    def recording_step() -> None:
+        mixed.append({row.model for row in model.scheduler.batch.live})
+        step()
+
+    model.scheduler.batch.step = recording_step
+    got: list[str | None] = [None] * len(cases)
+
+    def client(first: int) -> None:
+        for index in (first, first + 16):
+            name, text, new_tokens = cases[index]
+            got[index] = ask(runners[name], text, max_new_tokens=new_tokens, do_sample=False)
+
+    threads = [threading.Thread(target=client, args=(first,)) for first in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for runner in runners.values():
+        runner.close()
+
+    wanted = [
+        peft_text(base, None if name == "base" else adapters[name], text, new_tokens)
+        for name, text, new_tokens in cases
+    ]
+    assert got == wanted
+    assert len({answer for answer in wanted}) > len(names)  # the adapters answer differently
+    assert max(len(models) for models in mixed) >= 3, mixed  # rows of several models shared steps
+
+
+def test_seeded_sampling_gives_the_same_tokens_whatever_rows_are_beside_it(made: tuple[Path, dict[str, Path]]) -> None:
+    base, adapters = made
+    _, runners = served(base, adapters)
+    sampled = {"do_sample": True, "seed": 11, "max_new_tokens": 12, "top_k": 0}
+    alone = ask(runners["r16-all"], "the weather today", **sampled)
+    beside: list[str] = []
+
+    def other(name: str) -> None:
+        ask(runners[name], hf_models.text_of_tokens(20, 5), max_new_tokens=16, do_sample=False)
+
+    threads = [threading.Thread(target=other, args=(name,)) for name in ("r4-attention", "base", "r64-rslora")]
+    for thread in threads:
+        thread.start()
+    beside.append(ask(runners["r16-all"], "the weather today", **sampled))
+    for thread in threads:
+        thread.join()
+    for runner in runners.values():
+        runner.close()
+    assert beside == [alone]
+
+
+def test_an_adapter_unloaded_mid_answer_fails_its_own_rows_only(made: tuple[Path, dict[str, Path]]) -> None:
+    base, adapters = made
+    model, runners = served(base, adapters)
+    failures: list[BaseException] = []
+    answers: list[str] = []
+    started = threading.Event()
+    step = model.scheduler.batch.step
+
+    def slow_step() -> None:
+        started.set()
+        step()
+
+    model.scheduler.batch.step = slow_step
+
+    def leaving() -> None:
+        try:
+            ask(
+                runners["r8-alpha"],
+                hf_models.text_of_tokens(10, 1),
+                max_new_tokens=200,
+                min_new_tokens=200,
+                do_sample=False,
+            )
+        except ModelUnloaded as exc:
+            failures.append(exc)
+
+    def staying() -> None:
+        answers.append(ask(runners["r16-all"], "a short one", max_new_tokens=40, do_sample=False))
+
+    threads = [threading.Thread(target=leaving), threading.Thread(target=staying)]
+    for thread in threads:
+        thread.start()
+    assert started.wait(30)
+    runners["r8-alpha"].close()
+    model.adapters.remove("r8-alpha")
+    for thread in threads:
+        thread.join()
+    assert len(failures) == 1 and "r8-alpha" in str(failures[0])
+    assert answers == [peft_text(base, adapters["r16-all"], "a short one", 40)]
+    assert model.scheduler is not None and model.scheduler.users == {*adapters, "base"} - {"r8-alpha"}
+    for name, runner in runners.items():
+        if name != "r8-alpha":
+            runner.close()
+    assert model.scheduler is None  # the last model's close ends it
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"use_dora": True}, "use_dora=True is not served"),
+        ({"target_modules": ["embed_tokens"]}, "an embedding: LoRA is served on Linear layers only"),
+    ],
+)
+def test_an_adapter_this_server_cannot_serve_is_refused_with_the_reason(
+    made: tuple[Path, dict[str, Path]], tmp_path: Path, changes: dict[str, Any], reason: str
+) -> None:
+    base, _ = made
+    options = {key: value for key, value in changes.items() if key != "target_modules"}
+    targets = tuple(changes.get("target_modules", lora_models.ATTENTION))
+    directory = lora_models.causal_adapter(base, tmp_path / "refused", seed=1, targets=targets, **options)
+    model = hf_loading.load(base, "text-generation", trust_remote_code=False).place(CPU)
+    with pytest.raises(ModelLoadError, match=reason) as refused:
+        lora_layers.attach(model, model.model, "refused", lora.read_adapter(directory))
+    assert refused.value.status == 400
+
+
+def test_an_adapter_of_another_base_is_refused_naming_the_shapes(
+    made: tuple[Path, dict[str, Path]], tmp_path: Path
+) -> None:
+    base, _ = made
+    wider = lora_models.causal_base(tmp_path / "wider", hidden=96)
+    directory = lora_models.causal_adapter(wider, tmp_path / "of-wider", seed=2)
+    model = hf_loading.load(base, "text-generation", trust_remote_code=False).place(CPU)
+    with pytest.raises(ModelLoadError, match="trained on another base") as refused:
+        lora_layers.attach(model, model.model, "of-wider", lora.read_adapter(directory))
+    assert refused.value.status == 400
