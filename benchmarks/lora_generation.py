@@ -9,9 +9,9 @@ Models, built here (no hub): a Llama-shaped causal LM of about 128 MB (hidden 76
 2048, 12 heads over 4 key-value heads, untied embeddings), random weights drawn wide enough that
 greedy text follows its prompt, and a byte-level BPE tokenizer trained here (tests/hf_models.py);
 8 PEFT LoRA adapters of it, rank 16 on every linear layer (q, k, v, o, gate, up, down), task type
-``CAUSAL_LM``, made with PEFT with random B matrices so that each answers differently; and, for the
-AWS stack, each adapter merged into a full model of its own (PEFT's ``merge_and_unload``, then
-``save_pretrained``), as a user serves a fine-tune there today.
+``CAUSAL_LM``, made with PEFT, A and B drawn at random so that each answers differently
+(tests/lora_models.py); and, for the AWS stack, each adapter merged into a full model of its own
+(PEFT's ``merge_and_unload``, then ``save_pretrained``), as a user serves a fine-tune there today.
 
 Stacks, both running, taking turns round by round:
   ours       this server, no code: each adapter's serving.properties names ``base_model=../base``
@@ -72,9 +72,6 @@ QUICK_SHAPE = (128, 2, 256, 2, 1)
 RANK = 16
 ADAPTERS = 8
 CLIENTS = 16
-# B's standard deviation (PEFT starts B at zero, A at its Kaiming draw): with A's draw and
-# lora_alpha = 2 * rank, an adapter moves each layer's output by about a fifth of the base's.
-B_STD = 0.3
 BATCHED = f"base_model=../base\nbatch_size={CLIENTS}\n"
 UNBATCHED = "base_model=../base-unbatched\nbatch_size=1\n"
 BASE_SERVED = f"task=text-generation\nbatch_size={CLIENTS}\n"
@@ -86,9 +83,9 @@ def progress(message: str) -> None:
 
 
 def merged_model(base: Path, adapter: Path, directory: Path) -> Path:
-    """The adapter merged into a full model of its own (what the AWS stack serves), with the base's
-    tokenizer."""
-    lora_models.causal_merged(base, adapter).save_pretrained(str(directory))
+    """The adapter merged into a full model of its own (PEFT's ``merge_and_unload``, then
+    ``save_pretrained``: what the AWS stack serves), with the base's tokenizer."""
+    lora_models.peft_causal(base, adapter).merge_and_unload().save_pretrained(str(directory))
     for path in base.iterdir():  # the tokenizer's files
         if not (directory / path.name).exists():
             os.link(path, directory / path.name)
@@ -115,9 +112,7 @@ def make_models(root: Path, shape: tuple[int, int, int, int, int], with_aws: boo
     adapters, unbatched, merged = [], [], []
     for index in range(ADAPTERS):
         progress(f"adapter {index + 1} of {ADAPTERS}")
-        adapter = lora_models.causal_adapter(
-            base, root / f"adapter-{index}", index, RANK, b_std=B_STD
-        )
+        adapter = lora_models.causal_adapter(base, root / f"adapter-{index}", index, RANK)
         # linked before the adapter has a serving.properties: each gets a file of its own
         files = {"serving.properties": UNBATCHED}
         unbatched.append(link_model(adapter, root / f"unbatched-{index}", files))
@@ -156,27 +151,18 @@ def request(index: int, max_new_tokens: int | None = None) -> dict[str, Any]:
 def references(models: Models, count: int) -> list[str]:
     """PEFT's answer to each of the first ``count`` requests, for its adapter (``i % 8``) alone, as
     the text-generation pipeline words it: the prompt, then the new tokens decoded."""
-    import peft
-    import torch
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(models.base))
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(models.base))
-    model = peft.PeftModel.from_pretrained(base, str(models.adapters[0]), adapter_name="0")
-    for index, adapter in enumerate(models.adapters[1:], start=1):
-        model.load_adapter(str(adapter), adapter_name=str(index))
-    texts = []
-    for index in range(count):
-        model.set_adapter(str(index % ADAPTERS))
-        body = request(index)
-        encoded = tokenizer(body["inputs"], return_tensors="pt")
-        with torch.inference_mode():
-            out = model.generate(
-                **encoded, **body["parameters"], pad_token_id=tokenizer.eos_token_id
-            )
-        new = tokenizer.decode(out[0, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
-        texts.append(body["inputs"] + new)
-    return texts
+    texts: dict[int, str] = {}
+    for which, adapter in enumerate(models.adapters):
+        model = lora_models.peft_causal(models.base, adapter)
+        for index in range(which, count, ADAPTERS):
+            body = request(index)
+            prompt = tokenizer(body["inputs"])["input_ids"]
+            new = lora_models.peft_generate(model, prompt, body["parameters"]["max_new_tokens"])
+            texts[index] = body["inputs"] + tokenizer.decode(new, skip_special_tokens=True)
+    return [texts[index] for index in range(count)]
 
 
 @dataclass(frozen=True)
@@ -214,7 +200,7 @@ def configurations(args: argparse.Namespace, adapters: bool, aws: bool) -> list[
         Configuration("ours, batching off", "ours", unbatched, args.slow_requests, 1, True),
         Configuration("AWS, 8 merged models", "AWS", eight, args.slow_requests, 1, True),
     ]
-    return [c for c in made if (adapters or c.names != eight) and (aws or c.stack == "ours")]
+    return [c for c in made if (adapters or c.names == ["base"]) and (aws or c.stack == "ours")]
 
 
 @dataclass
@@ -295,7 +281,7 @@ def load_ours(server: Server, models: Models, body: bytes) -> tuple[Loads | None
         loads: Loads | None = load_eight(server, models.adapters, body)
     except RuntimeError as error:  # a server that does not serve adapters for generation
         logged = [line for line in server.log.read_text().splitlines() if "not served" in line]
-        refused = logged[-1].split("] ", 1)[-1] if logged else str(error)
+        refused = logged[-1].split("failed ", 1)[-1] if logged else str(error)
         loads = None
     else:
         refused = ""
@@ -374,7 +360,8 @@ def report(
     checks: dict[str, list[str]] = {"ours": [], "AWS": []}
     for configuration in (c for c in chosen if c.checked):
         wrong, compared, example = outcomes[configuration.label].mismatches(expected)
-        checks[configuration.stack].append(f"{wrong}/{compared} ({configuration.label[6:]})")
+        label = configuration.label.split(", ", 1)[1]
+        checks[configuration.stack].append(f"{wrong}/{compared} ({label})")
         if example:
             progress(f"{configuration.label}, unlike PEFT's: {example}")
     failed = {s: sum(outcomes[c.label].failures for c in chosen if c.stack == s) for s in checks}

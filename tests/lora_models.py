@@ -1,5 +1,4 @@
-"""PEFT LoRA adapters over a tiny BERT or a causal LM, made here (no hub), and what PEFT itself answers with each
-merged in."""
+"""PEFT LoRA adapters over a tiny BERT, made here (no hub), and what PEFT itself answers with each merged in."""
 
 from __future__ import annotations
 
@@ -12,8 +11,6 @@ import hf_models
 import torch
 
 TARGETS = ("query", "value", "dense")
-# every linear layer of a Llama-shaped model's decoder layers
-CAUSAL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def base(directory: Path, task: str = "text-classification", hidden: int = 64) -> Path:
@@ -54,41 +51,6 @@ def merged(base_dir: Path, adapter_dir: Path) -> Any:
     import transformers
 
     model = transformers.AutoModelForSequenceClassification.from_pretrained(str(base_dir))
-    return peft.PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload().eval()
-
-
-def causal_adapter(
-    base_dir: Path,
-    directory: Path,
-    seed: int,
-    rank: int = 8,
-    targets: tuple[str, ...] = CAUSAL_TARGETS,
-    b_std: float = 0.5,
-) -> Path:
-    """A CAUSAL_LM LoRA adapter of ``base_dir``'s causal LM, saved as PEFT saves it: A as PEFT draws it, B (which PEFT
-    starts at zero) drawn with ``b_std``, so that each adapter answers differently."""
-    import peft
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir))
-    config = peft.LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=2 * rank, target_modules=list(targets))
-    torch.manual_seed(seed)
-    wrapped = peft.get_peft_model(model, config)
-    with torch.no_grad():
-        for name, parameter in wrapped.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0, b_std)
-    wrapped.save_pretrained(str(directory))
-    (directory / "README.md").unlink(missing_ok=True)
-    return directory
-
-
-def causal_merged(base_dir: Path, adapter_dir: Path) -> Any:
-    """PEFT's causal LM with the adapter merged into the base (``merge_and_unload``)."""
-    import peft
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir))
     return peft.PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload().eval()
 
 
