@@ -353,9 +353,9 @@ def report(
     def ratio(mine: float | None, theirs: float | None, digits: int = 3, suffix: str = "") -> str:
         return "" if mine is None or not theirs else show(mine / theirs, digits, suffix)
 
-    memory = [loads and loads.mib for loads in (ours, aws)]
-    frontend = [loads and loads.frontend_mib for loads in (ours, aws)]
-    first = [loads and loads.first_token_ms for loads in (ours, aws)]
+    memory = [None if loads is None else loads.mib for loads in (ours, aws)]
+    frontend = [None if loads is None else loads.frontend_mib for loads in (ours, aws)]
+    first = [None if loads is None else loads.first_token_ms for loads in (ours, aws)]
     own = models.adapter_mib
     checks: dict[str, list[str]] = {"ours": [], "AWS": []}
     for configuration in (c for c in chosen if c.checked):
@@ -366,12 +366,18 @@ def report(
             progress(f"{configuration.label}, unlike PEFT's: {example}")
     failed = {s: sum(outcomes[c.label].failures for c in chosen if c.stack == s) for s in checks}
     rows = [
-        ["a model's own tensors, MiB", f"{own:.2f}", show(aws and models.merged_mib), "", ""],
+        [
+            "a model's own tensors, MiB",
+            f"{own:.2f}",
+            show(None if aws is None else models.merged_mib),
+            "",
+            "",
+        ],
         [
             f"PSS per extra adapter ({ADAPTERS - 1} after the first), MiB",
             show(memory[0]),
             show(memory[1], 1),
-            ratio(*memory),
+            ratio(memory[0], memory[1]),
             f"<= 0.02x; ours <= {1.1 * own + 2:.2f} (1.1x own + 2 MiB)",
         ],
         [
@@ -385,7 +391,7 @@ def report(
             "LOAD to first token, adapters after the first, p50, ms",
             show(first[0], 0),
             show(first[1], 0),
-            ratio(*first),
+            ratio(first[0], first[1]),
             "<= 150",
         ],
         [
