@@ -49,6 +49,22 @@ def register() -> None:
     step = "choosing the Hugging Face task"  # what a LOAD that fails in HuggingFaceDefaults names
     register_defaults(DefaultsProvider(serves, HuggingFaceDefaults, step))
     package_cache.register_weight_files(loading.WEIGHT_FILES)
+    package_cache.register_base_task(generative_base_task)
+
+
+def generative_base_task(
+    model_dir: Path, task: str | None, container_task: str | None
+) -> str | None:
+    """A generative model's task: its package is its LoRA adapters' for that task (one scheduler
+    decodes the base's rows and theirs together). Other tasks keep a package of their own: an
+    adapter's options (``pooling``) could differ from the base's."""
+    if not serves(model_dir) or lora.is_adapter_directory(model_dir):
+        return None
+    try:
+        resolved = loading.resolve_task(model_dir, task, container_task)
+    except ModelLoadError:
+        return None
+    return resolved if resolved in ("text-generation", "text2text-generation") else None
 
 
 class HuggingFaceDefaults:

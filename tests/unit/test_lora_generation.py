@@ -6,7 +6,6 @@ server cannot serve are refused at LOAD with the reason."""
 
 from __future__ import annotations
 
-import functools
 import random
 import threading
 from pathlib import Path
@@ -62,22 +61,6 @@ def ask(runner: GenerationRunner, text: str, **parameters: Any) -> str:
     return str(answer[0][0]["generated_text"])
 
 
-@functools.cache
-def peft_model(base: Path, adapter: Path | None) -> Any:
-    return lora_models.peft_causal(base, adapter)
-
-
-def peft_text(base: Path, adapter: Path | None, text: str, new_tokens: int) -> str:
-    """PEFT's generate for the text alone, as the text-generation pipeline writes the answer."""
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(base))
-    prompt = tokenizer(text)["input_ids"]
-    new = lora_models.peft_generate(peft_model(base, adapter), prompt, new_tokens)
-    full = tokenizer.decode(prompt + new, skip_special_tokens=True)
-    return text + full[len(tokenizer.decode(prompt, skip_special_tokens=True)) :]
-
-
 def test_sixteen_clients_over_five_adapters_and_the_base_get_peft_generate_exactly(
     made: tuple[Path, dict[str, Path]],
 ) -> None:
@@ -115,7 +98,7 @@ def test_sixteen_clients_over_five_adapters_and_the_base_get_peft_generate_exact
         runner.close()
 
     wanted = [
-        peft_text(base, None if name == "base" else adapters[name], text, new_tokens)
+        lora_models.peft_text(base, None if name == "base" else adapters[name], text, new_tokens)
         for name, text, new_tokens in cases
     ]
     assert got == wanted
@@ -182,7 +165,7 @@ def test_an_adapter_unloaded_mid_answer_fails_its_own_rows_only(made: tuple[Path
     for thread in threads:
         thread.join()
     assert len(failures) == 1 and "r8-alpha" in str(failures[0])
-    assert answers == [peft_text(base, adapters["r16-all"], "a short one", 40)]
+    assert answers == [lora_models.peft_text(base, adapters["r16-all"], "a short one", 40)]
     assert model.scheduler is not None and model.scheduler.users == {*adapters, "base"} - {"r8-alpha"}
     for name, runner in runners.items():
         if name != "r8-alpha":
