@@ -21,7 +21,15 @@ from typing import Any
 
 import torch
 
-from mme_runtime.huggingface.kv_cache import all_plain, join, pad, regrow, select, write_row
+from mme_runtime.huggingface.kv_cache import (
+    all_plain,
+    decoder_cache,
+    join,
+    pad,
+    regrow,
+    select,
+    write_row,
+)
 
 # Leading columns no row attends to any more are cut off once there are this many (a copy of the
 # cache).
@@ -273,7 +281,7 @@ class DecodingBatch:
             row.tokens = list(row.prompt)
         padded = bool((mask == 0).any())
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # generate's, from the mask
-        cache = self._caches[0](config=self.model.config.get_text_config(decoder=True))
+        cache = decoder_cache(self.model.config.get_text_config(decoder=True))
         with self._adapters(rows):
             outputs = self.model(
                 input_ids=ids,

@@ -90,6 +90,24 @@ def regrow(cache: Any) -> None:
     holder.layers = [growing_layer(layer.keys, layer.values) for layer in holder.layers]
 
 
+def decoder_cache(config: Any) -> Any:
+    """An empty cache for a decoder-only model's prefill. Where every layer attends to all tokens
+    or within a sliding window (Mistral, Qwen2, Gemma 2 and 3), its layers are all plain ones that
+    keep every token: the model's mask applies the window in cache columns, where a row's tokens
+    are adjacent, so rows pad together (transformers' sliding layers keep only the window, which
+    the batch's padding mask cannot follow). Other layers (linear or chunked attention) keep the
+    model's own cache."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=config)
+    windowed = (_dynamic_layer(), DynamicSlidingWindowLayer)
+    chunked = getattr(config, "attention_chunk_size", None) is not None
+    if chunked or not all(type(layer) in windowed for layer in cache.layers):
+        return cache
+    return DynamicCache()  # its layers are made as the prefill reaches them, all plain
+
+
 def all_plain(cache: Any) -> bool:
     """Every layer is a plain full-attention one (no sliding window, no linear attention): safe to
     pad together."""
