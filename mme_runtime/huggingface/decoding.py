@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from mme_runtime.huggingface.kv_cache import (
+    TRIM_COLUMNS,
     all_plain,
     decoder_cache,
     join,
@@ -31,9 +32,6 @@ from mme_runtime.huggingface.kv_cache import (
     write_row,
 )
 
-# Leading columns no row attends to any more are cut off once there are this many (a copy of the
-# cache).
-TRIM_COLUMNS = 32
 # Finish reasons: the model's end token, max_new_tokens, a stop sequence, the time limit.
 EOS, LENGTH, STOP, TIME = "eos", "length", "stop", "time"
 

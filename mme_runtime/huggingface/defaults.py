@@ -182,14 +182,17 @@ def generation_limits(settings: ServingSettings, config: Config) -> GenerationLi
     """The cap on new tokens (``serving.properties``'s ``max_new_tokens``, else
     ``MME_MAX_NEW_TOKENS``) and the time limit of a generation (``serving.properties``, else cut
     ``TIME_MARGIN_SECONDS`` before ``SAGEMAKER_MODEL_SERVER_TIMEOUT``, so that it answers in
-    time)."""
+    time), and the KV cache of its decoding batch (``kv_cache_mb``, else ``MME_KV_CACHE_MB``, else
+    half the device's free memory)."""
     cap = settings.max_new_tokens or config.max_new_tokens
     source = (
         "max_new_tokens in serving.properties" if settings.max_new_tokens else "MME_MAX_NEW_TOKENS"
     )
     latest = max(1.0, config.response_timeout_seconds - generation.TIME_MARGIN_SECONDS)
     seconds = min(settings.max_generation_seconds or latest, latest)
-    return GenerationLimits(cap, source, seconds, settings.batch_size)
+    kv_mb = settings.kv_cache_mb or config.kv_cache_mb or None
+    kv_from = "kv_cache_mb in serving.properties" if settings.kv_cache_mb else "MME_KV_CACHE_MB"
+    return GenerationLimits(cap, source, seconds, settings.batch_size, kv_mb, kv_from)
 
 
 class _Answer:
