@@ -116,7 +116,7 @@ class DecodingBatch:
         self._caches = (DynamicCache, EncoderDecoderCache)
         self.model = model
         self._holder = holder
-        self._selected: tuple[tuple[str | None, ...], Any] = ((), None)  # the steps' rows
+        self._selected: tuple[tuple[str | None, ...], Any] = ((), None)
         self.encoder_decoder = bool(model.config.is_encoder_decoder)
         self.device = next(model.parameters()).device
         parameters = set(inspect.signature(model.forward).parameters)
@@ -150,6 +150,7 @@ class DecodingBatch:
         return adapters.using(self._selected[1])  # type: ignore[no-any-return]
 
     def _reset(self) -> None:
+        self._selected = ((), None)  # the steps' adapters (their columns held by its plans)
         self.rows: list[Row | None] = []
         self.cache: Any = None
         self.mask = self.positions = self.next = self.alive = torch.empty(0)
