@@ -316,9 +316,7 @@ class GenerationRunner:
     ) -> tuple[list[list[int]], bool]:
         """``generate`` for one input alone (beam search, say), stopped at the deadline: one at a
         time, on a pass thread of a GPU's."""
-        adapters = self.model.adapters
-        selected = nullcontext() if adapters is None else adapters.selecting_all(self.name)
-        with self._alone, selected:
+        with self._alone:
             generated: tuple[list[list[int]], bool] = self._run_pass(
                 functools.partial(self._generate, prompt, config, stops, deadline)
             )
@@ -332,7 +330,9 @@ class GenerationRunner:
             key: value for key, value in prompt.generate.items() if key != "generation_config"
         }
         arguments["max_new_tokens"] = config.max_new_tokens
-        with torch.inference_mode():
+        adapters = self.model.adapters  # the adapter this thread's passes use: this model's
+        selected = nullcontext() if adapters is None else adapters.selecting_all(self.name)
+        with torch.inference_mode(), selected:
             remaining = deadline - time.monotonic()
             if stops:
                 arguments.update(stop_strings=list(stops), tokenizer=self._alone_tokenizer)

@@ -10,6 +10,7 @@ import json
 import random
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -242,3 +243,29 @@ def test_an_adapter_with_a_tokenizer_of_its_own_is_refused_and_one_with_its_base
     with pytest.raises(ModelLoadError, match=r"ships a tokenizer of its own \(tokenizer.json\)") as refused:
         defaults_for(directory)
     assert refused.value.status == 400
+
+
+def test_passes_on_another_thread_use_the_adapter_greedy_and_with_beams(made: tuple[Path, dict[str, Path]]) -> None:
+    """A GPU's passes run on its pass threads, not the caller's: each pass still uses its row's adapter."""
+    base, adapters = made
+    model = hf_loading.load(base, "text-generation", trust_remote_code=False).place(CPU)
+    lora_layers.attach(model, model.model, "r16-all", lora.read_adapter(adapters["r16-all"]))
+    with ThreadPoolExecutor(1) as pass_thread:
+        generator = GenerationRunner(
+            model, CPU, GenerationLimits(max_rows=16), "r16-all", lambda run: pass_thread.submit(run).result()
+        )
+        text = hf_models.text_of_tokens(12, 4)
+        assert ask(generator, text, max_new_tokens=10, do_sample=False) == lora_models.peft_text(
+            base, adapters["r16-all"], text, 10
+        )
+        beams = ask(generator, text, max_new_tokens=10, do_sample=False, num_beams=3)
+        generator.close()
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(base))
+    reference = lora_models.peft_causal(base, adapters["r16-all"])
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    with torch.inference_mode():
+        output = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, num_beams=3)
+    full = tokenizer.decode(output[0], skip_special_tokens=True)
+    assert beams == text + full[len(tokenizer.decode(ids[0], skip_special_tokens=True)) :]
