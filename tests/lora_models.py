@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 import warnings
 from pathlib import Path
@@ -178,6 +179,7 @@ def causal_adapter(
     return directory
 
 
+@functools.cache
 def peft_causal(base_dir: Path, adapter_dir: Path | None) -> Any:
     """PEFT's model of the adapter over the base (None: the base alone), unmerged: the reference of generation."""
     import peft
@@ -190,10 +192,24 @@ def peft_causal(base_dir: Path, adapter_dir: Path | None) -> Any:
 
 
 def peft_generate(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """What PEFT's ``generate`` gives a prompt alone, greedy: the new tokens."""
-    ids = torch.tensor([prompt])
+    """What PEFT's ``generate`` gives a prompt alone, greedy, on the model's device: the new tokens."""
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)
     with torch.inference_mode():
         output = model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
         )
     return list(output[0, len(prompt) :].tolist())
+
+
+def peft_text(
+    base_dir: Path, adapter_dir: Path | None, text: str, new_tokens: int, device: torch.device | None = None
+) -> str:
+    """PEFT's greedy generate for the text alone (None: the base's), on ``device`` (the CPU by default), as the
+    text-generation pipeline writes the answer."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(base_dir))
+    prompt = tokenizer(text)["input_ids"]
+    new = peft_generate(peft_causal(base_dir, adapter_dir).to(device or "cpu"), prompt, new_tokens)
+    full = tokenizer.decode(prompt + new, skip_special_tokens=True)
+    return text + full[len(tokenizer.decode(prompt, skip_special_tokens=True)) :]

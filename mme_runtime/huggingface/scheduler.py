@@ -20,7 +20,9 @@ from collections import deque
 
 import torch
 
+from mme_runtime.base.errors import InvalidInput
 from mme_runtime.huggingface.decoding import STOP, TIME, DecodingBatch, Row
+from mme_runtime.huggingface.kv_cache import KvBudget
 from mme_runtime.operations import metrics
 from mme_runtime.serving.pass_threads import RunPass, run_here
 
@@ -30,6 +32,9 @@ logger = logging.getLogger(__name__)
 # GATHER_ROWS of them to share one prefill pass (each pass costs a few milliseconds before its first
 # token).
 GATHER_ROWS, GATHER_STEPS = 3, 2
+# A row waiting for KV cache room lets later rows that fit go first, until it has waited this long:
+# then none passes it, so the batch drains to make room for it.
+PATIENCE_SECONDS = 2.0
 
 
 class ModelUnloaded(RuntimeError):
@@ -42,9 +47,15 @@ class Scheduler:
     in the same steps, each with its own adapter."""
 
     def __init__(
-        self, batch: DecodingBatch, max_rows: int, name: str, run_pass: RunPass = run_here
+        self,
+        batch: DecodingBatch,
+        max_rows: int,
+        name: str,
+        run_pass: RunPass = run_here,
+        budget: KvBudget | None = None,
     ) -> None:
         self.batch = batch
+        self.budget = budget  # the KV cache its batch may hold (None: no bound)
         self._run_pass = run_pass  # where each step runs: a GPU's pass threads, or this thread
         self.max_rows = max(1, max_rows)
         self._waiting: deque[Row] = deque()
@@ -157,10 +168,58 @@ class Scheduler:
                 if self._held <= GATHER_STEPS:
                     return []
             self._held = 0
-            return [
-                self._waiting.popleft()
-                for _ in range(min(self.max_rows - live, len(self._waiting)))
-            ]
+            return self._joining(self.max_rows - live)
+
+    def reserved(self, prompt: int, max_new_tokens: int) -> int:
+        """The cache places a row of a ``prompt``-token input may take (an encoder-decoder's: its
+        input, for cross-attention, and its decoder's start and new tokens)."""
+        return prompt + max_new_tokens + (1 if self.batch.encoder_decoder else 0)
+
+    def check_room(self, prompt: int, max_new_tokens: int) -> None:
+        """Raises ``InvalidInput`` (400) for a row that could not fit the KV budget even alone."""
+        budget = self.budget
+        if budget is None:
+            return
+        needed = budget.footprint(1, self.reserved(prompt, max_new_tokens))
+        if needed > budget.tokens:
+            raise InvalidInput(
+                f"this input needs {budget.describe(needed)} of KV cache ({prompt} input tokens, "
+                f"max_new_tokens={max_new_tokens}, and the room its buffers keep), and this "
+                f"model's decoding batch holds at most {budget.describe(budget.tokens)} "
+                f"({budget.source}): ask fewer new tokens or send a shorter input"
+            )
+
+    def _joining(self, room: int) -> list[Row]:
+        """The waiting rows that join now, in order, within ``room`` rows and the KV budget. A row
+        that does not fit waits and the rows behind it that fit go first, until it has waited
+        ``PATIENCE_SECONDS``."""
+        budget, rows = self.budget, self.batch.rows
+        if budget is None:
+            return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+        slots, holes = len(rows), rows.count(None)
+        width = self.batch.mask.shape[1] if rows else 0
+        longest = max(
+            (self.reserved(len(r.prompt), r.max_new_tokens) for r in self.batch.live), default=0
+        )
+        joining: list[Row] = []
+        waiting: deque[Row] = deque()
+        patient = time.monotonic() - PATIENCE_SECONDS
+        for row in self._waiting:
+            tokens = self.reserved(len(row.prompt), row.max_new_tokens)
+            # where ``DecodingBatch._place`` writes it into a finished row's place
+            in_hole = holes > 0 and len(row.tokens or row.prompt) <= width
+            if self.batch.encoder_decoder:
+                in_hole = in_hole and len(row.prompt) <= self.batch.encoded.shape[1]
+            after = (slots if in_hole else slots + 1, max(longest, tokens))
+            passing = bool(waiting) and waiting[0].joined_at < patient
+            fits = budget.footprint(*after) <= budget.tokens
+            if len(joining) < room and fits and not passing:
+                joining.append(row)
+                (slots, longest), holes = after, holes - in_hole
+            else:
+                waiting.append(row)
+        self._waiting = waiting
+        return joining
 
     def _drop_withdrawn(self) -> None:
         """The rows of models withdrawn leave the queue and the batch, failed."""

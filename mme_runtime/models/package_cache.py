@@ -56,6 +56,18 @@ def register_weight_files(names: Iterable[str]) -> None:
             _weight_files.append(name)
 
 
+# The task a model directory is served for where it takes the package of its LoRA adapters for that
+# task (None: a package of its own); registered by the package that serves such bases.
+BaseTask = Callable[[Path, str | None, str | None], str | None]
+_base_task: list[BaseTask] = []
+
+
+def register_base_task(reader: BaseTask) -> None:
+    """``reader(model_dir, its task setting, HF_TASK)``: the task of a base whose adapters' package
+    it shares (a generative base and its adapters decode in one batch), else None."""
+    _base_task[:] = [reader]
+
+
 # a path, its size and its modification time: what names one set of artifacts
 Key = tuple[str, int, int]
 
@@ -197,7 +209,11 @@ class PackageCache:
         if lora.is_adapter_directory(model_dir):
             return _base_key(model_dir, self.config)
         path = model_file(model_dir)
-        return None if path is None else key_for(path)
+        if path is not None:
+            return key_for(path)
+        settings = read_settings(model_dir, self.config)
+        task = _base_task[0](model_dir, settings.task, self.config.hf_task) if _base_task else None
+        return None if task is None else _weights_key(model_dir, task, self.config)
 
     def _evict_beyond(self, limit_bytes: int) -> None:
         while self.kept_bytes > limit_bytes and self._evict_oldest(
@@ -246,15 +262,19 @@ def _base_key(adapter_dir: Path, config: Config) -> Key | None:
     base is what its ``model_fn`` makes of its files): adapters of one base for one task take one
     package."""
     settings = read_settings(adapter_dir, config)
-    task = settings.task or json.loads((adapter_dir / lora.CONFIG_FILE).read_text()).get(
-        "task_type"
-    )
+    task_type = json.loads((adapter_dir / lora.CONFIG_FILE).read_text()).get("task_type")
+    task = settings.task or lora.TASK_TYPES.get(task_type or "", task_type)
     if settings.base_model is not None and settings.base_model.startswith("s3://"):
         # Known by its URI, never asked of S3 here (the warm process's loop): a base fetched once
         # stays the one its adapters use while any is loaded; the loader fetches it anew, by ETag,
         # after the last is gone.
         return (f"{settings.base_model}#{task}", 0, 0)
-    base = lora.find_base(adapter_dir, settings.base_model, config)
+    return _weights_key(lora.find_base(adapter_dir, settings.base_model, config), task, config)
+
+
+def _weights_key(base: Path, task: str | None, config: Config) -> Key | None:
+    """A base's weights for ``task``, with its own script: what an adapter's LOAD, and a generative
+    base's own, load."""
     names = (*_weight_files, *MODEL_FILES)
     weights = next((base / name for name in names if (base / name).is_file()), None)
     if weights is None:

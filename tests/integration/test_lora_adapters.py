@@ -6,11 +6,13 @@ found, and an adapter whose base is missing fails its LOAD with 400 and the caus
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import hf_models
 import lora_models
 import pytest
 import torch
@@ -160,3 +162,44 @@ def test_adapters_of_a_plain_pytorch_module_share_its_passes_and_answer_as_peft_
     for call, got in zip(calls, answers, strict=True):
         torch.testing.assert_close(torch.tensor(got), wanted[call], atol=1e-4, rtol=0)
     assert server.log_text().count("model=mlp-adapter-") and "shares its package" in server.log_text()
+
+
+def test_sixteen_clients_over_eight_generation_adapters_and_the_base_get_peft_generate_exactly(
+    server: RunningServer,
+) -> None:
+    """CAUSAL_LM adapters of ranks 4 to 64, on attention or all linear layers, LOADed as models of their own over one
+    base, and the base LOADed as a model too: 16 clients, 54 requests of mixed prompts and lengths, each answered with
+    PEFT's greedy tokens for its adapter alone (the base's: generate's), their rows decoding in the steps of one
+    scheduler (it records into the first adapter's series)."""
+    base = lora_models.causal_base(server.models / "llama")
+    names = [f"writer-{index}" for index in range(8)]
+    for index, name in enumerate(names):
+        rank, targets = (4, 16, 64, 8)[index % 4], (lora_models.ATTENTION, lora_models.ALL_LINEAR)[index % 2]
+        directory = lora_models.causal_adapter(base, server.models / name, seed=index, rank=rank, targets=targets)
+        (directory / "serving.properties").write_text("base_model=../llama\nbatch_size=16\n")
+    for name in [*names, "llama"]:
+        response = server.load(name)
+        assert response.status_code == 200, server.log_text()[-3000:]
+    assert "model=llama shares its package" in server.log_text()  # the one its adapters loaded
+    rng = random.Random(5)
+    models = [*names, "llama"]
+    calls = [
+        (models[index % 9], hf_models.text_of_tokens(rng.randint(1, 30), index), rng.randint(1, 24))
+        for index in range(54)
+    ]
+    before = {name: batch_passes(server, name) for name in (names[0], "llama")}
+
+    def answer(call: tuple[str, str, int]) -> str:
+        body = {"inputs": call[1], "parameters": {"max_new_tokens": call[2], "do_sample": False}}
+        response = server.invoke(call[0], json.dumps(body))
+        assert response.status_code == 200, response.text
+        return str(response.json()[0]["generated_text"])
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(answer, calls))
+    for (name, text, new_tokens), got in zip(calls, answers, strict=True):
+        adapter = None if name == "llama" else server.model_dir(name)
+        assert got == lora_models.peft_text(base, adapter, text, new_tokens), name
+    passes, rows = (now - then for now, then in zip(batch_passes(server, names[0]), before[names[0]], strict=True))
+    assert rows > passes, (passes, rows)  # steps decoded the rows of several requests at once
+    assert batch_passes(server, "llama") == before["llama"]  # its rows were decoded in the same steps
