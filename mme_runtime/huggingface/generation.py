@@ -1,6 +1,8 @@
 """Generative tasks served with no code: each input becomes rows (``decoding.Row``) that the model's
 scheduler decodes with every other client's (``scheduler.py``), each picking its tokens as
-``generate`` would for it alone; other decoding modes (beam search) run ``generate`` alone.
+``generate`` would for it alone, or a beam group of rows (``beams.py``) picking its beams as
+``generate``'s beam search does; the modes not batched (constrained or group beam search,
+contrastive, assisted, DoLa) run ``generate`` alone.
 
 Parameters go to ``generate`` as the pipeline passes them, plus ``stop`` and ``seed``; what a
 request asks over the model's cap (``max_new_tokens``) or its positions answers 400, a default
@@ -27,6 +29,7 @@ import torch
 
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import InvalidInput
+from mme_runtime.huggingface.beams import BEAM_MODES, BeamGroup
 from mme_runtime.huggingface.decoding import TIME, DecodingBatch, Row
 from mme_runtime.huggingface.loading import HuggingFaceModel
 from mme_runtime.huggingface.prompts import Prompt, TextGeneration, TextToText
@@ -85,7 +88,7 @@ INTEGERS = {
 }
 INTEGERS |= {"num_return_sequences": 1, "num_beams": 1, "no_repeat_ngram_size": 0}
 NUMBERS = {"temperature", "top_p", "repetition_penalty", "length_penalty"}
-BOOLEANS = {"do_sample", "return_full_text", "early_stopping"}
+BOOLEANS = {"do_sample", "return_full_text"}
 LOOP_MODES = frozenset({"greedy_search", "sample"})
 
 
@@ -174,8 +177,9 @@ class GenerationRunner:
                 for row in rows:
                     if row.error is not None:
                         raise row.error
+                group = rows[0].group
                 sequences, cut = (
-                    [row.tokens for row in rows],
+                    group.sequences() if group is not None else [row.tokens for row in rows],
                     any(row.finish == TIME for row in rows),
                 )
             records = [prompt.answer(sequence) for sequence in sequences]
@@ -224,7 +228,9 @@ class GenerationRunner:
                 config, unset[0], unset[1], "input_ids", start, inputs
             )
             config.max_new_tokens = self._new_tokens(config.max_length - start, len(ids), sent)
-            if config.get_generation_mode().value not in LOOP_MODES:
+            config.max_length = start + config.max_new_tokens  # as generate alone gets it
+            mode = config.get_generation_mode().value
+            if mode not in LOOP_MODES | BEAM_MODES:
                 return None, config
             processors = model._get_logits_processor(
                 generation_config=config,
@@ -234,6 +240,8 @@ class GenerationRunner:
             )
         except ValueError as exc:
             raise InvalidInput(f"parameters {arguments}: {exc}") from exc
+        if mode in BEAM_MODES:
+            return self._beams(ids, config, processors, stops, seed, deadline).rows, config
         eos = config._eos_token_tensor
         ends = frozenset() if eos is None else frozenset(eos.view(-1).tolist())
         rows = []
@@ -255,6 +263,32 @@ class GenerationRunner:
                 row.tokens = [int(config._decoder_start_token_tensor.view(-1)[0])]
             rows.append(row)
         return rows, config
+
+    def _beams(
+        self,
+        ids: list[int],
+        config: Any,
+        processors: Any,
+        stops: tuple[str, ...],
+        seed: int | None,
+        deadline: float,
+    ) -> BeamGroup:
+        """One input's beam search (``beams.py``), with ``generate``'s stopping criteria: stop
+        sequences end a beam as its ``stop_strings`` do."""
+        from transformers import StoppingCriteriaList
+
+        model: Any = self.model.model
+        if stops:
+            config.stop_strings = list(stops)
+        with self._alone if stops else nullcontext():  # its tokenizer reads the stop strings
+            criteria = model._get_stopping_criteria(
+                config, StoppingCriteriaList(), self._alone_tokenizer
+            )
+        generator = None
+        if seed is not None and config.do_sample:  # its own draws, as a sampled row's
+            generator = torch.Generator(device=self._device).manual_seed(seed)
+        processors = processors if len(processors) else None
+        return BeamGroup(model, config, processors, criteria, ids, self.name, generator, deadline)
 
     def _new_tokens(self, wanted: int, prompt_length: int, sent: set[str]) -> int:
         """How many tokens an input may get: what it asks for, within the cap and the model's
@@ -378,6 +412,9 @@ def _parameters(parameters: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, 
     for key in BOOLEANS:
         if key in parameters and not isinstance(parameters[key], bool):
             raise InvalidInput(f"{key} must be true or false, not {parameters[key]!r}")
+    stopping = parameters.get("early_stopping", False)
+    if not isinstance(stopping, bool) and stopping != "never":
+        raise InvalidInput(f'early_stopping must be true, false or "never", not {stopping!r}')
     temperature, top_p = parameters.get("temperature"), parameters.get("top_p")
     if temperature is not None and temperature <= 0:
         raise InvalidInput(f"temperature must be above 0, not {temperature}")

@@ -157,10 +157,14 @@ class Scheduler:
                 if self._held <= GATHER_STEPS:
                     return []
             self._held = 0
-            return [
-                self._waiting.popleft()
-                for _ in range(min(self.max_rows - live, len(self._waiting)))
-            ]
+            joining: list[Row] = []
+            while self._waiting:
+                # a beam group's rows join as one: it may fill an empty batch past max_rows
+                size = 1 if self._waiting[0].group is None else self._waiting[0].group.size
+                if live + len(joining) + size > self.max_rows and (live or joining):
+                    break
+                joining += [self._waiting.popleft() for _ in range(size)]
+            return joining
 
     def _drop_withdrawn(self) -> None:
         """The rows of models withdrawn leave the queue and the batch, failed."""
