@@ -191,23 +191,27 @@ def peft_causal(base_dir: Path, adapter_dir: Path | None) -> Any:
     return model.eval()
 
 
-def peft_generate(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """What PEFT's ``generate`` gives a prompt alone, greedy: the new tokens."""
+def peft_generate(model: Any, prompt: list[int], max_new_tokens: int, **parameters: Any) -> list[int]:
+    """What PEFT's ``generate`` gives a prompt alone, greedy unless ``parameters`` say otherwise (``num_beams``): the
+    new tokens."""
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         output = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            **{"do_sample": False, **parameters},
         )
     return list(output[0, len(prompt) :].tolist())
 
 
-def peft_text(base_dir: Path, adapter_dir: Path | None, text: str, new_tokens: int) -> str:
-    """PEFT's greedy generate for the text alone (None: the base's), as the text-generation pipeline writes the
-    answer."""
+def peft_text(base_dir: Path, adapter_dir: Path | None, text: str, new_tokens: int, **parameters: Any) -> str:
+    """PEFT's generate for the text alone (None: the base's), greedy unless ``parameters`` say otherwise, as the
+    text-generation pipeline writes the answer."""
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(base_dir))
     prompt = tokenizer(text)["input_ids"]
-    new = peft_generate(peft_causal(base_dir, adapter_dir), prompt, new_tokens)
+    new = peft_generate(peft_causal(base_dir, adapter_dir), prompt, new_tokens, **parameters)
     full = tokenizer.decode(prompt + new, skip_special_tokens=True)
     return text + full[len(tokenizer.decode(prompt, skip_special_tokens=True)) :]

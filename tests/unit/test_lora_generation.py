@@ -106,6 +106,49 @@ def test_sixteen_clients_over_five_adapters_and_the_base_get_peft_generate_exact
     assert max(len(models) for models in mixed) >= 3, mixed  # rows of several models shared steps
 
 
+def test_beam_searches_over_adapters_and_the_base_share_steps_and_get_peft_generate_exactly(
+    made: tuple[Path, dict[str, Path]],
+) -> None:
+    """Beam groups of 2 to 4 rows and greedy rows of three adapters and the base in one batch: each beam row goes
+    through its request's adapter, and each answer has the tokens PEFT's generate gives with those beams alone."""
+    base, adapters = made
+    model, runners = served(base, adapters)
+    names = ["r16-all", "r64-rslora", "r8-head", "base"]
+    widths = [2, 1, 3, 4, 2, 1]  # num_beams of each request in turn (1: greedy)
+    cases = [
+        (names[index % len(names)], hf_models.text_of_tokens(2 + index, index), 4 + index % 9, widths[index % 6])
+        for index in range(16)
+    ]
+    mixed: list[tuple[int, int]] = []  # (models, beam groups) of each step
+    step = model.scheduler.batch.step
+
+    def recording_step() -> None:
+        live = model.scheduler.batch.live
+        mixed.append((len({row.model for row in live}), len({id(row.group) for row in live if row.group is not None})))
+        step()
+
+    model.scheduler.batch.step = recording_step
+    got: list[str | None] = [None] * len(cases)
+
+    def client(index: int) -> None:
+        name, text, new_tokens, beams = cases[index]
+        got[index] = ask(runners[name], text, max_new_tokens=new_tokens, num_beams=beams, do_sample=False)
+
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(len(cases))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for runner in runners.values():
+        runner.close()
+    wanted = [
+        lora_models.peft_text(base, None if name == "base" else adapters[name], text, new_tokens, num_beams=beams)
+        for name, text, new_tokens, beams in cases
+    ]
+    assert got == wanted
+    assert any(models >= 3 and groups >= 2 for models, groups in mixed), mixed
+
+
 def test_seeded_sampling_gives_the_same_tokens_whatever_rows_are_beside_it(made: tuple[Path, dict[str, Path]]) -> None:
     base, adapters = made
     _, runners = served(base, adapters)
