@@ -231,6 +231,7 @@ class GenerationRunner:
             config.max_length = start + config.max_new_tokens  # as generate alone gets it
             mode = config.get_generation_mode().value
             if mode not in LOOP_MODES | BEAM_MODES:
+                _check_in_library(mode)
                 return None, config
             processors = model._get_logits_processor(
                 generation_config=config,
@@ -384,6 +385,20 @@ def _join_scheduler(model: HuggingFaceModel, name: str, make: Callable[[], Sched
             scheduler = model.scheduler = make()
         scheduler.users.add(name)
         return scheduler
+
+
+def _check_in_library(mode: str) -> None:
+    """Raises ``InvalidInput`` (400) for a decoding mode transformers 5 moved out of the library to
+    a ``custom_generate`` repository on the Hub (contrastive, group and constrained beam search,
+    DoLa): ``generate`` would download its code, which a server must not do."""
+    from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerationMode
+
+    where = GENERATION_MODES_MAPPING.get(GenerationMode(mode), "")
+    if "/" in where:
+        raise InvalidInput(
+            f"{mode.replace('_', ' ')} is not served here: transformers keeps its code on the Hub "
+            f"({where}), which this server does not download"
+        )
 
 
 def _first_token(model: Any) -> list[int]:

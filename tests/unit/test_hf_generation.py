@@ -292,7 +292,10 @@ def test_a_beam_search_past_the_time_limit_answers_its_best_beam_with_a_warning(
         ({"cache_implementation": "static", "max_cache_len": 10**6}, "cache_implementation"),
         ({"eos_token_id": 10**6}, "outside the model's"),
         ({"bad_words_ids": [[1], [-2]]}, "outside the model's"),
-        ({"num_beams": 2, "forced_bos_token_id": 10**6}, "outside the model's"),  # generate alone: checked the same
+        ({"num_beams": 2, "forced_bos_token_id": 10**6}, "outside the model's"),
+        ({"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 0.5}, "group beam search is not served"),
+        ({"penalty_alpha": 0.6, "top_k": 4, "do_sample": False}, "contrastive search is not served"),
+        ({"num_beams": 2, "force_words_ids": [[5]]}, "constrained beam search is not served"),
     ],
 )
 def test_bad_parameters_are_the_clients_400(directories: Path, parameters: dict[str, Any], fragment: str) -> None:
@@ -313,12 +316,13 @@ def test_text_to_text_refuses_text_generations_parameters(directories: Path) -> 
         generator.close()
 
 
-def test_beam_search_beside_batched_rows_of_a_model_with_absolute_positions(directories: Path) -> None:
-    """BART's decoder positions come per row from a hook while the batch steps; a beam search running generate
-    alone on another thread at the same time must get its own."""
+def test_generate_alone_beside_batched_rows_of_a_model_with_absolute_positions(directories: Path) -> None:
+    """BART's decoder positions come per row from a hook while the batch steps; a mode still run by generate alone
+    (prompt lookup, an assisted generation) on another thread at the same time must get its own."""
     generator = runner(directories["bart"], "text2text-generation")
     texts = [hf_models.text_of_tokens(5 + seed, seed) for seed in range(8)]
-    parameters = [GREEDY if index % 2 else {"num_beams": 2} for index in range(len(texts))]
+    lookup = {**GREEDY, "prompt_lookup_num_tokens": 3}
+    parameters = [[GREEDY, lookup, {"num_beams": 2}][index % 3] for index in range(len(texts))]
     got: list[Any] = [None] * len(texts)
 
     def client(index: int) -> None:
