@@ -1,8 +1,9 @@
 """Generative tasks served with no code: each input becomes rows (``decoding.Row``) that the model's
 scheduler decodes with every other client's (``scheduler.py``), each picking its tokens as
 ``generate`` would for it alone, or a beam group of rows (``beams.py``) picking its beams as
-``generate``'s beam search does; the modes not batched (constrained or group beam search,
-contrastive, assisted, DoLa) run ``generate`` alone.
+``generate``'s beam search does. Assisted generation (prompt lookup) runs ``generate`` alone; the
+modes transformers keeps on the Hub (contrastive, group or constrained beam search, DoLa) answer
+400.
 
 Parameters go to ``generate`` as the pipeline passes them, plus ``stop`` and ``seed``; what a
 request asks over the model's cap (``max_new_tokens``) or its positions answers 400, a default
