@@ -294,6 +294,65 @@ def t5(directory: Path, layers: int = 2, hidden: int = 64, seed: int = 0) -> Pat
     return _save(model, tokenizer, directory)
 
 
+# The decoder families people serve, as tiny models: grouped-query attention (4 heads, 2 of keys and values), rotary
+# positions, tied or untied embeddings, and sliding windows where the family has them (SLIDING_WINDOW tokens, shorter
+# than the tests' rows, so that the window cuts).
+DECODER_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3")
+SLIDING_WINDOW = 12
+
+
+def decoder(
+    directory: Path, family: str = "llama", dtype: str = "float32", seed: int = 0, positions: int = 512
+) -> Path:
+    """A decoder-only model of ``family`` (``DECODER_FAMILIES``) with random weights saved in ``dtype`` (config.json
+    says so), and a byte-level BPE tokenizer trained here that starts each text with ``<s>``, as Llama's does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    transformers = _transformers()
+    vocab, merges = _byte_bpe(["<s>", "</s>", "<pad>"])
+    bpe = Tokenizer(models.BPE(vocab, merges))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=positions
+    )
+    common = {
+        "vocab_size": len(vocab),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": positions,
+        "bos_token_id": vocab["<s>"],
+        "eos_token_id": vocab["</s>"],
+        "pad_token_id": vocab["<pad>"],
+    }
+    gemma = {"head_dim": 16, "query_pre_attn_scalar": 16}
+    window = {"sliding_window": SLIDING_WINDOW}
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=False),
+        "mistral": lambda: transformers.MistralConfig(**common, **window),
+        # Qwen2's first max_window_layers layers attend to everything, the others within the window
+        "qwen2": lambda: transformers.Qwen2Config(
+            **common, **window, use_sliding_window=True, max_window_layers=1, tie_word_embeddings=True
+        ),
+        "gemma": lambda: transformers.GemmaConfig(**common, head_dim=16),
+        "gemma2": lambda: transformers.Gemma2Config(**common, **gemma, **window),  # sliding, then full
+        "gemma3": lambda: transformers.Gemma3TextConfig(**common, **gemma, **window, sliding_window_pattern=2),
+    }
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(configs[family]())
+    model = _lively(model, common["eos_token_id"], seed=seed)
+    if family.startswith("gemma"):
+        # Gemma multiplies its embeddings by sqrt(hidden_size) and ties them to its output: drawn this wide, each
+        # input token would outweigh the layers and be generated again and again.
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(0.02)
+    return _save(model.to(getattr(torch, dtype)), tokenizer, directory)
+
+
 # The size of the tiny BART- and Marian-shaped models: two layers each side, 64 wide, 256 positions.
 SMALL_ENCODER_DECODER = {
     "d_model": 64,

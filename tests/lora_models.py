@@ -192,9 +192,9 @@ def peft_causal(base_dir: Path, adapter_dir: Path | None) -> Any:
 
 
 def peft_generate(model: Any, prompt: list[int], max_new_tokens: int, **parameters: Any) -> list[int]:
-    """What PEFT's ``generate`` gives a prompt alone, greedy unless ``parameters`` say otherwise (``num_beams``): the
-    new tokens."""
-    ids = torch.tensor([prompt])
+    """What PEFT's ``generate`` gives a prompt alone, greedy unless ``parameters`` say otherwise (``num_beams``), on the
+    model's device: the new tokens."""
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)
     with torch.inference_mode():
         output = model.generate(
             input_ids=ids,
@@ -205,13 +205,20 @@ def peft_generate(model: Any, prompt: list[int], max_new_tokens: int, **paramete
     return list(output[0, len(prompt) :].tolist())
 
 
-def peft_text(base_dir: Path, adapter_dir: Path | None, text: str, new_tokens: int, **parameters: Any) -> str:
-    """PEFT's generate for the text alone (None: the base's), greedy unless ``parameters`` say otherwise, as the
-    text-generation pipeline writes the answer."""
+def peft_text(
+    base_dir: Path,
+    adapter_dir: Path | None,
+    text: str,
+    new_tokens: int,
+    device: torch.device | None = None,
+    **parameters: Any,
+) -> str:
+    """PEFT's generate for the text alone (None: the base's), greedy unless ``parameters`` say otherwise, on ``device``
+    (the CPU by default), as the text-generation pipeline writes the answer."""
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(base_dir))
     prompt = tokenizer(text)["input_ids"]
-    new = peft_generate(peft_causal(base_dir, adapter_dir), prompt, new_tokens, **parameters)
+    new = peft_generate(peft_causal(base_dir, adapter_dir).to(device or "cpu"), prompt, new_tokens, **parameters)
     full = tokenizer.decode(prompt + new, skip_special_tokens=True)
     return text + full[len(tokenizer.decode(prompt, skip_special_tokens=True)) :]

@@ -42,6 +42,7 @@ class Config:
     program: str = "inference.py"
     hf_task: str | None = None
     max_new_tokens: int = 1024
+    kv_cache_mb: int = 0  # 0: half the device's free memory when a generative model is placed
     submit_directory: str | None = None
     default_accept: str = "application/json"
     runtime_dir: Path = Path("/tmp/mme")
@@ -180,6 +181,7 @@ class Config:
             "MME_CPU_HOSTS": str(self.cpu_hosts),
             "MME_GPU_PASS_THREADS": str(self.gpu_pass_threads),
             "MME_MAX_NEW_TOKENS": str(self.max_new_tokens),
+            "MME_KV_CACHE_MB": str(self.kv_cache_mb),
         }
         if self.max_concurrency is not None:
             env["MME_MAX_CONCURRENCY"] = str(self.max_concurrency)

@@ -44,6 +44,14 @@ MODELS: tuple[Setting, ...] = (
         "it), for models whose serving.properties sets no `max_new_tokens`.",
     ),
     Setting(
+        "MME_KV_CACHE_MB",
+        "kv_cache_mb",
+        integer(0),
+        "0: half the device's free memory when the model is placed",
+        "KV cache memory of one generative base's decoding batch (its rows and their padding), "
+        "for models whose serving.properties sets no `kv_cache_mb`: rows that do not fit wait.",
+    ),
+    Setting(
         "MME_MODEL_ROOT",
         "model_root",
         path,

@@ -4,7 +4,8 @@ search picks them for that input alone, and says which row each beam continues.
 
 Its arithmetic is ``GenerationMixin._beam_search``'s in transformers 5.23 for a batch of one, with
 the same helpers; keep it in step with that function when transformers moves. Nothing here runs
-the model or touches the cache: ``decoding.py`` does.
+the model or touches the cache: ``decoding.py`` does. Also which of ``generate``'s other modes
+cannot be served (``unserved_mode_reason``).
 """
 
 from __future__ import annotations
@@ -180,3 +181,18 @@ class BeamGroup:
         sequences = self._sequences[0, : self._returned]
         generated = int((self._indices[0, : self._returned] + 1).bool().sum(dim=1).max())
         return sequences[:, : self._prompt + generated].tolist()
+
+
+def unserved_mode_reason(mode: str) -> str | None:
+    """Why a decoding mode cannot be served, or None: transformers 5 moved contrastive search, group
+    and constrained beam search and DoLa to ``custom_generate`` repositories on the Hub, and
+    ``generate`` would download their code, which a server must not do."""
+    from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerationMode
+
+    where = GENERATION_MODES_MAPPING.get(GenerationMode(mode), "")
+    if "/" not in where:
+        return None
+    return (
+        f"{mode.replace('_', ' ')} is not served here: transformers keeps its code on the Hub "
+        f"({where}), which this server does not download"
+    )

@@ -24,8 +24,10 @@ from typing import Any
 import torch
 
 from mme_runtime.huggingface.kv_cache import (
+    TRIM_COLUMNS,
     all_plain,
     copy_rows,
+    decoder_cache,
     join,
     pad,
     regrow,
@@ -33,9 +35,6 @@ from mme_runtime.huggingface.kv_cache import (
     write_row,
 )
 
-# Leading columns no row attends to any more are cut off once there are this many (a copy of the
-# cache).
-TRIM_COLUMNS = 32
 # Finish reasons: the model's end token, max_new_tokens, a stop sequence, the time limit.
 EOS, LENGTH, STOP, TIME = "eos", "length", "stop", "time"
 
@@ -140,7 +139,7 @@ class DecodingBatch:
         self._caches = (DynamicCache, EncoderDecoderCache)
         self.model = model
         self._holder = holder
-        self._selected: tuple[tuple[str | None, ...], Any] = ((), None)  # the steps' rows
+        self._selected: tuple[tuple[str | None, ...], Any] = ((), None)
         self.encoder_decoder = bool(model.config.is_encoder_decoder)
         self.device = next(model.parameters()).device
         parameters = set(inspect.signature(model.forward).parameters)
@@ -174,6 +173,7 @@ class DecodingBatch:
         return adapters.using(self._selected[1])  # type: ignore[no-any-return]
 
     def _reset(self) -> None:
+        self._selected = ((), None)  # the steps' adapters (their columns held by its plans)
         self.rows: list[Row | None] = []
         self.cache: Any = None
         self.mask = self.positions = self.next = self.alive = torch.empty(0)
@@ -312,7 +312,7 @@ class DecodingBatch:
             row.tokens = list(row.prompt)
         padded = bool((mask == 0).any())
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # generate's, from the mask
-        cache = self._caches[0](config=self.model.config.get_text_config(decoder=True))
+        cache = decoder_cache(self.model.config.get_text_config(decoder=True))
         with self._adapters(rows):
             outputs = self.model(
                 input_ids=ids,

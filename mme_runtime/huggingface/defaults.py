@@ -14,6 +14,7 @@ request (each generated row) names its adapter, so that the base's pass picks it
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +33,16 @@ from mme_runtime.models import lora, model_package, package_cache, pt2
 from mme_runtime.models.serving_properties import ServingSettings
 from mme_runtime.serving.contract import DefaultsProvider, register_defaults
 from mme_runtime.serving.pass_threads import RunPass, run_here
+
+# The files that hold a tokenizer's tokens: an adapter that ships its own must ship its base's.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+)
 
 
 def serves(model_dir: Path) -> bool:
@@ -67,6 +78,53 @@ def generative_base_task(
     return resolved if resolved in ("text-generation", "text2text-generation") else None
 
 
+def check_adapter(adapter_dir: Path, base_dir: Path, task: str) -> None:
+    """Raises ``ModelLoadError`` (400) for an adapter this base cannot serve: a task adapters are
+    not served for, a generative adapter over a base that does not generate, or a tokenizer of its
+    own (its requests are tokenized with the base's)."""
+    served = {*lora.TASK_TYPES.values(), *loading.GENERATIVE_TASKS}
+    if loading.base_task(task) not in served:
+        raise ModelLoadError(
+            f"a LoRA adapter for {task} is not served (adapters are served for "
+            f"{', '.join(sorted(served))})",
+            status=400,
+        )
+    try:
+        own = loading.resolve_task(base_dir, None, None)
+    except ModelLoadError:
+        own = None
+    generative = loading.GENERATIVE_TASKS
+    if loading.base_task(task) in generative and own and loading.base_task(own) not in generative:
+        raise ModelLoadError(
+            f"the adapter is for {task}, and its base {base_dir.name} is a model for {own}: a "
+            "generative adapter needs a base that generates (a ...ForCausalLM or "
+            "...ForConditionalGeneration checkpoint)",
+            status=400,
+        )
+    for name in TOKENIZER_FILES:
+        mine, theirs = adapter_dir / name, base_dir / name
+        if mine.is_file() and not (theirs.is_file() and _same_vocabulary(mine, theirs)):
+            raise ModelLoadError(
+                f"the adapter ships a tokenizer of its own ({name}) that is not its base's: its "
+                "requests are tokenized with the base's, which gives other token ids; remove it "
+                "from the adapter, or serve the adapter merged into a model of its own",
+                status=400,
+            )
+
+
+def _same_vocabulary(mine: Path, theirs: Path) -> bool:
+    """Whether two tokenizer files hold the same tokens (a ``tokenizer.json``'s model and added
+    tokens; other files byte for byte)."""
+    if mine.name != "tokenizer.json":
+        return mine.read_bytes() == theirs.read_bytes()
+    try:
+        a, b = (json.loads(path.read_text(encoding="utf-8")) for path in (mine, theirs))
+    except (OSError, ValueError):
+        return False
+    keys = ("model", "added_tokens")
+    return all(a.get(key) == b.get(key) for key in keys)
+
+
 class HuggingFaceDefaults:
     """One model's defaults (its task is its own)."""
 
@@ -83,11 +141,8 @@ class HuggingFaceDefaults:
             self.base_dir = lora.find_base(model_dir, settings.base_model, config)
             task = task or self.adapter.task
         self.task = loading.resolve_task(self.base_dir, task, config.hf_task)
-        if self.adapter is not None and self.task not in lora.TASK_TYPES.values():
-            served = ", ".join(sorted(lora.TASK_TYPES.values()))
-            raise ModelLoadError(
-                f"a LoRA adapter for {self.task} is not served (adapters are served for {served})"
-            )
+        if self.adapter is not None:
+            check_adapter(model_dir, self.base_dir, self.task)
         self._trust_remote_code = settings.trust_remote_code
         self._pooling = settings.pooling
         self._runner: TaskRunner | AudioRunner | None = None
@@ -182,14 +237,17 @@ def generation_limits(settings: ServingSettings, config: Config) -> GenerationLi
     """The cap on new tokens (``serving.properties``'s ``max_new_tokens``, else
     ``MME_MAX_NEW_TOKENS``) and the time limit of a generation (``serving.properties``, else cut
     ``TIME_MARGIN_SECONDS`` before ``SAGEMAKER_MODEL_SERVER_TIMEOUT``, so that it answers in
-    time)."""
+    time), and the KV cache of its decoding batch (``kv_cache_mb``, else ``MME_KV_CACHE_MB``, else
+    half the device's free memory)."""
     cap = settings.max_new_tokens or config.max_new_tokens
     source = (
         "max_new_tokens in serving.properties" if settings.max_new_tokens else "MME_MAX_NEW_TOKENS"
     )
     latest = max(1.0, config.response_timeout_seconds - generation.TIME_MARGIN_SECONDS)
     seconds = min(settings.max_generation_seconds or latest, latest)
-    return GenerationLimits(cap, source, seconds, settings.batch_size)
+    kv_mb = settings.kv_cache_mb or config.kv_cache_mb or None
+    kv_from = "kv_cache_mb in serving.properties" if settings.kv_cache_mb else "MME_KV_CACHE_MB"
+    return GenerationLimits(cap, source, seconds, settings.batch_size, kv_mb, kv_from)
 
 
 class _Answer:

@@ -30,8 +30,9 @@ import torch
 
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.huggingface.beams import BEAM_MODES, BeamGroup
+from mme_runtime.huggingface.beams import BEAM_MODES, BeamGroup, unserved_mode_reason
 from mme_runtime.huggingface.decoding import TIME, DecodingBatch, Row
+from mme_runtime.huggingface.kv_cache import budget_for
 from mme_runtime.huggingface.loading import HuggingFaceModel
 from mme_runtime.huggingface.prompts import Prompt, TextGeneration, TextToText
 from mme_runtime.huggingface.requests import TaskRequest
@@ -100,6 +101,8 @@ class GenerationLimits:
     max_new_tokens_from: str = "MME_MAX_NEW_TOKENS"
     seconds: float = 60.0 - TIME_MARGIN_SECONDS
     max_rows: int = 1  # rows decoded together at most: the model's batch_size
+    kv_cache_mb: int | None = None  # the decoding batch's KV cache (None: half the free memory)
+    kv_cache_from: str = "MME_KV_CACHE_MB"  # where that bound was set, for the answer that names it
 
 
 class GenerationRunner:
@@ -126,7 +129,13 @@ class GenerationRunner:
         self._scheduler = _join_scheduler(
             model,
             name,
-            lambda: Scheduler(DecodingBatch(model.model, model), limits.max_rows, name, run_pass),
+            lambda: Scheduler(
+                DecodingBatch(model.model, model),
+                limits.max_rows,
+                name,
+                run_pass,
+                budget_for(model.model, device, limits.kv_cache_mb, limits.kv_cache_from),
+            ),
         )
         self._vocabulary = vocabulary(model.model)
         # the scheduler thread's, for stop sequences
@@ -232,8 +241,12 @@ class GenerationRunner:
             config.max_length = start + config.max_new_tokens  # as generate alone gets it
             mode = config.get_generation_mode().value
             if mode not in LOOP_MODES | BEAM_MODES:
-                _check_in_library(mode)
+                reason = unserved_mode_reason(mode)
+                if reason is not None:
+                    raise InvalidInput(reason)
                 return None, config
+            beams = config.num_beams if mode in BEAM_MODES else 1  # a group's rows join together
+            self._scheduler.check_room(len(ids), config.max_new_tokens, beams)
             processors = model._get_logits_processor(
                 generation_config=config,
                 input_ids_seq_length=start,
@@ -342,9 +355,7 @@ class GenerationRunner:
     ) -> tuple[list[list[int]], bool]:
         """``generate`` for one input alone (beam search, say), stopped at the deadline: one at a
         time, on a pass thread of a GPU's."""
-        adapters = self.model.adapters
-        selected = nullcontext() if adapters is None else adapters.selecting_all(self.name)
-        with self._alone, selected:
+        with self._alone:
             generated: tuple[list[list[int]], bool] = self._run_pass(
                 functools.partial(self._generate, prompt, config, stops, deadline)
             )
@@ -358,7 +369,9 @@ class GenerationRunner:
             key: value for key, value in prompt.generate.items() if key != "generation_config"
         }
         arguments["max_new_tokens"] = config.max_new_tokens
-        with torch.inference_mode():
+        adapters = self.model.adapters  # the adapter this thread's passes use: this model's
+        selected = nullcontext() if adapters is None else adapters.selecting_all(self.name)
+        with torch.inference_mode(), selected:
             remaining = deadline - time.monotonic()
             if stops:
                 arguments.update(stop_strings=list(stops), tokenizer=self._alone_tokenizer)
@@ -386,20 +399,6 @@ def _join_scheduler(model: HuggingFaceModel, name: str, make: Callable[[], Sched
             scheduler = model.scheduler = make()
         scheduler.users.add(name)
         return scheduler
-
-
-def _check_in_library(mode: str) -> None:
-    """Raises ``InvalidInput`` (400) for a decoding mode transformers 5 moved out of the library to
-    a ``custom_generate`` repository on the Hub (contrastive, group and constrained beam search,
-    DoLa): ``generate`` would download its code, which a server must not do."""
-    from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerationMode
-
-    where = GENERATION_MODES_MAPPING.get(GenerationMode(mode), "")
-    if "/" in where:
-        raise InvalidInput(
-            f"{mode.replace('_', ' ')} is not served here: transformers keeps its code on the Hub "
-            f"({where}), which this server does not download"
-        )
 
 
 def _first_token(model: Any) -> list[int]:

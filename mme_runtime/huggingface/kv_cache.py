@@ -8,11 +8,80 @@ cross-attention one (padded on the right).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-ROOM = 64  # tokens of room a buffer gets beyond what it holds when it is made
+from mme_runtime.operations.memory import available_bytes
+
+ROOM = 64  # tokens of room a buffer gets beyond what it holds when it is made (or a quarter more)
+# Leading columns no row attends to any more are cut off once there are this many (a copy of the
+# cache: ``decoding.py``).
+TRIM_COLUMNS = 32
+MIB = 1 << 20
+
+
+def with_room(tokens: int) -> int:
+    """The length of a buffer made to hold ``tokens``: room for ``ROOM`` or a quarter more."""
+    return tokens + max(ROOM, tokens // 4)
+
+
+@dataclass(frozen=True)
+class KvBudget:
+    """The KV cache one decoding batch may hold: ``tokens`` token places of one row, each holding
+    ``token_bytes`` (every layer's key and value); ``source`` says who set it, for the answer that
+    names it. The batch's cache is one padded block (its rows, finished places included, times its
+    longest row and the columns not yet trimmed, with the room its buffers keep): ``footprint``."""
+
+    tokens: int
+    token_bytes: int
+    source: str
+
+    @staticmethod
+    def footprint(rows: int, longest: int) -> int:
+        return rows * with_room(longest + TRIM_COLUMNS)
+
+    def describe(self, tokens: int) -> str:
+        return f"{tokens} tokens ({tokens * self.token_bytes / MIB:.1f} MiB)"
+
+
+def budget_for(model: Any, device: torch.device, mb: int | None, source: str) -> KvBudget | None:
+    """The KV budget of ``model``'s decoding batch: ``mb`` MiB where set (by ``source``), else half
+    of what ``device`` has free now. None where the model's config does not give a token's size."""
+    size = token_bytes(model)
+    if size is None:
+        return None
+    if mb is None:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            free = available_bytes()[0]
+        total, source = free // 2, f"half the free memory of {device} when the model was placed"
+    else:
+        total = mb * MIB
+    return KvBudget(max(1, total // size), size, source)
+
+
+def token_bytes(model: Any) -> int | None:
+    """The bytes one token takes in the KV cache of every decoder layer (keys and values), from the
+    model's config and its dtype; None where the config does not say (no bound is kept then)."""
+    config = model.config.get_text_config(decoder=True)
+
+    def first(*names: str) -> int | None:
+        values = (getattr(config, name, None) for name in names)
+        return next((int(value) for value in values if isinstance(value, int) and value > 0), None)
+
+    layers = first("num_hidden_layers", "num_decoder_layers", "decoder_layers", "n_layer")
+    layers = layers or first("num_layers")
+    heads = first("num_attention_heads", "decoder_attention_heads", "n_head", "num_heads")
+    hidden = first("hidden_size", "d_model", "n_embd")
+    kv_heads = first("num_key_value_heads") or heads
+    head_dim = first("head_dim", "d_kv") or (hidden // heads if hidden and heads else None)
+    if not (layers and kv_heads and head_dim):
+        return None
+    itemsize: int = next(model.parameters()).element_size()
+    return 2 * layers * kv_heads * head_dim * itemsize
 
 
 def _dynamic_layer() -> Any:
@@ -59,7 +128,7 @@ def _growing_class() -> Any:
             ) -> Any:
                 length, added = self.keys.shape[-2], key_states.shape[-2]
                 if length + added > self._keys.shape[-2]:
-                    self.hold(self.keys, self.values, 2 * (length + added))
+                    self.hold(self.keys, self.values, with_room(length + added))
                 self._keys[:, :, length : length + added] = key_states
                 self._values[:, :, length : length + added] = value_states
                 self.keys, self.values = (
@@ -89,6 +158,24 @@ def regrow(cache: Any) -> None:
     copy)."""
     holder = cache.self_attention_cache if hasattr(cache, "self_attention_cache") else cache
     holder.layers = [growing_layer(layer.keys, layer.values) for layer in holder.layers]
+
+
+def decoder_cache(config: Any) -> Any:
+    """An empty cache for a decoder-only model's prefill. Where every layer attends to all tokens
+    or within a sliding window (Mistral, Qwen2, Gemma 2 and 3), its layers are all plain ones that
+    keep every token: the model's mask applies the window in cache columns, where a row's tokens
+    are adjacent, so rows pad together (transformers' sliding layers keep only the window, which
+    the batch's padding mask cannot follow). Other layers (linear or chunked attention) keep the
+    model's own cache."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=config)
+    windowed = (_dynamic_layer(), DynamicSlidingWindowLayer)
+    chunked = getattr(config, "attention_chunk_size", None) is not None
+    if chunked or not all(type(layer) in windowed for layer in cache.layers):
+        return cache
+    return DynamicCache()  # its layers are made as the prefill reaches them, all plain
 
 
 def all_plain(cache: Any) -> bool:

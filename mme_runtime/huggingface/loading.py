@@ -173,8 +173,19 @@ class HuggingFaceModel:
 
     def place(self, device: torch.device) -> HuggingFaceModel:
         self.model = self.model.to(device).eval()
+        if device.type == "cpu" and base_task(self.task) in GENERATIVE_TASKS and _half(self.model):
+            # Half-precision sums over a batch's padded rows round otherwise than over one row
+            # alone, which can tip a greedy pick: on the CPU, rows get generate's tokens exactly
+            # only in float32 (transformers 4, the AWS container's, loaded float32 by default).
+            logger.info("%s computes in float32 on the CPU", type(self.model).__name__)
+            self.model = self.model.float()
         _register_output_capture(self.model)
         return self
+
+
+def _half(model: torch.nn.Module) -> bool:
+    """Whether the model holds weights in a 16-bit float (bfloat16, float16)."""
+    return any(p.is_floating_point() and p.element_size() < 4 for p in model.parameters())
 
 
 def is_hugging_face_directory(model_dir: Path) -> bool:

@@ -20,7 +20,9 @@ from collections import deque
 
 import torch
 
+from mme_runtime.base.errors import InvalidInput
 from mme_runtime.huggingface.decoding import STOP, TIME, DecodingBatch, Row
+from mme_runtime.huggingface.kv_cache import KvBudget
 from mme_runtime.operations import metrics
 from mme_runtime.serving.pass_threads import RunPass, run_here
 
@@ -30,6 +32,9 @@ logger = logging.getLogger(__name__)
 # GATHER_ROWS of them to share one prefill pass (each pass costs a few milliseconds before its first
 # token).
 GATHER_ROWS, GATHER_STEPS = 3, 2
+# A row waiting for KV cache room lets later rows that fit go first, until it has waited this long:
+# then none passes it, so the batch drains to make room for it.
+PATIENCE_SECONDS = 2.0
 
 
 class ModelUnloaded(RuntimeError):
@@ -42,9 +47,15 @@ class Scheduler:
     in the same steps, each with its own adapter."""
 
     def __init__(
-        self, batch: DecodingBatch, max_rows: int, name: str, run_pass: RunPass = run_here
+        self,
+        batch: DecodingBatch,
+        max_rows: int,
+        name: str,
+        run_pass: RunPass = run_here,
+        budget: KvBudget | None = None,
     ) -> None:
         self.batch = batch
+        self.budget = budget  # the KV cache its batch may hold (None: no bound)
         self._run_pass = run_pass  # where each step runs: a GPU's pass threads, or this thread
         self.max_rows = max(1, max_rows)
         self._waiting: deque[Row] = deque()
@@ -157,14 +168,75 @@ class Scheduler:
                 if self._held <= GATHER_STEPS:
                     return []
             self._held = 0
-            joining: list[Row] = []
-            while self._waiting:
-                # a beam group's rows join as one: it may fill an empty batch past max_rows
-                size = 1 if self._waiting[0].group is None else self._waiting[0].group.size
-                if live + len(joining) + size > self.max_rows and (live or joining):
-                    break
-                joining += [self._waiting.popleft() for _ in range(size)]
-            return joining
+            return self._joining(self.max_rows - live)
+
+    def reserved(self, prompt: int, max_new_tokens: int) -> int:
+        """The cache places a row of a ``prompt``-token input may take (an encoder-decoder's: its
+        input, for cross-attention, and its decoder's start and new tokens)."""
+        return prompt + max_new_tokens + (1 if self.batch.encoder_decoder else 0)
+
+    def check_room(self, prompt: int, max_new_tokens: int, rows: int = 1) -> None:
+        """Raises ``InvalidInput`` (400) for a row (a beam group's ``rows``) that could not fit the
+        KV budget even alone."""
+        budget = self.budget
+        if budget is None:
+            return
+        needed = budget.footprint(rows, self.reserved(prompt, max_new_tokens))
+        if needed > budget.tokens:
+            beams = f", {rows} beams" if rows > 1 else ""
+            raise InvalidInput(
+                f"this input needs {budget.describe(needed)} of KV cache ({prompt} input tokens, "
+                f"max_new_tokens={max_new_tokens}{beams}, and the room its buffers keep), and this "
+                f"model's decoding batch holds at most {budget.describe(budget.tokens)} "
+                f"({budget.source}): ask fewer new tokens or send a shorter input"
+            )
+
+    def _joining(self, room: int) -> list[Row]:
+        """The waiting rows that join now, in order, within ``room`` rows and the KV budget. A beam
+        group's rows join together or wait together; one wider than ``room`` joins an empty batch.
+        A row (or group) that does not fit waits and the rows behind it that fit go first, until it
+        has waited ``PATIENCE_SECONDS``."""
+        budget, rows = self.budget, self.batch.rows
+        if budget is None and all(row.group is None for row in self._waiting):
+            return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+        state = (0, 0, 0)  # the batch's places, the empty ones, the most a row reserves
+        if budget is not None:
+            state = (
+                len(rows),
+                rows.count(None),
+                max(map(self._reserved, self.batch.live), default=0),
+            )
+        joining: list[Row] = []
+        waiting: deque[Row] = deque()
+        patient = time.monotonic() - PATIENCE_SECONDS
+        empty = not self.batch.live
+        for unit in _units(self._waiting):
+            after = state if budget is None else self._after(unit, *state)
+            fits = budget is None or budget.footprint(after[0], after[2]) <= budget.tokens
+            passing = bool(waiting) and waiting[0].joined_at < patient
+            wide = empty and not joining  # a group wider than the batch, alone
+            if (len(joining) + len(unit) <= room or wide) and fits and not passing:
+                joining += unit
+                state = after
+            else:
+                waiting.extend(unit)
+        self._waiting = waiting
+        return joining
+
+    def _reserved(self, row: Row) -> int:
+        return self.reserved(len(row.prompt), row.max_new_tokens)
+
+    def _after(self, unit: list[Row], slots: int, holes: int, longest: int) -> tuple[int, int, int]:
+        """The batch's places, empty places and most reserved once ``unit`` joins: each row in a
+        finished row's place where ``DecodingBatch._place`` writes it there, else added."""
+        width = self.batch.mask.shape[1] if self.batch.rows else 0
+        for row in unit:
+            in_hole = holes > 0 and len(row.tokens or row.prompt) <= width
+            if self.batch.encoder_decoder:
+                in_hole = in_hole and len(row.prompt) <= self.batch.encoded.shape[1]
+            slots, holes = (slots, holes - 1) if in_hole else (slots + 1, holes)
+            longest = max(longest, self._reserved(row))
+        return slots, holes, longest
 
     def _drop_withdrawn(self) -> None:
         """The rows of models withdrawn leave the queue and the batch, failed."""
@@ -221,3 +293,15 @@ class Scheduler:
             event = self._events.pop(id(row), None)
         if event is not None:
             event.set()
+
+
+def _units(rows: deque[Row]) -> list[list[Row]]:
+    """The waiting rows in order, a beam group's rows as one unit (they are queued one after
+    another)."""
+    units: list[list[Row]] = []
+    for row in rows:
+        if row.group is not None and units and units[-1][0].group is row.group:
+            units[-1].append(row)
+        else:
+            units.append([row])
+    return units

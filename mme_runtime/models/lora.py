@@ -69,6 +69,14 @@ class Adapter:
         tensors += [t for state in self.saved.values() for t in state.values()]
         return sum(tensor.nbytes for tensor in tensors)
 
+    def let_go(self) -> int:
+        """Forgets its tensors, which the layers it wraps hold now (``lora_layers.py``), so that
+        they are in memory once; returns their bytes."""
+        size = self.nbytes
+        self.lora.clear()
+        self.saved.clear()
+        return size
+
 
 def read_adapter(model_dir: Path) -> Adapter:
     """The adapter in ``model_dir``; ``ModelLoadError`` naming the problem when it is not one this

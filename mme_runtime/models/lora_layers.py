@@ -49,19 +49,42 @@ class Columns:
     ranges: dict[int, tuple[int, int]]  # adapter -> its columns [first, end)
 
     @staticmethod
-    def of(updates: dict[int, tuple[torch.Tensor, torch.Tensor, float]]) -> Columns | None:
-        if not updates:
-            return None
-        ranges, first = {}, 0
-        for index, (down, _, _) in updates.items():
-            ranges[index], first = (first, first + down.shape[0]), first + down.shape[0]
-        down = torch.cat([down for down, _, _ in updates.values()])
-        owner = torch.cat([torch.full((end - start,), i) for i, (start, end) in ranges.items()])
+    def adding(
+        columns: Columns | None, index: int, down: torch.Tensor, up: torch.Tensor, scaling: float
+    ) -> Columns:
+        """``columns`` and adapter ``index``'s (A: rank x in, B: out x rank) after them."""
+        owner = torch.full((down.shape[0],), index, device=down.device)
+        if columns is None:
+            return Columns(down, up, owner, {index: scaling}, {index: (0, down.shape[0])})
+        first = columns.down.shape[0]
         return Columns(
-            down,
-            torch.cat([up for _, up, _ in updates.values()], dim=1),
-            owner.to(down.device),
-            {index: scaling for index, (_, _, scaling) in updates.items()},
+            torch.cat([columns.down, down]),
+            torch.cat([columns.up, up], dim=1),
+            torch.cat([columns.owner, owner]),
+            {**columns.scaling, index: scaling},
+            {**columns.ranges, index: (first, first + down.shape[0])},
+        )
+
+    def without(self, index: int) -> Columns | None:
+        """These columns without adapter ``index``'s (None: no adapter left)."""
+        start, end = self.ranges[index]
+        if end - start == self.down.shape[0]:
+            return None
+        kept = torch.cat([torch.arange(0, start), torch.arange(end, self.down.shape[0])])
+        kept = kept.to(self.down.device)
+        shift = {
+            other: (end - start if first >= end else 0) for other, (first, _) in self.ranges.items()
+        }
+        ranges = {
+            other: (first - shift[other], last - shift[other])
+            for other, (first, last) in self.ranges.items()
+            if other != index
+        }
+        return Columns(
+            self.down.index_select(0, kept),
+            self.up.index_select(1, kept),
+            self.owner[kept],
+            {other: scale for other, scale in self.scaling.items() if other != index},
             ranges,
         )
 
@@ -116,12 +139,7 @@ class LoraLinear(torch.nn.Module):
         super().__init__()
         self.base = base
         self.adapters = adapters
-        self.updates: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
-        self.columns: Columns | None = None
-
-    def set_updates(self, updates: dict[int, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
-        self.updates = updates
-        self.columns = Columns.of(updates)
+        self.columns: Columns | None = None  # replaced whole when an adapter comes or goes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result: torch.Tensor = self.base(x)
@@ -237,7 +255,7 @@ class AdapterSet:
                 down, up, scaling = adapter.lora[path]
                 device, dtype = layer.base.weight.device, layer.base.weight.dtype
                 own = (down.to(device, dtype), up.to(device, dtype), scaling)
-                layer.set_updates({**layer.updates, index: own})
+                layer.columns = Columns.adding(layer.columns, index, *own)
             for path, holder in holders.items():
                 holder.copies[index] = copies[path]
             self.index[name] = index
@@ -268,8 +286,12 @@ class AdapterSet:
             index = self.index.pop(name, None)
             if index is not None:
                 for layer in self.module.modules():
-                    if isinstance(layer, LoraLinear) and index in layer.updates:
-                        layer.set_updates({k: v for k, v in layer.updates.items() if k != index})
+                    if (
+                        isinstance(layer, LoraLinear)
+                        and layer.columns
+                        and index in layer.columns.ranges
+                    ):
+                        layer.columns = layer.columns.without(index)
                     elif isinstance(layer, SavedModule):
                         layer.copies.pop(index, None)
             return len(self.index)

@@ -8,8 +8,9 @@ forward pass) and ``max_batch_delay`` (milliseconds); ``max_concurrency`` (forwa
 ``trust_remote_code`` and ``pooling`` for a Hugging Face model served with no code
 (``huggingface/loading.py``); ``share_weights`` (``false``: its tensors are its own, never held once
 with another model's, ``tensor_store.py``); ``base_model`` (a LoRA adapter's base, ``lora.py``);
-``max_new_tokens`` and ``max_generation_seconds`` (a generative model's cap on new tokens and on the
-time of one generation, ``huggingface/generation.py``). A LOAD body that carries ``batch_size`` wins
+``max_new_tokens``, ``max_generation_seconds`` and ``kv_cache_mb`` (a generative model's cap on new
+tokens, on the time of one generation and on its decoding batch's KV cache,
+``huggingface/generation.py``). A LOAD body that carries ``batch_size`` wins
 over both: MMS then sends it in every worker's LOAD message. A malformed file fails the LOAD, with
 the cause in the log.
 """
@@ -42,7 +43,7 @@ KNOWN_KEYS = (
     # whether its own code may run.
     *("task", "trust_remote_code", "pooling"),
     *("share_weights", "base_model"),
-    *("max_new_tokens", "max_generation_seconds"),
+    *("max_new_tokens", "max_generation_seconds", "kv_cache_mb"),
 )
 COMPILE_MODES = ("default", "max-autotune")
 ISOLATIONS = ("shared", "process")
@@ -78,6 +79,7 @@ class ServingSettings:
     max_new_tokens: int | None = None  # a generative model's cap; None: the container's
     # when a generation is cut; None: before the request's timeout
     max_generation_seconds: float | None = None
+    kv_cache_mb: int | None = None  # a generative model's KV cache bound; None: the container's
 
     @property
     def batching(self) -> bool:
@@ -148,6 +150,7 @@ def read_settings(model_dir: Path, config: Config) -> ServingSettings:
             max_generation_seconds=_seconds(
                 "max_generation_seconds", values.get("max_generation_seconds")
             ),
+            kv_cache_mb=_optional_int("kv_cache_mb", values.get("kv_cache_mb"), 1, 1 << 30),
         )
     except (ConfigError, OSError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{FILE_NAME} is malformed: {exc}") from exc

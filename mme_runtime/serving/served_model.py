@@ -217,7 +217,7 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
                 module = self._model if plain else self._model.model
                 name, adapter = self._context.model_name, self._adapter
                 adapters = lora_layers.attach(self._model, module, name, adapter)
-                self._adapter_bytes, self._adapter = adapter.nbytes, None
+                self._adapter_bytes, self._adapter = adapter.let_go(), None
                 if self._source_dir != Path(self._context.model_dir):
                     self.row_adapters = adapters  # a plain module: its rows picked per job
         except Exception as exc:  # boundary: a model that cannot be placed fails the host's LOAD

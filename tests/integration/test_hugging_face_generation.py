@@ -1,7 +1,8 @@
 """Generative Hugging Face models served with no code, through the real frontend: 16 concurrent clients with mixed
 prompts and max_new_tokens each get what transformers' generate gives their input alone (greedy: the exact text),
-their rows share decoding steps, a long generation does not hold short ones back, bad parameters answer 400 for the
-request at fault only, and a generation past its time limit answers what it has with a warning."""
+their rows share decoding steps (so do a Mistral's and a Gemma 3's), a long generation does not hold short ones back,
+bad parameters answer 400 for the request at fault only, and a generation past its time limit answers what it has
+with a warning."""
 
 from __future__ import annotations
 
@@ -141,6 +142,52 @@ def test_beam_searches_share_steps_with_greedy_rows_and_get_generates_answers(
     for name, then in before.items():
         passes, rows = (now - old for now, old in zip(batch_passes(server, name), then, strict=True))
         assert rows > passes, (name, passes, rows)
+
+
+def test_sixteen_clients_of_the_decoder_families_get_generates_tokens_alone(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    """A Mistral from a bfloat16 checkpoint (sliding windows in every layer, untied embeddings) and a Gemma 3 from a
+    float32 one (sliding and full layers, tied embeddings), 16 clients with prompts and max_new_tokens past the window:
+    every answer is the pipeline's for that text alone, exactly, with the model as the CPU serves it (float32)."""
+    import torch
+    import transformers
+
+    sources = {"mistral": hf_models.decoder(tmp_path / "mistral", "mistral", "bfloat16")}
+    sources["gemma3"] = hf_models.decoder(tmp_path / "gemma3", "gemma3", "float32")
+    for name, source in sources.items():
+        shutil.copytree(source, server.models / name)
+        (server.models / name / "serving.properties").write_text("task=text-generation\nbatch_size=8\n")
+        assert server.load(name).status_code == 200, server.log_text()[-3000:]
+    for name in sources:
+        assert wait_until(lambda name=name: _workers_ready(server, name, 8), 60), name
+    rng = random.Random(8)
+    calls = [
+        (name, hf_models.text_of_tokens(rng.randint(1, 24), index), rng.randint(1, 24))
+        for index, name in enumerate(["mistral", "gemma3"] * 8)
+    ]
+    before = {name: batch_passes(server, name) for name in sources}
+
+    def call(case: tuple[str, str, int]) -> Any:
+        response = generate(server, case[0], case[1], max_new_tokens=case[2], **GREEDY)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    try:
+        with ThreadPoolExecutor(16) as clients:
+            answers = list(clients.map(call, calls))
+        for name in sources:
+            passes, rows = (now - then for now, then in zip(batch_passes(server, name), before[name], strict=True))
+            assert rows > passes, (name, passes, rows)  # steps decoded several rows at once
+    finally:
+        for name in sources:
+            server.unload(name)
+    pipelines = {
+        name: transformers.pipeline("text-generation", model=str(source), dtype=torch.float32)
+        for name, source in sources.items()
+    }
+    for (name, text, new_tokens), answer in zip(calls, answers, strict=True):
+        assert answer == pipelines[name](text, max_new_tokens=new_tokens, **GREEDY), (name, text, new_tokens)
 
 
 def test_a_long_generation_does_not_hold_short_ones_back(server: RunningServer) -> None:

@@ -197,3 +197,21 @@ def test_an_adapter_naming_its_base_takes_the_package_of_the_adapters_that_set_i
     cache = PackageCache(Config(model_root=root), lambda package: None)
     keys = [cache.key(ModelSpec(name, str(root / name), "handler_service", "/tmp")) for name in ("named", "set")]
     assert keys[0] is not None and keys[0] == keys[1]
+
+
+def test_a_layer_holds_each_adapter_s_matrices_once_and_lets_one_go_leaving_the_others_in_place() -> None:
+    torch.manual_seed(0)
+    parts = {
+        index: (torch.randn(rank, 6), torch.randn(5, rank), 0.5 * index) for index, rank in ((0, 2), (1, 4), (2, 3))
+    }
+    columns = None
+    for index, part in parts.items():
+        columns = lora_layers.Columns.adding(columns, index, *part)
+    assert columns is not None
+    assert columns.down.nbytes + columns.up.nbytes == sum(down.nbytes + up.nbytes for down, up, _ in parts.values())
+    kept = columns.without(1)
+    assert kept is not None and kept.ranges == {0: (0, 2), 2: (2, 5)}
+    assert torch.equal(kept.down, torch.cat([parts[0][0], parts[2][0]]))
+    assert torch.equal(kept.up, torch.cat([parts[0][1], parts[2][1]], dim=1))
+    assert kept.owner.tolist() == [0, 0, 2, 2, 2] and kept.scaling == {0: 0.0, 2: 1.0}
+    assert kept.without(0) is not None and kept.without(0).without(2) is None  # type: ignore[union-attr]

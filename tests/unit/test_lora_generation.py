@@ -6,8 +6,11 @@ server cannot serve are refused at LOAD with the reason."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +19,15 @@ import lora_models
 import pytest
 import torch
 
+from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
 from mme_runtime.huggingface import loading as hf_loading
+from mme_runtime.huggingface.defaults import HuggingFaceDefaults
 from mme_runtime.huggingface.generation import GenerationLimits, GenerationRunner
 from mme_runtime.huggingface.requests import TaskRequest
 from mme_runtime.huggingface.scheduler import ModelUnloaded
 from mme_runtime.models import lora, lora_layers
+from mme_runtime.models.serving_properties import read_settings
 
 CPU = torch.device("cpu")
 # name -> (rank, targets, options): ranks 4 to 64 in one batch, attention only or all linear layers, rsLoRA, an
@@ -246,3 +252,63 @@ def test_an_adapter_of_another_base_is_refused_naming_the_shapes(
     with pytest.raises(ModelLoadError, match="trained on another base") as refused:
         lora_layers.attach(model, model.model, "of-wider", lora.read_adapter(directory))
     assert refused.value.status == 400
+
+
+def defaults_for(adapter_dir: Path) -> HuggingFaceDefaults:
+    config = Config(allow_any_model_location=True)
+    return HuggingFaceDefaults(adapter_dir, read_settings(adapter_dir, config), config)
+
+
+def test_a_generation_adapter_over_a_classifier_is_refused_naming_both(
+    made: tuple[Path, dict[str, Path]], tmp_path: Path
+) -> None:
+    lora_models.base(tmp_path / "classifier")
+    directory = Path(shutil.copytree(made[1]["r16-all"], tmp_path / "over-a-classifier"))
+    (directory / "serving.properties").write_text("base_model=../classifier\n")
+    with pytest.raises(
+        ModelLoadError, match="is a model for text-classification: a generative adapter needs"
+    ) as refused:
+        defaults_for(directory)
+    assert refused.value.status == 400
+
+
+def test_an_adapter_with_a_tokenizer_of_its_own_is_refused_and_one_with_its_base_s_served(
+    made: tuple[Path, dict[str, Path]], tmp_path: Path
+) -> None:
+    base, adapters = made
+    directory = Path(shutil.copytree(adapters["r4-attention"], tmp_path / "own-tokenizer"))
+    (directory / "serving.properties").write_text(f"base_model={base}\n")
+    shutil.copy(base / "tokenizer.json", directory / "tokenizer.json")  # the base's own: served
+    assert defaults_for(directory).task == "text-generation"
+    tokenizer = json.loads((base / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"]["a-token-of-its-own"] = len(tokenizer["model"]["vocab"])
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ModelLoadError, match=r"ships a tokenizer of its own \(tokenizer.json\)") as refused:
+        defaults_for(directory)
+    assert refused.value.status == 400
+
+
+def test_passes_on_another_thread_use_the_adapter_greedy_and_with_beams(made: tuple[Path, dict[str, Path]]) -> None:
+    """A GPU's passes run on its pass threads, not the caller's: each pass still uses its row's adapter."""
+    base, adapters = made
+    model = hf_loading.load(base, "text-generation", trust_remote_code=False).place(CPU)
+    lora_layers.attach(model, model.model, "r16-all", lora.read_adapter(adapters["r16-all"]))
+    with ThreadPoolExecutor(1) as pass_thread:
+        generator = GenerationRunner(
+            model, CPU, GenerationLimits(max_rows=16), "r16-all", lambda run: pass_thread.submit(run).result()
+        )
+        text = hf_models.text_of_tokens(12, 4)
+        assert ask(generator, text, max_new_tokens=10, do_sample=False) == lora_models.peft_text(
+            base, adapters["r16-all"], text, 10
+        )
+        beams = ask(generator, text, max_new_tokens=10, do_sample=False, num_beams=3)
+        generator.close()
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(base))
+    reference = lora_models.peft_causal(base, adapters["r16-all"])
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    with torch.inference_mode():
+        output = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, num_beams=3)
+    full = tokenizer.decode(output[0], skip_special_tokens=True)
+    assert beams == text + full[len(tokenizer.decode(ids[0], skip_special_tokens=True)) :]
