@@ -289,7 +289,8 @@ def test_an_adapter_with_a_tokenizer_of_its_own_is_refused_and_one_with_its_base
 
 
 def test_passes_on_another_thread_use_the_adapter_greedy_and_with_beams(made: tuple[Path, dict[str, Path]]) -> None:
-    """A GPU's passes run on its pass threads, not the caller's: each pass still uses its row's adapter."""
+    """A GPU's passes run on its pass threads, not the caller's: each pass still uses its row's adapter, in the batch
+    (greedy rows, a beam group) and in a generate alone (prompt lookup, which gives greedy's tokens)."""
     base, adapters = made
     model = hf_loading.load(base, "text-generation", trust_remote_code=False).place(CPU)
     lora_layers.attach(model, model.model, "r16-all", lora.read_adapter(adapters["r16-all"]))
@@ -302,7 +303,9 @@ def test_passes_on_another_thread_use_the_adapter_greedy_and_with_beams(made: tu
             base, adapters["r16-all"], text, 10
         )
         beams = ask(generator, text, max_new_tokens=10, do_sample=False, num_beams=3)
+        alone = ask(generator, text, max_new_tokens=10, do_sample=False, prompt_lookup_num_tokens=3)
         generator.close()
+    assert alone == lora_models.peft_text(base, adapters["r16-all"], text, 10)
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(base))
