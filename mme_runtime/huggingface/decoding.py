@@ -146,7 +146,7 @@ class DecodingBatch:
         self._keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
         self._positions_module = _absolute_positions(model) if self.encoder_decoder else None
         # Each row's positions while this thread runs a step: a generate alone on another thread
-        # (beam search) runs the same module meanwhile, and must get its own.
+        # (prompt lookup) runs the same module meanwhile, and must get its own.
         self._override = threading.local()
         if self._positions_module is not None:
             self._hook = self._positions_module.register_forward_hook(self._own_positions)

@@ -353,7 +353,7 @@ class GenerationRunner:
     def _generate_alone(
         self, prompt: Prompt, config: Any, stops: tuple[str, ...], deadline: float
     ) -> tuple[list[list[int]], bool]:
-        """``generate`` for one input alone (beam search, say), stopped at the deadline: one at a
+        """``generate`` for one input alone (prompt lookup, say), stopped at the deadline: one at a
         time, on a pass thread of a GPU's."""
         with self._alone:
             generated: tuple[list[list[int]], bool] = self._run_pass(
