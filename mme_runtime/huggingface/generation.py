@@ -20,9 +20,8 @@ import copy
 import functools
 import threading
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any
 
@@ -34,7 +33,13 @@ from mme_runtime.huggingface.beams import BEAM_MODES, BeamGroup, unserved_mode_r
 from mme_runtime.huggingface.decoding import TIME, DecodingBatch, Row
 from mme_runtime.huggingface.kv_cache import budget_for
 from mme_runtime.huggingface.loading import HuggingFaceModel
-from mme_runtime.huggingface.prompts import Prompt, TextGeneration, TextToText
+from mme_runtime.huggingface.prompts import (
+    Prompt,
+    TextGeneration,
+    TextToText,
+    check_token_ids,
+    vocabulary,
+)
 from mme_runtime.huggingface.requests import TaskRequest
 from mme_runtime.huggingface.scheduler import Scheduler
 from mme_runtime.serving.pass_threads import RunPass, run_here
@@ -52,9 +57,6 @@ SERVER_PARAMETERS = frozenset(
         "continuous_batching_config",
     }
 )
-# Generation parameters that hold token ids (decoder_start_token_id, suppress_tokens,
-# bad_words_ids...).
-TOKEN_ID_SUFFIXES = ("token_id", "token_ids", "suppress_tokens", "words_ids")
 # A generation is cut this long before SAGEMAKER_MODEL_SERVER_TIMEOUT, so that its answer leaves in
 # time.
 TIME_MARGIN_SECONDS = 10.0
@@ -116,32 +118,19 @@ class GenerationRunner:
         name: str,
         run_pass: RunPass = run_here,
     ) -> None:
-        self.model = model
-        self.limits = limits
+        self.model, self.limits, self.name = model, limits, name
         self._device = device
         self._run_pass = run_pass
-        self._task: TextGeneration | TextToText = (
-            TextGeneration(model, device)
-            if model.task == "text-generation"
-            else TextToText(model, model.task)
-        )
-        self.name = name
-        self._scheduler = _join_scheduler(
-            model,
-            name,
-            lambda: Scheduler(
-                DecodingBatch(model.model, model),
-                limits.max_rows,
-                name,
-                run_pass,
-                budget_for(model.model, device, limits.kv_cache_mb, limits.kv_cache_from),
-            ),
-        )
-        self._vocabulary = vocabulary(model.model)
-        # the scheduler thread's, for stop sequences
-        self._stop_tokenizer = copy.deepcopy(model.tokenizer)
-        self._alone = threading.Lock()  # generate alone: one at a time
-        self._alone_tokenizer = copy.deepcopy(model.tokenizer)
+        with _SHARED_LOCK:
+            shared: SharedGeneration | None = model.generation
+            if shared is None or shared.scheduler.closed:
+                made = SharedGeneration.make(model, device, limits, name, run_pass)
+                shared = model.generation = made
+            shared.users.add(name)
+        self._shared, self._scheduler, self._task = shared, shared.scheduler, shared.task
+        self._vocabulary = shared.vocabulary
+        self._stop_tokenizer, self._alone_tokenizer = shared.stop_tokenizer, shared.alone_tokenizer
+        self._alone = shared.alone  # generate alone: one at a time
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -149,16 +138,16 @@ class GenerationRunner:
 
     def close(self) -> None:
         """This model's rows leave the scheduler; the scheduler ends with its last model."""
-        scheduler = self._scheduler
-        with _SCHEDULERS_LOCK:
-            scheduler.users.discard(self.name)
-            last = not scheduler.users
-            if last and self.model.scheduler is scheduler:
-                self.model.scheduler = None
+        shared = self._shared
+        with _SHARED_LOCK:
+            shared.users.discard(self.name)
+            last = not shared.users
+            if last and self.model.generation is shared:
+                self.model.generation = None
         if last:
-            scheduler.close()
+            shared.scheduler.close()
         else:
-            scheduler.withdraw(self.name)
+            shared.scheduler.withdraw(self.name)
 
     def run(self, requests: list[TaskRequest]) -> list[list[dict[str, Any]]]:
         """Each input's answers (one per returned sequence), in order."""
@@ -387,18 +376,42 @@ class GenerationRunner:
         return [sequence.tolist() for sequence in sequences], time.monotonic() >= deadline
 
 
-_SCHEDULERS_LOCK = threading.Lock()
+_SHARED_LOCK = threading.Lock()
 
 
-def _join_scheduler(model: HuggingFaceModel, name: str, make: Callable[[], Scheduler]) -> Scheduler:
-    """The scheduler of every model over ``model``'s weights (a base and its LoRA adapters), made by
-    the first (``make``): their rows decode in the same steps."""
-    with _SCHEDULERS_LOCK:
-        scheduler: Scheduler | None = model.scheduler
-        if scheduler is None or scheduler.closed:
-            scheduler = model.scheduler = make()
-        scheduler.users.add(name)
-        return scheduler
+@dataclass(eq=False)
+class SharedGeneration:
+    """What the models over one base's weights (the base and its LoRA adapters) share to generate,
+    made by the first and ended with the last (``users``): the scheduler whose steps decode all
+    their rows, the task's pipeline, and the tokenizer copies of the scheduler thread (stop
+    sequences) and of ``generate`` alone. Per adapter, only its own tensors are more."""
+
+    scheduler: Scheduler
+    task: TextGeneration | TextToText
+    vocabulary: int | None
+    stop_tokenizer: Any
+    alone_tokenizer: Any
+    alone: threading.Lock = field(default_factory=threading.Lock)
+    users: set[str] = field(default_factory=set)
+
+    @staticmethod
+    def make(
+        model: HuggingFaceModel,
+        device: torch.device,
+        limits: GenerationLimits,
+        name: str,
+        run_pass: RunPass,
+    ) -> SharedGeneration:
+        budget = budget_for(model.model, device, limits.kv_cache_mb, limits.kv_cache_from)
+        batch = DecodingBatch(model.model, model)
+        generative = model.task == "text-generation"
+        return SharedGeneration(
+            Scheduler(batch, limits.max_rows, name, run_pass, budget),
+            TextGeneration(model, device) if generative else TextToText(model, model.task),
+            vocabulary(model.model),
+            copy.deepcopy(model.tokenizer),
+            copy.deepcopy(model.tokenizer),
+        )
 
 
 def _first_token(model: Any) -> list[int]:
@@ -461,36 +474,3 @@ def shape(task: str, answers: list[list[dict[str, Any]]], request: TaskRequest) 
     if task != "text-generation" and all(len(records) == 1 for records in answers):
         return [records[0] for records in answers]
     return answers
-
-
-def check_token_ids(parameters: dict[str, Any], vocabulary: int | None) -> None:
-    """Raises ``InvalidInput`` (400) for a token id outside the model's ``vocabulary`` (None: it
-    says none)."""
-    if vocabulary is None:
-        return
-    for key, value in parameters.items():
-        if key.endswith(TOKEN_ID_SUFFIXES):
-            outside = [token for token in _integers(value) if not 0 <= token < vocabulary]
-            if outside:
-                raise InvalidInput(
-                    f"{key} names token ids {outside[:5]} outside the model's {vocabulary} tokens"
-                )
-
-
-def vocabulary(model: Any) -> int | None:
-    """How many token ids the model embeds (its decoder's, for an encoder-decoder), or None when it
-    says none."""
-    try:
-        embeddings = model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
-    return int(getattr(embeddings, "num_embeddings", 0)) or None
-
-
-def _integers(value: Any) -> list[int]:
-    """The integers in a parameter's value, however nested in lists."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [token for item in value for token in _integers(item)]
-    return []

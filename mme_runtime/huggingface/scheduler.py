@@ -43,8 +43,8 @@ class ModelUnloaded(RuntimeError):
 
 class Scheduler:
     """The queue in front of one model's generations and the thread that decodes them. The models
-    over one base (its LoRA adapters, and the base itself) share one (``users``): their rows decode
-    in the same steps, each with its own adapter."""
+    over one base (its LoRA adapters, and the base itself) share one (``generation.py``): their
+    rows decode in the same steps, each with its own adapter."""
 
     def __init__(
         self,
@@ -63,7 +63,6 @@ class Scheduler:
         self._ready = threading.Condition()
         self._closed = False
         self._held = 0  # steps the waiting rows have been held back to gather
-        self.users: set[str] = set()  # the models whose rows it decodes (``generation.py``)
         self._withdrawn: set[str] = set()  # models gone whose rows still wait or run
         # what a row submitted too late gets
         self._failure: BaseException = ModelUnloaded("the model was unloaded")

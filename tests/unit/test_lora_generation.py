@@ -80,14 +80,16 @@ def test_sixteen_clients_over_five_adapters_and_the_base_get_peft_generate_exact
         (names[index % len(names)], hf_models.text_of_tokens(rng.randint(1, 30), index), rng.randint(1, 16))
         for index in range(32)
     ]
+    # one scheduler, pipeline and tokenizer copies for all: per adapter, only its tensors are more
+    assert {id(runner._shared) for runner in runners.values()} == {id(model.generation)}
     mixed: list[set[str | None]] = []
-    step = model.scheduler.batch.step
+    step = model.generation.scheduler.batch.step
 
     def recording_step() -> None:
-        mixed.append({row.model for row in model.scheduler.batch.live})
+        mixed.append({row.model for row in model.generation.scheduler.batch.live})
         step()
 
-    model.scheduler.batch.step = recording_step
+    model.generation.scheduler.batch.step = recording_step
     got: list[str | None] = [None] * len(cases)
 
     def client(first: int) -> None:
@@ -126,14 +128,14 @@ def test_beam_searches_over_adapters_and_the_base_share_steps_and_get_peft_gener
         for index in range(16)
     ]
     mixed: list[tuple[int, int]] = []  # (models, beam groups) of each step
-    step = model.scheduler.batch.step
+    step = model.generation.scheduler.batch.step
 
     def recording_step() -> None:
-        live = model.scheduler.batch.live
+        live = model.generation.scheduler.batch.live
         mixed.append((len({row.model for row in live}), len({id(row.group) for row in live if row.group is not None})))
         step()
 
-    model.scheduler.batch.step = recording_step
+    model.generation.scheduler.batch.step = recording_step
     got: list[str | None] = [None] * len(cases)
 
     def client(index: int) -> None:
@@ -182,13 +184,13 @@ def test_an_adapter_unloaded_mid_answer_fails_its_own_rows_only(made: tuple[Path
     failures: list[BaseException] = []
     answers: list[str] = []
     started = threading.Event()
-    step = model.scheduler.batch.step
+    step = model.generation.scheduler.batch.step
 
     def slow_step() -> None:
         started.set()
         step()
 
-    model.scheduler.batch.step = slow_step
+    model.generation.scheduler.batch.step = slow_step
 
     def leaving() -> None:
         try:
@@ -215,11 +217,11 @@ def test_an_adapter_unloaded_mid_answer_fails_its_own_rows_only(made: tuple[Path
         thread.join()
     assert len(failures) == 1 and "r8-alpha" in str(failures[0])
     assert answers == [lora_models.peft_text(base, adapters["r16-all"], "a short one", 40)]
-    assert model.scheduler is not None and model.scheduler.users == {*adapters, "base"} - {"r8-alpha"}
+    assert model.generation is not None and model.generation.users == {*adapters, "base"} - {"r8-alpha"}
     for name, runner in runners.items():
         if name != "r8-alpha":
             runner.close()
-    assert model.scheduler is None  # the last model's close ends it
+    assert model.generation is None  # the last model's close ends it
 
 
 @pytest.mark.parametrize(
