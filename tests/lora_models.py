@@ -154,16 +154,23 @@ def causal_base(directory: Path, seed: int = 0, hidden: int = 64, layers: int = 
 
 
 def causal_adapter(
-    base_dir: Path, directory: Path, seed: int, rank: int = 8, targets: tuple[str, ...] = ALL_LINEAR, **options: Any
+    base_dir: Path,
+    directory: Path,
+    seed: int,
+    rank: int = 8,
+    targets: tuple[str, ...] = ALL_LINEAR,
+    task_type: str = "CAUSAL_LM",
+    **options: Any,
 ) -> Path:
-    """A CAUSAL_LM LoRA adapter of ``causal_base``'s model, with random A and B (and saved modules), as PEFT saves
-    it."""
+    """A generative LoRA adapter (``CAUSAL_LM`` of ``causal_base``'s model, or ``SEQ_2_SEQ_LM`` of an
+    encoder-decoder) with random A and B (and saved modules), as PEFT saves it."""
     import peft
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir))
+    kind = transformers.AutoModelForCausalLM if task_type == "CAUSAL_LM" else transformers.AutoModelForSeq2SeqLM
+    model = kind.from_pretrained(str(base_dir))
     options.setdefault("lora_alpha", 2 * rank)
-    config = peft.LoraConfig(task_type="CAUSAL_LM", r=rank, target_modules=list(targets), **options)
+    config = peft.LoraConfig(task_type=task_type, r=rank, target_modules=list(targets), **options)
     wrapped = peft.get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

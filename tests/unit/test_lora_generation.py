@@ -317,3 +317,53 @@ def test_passes_on_another_thread_use_the_adapter_greedy_and_with_beams(made: tu
         output = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, num_beams=3)
     full = tokenizer.decode(output[0], skip_special_tokens=True)
     assert beams == text + full[len(tokenizer.decode(ids[0], skip_special_tokens=True)) :]
+
+
+def test_seq_2_seq_adapters_of_a_t5_decode_together_as_peft_generates_each_alone(tmp_path: Path) -> None:
+    """SEQ_2_SEQ_LM adapters over a T5 (text2text-generation): their rows share steps, each answered with PEFT's
+    greedy tokens for its adapter alone, beside the base's."""
+    import peft
+    import transformers
+
+    base = hf_models.t5(tmp_path / "t5")
+    adapters = {
+        f"t5-{rank}": lora_models.causal_adapter(
+            base, tmp_path / f"t5-{rank}", seed=rank, rank=rank, targets=("q", "v", "wo"), task_type="SEQ_2_SEQ_LM"
+        )
+        for rank in (4, 16)
+    }
+    model = hf_loading.load(base, "text2text-generation", trust_remote_code=False).place(CPU)
+    for name, directory in adapters.items():
+        lora_layers.attach(model, model.model, name, lora.read_adapter(directory))
+    runners = {name: GenerationRunner(model, CPU, GenerationLimits(max_rows=16), name) for name in [*adapters, "t5"]}
+    cases = [
+        (name, hf_models.text_of_tokens(4 + 3 * index, index), 6 + index) for index, name in enumerate(runners)
+    ] * 2
+    got: list[Any] = [None] * len(cases)
+
+    def client(index: int) -> None:
+        name, text, new_tokens = cases[index]
+        got[index] = ask(runners[name], text, max_new_tokens=new_tokens, do_sample=False, num_beams=1)
+
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(len(cases))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for runner in runners.values():
+        runner.close()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(base))
+    references = {name: transformers.AutoModelForSeq2SeqLM.from_pretrained(str(base)).eval() for name in runners}
+    references = {
+        name: reference if name == "t5" else peft.PeftModel.from_pretrained(reference, str(adapters[name])).eval()
+        for name, reference in references.items()
+    }
+    wanted = []
+    for name, text, new_tokens in cases:
+        with torch.inference_mode():
+            output = references[name].generate(
+                **tokenizer(text, return_tensors="pt"), max_new_tokens=new_tokens, num_beams=1
+            )
+        wanted.append(tokenizer.decode(output[0], skip_special_tokens=True))
+    assert got == wanted
+    assert len(set(wanted[: len(runners)])) == len(runners)  # the adapters answer otherwise than the base
