@@ -310,7 +310,7 @@ def main(argv: Sequence[str] = ()) -> int:
                 )
     print(report(rows, memory, args))
     if args.part == "all":
-        print(f"\nGenerative models ({args.clients} clients, greedy):\n\n{generation}")
+        print(f"\nGenerative models ({args.clients} clients, greedy and 4 beams):\n\n{generation}")
     return 0
 
 

@@ -8,19 +8,21 @@ AWS Hugging Face stack.
 
 Models, built here with random weights and tokenizers trained here (tests/hf_models.py), the same
 files (hard links) for both stacks: a GPT-2-shaped causal LM (4 layers, hidden 256) as
-text-generation, and a T5-shaped encoder-decoder (4 layers, hidden 256) as text2text-generation.
+text-generation, and a T5-shaped encoder-decoder (4 layers, hidden 256) as text2text-generation,
+once greedy and once (a model of its own) with 4 beams, the text-to-text default, which ours
+decodes as beam groups in the batch and the AWS stack through ``generate`` for each request.
 Requests, in one fixed order for both stacks: prompts of 4 to 40 words, 16 to 96 new tokens, greedy
-(``"do_sample": false, "num_beams": 1``, which both stacks take as generate does). Ours serves each
-model with ``batch_size`` = ``--clients`` in its serving.properties (that many rows per step, and
-frontend connections); the AWS stack serves one task per container (``HF_TASK``), so it is started
-once per model.
+(``"do_sample": false, "num_beams": 1``, which both stacks take as generate does) or with
+``"num_beams": 4``. Ours serves each model with ``batch_size`` = ``--clients`` in its
+serving.properties (that many rows per step, and frontend connections); the AWS stack serves one
+task per container (``HF_TASK``), so it is started once per model.
 
 Measured per stack and model, both stacks running and taking turns (a machine busier at one moment
 weighs on both alike): LOAD until the first answer; one client's p50 and p99 over ``--gen-lone``
 requests on one kept-alive connection, the stacks answering each request in turn; ``--clients``
 clients sending ``--gen-requests`` requests in all, each on its own connection, in 4 rounds taking
 turns (req/s, their mean); and how many of the lone client's answers both stacks gave alike (the
-same greedy text from transformers 5.23 here and 4.57.6 there). Timings are never asserted; compare
+same text from transformers 5.23 here and 4.57.6 there). Timings are never asserted; compare
 ratios within one run.
 """
 
@@ -49,8 +51,13 @@ from benchmarks.peers.stock_stack import serve_isolated, stock_server
 MODELS = {
     "gpt2": (hf_models.gpt2, "text-generation", {"return_full_text": False}),
     "t5": (hf_models.t5, "text2text-generation", {}),
+    "t5-beams": (hf_models.t5, "text2text-generation", {"num_beams": 4}),
 }
-LABELS = {"gpt2": "GPT-2 (text-generation)", "t5": "T5 (text2text-generation)"}
+LABELS = {
+    "gpt2": "GPT-2 (text-generation)",
+    "t5": "T5 (text2text-generation)",
+    "t5-beams": "T5, 4 beams",
+}
 WORKERS_SECONDS = 120
 ROUNDS = 4  # each stack's rounds of one client and of many, taking turns with the other's
 
@@ -62,7 +69,8 @@ def progress(message: str) -> None:
 
 
 def bodies(name: str, count: int) -> list[bytes]:
-    """Prompts of 4 to 40 words and 16 to 96 new tokens, greedy, in a fixed order."""
+    """Prompts of 4 to 40 words and 16 to 96 new tokens, greedy unless the model's extra parameters
+    say otherwise, in a fixed order."""
     extra = MODELS[name][2]
     made = []
     for index in range(count):

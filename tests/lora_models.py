@@ -154,16 +154,23 @@ def causal_base(directory: Path, seed: int = 0, hidden: int = 64, layers: int = 
 
 
 def causal_adapter(
-    base_dir: Path, directory: Path, seed: int, rank: int = 8, targets: tuple[str, ...] = ALL_LINEAR, **options: Any
+    base_dir: Path,
+    directory: Path,
+    seed: int,
+    rank: int = 8,
+    targets: tuple[str, ...] = ALL_LINEAR,
+    task_type: str = "CAUSAL_LM",
+    **options: Any,
 ) -> Path:
-    """A CAUSAL_LM LoRA adapter of ``causal_base``'s model, with random A and B (and saved modules), as PEFT saves
-    it."""
+    """A generative LoRA adapter (``CAUSAL_LM`` of ``causal_base``'s model, or ``SEQ_2_SEQ_LM`` of an
+    encoder-decoder) with random A and B (and saved modules), as PEFT saves it."""
     import peft
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir))
+    kind = transformers.AutoModelForCausalLM if task_type == "CAUSAL_LM" else transformers.AutoModelForSeq2SeqLM
+    model = kind.from_pretrained(str(base_dir))
     options.setdefault("lora_alpha", 2 * rank)
-    config = peft.LoraConfig(task_type="CAUSAL_LM", r=rank, target_modules=list(targets), **options)
+    config = peft.LoraConfig(task_type=task_type, r=rank, target_modules=list(targets), **options)
     wrapped = peft.get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -191,25 +198,34 @@ def peft_causal(base_dir: Path, adapter_dir: Path | None) -> Any:
     return model.eval()
 
 
-def peft_generate(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """What PEFT's ``generate`` gives a prompt alone, greedy, on the model's device: the new tokens."""
+def peft_generate(model: Any, prompt: list[int], max_new_tokens: int, **parameters: Any) -> list[int]:
+    """What PEFT's ``generate`` gives a prompt alone, greedy unless ``parameters`` say otherwise (``num_beams``), on the
+    model's device: the new tokens."""
     ids = torch.tensor([prompt], device=next(model.parameters()).device)
     with torch.inference_mode():
         output = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            **{"do_sample": False, **parameters},
         )
     return list(output[0, len(prompt) :].tolist())
 
 
 def peft_text(
-    base_dir: Path, adapter_dir: Path | None, text: str, new_tokens: int, device: torch.device | None = None
+    base_dir: Path,
+    adapter_dir: Path | None,
+    text: str,
+    new_tokens: int,
+    device: torch.device | None = None,
+    **parameters: Any,
 ) -> str:
-    """PEFT's greedy generate for the text alone (None: the base's), on ``device`` (the CPU by default), as the
-    text-generation pipeline writes the answer."""
+    """PEFT's generate for the text alone (None: the base's), greedy unless ``parameters`` say otherwise, on ``device``
+    (the CPU by default), as the text-generation pipeline writes the answer."""
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(base_dir))
     prompt = tokenizer(text)["input_ids"]
-    new = peft_generate(peft_causal(base_dir, adapter_dir).to(device or "cpu"), prompt, new_tokens)
+    new = peft_generate(peft_causal(base_dir, adapter_dir).to(device or "cpu"), prompt, new_tokens, **parameters)
     full = tokenizer.decode(prompt + new, skip_special_tokens=True)
     return text + full[len(tokenizer.decode(prompt, skip_special_tokens=True)) :]

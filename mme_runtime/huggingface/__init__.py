@@ -8,6 +8,6 @@ loads a directory for its task; ``requests`` reads the AWS container's requests 
 answers; ``tasks`` runs a batch through the task's pipeline, with ``question_answering``,
 ``zero_shot``, ``tables``, ``vision`` and ``sentences`` for those tasks and ``audio`` for speech;
 generative tasks go through ``generation`` (each input made ready by ``prompts``), ``scheduler``,
-``decoding`` and ``kv_cache``.
+``decoding`` (a beam search's rows picked by ``beams``) and ``kv_cache``.
 It may import: ``base``, ``operations``, ``models``, ``serving``.
 """

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from mme_runtime.base.errors import InvalidInput
-from mme_runtime.huggingface.generation import SERVER_PARAMETERS, check_token_ids, vocabulary
+from mme_runtime.huggingface.generation import SERVER_PARAMETERS
 from mme_runtime.huggingface.loading import HuggingFaceModel
+from mme_runtime.huggingface.prompts import check_token_ids, vocabulary
 from mme_runtime.huggingface.requests import Audio, TaskRequest, resample
 from mme_runtime.huggingface.tasks import length_groups, lent_pipeline, pad, postprocess, prepare
 

@@ -1,7 +1,9 @@
 """The rows of a batched generation, decoded a token a step with one KV cache: rows join between
 steps (prefilled together, each taking a finished row's place or added to the batch) and leave
 when done (their place kept, the batch compacted once half of it is empty). A ``Row`` picks its
-tokens as ``generate`` would for it alone (``pick_tokens``).
+tokens as ``generate`` would for it alone (``pick_tokens``), or its beam group does
+(``beams.py``): the group's rows are prefilled once, and after each step each beam's cache row
+becomes a copy of its parent's.
 
 Decoder tokens sit at the right of the self-attention cache (padded on the left, masked) and
 encoder outputs at the left of the cross-attention cache; self-attention layers grow in place
@@ -24,6 +26,7 @@ import torch
 from mme_runtime.huggingface.kv_cache import (
     TRIM_COLUMNS,
     all_plain,
+    copy_rows,
     decoder_cache,
     join,
     pad,
@@ -50,6 +53,7 @@ class Row:
     generator: torch.Generator | None = None  # None: the global generator, as the pipeline draws
     stopped: Callable[[Row], bool] | None = None  # a stop sequence seen (checked by the scheduler)
     deadline: float = float("inf")  # time.monotonic() after which it is cut
+    group: Any = None  # its beams.BeamGroup, which picks its tokens and ends it
     # the decoder's: prompt + new (decoder-only), or start + new
     tokens: list[int] = field(default_factory=list)
     generated: int = 0
@@ -91,10 +95,29 @@ def pick_tokens(
     return torch.cat([token for token in tokens if token is not None])
 
 
+def advance_groups(
+    rows: Sequence[Row | None], logits: torch.Tensor, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each beam group among ``rows`` takes its step on its rows' logits: its beams' next tokens go
+    into ``tokens``. Returns the rows whose caches become copies of others' (into, from), or None
+    where there is no group."""
+    places = {id(row): index for index, row in enumerate(rows) if row is not None}
+    groups = {id(row.group): row.group for row in rows if row is not None and row.group is not None}
+    into, source = [], []
+    for group in groups.values():
+        slots = torch.tensor([places[id(row)] for row in group.rows], device=tokens.device)
+        parents, chosen = group.advance(logits[slots])
+        tokens[slots] = chosen
+        into.append(slots)
+        source.append(slots[parents])
+    return (torch.cat(into), torch.cat(source)) if groups else None
+
+
 def record(rows: Sequence[Row | None], tokens: torch.Tensor) -> None:
-    """Each row's new token, and whether it ended the row (its end token, or ``max_new_tokens``)."""
+    """Each row's new token, and whether it ended the row (its end token, or ``max_new_tokens``);
+    a beam group's rows are its own."""
     for row, token in zip(rows, tokens.tolist(), strict=True):
-        if row is None:
+        if row is None or row.group is not None:
             continue
         row.tokens.append(token)
         row.generated += 1
@@ -123,7 +146,7 @@ class DecodingBatch:
         self._keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
         self._positions_module = _absolute_positions(model) if self.encoder_decoder else None
         # Each row's positions while this thread runs a step: a generate alone on another thread
-        # (beam search) runs the same module meanwhile, and must get its own.
+        # (prompt lookup) runs the same module meanwhile, and must get its own.
         self._override = threading.local()
         if self._positions_module is not None:
             self._hook = self._positions_module.register_forward_hook(self._own_positions)
@@ -178,17 +201,26 @@ class DecodingBatch:
         ] == len(self.rows)
 
     def admit(self, rows: list[Row]) -> None:
-        """Prefills ``rows`` together and adds them to the batch, each with its first token
-        picked."""
+        """Prefills ``rows`` together (a beam group's once, copied to each of its rows) and adds
+        them to the batch, each with its first token picked."""
+        firsts = [row if row.group is None else row.group.rows[0] for row in rows]
+        unique = list({id(row): row for row in firsts}.values())
         if self.encoder_decoder:
-            outputs, mask, positions, encoded, encoder_mask = self._prefill_encoder_decoder(rows)
+            outputs, mask, positions, encoded, encoder_mask = self._prefill_encoder_decoder(unique)
         else:
-            outputs, mask, positions = self._prefill_decoder(rows)
+            outputs, mask, positions = self._prefill_decoder(unique)
             encoded = encoder_mask = torch.empty(0)
-        tokens = pick_tokens(
-            list(rows), outputs.logits[:, -1].to(copy=True, dtype=torch.float32), self.device
-        )
+        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
         cache = outputs.past_key_values
+        if len(unique) < len(rows):  # a group's beams start alike, as generate's do
+            order = {id(row): index for index, row in enumerate(unique)}
+            copies = torch.tensor([order[id(row)] for row in firsts], device=self.device)
+            cache.reorder_cache(copies)
+            logits, mask, positions = logits[copies], mask[copies], positions[copies]
+            if self.encoder_decoder:
+                encoded, encoder_mask = encoded[copies], encoder_mask[copies]
+        tokens = pick_tokens(list(rows), logits, self.device)
+        advance_groups(rows, logits, tokens)  # its rows alike: no cache row to copy
         if not all_plain(cache):
             # sliding windows or linear attention: padding caches together is not safe
             self.joinable = False
@@ -365,9 +397,11 @@ class DecodingBatch:
         self.mask = mask
         # An empty place stays at position 0, so that it never runs past the model's positions.
         self.positions = torch.where(self.alive, self.positions + 1, 0)
-        self.next = pick_tokens(
-            self.rows, outputs.logits[:, -1].to(copy=True, dtype=torch.float32), self.device
-        )
+        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
+        self.next = pick_tokens(self.rows, logits, self.device)
+        moves = advance_groups(self.rows, logits, self.next)
+        if moves is not None:
+            copy_rows(self.cache, *moves)  # each beam goes on from its parent's cache
         record(self.rows, self.next)
 
     def drop(self, leaving: list[Row]) -> None:

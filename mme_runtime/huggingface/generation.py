@@ -1,6 +1,9 @@
 """Generative tasks served with no code: each input becomes rows (``decoding.Row``) that the model's
 scheduler decodes with every other client's (``scheduler.py``), each picking its tokens as
-``generate`` would for it alone; other decoding modes (beam search) run ``generate`` alone.
+``generate`` would for it alone, or a beam group of rows (``beams.py``) picking its beams as
+``generate``'s beam search does. Assisted generation (prompt lookup) runs ``generate`` alone; the
+modes transformers keeps on the Hub (contrastive, group or constrained beam search, DoLa) answer
+400.
 
 Parameters go to ``generate`` as the pipeline passes them, plus ``stop`` and ``seed``; what a
 request asks over the model's cap (``max_new_tokens``) or its positions answers 400, a default
@@ -17,9 +20,8 @@ import copy
 import functools
 import threading
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any
 
@@ -27,10 +29,17 @@ import torch
 
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import InvalidInput
+from mme_runtime.huggingface.beams import BEAM_MODES, BeamGroup, unserved_mode_reason
 from mme_runtime.huggingface.decoding import TIME, DecodingBatch, Row
 from mme_runtime.huggingface.kv_cache import budget_for
 from mme_runtime.huggingface.loading import HuggingFaceModel
-from mme_runtime.huggingface.prompts import Prompt, TextGeneration, TextToText
+from mme_runtime.huggingface.prompts import (
+    Prompt,
+    TextGeneration,
+    TextToText,
+    check_token_ids,
+    vocabulary,
+)
 from mme_runtime.huggingface.requests import TaskRequest
 from mme_runtime.huggingface.scheduler import Scheduler
 from mme_runtime.serving.pass_threads import RunPass, run_here
@@ -48,9 +57,6 @@ SERVER_PARAMETERS = frozenset(
         "continuous_batching_config",
     }
 )
-# Generation parameters that hold token ids (decoder_start_token_id, suppress_tokens,
-# bad_words_ids...).
-TOKEN_ID_SUFFIXES = ("token_id", "token_ids", "suppress_tokens", "words_ids")
 # A generation is cut this long before SAGEMAKER_MODEL_SERVER_TIMEOUT, so that its answer leaves in
 # time.
 TIME_MARGIN_SECONDS = 10.0
@@ -86,7 +92,7 @@ INTEGERS = {
 }
 INTEGERS |= {"num_return_sequences": 1, "num_beams": 1, "no_repeat_ngram_size": 0}
 NUMBERS = {"temperature", "top_p", "repetition_penalty", "length_penalty"}
-BOOLEANS = {"do_sample", "return_full_text", "early_stopping"}
+BOOLEANS = {"do_sample", "return_full_text"}
 LOOP_MODES = frozenset({"greedy_search", "sample"})
 
 
@@ -112,32 +118,19 @@ class GenerationRunner:
         name: str,
         run_pass: RunPass = run_here,
     ) -> None:
-        self.model = model
-        self.limits = limits
+        self.model, self.limits, self.name = model, limits, name
         self._device = device
         self._run_pass = run_pass
-        self._task: TextGeneration | TextToText = (
-            TextGeneration(model, device)
-            if model.task == "text-generation"
-            else TextToText(model, model.task)
-        )
-        self.name = name
-        self._scheduler = _join_scheduler(
-            model,
-            name,
-            lambda: Scheduler(
-                DecodingBatch(model.model, model),
-                limits.max_rows,
-                name,
-                run_pass,
-                budget_for(model.model, device, limits.kv_cache_mb, limits.kv_cache_from),
-            ),
-        )
-        self._vocabulary = vocabulary(model.model)
-        # the scheduler thread's, for stop sequences
-        self._stop_tokenizer = copy.deepcopy(model.tokenizer)
-        self._alone = threading.Lock()  # generate alone: one at a time
-        self._alone_tokenizer = copy.deepcopy(model.tokenizer)
+        with _SHARED_LOCK:
+            shared: SharedGeneration | None = model.generation
+            if shared is None or shared.scheduler.closed:
+                made = SharedGeneration.make(model, device, limits, name, run_pass)
+                shared = model.generation = made
+            shared.users.add(name)
+        self._shared, self._scheduler, self._task = shared, shared.scheduler, shared.task
+        self._vocabulary = shared.vocabulary
+        self._stop_tokenizer, self._alone_tokenizer = shared.stop_tokenizer, shared.alone_tokenizer
+        self._alone = shared.alone  # generate alone: one at a time
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -145,16 +138,16 @@ class GenerationRunner:
 
     def close(self) -> None:
         """This model's rows leave the scheduler; the scheduler ends with its last model."""
-        scheduler = self._scheduler
-        with _SCHEDULERS_LOCK:
-            scheduler.users.discard(self.name)
-            last = not scheduler.users
-            if last and self.model.scheduler is scheduler:
-                self.model.scheduler = None
+        shared = self._shared
+        with _SHARED_LOCK:
+            shared.users.discard(self.name)
+            last = not shared.users
+            if last and self.model.generation is shared:
+                self.model.generation = None
         if last:
-            scheduler.close()
+            shared.scheduler.close()
         else:
-            scheduler.withdraw(self.name)
+            shared.scheduler.withdraw(self.name)
 
     def run(self, requests: list[TaskRequest]) -> list[list[dict[str, Any]]]:
         """Each input's answers (one per returned sequence), in order."""
@@ -183,8 +176,9 @@ class GenerationRunner:
                 for row in rows:
                     if row.error is not None:
                         raise row.error
+                group = rows[0].group
                 sequences, cut = (
-                    [row.tokens for row in rows],
+                    group.sequences() if group is not None else [row.tokens for row in rows],
                     any(row.finish == TIME for row in rows),
                 )
             records = [prompt.answer(sequence) for sequence in sequences]
@@ -233,9 +227,15 @@ class GenerationRunner:
                 config, unset[0], unset[1], "input_ids", start, inputs
             )
             config.max_new_tokens = self._new_tokens(config.max_length - start, len(ids), sent)
-            if config.get_generation_mode().value not in LOOP_MODES:
+            config.max_length = start + config.max_new_tokens  # as generate alone gets it
+            mode = config.get_generation_mode().value
+            if mode not in LOOP_MODES | BEAM_MODES:
+                reason = unserved_mode_reason(mode)
+                if reason is not None:
+                    raise InvalidInput(reason)
                 return None, config
-            self._scheduler.check_room(len(ids), config.max_new_tokens)
+            beams = config.num_beams if mode in BEAM_MODES else 1  # a group's rows join together
+            self._scheduler.check_room(len(ids), config.max_new_tokens, beams)
             processors = model._get_logits_processor(
                 generation_config=config,
                 input_ids_seq_length=start,
@@ -244,6 +244,8 @@ class GenerationRunner:
             )
         except ValueError as exc:
             raise InvalidInput(f"parameters {arguments}: {exc}") from exc
+        if mode in BEAM_MODES:
+            return self._beams(ids, config, processors, stops, seed, deadline).rows, config
         eos = config._eos_token_tensor
         ends = frozenset() if eos is None else frozenset(eos.view(-1).tolist())
         rows = []
@@ -265,6 +267,32 @@ class GenerationRunner:
                 row.tokens = [int(config._decoder_start_token_tensor.view(-1)[0])]
             rows.append(row)
         return rows, config
+
+    def _beams(
+        self,
+        ids: list[int],
+        config: Any,
+        processors: Any,
+        stops: tuple[str, ...],
+        seed: int | None,
+        deadline: float,
+    ) -> BeamGroup:
+        """One input's beam search (``beams.py``), with ``generate``'s stopping criteria: stop
+        sequences end a beam as its ``stop_strings`` do."""
+        from transformers import StoppingCriteriaList
+
+        model: Any = self.model.model
+        if stops:
+            config.stop_strings = list(stops)
+        with self._alone if stops else nullcontext():  # its tokenizer reads the stop strings
+            criteria = model._get_stopping_criteria(
+                config, StoppingCriteriaList(), self._alone_tokenizer
+            )
+        generator = None
+        if seed is not None and config.do_sample:  # its own draws, as a sampled row's
+            generator = torch.Generator(device=self._device).manual_seed(seed)
+        processors = processors if len(processors) else None
+        return BeamGroup(model, config, processors, criteria, ids, self.name, generator, deadline)
 
     def _new_tokens(self, wanted: int, prompt_length: int, sent: set[str]) -> int:
         """How many tokens an input may get: what it asks for, within the cap and the model's
@@ -314,7 +342,7 @@ class GenerationRunner:
     def _generate_alone(
         self, prompt: Prompt, config: Any, stops: tuple[str, ...], deadline: float
     ) -> tuple[list[list[int]], bool]:
-        """``generate`` for one input alone (beam search, say), stopped at the deadline: one at a
+        """``generate`` for one input alone (prompt lookup, say), stopped at the deadline: one at a
         time, on a pass thread of a GPU's."""
         with self._alone:
             generated: tuple[list[list[int]], bool] = self._run_pass(
@@ -348,18 +376,42 @@ class GenerationRunner:
         return [sequence.tolist() for sequence in sequences], time.monotonic() >= deadline
 
 
-_SCHEDULERS_LOCK = threading.Lock()
+_SHARED_LOCK = threading.Lock()
 
 
-def _join_scheduler(model: HuggingFaceModel, name: str, make: Callable[[], Scheduler]) -> Scheduler:
-    """The scheduler of every model over ``model``'s weights (a base and its LoRA adapters), made by
-    the first (``make``): their rows decode in the same steps."""
-    with _SCHEDULERS_LOCK:
-        scheduler: Scheduler | None = model.scheduler
-        if scheduler is None or scheduler.closed:
-            scheduler = model.scheduler = make()
-        scheduler.users.add(name)
-        return scheduler
+@dataclass(eq=False)
+class SharedGeneration:
+    """What the models over one base's weights (the base and its LoRA adapters) share to generate,
+    made by the first and ended with the last (``users``): the scheduler whose steps decode all
+    their rows, the task's pipeline, and the tokenizer copies of the scheduler thread (stop
+    sequences) and of ``generate`` alone. Per adapter, only its own tensors are more."""
+
+    scheduler: Scheduler
+    task: TextGeneration | TextToText
+    vocabulary: int | None
+    stop_tokenizer: Any
+    alone_tokenizer: Any
+    alone: threading.Lock = field(default_factory=threading.Lock)
+    users: set[str] = field(default_factory=set)
+
+    @staticmethod
+    def make(
+        model: HuggingFaceModel,
+        device: torch.device,
+        limits: GenerationLimits,
+        name: str,
+        run_pass: RunPass,
+    ) -> SharedGeneration:
+        budget = budget_for(model.model, device, limits.kv_cache_mb, limits.kv_cache_from)
+        batch = DecodingBatch(model.model, model)
+        generative = model.task == "text-generation"
+        return SharedGeneration(
+            Scheduler(batch, limits.max_rows, name, run_pass, budget),
+            TextGeneration(model, device) if generative else TextToText(model, model.task),
+            vocabulary(model.model),
+            copy.deepcopy(model.tokenizer),
+            copy.deepcopy(model.tokenizer),
+        )
 
 
 def _first_token(model: Any) -> list[int]:
@@ -388,6 +440,9 @@ def _parameters(parameters: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, 
     for key in BOOLEANS:
         if key in parameters and not isinstance(parameters[key], bool):
             raise InvalidInput(f"{key} must be true or false, not {parameters[key]!r}")
+    stopping = parameters.get("early_stopping", False)
+    if not isinstance(stopping, bool) and stopping != "never":
+        raise InvalidInput(f'early_stopping must be true, false or "never", not {stopping!r}')
     temperature, top_p = parameters.get("temperature"), parameters.get("top_p")
     if temperature is not None and temperature <= 0:
         raise InvalidInput(f"temperature must be above 0, not {temperature}")
@@ -419,36 +474,3 @@ def shape(task: str, answers: list[list[dict[str, Any]]], request: TaskRequest) 
     if task != "text-generation" and all(len(records) == 1 for records in answers):
         return [records[0] for records in answers]
     return answers
-
-
-def check_token_ids(parameters: dict[str, Any], vocabulary: int | None) -> None:
-    """Raises ``InvalidInput`` (400) for a token id outside the model's ``vocabulary`` (None: it
-    says none)."""
-    if vocabulary is None:
-        return
-    for key, value in parameters.items():
-        if key.endswith(TOKEN_ID_SUFFIXES):
-            outside = [token for token in _integers(value) if not 0 <= token < vocabulary]
-            if outside:
-                raise InvalidInput(
-                    f"{key} names token ids {outside[:5]} outside the model's {vocabulary} tokens"
-                )
-
-
-def vocabulary(model: Any) -> int | None:
-    """How many token ids the model embeds (its decoder's, for an encoder-decoder), or None when it
-    says none."""
-    try:
-        embeddings = model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
-    return int(getattr(embeddings, "num_embeddings", 0)) or None
-
-
-def _integers(value: Any) -> list[int]:
-    """The integers in a parameter's value, however nested in lists."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [token for item in value for token in _integers(item)]
-    return []

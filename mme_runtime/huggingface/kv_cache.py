@@ -1,8 +1,9 @@
 """The KV cache of a batch of generations (``decoding.py``), edited by rows: self-attention layers
 grow in place (``GrowingLayer``, where transformers' ``DynamicLayer`` concatenates the whole cache),
 a row is written into a place another left (``write_row``), rows are appended (``join``) or kept
-(``select``), each with one copy. Rows sit right-aligned in the self-attention cache (padded on the
-left) and left-aligned in the cross-attention one (padded on the right).
+(``select``), each with one copy, or copied over others (``copy_rows``: beam search). Rows sit
+right-aligned in the self-attention cache (padded on the left) and left-aligned in the
+cross-attention one (padded on the right).
 """
 
 from __future__ import annotations
@@ -200,6 +201,14 @@ def write_row(
     for into, out in zip(cross_layers(cache), cross_layers(source), strict=True):
         into.keys[slot, :, :source_tokens] = out.keys[row, :, :source_tokens]
         into.values[slot, :, :source_tokens] = out.values[row, :, :source_tokens]
+
+
+def copy_rows(cache: Any, into: torch.Tensor, source: torch.Tensor) -> None:
+    """Self-attention rows ``source`` copied over rows ``into``, in place: a beam goes on from its
+    parent's cache. Cross-attention rows are left: a beam group's rows hold one encoder output."""
+    for layer in self_layers(cache):
+        layer.keys[into] = layer.keys[source]
+        layer.values[into] = layer.values[source]
 
 
 def join(cache: Any, new: Any, rows: torch.Tensor, length: int, source: int) -> None:

@@ -153,8 +153,8 @@ class HuggingFaceModel:
     score_activation: str | None = None
     # its LoRA adapters once one is attached in the process that serves it (``lora.py``)
     adapters: Any = None
-    # the generation scheduler its models share once one is placed (``generation.py``)
-    scheduler: Any = None
+    # what its models share to generate once one is placed: the scheduler... (``generation.py``)
+    generation: Any = None
     feature_extractor: Any = None  # audio tasks: turns a waveform into the model's inputs
 
     def __getstate__(self) -> dict[str, Any]:

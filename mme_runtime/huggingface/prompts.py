@@ -1,7 +1,9 @@
 """Each input of a generative request as the model reads it (``Prompt``): its token ids, the
 arguments ``generate`` would get for it, and how its answer is made from a generated sequence.
 text-generation's come from transformers' pipeline (``TextGeneration``); the text-to-text tasks',
-gone from transformers 5, as transformers 4.57's pipelines made them (``TextToText``).
+gone from transformers 5, as transformers 4.57's pipelines made them (``TextToText``). Token ids a
+request names must be the model's (``check_token_ids``): on a GPU one outside the vocabulary would
+spoil the CUDA context of every model of the process.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ TEXT_TO_TEXT_DEFAULTS = {"max_new_tokens": 256, "num_beams": 4}
 TEXT_TO_TEXT_PARAMETERS = frozenset(
     {"truncation", "clean_up_tokenization_spaces", "src_lang", "tgt_lang"}
 )
+
+# Generation parameters that hold token ids (decoder_start_token_id, suppress_tokens,
+# bad_words_ids...).
+TOKEN_ID_SUFFIXES = ("token_id", "token_ids", "suppress_tokens", "words_ids")
 
 
 @dataclass
@@ -202,3 +208,36 @@ def _pipeline_generation_config(
     if config.pad_token_id is None and pad is not None:
         config.pad_token_id = pad
     return config, prefix
+
+
+def check_token_ids(parameters: dict[str, Any], vocabulary: int | None) -> None:
+    """Raises ``InvalidInput`` (400) for a token id outside the model's ``vocabulary`` (None: it
+    says none)."""
+    if vocabulary is None:
+        return
+    for key, value in parameters.items():
+        if key.endswith(TOKEN_ID_SUFFIXES):
+            outside = [token for token in _integers(value) if not 0 <= token < vocabulary]
+            if outside:
+                raise InvalidInput(
+                    f"{key} names token ids {outside[:5]} outside the model's {vocabulary} tokens"
+                )
+
+
+def vocabulary(model: Any) -> int | None:
+    """How many token ids the model embeds (its decoder's, for an encoder-decoder), or None when it
+    says none."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    return int(getattr(embeddings, "num_embeddings", 0)) or None
+
+
+def _integers(value: Any) -> list[int]:
+    """The integers in a parameter's value, however nested in lists."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [token for item in value for token in _integers(item)]
+    return []

@@ -43,8 +43,8 @@ class ModelUnloaded(RuntimeError):
 
 class Scheduler:
     """The queue in front of one model's generations and the thread that decodes them. The models
-    over one base (its LoRA adapters, and the base itself) share one (``users``): their rows decode
-    in the same steps, each with its own adapter."""
+    over one base (its LoRA adapters, and the base itself) share one (``generation.py``): their
+    rows decode in the same steps, each with its own adapter."""
 
     def __init__(
         self,
@@ -63,7 +63,6 @@ class Scheduler:
         self._ready = threading.Condition()
         self._closed = False
         self._held = 0  # steps the waiting rows have been held back to gather
-        self.users: set[str] = set()  # the models whose rows it decodes (``generation.py``)
         self._withdrawn: set[str] = set()  # models gone whose rows still wait or run
         # what a row submitted too late gets
         self._failure: BaseException = ModelUnloaded("the model was unloaded")
@@ -175,51 +174,68 @@ class Scheduler:
         input, for cross-attention, and its decoder's start and new tokens)."""
         return prompt + max_new_tokens + (1 if self.batch.encoder_decoder else 0)
 
-    def check_room(self, prompt: int, max_new_tokens: int) -> None:
-        """Raises ``InvalidInput`` (400) for a row that could not fit the KV budget even alone."""
+    def check_room(self, prompt: int, max_new_tokens: int, rows: int = 1) -> None:
+        """Raises ``InvalidInput`` (400) for a row (a beam group's ``rows``) that could not fit the
+        KV budget even alone."""
         budget = self.budget
         if budget is None:
             return
-        needed = budget.footprint(1, self.reserved(prompt, max_new_tokens))
+        needed = budget.footprint(rows, self.reserved(prompt, max_new_tokens))
         if needed > budget.tokens:
+            beams = f", {rows} beams" if rows > 1 else ""
             raise InvalidInput(
                 f"this input needs {budget.describe(needed)} of KV cache ({prompt} input tokens, "
-                f"max_new_tokens={max_new_tokens}, and the room its buffers keep), and this "
+                f"max_new_tokens={max_new_tokens}{beams}, and the room its buffers keep), and this "
                 f"model's decoding batch holds at most {budget.describe(budget.tokens)} "
                 f"({budget.source}): ask fewer new tokens or send a shorter input"
             )
 
     def _joining(self, room: int) -> list[Row]:
-        """The waiting rows that join now, in order, within ``room`` rows and the KV budget. A row
-        that does not fit waits and the rows behind it that fit go first, until it has waited
-        ``PATIENCE_SECONDS``."""
+        """The waiting rows that join now, in order, within ``room`` rows and the KV budget. A beam
+        group's rows join together or wait together; one wider than ``room`` joins an empty batch.
+        A row (or group) that does not fit waits and the rows behind it that fit go first, until it
+        has waited ``PATIENCE_SECONDS``."""
         budget, rows = self.budget, self.batch.rows
-        if budget is None:
+        if budget is None and all(row.group is None for row in self._waiting):
             return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-        slots, holes = len(rows), rows.count(None)
-        width = self.batch.mask.shape[1] if rows else 0
-        longest = max(
-            (self.reserved(len(r.prompt), r.max_new_tokens) for r in self.batch.live), default=0
-        )
+        state = (0, 0, 0)  # the batch's places, the empty ones, the most a row reserves
+        if budget is not None:
+            state = (
+                len(rows),
+                rows.count(None),
+                max(map(self._reserved, self.batch.live), default=0),
+            )
         joining: list[Row] = []
         waiting: deque[Row] = deque()
         patient = time.monotonic() - PATIENCE_SECONDS
-        for row in self._waiting:
-            tokens = self.reserved(len(row.prompt), row.max_new_tokens)
-            # where ``DecodingBatch._place`` writes it into a finished row's place
+        empty = not self.batch.live
+        for unit in _units(self._waiting):
+            after = state if budget is None else self._after(unit, *state)
+            fits = budget is None or budget.footprint(after[0], after[2]) <= budget.tokens
+            passing = bool(waiting) and waiting[0].joined_at < patient
+            wide = empty and not joining  # a group wider than the batch, alone
+            if (len(joining) + len(unit) <= room or wide) and fits and not passing:
+                joining += unit
+                state = after
+            else:
+                waiting.extend(unit)
+        self._waiting = waiting
+        return joining
+
+    def _reserved(self, row: Row) -> int:
+        return self.reserved(len(row.prompt), row.max_new_tokens)
+
+    def _after(self, unit: list[Row], slots: int, holes: int, longest: int) -> tuple[int, int, int]:
+        """The batch's places, empty places and most reserved once ``unit`` joins: each row in a
+        finished row's place where ``DecodingBatch._place`` writes it there, else added."""
+        width = self.batch.mask.shape[1] if self.batch.rows else 0
+        for row in unit:
             in_hole = holes > 0 and len(row.tokens or row.prompt) <= width
             if self.batch.encoder_decoder:
                 in_hole = in_hole and len(row.prompt) <= self.batch.encoded.shape[1]
-            after = (slots if in_hole else slots + 1, max(longest, tokens))
-            passing = bool(waiting) and waiting[0].joined_at < patient
-            fits = budget.footprint(*after) <= budget.tokens
-            if len(joining) < room and fits and not passing:
-                joining.append(row)
-                (slots, longest), holes = after, holes - in_hole
-            else:
-                waiting.append(row)
-        self._waiting = waiting
-        return joining
+            slots, holes = (slots, holes - 1) if in_hole else (slots + 1, holes)
+            longest = max(longest, self._reserved(row))
+        return slots, holes, longest
 
     def _drop_withdrawn(self) -> None:
         """The rows of models withdrawn leave the queue and the batch, failed."""
@@ -276,3 +292,15 @@ class Scheduler:
             event = self._events.pop(id(row), None)
         if event is not None:
             event.set()
+
+
+def _units(rows: deque[Row]) -> list[list[Row]]:
+    """The waiting rows in order, a beam group's rows as one unit (they are queued one after
+    another)."""
+    units: list[list[Row]] = []
+    for row in rows:
+        if row.group is not None and units and units[-1][0].group is row.group:
+            units[-1].append(row)
+        else:
+            units.append([row])
+    return units

@@ -132,7 +132,18 @@ class Selection:
         return self._groups
 
 
-class LoraLinear(torch.nn.Module):
+class _Wrapper(torch.nn.Module):
+    """A layer that wraps ``base`` and reads as it does: a model may read its layers' attributes
+    (T5's feed-forward casts to ``wo.weight.dtype``; ``vocabulary`` reads the embedding's size)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("base"), name)
+
+
+class LoraLinear(_Wrapper):
     """A base linear layer and the low-rank updates of the adapters that target it."""
 
     def __init__(self, base: torch.nn.Linear, adapters: AdapterSet) -> None:
@@ -185,7 +196,7 @@ def _plan(selection: Selection, columns: Columns) -> Plan | None:
     return Plan(down, up, mask, scale)
 
 
-class SavedModule(torch.nn.Module):
+class SavedModule(_Wrapper):
     """A module some adapters replace whole (a classification head, an ``lm_head``): each row goes
     through its adapter's copy."""
 

@@ -36,13 +36,13 @@ def test_eight_adapters_decode_together_on_one_card_and_answer_as_peft_alone(tmp
         for index in range(32)
     ]
     rows_per_step: list[int] = []
-    step = model.scheduler.batch.step
+    step = model.generation.scheduler.batch.step
 
     def counting_step() -> None:
-        rows_per_step.append(len({row.model for row in model.scheduler.batch.live}))
+        rows_per_step.append(len({row.model for row in model.generation.scheduler.batch.live}))
         step()
 
-    model.scheduler.batch.step = counting_step
+    model.generation.scheduler.batch.step = counting_step
     got: list[str | None] = [None] * len(calls)
 
     def client(first: int) -> None:

@@ -110,6 +110,40 @@ def test_sixteen_clients_each_get_what_generate_gives_their_input_alone(
         assert rows > passes, (name, passes, rows)  # steps decoded several rows at once
 
 
+def test_beam_searches_share_steps_with_greedy_rows_and_get_generates_answers(
+    server: RunningServer, sources: dict[str, Path]
+) -> None:
+    """32 requests from 16 clients to the summarizer and the rewriter: the text-to-text default of 4 beams, 3 beams
+    with a length penalty and early stopping, and greedy ones beside them; every answer is generate's for that input
+    alone with those beams, and each model's rows shared steps."""
+    rng = random.Random(5)
+    beams = [{}, {"num_beams": 3, "length_penalty": 0.8, "early_stopping": True, "do_sample": False}, GREEDY]
+    calls = [
+        (["summarizer", "rewriter"][index % 2], hf_models.text_of_tokens(rng.randint(1, 30), index), rng.randint(1, 16))
+        for index in range(32)
+    ]
+    chosen = [beams[index % 3] for index in range(len(calls))]
+    before = {name: batch_passes(server, name) for name in ("summarizer", "rewriter")}
+
+    def call(index: int) -> Any:
+        name, text, new_tokens = calls[index]
+        response = generate(server, name, text, max_new_tokens=new_tokens, **chosen[index])
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    with ThreadPoolExecutor(16) as clients:
+        answers = list(clients.map(call, range(len(calls))))
+    for (name, text, new_tokens), parameters, answer in zip(calls, chosen, answers, strict=True):
+        kind, _, prefix, key = MODELS[name]
+        expected = alone(
+            sources[kind], kind, prefix, key, text, max_new_tokens=new_tokens, **{"num_beams": 4, **parameters}
+        )
+        assert answer == expected, (name, text, parameters)
+    for name, then in before.items():
+        passes, rows = (now - old for now, old in zip(batch_passes(server, name), then, strict=True))
+        assert rows > passes, (name, passes, rows)
+
+
 def test_sixteen_clients_of_the_decoder_families_get_generates_tokens_alone(
     server: RunningServer, tmp_path: Path
 ) -> None:

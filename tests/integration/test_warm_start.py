@@ -184,5 +184,5 @@ def test_a_sample_request_warms_every_worker_at_load(tmp_path: Path) -> None:
 
         broken = model_factory.torchscript_model(server.model_dir("badsample"))
         model_factory.write_code(broken, "[[1, 2]]", name="warmup.json")  # wrong shape for the model
-        assert server.load("badsample").status_code == 500
+        assert server.load("badsample").status_code == 400  # its own warmup.json is at fault
         assert wait_until(lambda: "warm-up request code/warmup.json failed" in server.log_text(), 5)

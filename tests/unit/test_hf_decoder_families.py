@@ -128,6 +128,41 @@ def test_concurrent_clients_get_generates_greedy_tokens_and_seeded_samples(
         assert answer == pipeline(text, **parameters), (text, parameters)
 
 
+@pytest.mark.parametrize(("family", "dtype"), ALTERNATING, ids=[f"{family}-{dtype}" for family, dtype in ALTERNATING])
+def test_beam_groups_beside_greedy_rows_get_generates_beams(
+    built: Callable[[str, str], Path], family: str, dtype: str
+) -> None:
+    """Eight clients at once, beam searches of 2 to 4 beams past the sliding window beside greedy rows: each answer is
+    the pipeline's for that text alone with the same beams."""
+    import transformers
+
+    model = served(built(family, dtype))
+    calls = [
+        (
+            hf_models.text_of_tokens(2 + 3 * index, index),
+            {"do_sample": False, "num_beams": [1, 2, 3, 4][index % 4], "max_new_tokens": 6 + 2 * index},
+        )
+        for index in range(8)
+    ]
+    generator = GenerationRunner(model, CPU, GenerationLimits(max_rows=16), "test")
+    got: list[Any] = [None] * len(calls)
+
+    def client(index: int) -> None:
+        text, parameters = calls[index]
+        request = TaskRequest([text], parameters, single=True)
+        got[index] = shape("text-generation", generator.run([request]), request)
+
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    generator.close()
+    pipeline = transformers.pipeline("text-generation", model=model.model, tokenizer=model.tokenizer)
+    for (text, parameters), answer in zip(calls, got, strict=True):
+        assert answer == pipeline(text, **parameters), (text, parameters)
+
+
 def test_a_bfloat16_checkpoint_loads_as_bfloat16_and_computes_in_float32_on_the_cpu(
     built: Callable[[str, str], Path], tmp_path: Path
 ) -> None:

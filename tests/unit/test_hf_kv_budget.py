@@ -84,6 +84,44 @@ def test_rows_that_do_not_fit_wait_for_room_and_get_generate_s_tokens(base: Path
     assert max(rows_held) > one_row  # two rows did share steps
 
 
+def test_beam_groups_wait_for_room_as_a_whole_and_get_generate_s_beams(base: Path) -> None:
+    """Room for five rows of 16 new tokens: groups of three beams and greedy rows from eight clients at once join only
+    whole, the batch holds no more than the bound, and each answer is generate's with those beams."""
+    texts = [hf_models.text_of_tokens(8, seed) for seed in range(8)]
+    widths = [3, 1, 3, 1, 3, 3, 1, 3]
+    one_row = KvBudget.footprint(1, 9 + 16)  # at most 9 prompt tokens
+    generator = runner(base, 5 * one_row)
+    held: list[int] = []
+    partial: list[int] = []
+    step = generator._scheduler.batch.step
+
+    def counting_step() -> None:
+        batch = generator._scheduler.batch
+        held.append(KvBudget.footprint(len(batch.rows), max(len(r.prompt) + r.max_new_tokens for r in batch.live)))
+        groups = {id(row.group): row.group for row in batch.live if row.group is not None}
+        partial.extend(id(g) for g in groups.values() if any(row not in batch.live for row in g.rows))
+        step()
+
+    generator._scheduler.batch.step = counting_step
+    got: list[str | None] = [None] * len(texts)
+
+    def client(index: int) -> None:
+        request = TaskRequest([texts[index]], {"max_new_tokens": 16, "do_sample": False, "num_beams": widths[index]})
+        got[index] = str(generator.run([request])[0][0]["generated_text"])
+
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(len(texts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    generator.close()
+    assert got == [
+        lora_models.peft_text(base, None, text, 16, num_beams=beams) for text, beams in zip(texts, widths, strict=True)
+    ]
+    assert max(held) <= 5 * one_row and not partial
+    assert max(held) > 3 * one_row  # a group shared steps with other rows
+
+
 def test_an_input_that_could_never_fit_answers_400_naming_the_numbers(base: Path) -> None:
     generator = runner(base, 200)
     with pytest.raises(InvalidInput) as refused:
@@ -92,6 +130,9 @@ def test_an_input_that_could_never_fit_answers_400_naming_the_numbers(base: Path
     assert "of KV cache" in message and "max_new_tokens=150" in message
     assert "holds at most 200 tokens (0.1 MiB) (a test's bound)" in message
     assert ask(generator, "a prompt of a few words", 20)  # a smaller one is served
+    beams = TaskRequest(["a prompt of a few words"], {"max_new_tokens": 20, "num_beams": 4}, single=True)
+    with pytest.raises(InvalidInput, match="max_new_tokens=20, 4 beams"):
+        generator.run([beams])  # four rows of it could never fit together
     generator.close()
 
 

@@ -20,6 +20,7 @@ class CountingBatch:
         self.rows: list[Row] = []
         self.joinable = joinable
         self.steps: list[int] = []  # rows in each step
+        self.admitted: list[list[Row]] = []  # the rows of each prefill
         self.fail_on_step = fail_on_step
         self.step_seconds = step_seconds
         self.closed = False
@@ -31,6 +32,7 @@ class CountingBatch:
     def admit(self, rows: list[Row]) -> None:
         if any(row.prompt == [-1] for row in rows):
             raise ValueError("this prompt cannot be prefilled")
+        self.admitted.append(list(rows))
         self.rows += rows
         self._token(rows)
 
@@ -100,6 +102,30 @@ def test_rows_join_between_steps_up_to_max_rows() -> None:
         rows = [Row([1], 5 + index % 3) for index in range(12)]
         _submit_all(scheduler, [[row] for row in rows])
         assert max(batch.steps) <= 4 and all(row.finish == LENGTH for row in rows)
+    finally:
+        scheduler.close()
+
+
+class Beams:
+    """What the scheduler reads of a beam group (``beams.BeamGroup``): its rows and how many."""
+
+    def __init__(self, rows: list[Row]) -> None:
+        self.rows, self.size = rows, len(rows)
+        for row in rows:
+            row.group = self
+
+
+def test_a_beam_groups_rows_join_together_and_one_wider_than_the_batch_runs_alone() -> None:
+    batch = CountingBatch(step_seconds=0.001)
+    scheduler = Scheduler(batch, max_rows=4, name="test")  # type: ignore[arg-type]
+    try:
+        narrow, wide = Beams([Row([1], 4) for _ in range(3)]), Beams([Row([1], 3) for _ in range(6)])
+        singles = [Row([1], 6) for _ in range(3)]
+        _submit_all(scheduler, [singles[:1], narrow.rows, wide.rows, singles[1:2], singles[2:]])
+        for group in (narrow, wide):
+            assert all(sum(row in joined for row in group.rows) in (0, group.size) for joined in batch.admitted)
+        assert 6 in batch.steps and max(batch.steps) == 6  # the wide group ran, alone
+        assert all(row.finish == LENGTH for row in [*narrow.rows, *wide.rows, *singles])
     finally:
         scheduler.close()
 

@@ -80,14 +80,16 @@ def test_sixteen_clients_over_five_adapters_and_the_base_get_peft_generate_exact
         (names[index % len(names)], hf_models.text_of_tokens(rng.randint(1, 30), index), rng.randint(1, 16))
         for index in range(32)
     ]
+    # one scheduler, pipeline and tokenizer copies for all: per adapter, only its tensors are more
+    assert {id(runner._shared) for runner in runners.values()} == {id(model.generation)}
     mixed: list[set[str | None]] = []
-    step = model.scheduler.batch.step
+    step = model.generation.scheduler.batch.step
 
     def recording_step() -> None:
-        mixed.append({row.model for row in model.scheduler.batch.live})
+        mixed.append({row.model for row in model.generation.scheduler.batch.live})
         step()
 
-    model.scheduler.batch.step = recording_step
+    model.generation.scheduler.batch.step = recording_step
     got: list[str | None] = [None] * len(cases)
 
     def client(first: int) -> None:
@@ -110,6 +112,49 @@ def test_sixteen_clients_over_five_adapters_and_the_base_get_peft_generate_exact
     assert got == wanted
     assert len({answer for answer in wanted}) > len(names)  # the adapters answer differently
     assert max(len(models) for models in mixed) >= 3, mixed  # rows of several models shared steps
+
+
+def test_beam_searches_over_adapters_and_the_base_share_steps_and_get_peft_generate_exactly(
+    made: tuple[Path, dict[str, Path]],
+) -> None:
+    """Beam groups of 2 to 4 rows and greedy rows of three adapters and the base in one batch: each beam row goes
+    through its request's adapter, and each answer has the tokens PEFT's generate gives with those beams alone."""
+    base, adapters = made
+    model, runners = served(base, adapters)
+    names = ["r16-all", "r64-rslora", "r8-head", "base"]
+    widths = [2, 1, 3, 4, 2, 1]  # num_beams of each request in turn (1: greedy)
+    cases = [
+        (names[index % len(names)], hf_models.text_of_tokens(2 + index, index), 4 + index % 9, widths[index % 6])
+        for index in range(16)
+    ]
+    mixed: list[tuple[int, int]] = []  # (models, beam groups) of each step
+    step = model.generation.scheduler.batch.step
+
+    def recording_step() -> None:
+        live = model.generation.scheduler.batch.live
+        mixed.append((len({row.model for row in live}), len({id(row.group) for row in live if row.group is not None})))
+        step()
+
+    model.generation.scheduler.batch.step = recording_step
+    got: list[str | None] = [None] * len(cases)
+
+    def client(index: int) -> None:
+        name, text, new_tokens, beams = cases[index]
+        got[index] = ask(runners[name], text, max_new_tokens=new_tokens, num_beams=beams, do_sample=False)
+
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(len(cases))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for runner in runners.values():
+        runner.close()
+    wanted = [
+        lora_models.peft_text(base, None if name == "base" else adapters[name], text, new_tokens, num_beams=beams)
+        for name, text, new_tokens, beams in cases
+    ]
+    assert got == wanted
+    assert any(models >= 3 and groups >= 2 for models, groups in mixed), mixed
 
 
 def test_seeded_sampling_gives_the_same_tokens_whatever_rows_are_beside_it(made: tuple[Path, dict[str, Path]]) -> None:
@@ -139,13 +184,13 @@ def test_an_adapter_unloaded_mid_answer_fails_its_own_rows_only(made: tuple[Path
     failures: list[BaseException] = []
     answers: list[str] = []
     started = threading.Event()
-    step = model.scheduler.batch.step
+    step = model.generation.scheduler.batch.step
 
     def slow_step() -> None:
         started.set()
         step()
 
-    model.scheduler.batch.step = slow_step
+    model.generation.scheduler.batch.step = slow_step
 
     def leaving() -> None:
         try:
@@ -172,11 +217,11 @@ def test_an_adapter_unloaded_mid_answer_fails_its_own_rows_only(made: tuple[Path
         thread.join()
     assert len(failures) == 1 and "r8-alpha" in str(failures[0])
     assert answers == [lora_models.peft_text(base, adapters["r16-all"], "a short one", 40)]
-    assert model.scheduler is not None and model.scheduler.users == {*adapters, "base"} - {"r8-alpha"}
+    assert model.generation is not None and model.generation.users == {*adapters, "base"} - {"r8-alpha"}
     for name, runner in runners.items():
         if name != "r8-alpha":
             runner.close()
-    assert model.scheduler is None  # the last model's close ends it
+    assert model.generation is None  # the last model's close ends it
 
 
 @pytest.mark.parametrize(
@@ -246,7 +291,8 @@ def test_an_adapter_with_a_tokenizer_of_its_own_is_refused_and_one_with_its_base
 
 
 def test_passes_on_another_thread_use_the_adapter_greedy_and_with_beams(made: tuple[Path, dict[str, Path]]) -> None:
-    """A GPU's passes run on its pass threads, not the caller's: each pass still uses its row's adapter."""
+    """A GPU's passes run on its pass threads, not the caller's: each pass still uses its row's adapter, in the batch
+    (greedy rows, a beam group) and in a generate alone (prompt lookup, which gives greedy's tokens)."""
     base, adapters = made
     model = hf_loading.load(base, "text-generation", trust_remote_code=False).place(CPU)
     lora_layers.attach(model, model.model, "r16-all", lora.read_adapter(adapters["r16-all"]))
@@ -259,7 +305,9 @@ def test_passes_on_another_thread_use_the_adapter_greedy_and_with_beams(made: tu
             base, adapters["r16-all"], text, 10
         )
         beams = ask(generator, text, max_new_tokens=10, do_sample=False, num_beams=3)
+        alone = ask(generator, text, max_new_tokens=10, do_sample=False, prompt_lookup_num_tokens=3)
         generator.close()
+    assert alone == lora_models.peft_text(base, adapters["r16-all"], text, 10)
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(base))
@@ -269,3 +317,53 @@ def test_passes_on_another_thread_use_the_adapter_greedy_and_with_beams(made: tu
         output = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, num_beams=3)
     full = tokenizer.decode(output[0], skip_special_tokens=True)
     assert beams == text + full[len(tokenizer.decode(ids[0], skip_special_tokens=True)) :]
+
+
+def test_seq_2_seq_adapters_of_a_t5_decode_together_as_peft_generates_each_alone(tmp_path: Path) -> None:
+    """SEQ_2_SEQ_LM adapters over a T5 (text2text-generation): their rows share steps, each answered with PEFT's
+    greedy tokens for its adapter alone, beside the base's."""
+    import peft
+    import transformers
+
+    base = hf_models.t5(tmp_path / "t5")
+    adapters = {
+        f"t5-{rank}": lora_models.causal_adapter(
+            base, tmp_path / f"t5-{rank}", seed=rank, rank=rank, targets=("q", "v", "wo"), task_type="SEQ_2_SEQ_LM"
+        )
+        for rank in (4, 16)
+    }
+    model = hf_loading.load(base, "text2text-generation", trust_remote_code=False).place(CPU)
+    for name, directory in adapters.items():
+        lora_layers.attach(model, model.model, name, lora.read_adapter(directory))
+    runners = {name: GenerationRunner(model, CPU, GenerationLimits(max_rows=16), name) for name in [*adapters, "t5"]}
+    cases = [
+        (name, hf_models.text_of_tokens(4 + 3 * index, index), 6 + index) for index, name in enumerate(runners)
+    ] * 2
+    got: list[Any] = [None] * len(cases)
+
+    def client(index: int) -> None:
+        name, text, new_tokens = cases[index]
+        got[index] = ask(runners[name], text, max_new_tokens=new_tokens, do_sample=False, num_beams=1)
+
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(len(cases))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for runner in runners.values():
+        runner.close()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(base))
+    references = {name: transformers.AutoModelForSeq2SeqLM.from_pretrained(str(base)).eval() for name in runners}
+    references = {
+        name: reference if name == "t5" else peft.PeftModel.from_pretrained(reference, str(adapters[name])).eval()
+        for name, reference in references.items()
+    }
+    wanted = []
+    for name, text, new_tokens in cases:
+        with torch.inference_mode():
+            output = references[name].generate(
+                **tokenizer(text, return_tensors="pt"), max_new_tokens=new_tokens, num_beams=1
+            )
+        wanted.append(tokenizer.decode(output[0], skip_special_tokens=True))
+    assert got == wanted
+    assert len(set(wanted[: len(runners)])) == len(runners)  # the adapters answer otherwise than the base
