@@ -54,6 +54,8 @@ class Row:
     stopped: Callable[[Row], bool] | None = None  # a stop sequence seen (checked by the scheduler)
     deadline: float = float("inf")  # time.monotonic() after which it is cut
     group: Any = None  # its beams.BeamGroup, which picks its tokens and ends it
+    owner: Any = None  # what submitted it (a model's runner): its UNLOAD withdraws its rows
+    series: Any = None  # the metrics series of its model, which records its steps
     # the decoder's: prompt + new (decoder-only), or start + new
     tokens: list[int] = field(default_factory=list)
     generated: int = 0
@@ -139,7 +141,7 @@ class DecodingBatch:
         self._caches = (DynamicCache, EncoderDecoderCache)
         self.model = model
         self._holder = holder
-        self._selected: tuple[tuple[str | None, ...], Any] = ((), None)
+        self._selected: tuple[Any, Any] = ((), None)
         self.encoder_decoder = bool(model.config.is_encoder_decoder)
         self.device = next(model.parameters()).device
         parameters = set(inspect.signature(model.forward).parameters)
@@ -161,15 +163,16 @@ class DecodingBatch:
         self, rows: Sequence[Row | None], steps: bool = False
     ) -> AbstractContextManager[Any]:
         """The passes in this block give each row its own model's adapter (``steps``: the batch's
-        rows, whose selection is kept while they stay the same)."""
+        rows, whose selection is kept while they and the adapters stay the same)."""
         adapters = getattr(self._holder, "adapters", None)
         if adapters is None:
             return nullcontext()
         names = tuple(None if row is None else row.model for row in rows)
         if not steps:
             return adapters.using(adapters.selection(list(names)))  # type: ignore[no-any-return]
-        if self._selected[0] != names:
-            self._selected = (names, adapters.selection(list(names)))
+        key = (names, adapters.version)
+        if self._selected[0] != key:
+            self._selected = (key, adapters.selection(list(names)))
         return adapters.using(self._selected[1])  # type: ignore[no-any-return]
 
     def _reset(self) -> None:

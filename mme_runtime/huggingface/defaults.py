@@ -172,10 +172,6 @@ class HuggingFaceDefaults:
             limits = replace(self._limits, max_rows=max_rows)
             self._generator = GenerationRunner(model, device, limits, name, run_pass)
 
-    @property
-    def threads(self) -> list[threading.Thread]:
-        return [] if self._generator is None else self._generator.threads
-
     def close(self) -> None:
         """Ends the scheduler (the model's UNLOAD): its rows fail, its thread lets the model go."""
         if self._generator is not None:

@@ -42,6 +42,7 @@ from mme_runtime.huggingface.prompts import (
 )
 from mme_runtime.huggingface.requests import TaskRequest
 from mme_runtime.huggingface.scheduler import Scheduler
+from mme_runtime.operations import metrics
 from mme_runtime.serving.pass_threads import RunPass, run_here
 
 # How a generation is held is the server's: a static cache of max_cache_len 10**6 is allocated
@@ -126,28 +127,24 @@ class GenerationRunner:
             if shared is None or shared.scheduler.closed:
                 made = SharedGeneration.make(model, device, limits, name, run_pass)
                 shared = model.generation = made
-            shared.users.add(name)
+            shared.users.add(self)
         self._shared, self._scheduler, self._task = shared, shared.scheduler, shared.task
         self._vocabulary = shared.vocabulary
         self._stop_tokenizer, self._alone_tokenizer = shared.stop_tokenizer, shared.alone_tokenizer
         self._alone = shared.alone  # generate alone: one at a time
 
-    @property
-    def threads(self) -> list[threading.Thread]:
-        return [self._scheduler.thread]
-
     def close(self) -> None:
         """This model's rows leave the scheduler; the scheduler ends with its last model."""
         shared = self._shared
         with _SHARED_LOCK:
-            shared.users.discard(self.name)
+            shared.users.discard(self)
             last = not shared.users
             if last and self.model.generation is shared:
                 self.model.generation = None
         if last:
             shared.scheduler.close()
         else:
-            shared.scheduler.withdraw(self.name)
+            shared.scheduler.withdraw(self)
 
     def run(self, requests: list[TaskRequest]) -> list[list[dict[str, Any]]]:
         """Each input's answers (one per returned sequence), in order."""
@@ -165,9 +162,10 @@ class GenerationRunner:
             for index, (prompt, rows, config, stops) in enumerate(planned)
             if rows is None
         }
-        self._scheduler.submit(
-            [row for _, rows, _, _ in planned if rows is not None for row in rows]
-        )
+        rows = [row for _, rows, _, _ in planned if rows is not None for row in rows]
+        for row in rows:
+            row.owner, row.series = self, metrics.current()
+        self._scheduler.submit(rows)
         answers = []
         for index, (prompt, rows, _, _) in enumerate(planned):
             if rows is None:
@@ -392,7 +390,7 @@ class SharedGeneration:
     stop_tokenizer: Any
     alone_tokenizer: Any
     alone: threading.Lock = field(default_factory=threading.Lock)
-    users: set[str] = field(default_factory=set)
+    users: set[GenerationRunner] = field(default_factory=set)  # each model's runner
 
     @staticmethod
     def make(

@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
+from mme_runtime.base.parsing import MIB
 from mme_runtime.operations.memory import available_bytes
 
 ROOM = 64  # tokens of room a buffer gets beyond what it holds when it is made (or a quarter more)
 # Leading columns no row attends to any more are cut off once there are this many (a copy of the
 # cache: ``decoding.py``).
 TRIM_COLUMNS = 32
-MIB = 1 << 20
 
 
 def with_room(tokens: int) -> int:
@@ -39,8 +39,10 @@ class KvBudget:
     source: str
 
     @staticmethod
-    def footprint(rows: int, longest: int) -> int:
-        return rows * with_room(longest + TRIM_COLUMNS)
+    def footprint(rows: int, longest: int, source: int = 0) -> int:
+        """Token places of ``rows`` rows whose longest decoder row is ``longest`` tokens (and an
+        encoder-decoder's longest input ``source``: its cross-attention block, padded apart)."""
+        return rows * (with_room(longest + TRIM_COLUMNS) + source)
 
     def describe(self, tokens: int) -> str:
         return f"{tokens} tokens ({tokens * self.token_bytes / MIB:.1f} MiB)"

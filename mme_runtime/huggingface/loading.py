@@ -151,9 +151,9 @@ class HuggingFaceModel:
     truncate_to: int | None = None
     # sentence-ranking: the torch.nn activation of its scores (Sigmoid, ...)
     score_activation: str | None = None
-    # its LoRA adapters once one is attached in the process that serves it (``lora.py``)
+    # its LoRA adapters once one is attached in the process that serves it (``lora_layers.py``)
     adapters: Any = None
-    # what its models share to generate once one is placed: the scheduler... (``generation.py``)
+    # what its models (a base, its adapters) share to generate once placed (``generation.py``)
     generation: Any = None
     feature_extractor: Any = None  # audio tasks: turns a waveform into the model's inputs
 

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -35,6 +36,8 @@ GATHER_ROWS, GATHER_STEPS = 3, 2
 # A row waiting for KV cache room lets later rows that fit go first, until it has waited this long:
 # then none passes it, so the batch drains to make room for it.
 PATIENCE_SECONDS = 2.0
+# How long an UNLOAD waits for its model's rows to leave a batch other models still decode in.
+WITHDRAW_SECONDS = 10.0
 
 
 class ModelUnloaded(RuntimeError):
@@ -63,7 +66,8 @@ class Scheduler:
         self._ready = threading.Condition()
         self._closed = False
         self._held = 0  # steps the waiting rows have been held back to gather
-        self._withdrawn: set[str] = set()  # models gone whose rows still wait or run
+        # models gone (their runners) whose rows still run, and what tells their UNLOAD they left
+        self._withdrawn: dict[int, tuple[object, threading.Event]] = {}
         # what a row submitted too late gets
         self._failure: BaseException = ModelUnloaded("the model was unloaded")
         self._series = metrics.current()  # a device host's threads each record for their own model
@@ -92,12 +96,18 @@ class Scheduler:
     def closed(self) -> bool:
         return self._closed
 
-    def withdraw(self, model: str) -> None:
-        """``model`` is unloaded while other models' rows still decode here: its own rows fail with
-        ``ModelUnloaded`` before the next step."""
+    def withdraw(self, owner: object, timeout: float = WITHDRAW_SECONDS) -> None:
+        """The model whose rows ``owner`` submitted is unloaded while other models' rows still
+        decode here: its rows fail with ``ModelUnloaded``, and this returns once none of them is in
+        the batch any more (at the end of the step under way), or after ``timeout``."""
+        left = threading.Event()
         with self._ready:
-            self._withdrawn.add(model)
+            if self._closed:
+                return
+            self._withdrawn[id(owner)] = (owner, left)
             self._ready.notify()
+        if self.thread is not threading.current_thread():
+            left.wait(timeout)
 
     def close(self) -> None:
         """Ends the thread; rows waiting or running fail with ``ModelUnloaded``."""
@@ -133,7 +143,7 @@ class Scheduler:
         """The joining rows prefilled, then one step of the batch; recorded as one pass of the rows
         in it."""
         started = time.monotonic()
-        waits = [started - row.joined_at for row in joining]
+        waits = {id(row): (row, started - row.joined_at) for row in joining}
         if joining:
             self._admit(joining)
         if self.batch.rows:
@@ -143,14 +153,25 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - the rows of this step answer with it
                 self._fail(self.batch.fail_all(), exc)
             self._finish(decoding)
-            waits += [0.0] * (len(decoding) - len(waits))
-        if waits:
-            metrics.record_pass(waits, time.monotonic() - started, self.max_rows)
+            for row in decoding:
+                waits.setdefault(id(row), (row, 0.0))
+        self._record(list(waits.values()), time.monotonic() - started)
+
+    def _record(self, rows: list[tuple[Row, float]], seconds: float) -> None:
+        """A step as a pass of each model whose rows it decoded, in that model's series: how long
+        its rows waited to join, and how long the step took."""
+        by_series: dict[int, tuple[Any, list[float]]] = {}
+        for row, wait in rows:
+            series = row.series or self._series
+            by_series.setdefault(id(series), (series, []))[1].append(wait)
+        for series, waits in by_series.values():
+            metrics.bind(series)
+            metrics.record_pass(waits, seconds, self.max_rows)
 
     def _next_rows(self) -> list[Row] | None:
         """The rows that join before the next step (maybe none), or None once closed."""
         with self._ready:
-            while not self._closed and not self._waiting and not self.batch.rows:
+            while not (self._closed or self._waiting or self.batch.rows or self._withdrawn):
                 self._ready.wait()
             if self._closed:
                 return None
@@ -169,10 +190,13 @@ class Scheduler:
             self._held = 0
             return self._joining(self.max_rows - live)
 
-    def reserved(self, prompt: int, max_new_tokens: int) -> int:
-        """The cache places a row of a ``prompt``-token input may take (an encoder-decoder's: its
-        input, for cross-attention, and its decoder's start and new tokens)."""
-        return prompt + max_new_tokens + (1 if self.batch.encoder_decoder else 0)
+    def reserved(self, prompt: int, max_new_tokens: int) -> tuple[int, int]:
+        """The decoder tokens a row of a ``prompt``-token input may hold, and its cross-attention
+        ones: a decoder-only model's prompt and new tokens; an encoder-decoder's start and new
+        tokens, and its input."""
+        if self.batch.encoder_decoder:
+            return 1 + max_new_tokens, prompt
+        return prompt + max_new_tokens, 0
 
     def check_room(self, prompt: int, max_new_tokens: int, rows: int = 1) -> None:
         """Raises ``InvalidInput`` (400) for a row (a beam group's ``rows``) that could not fit the
@@ -180,7 +204,7 @@ class Scheduler:
         budget = self.budget
         if budget is None:
             return
-        needed = budget.footprint(rows, self.reserved(prompt, max_new_tokens))
+        needed = budget.footprint(rows, *self.reserved(prompt, max_new_tokens))
         if needed > budget.tokens:
             beams = f", {rows} beams" if rows > 1 else ""
             raise InvalidInput(
@@ -198,12 +222,15 @@ class Scheduler:
         budget, rows = self.budget, self.batch.rows
         if budget is None and all(row.group is None for row in self._waiting):
             return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-        state = (0, 0, 0)  # the batch's places, the empty ones, the most a row reserves
+        # the batch's places, the empty ones, the most a row reserves (decoder, cross-attention)
+        state = (0, 0, 0, 0)
         if budget is not None:
+            reserved = [self._reserved(row) for row in self.batch.live]
             state = (
                 len(rows),
                 rows.count(None),
-                max(map(self._reserved, self.batch.live), default=0),
+                max((decoder for decoder, _ in reserved), default=0),
+                max((source for _, source in reserved), default=0),
             )
         joining: list[Row] = []
         waiting: deque[Row] = deque()
@@ -211,7 +238,7 @@ class Scheduler:
         empty = not self.batch.live
         for unit in _units(self._waiting):
             after = state if budget is None else self._after(unit, *state)
-            fits = budget is None or budget.footprint(after[0], after[2]) <= budget.tokens
+            fits = budget is None or budget.footprint(after[0], *after[2:]) <= budget.tokens
             passing = bool(waiting) and waiting[0].joined_at < patient
             wide = empty and not joining  # a group wider than the batch, alone
             if (len(joining) + len(unit) <= room or wide) and fits and not passing:
@@ -222,10 +249,12 @@ class Scheduler:
         self._waiting = waiting
         return joining
 
-    def _reserved(self, row: Row) -> int:
+    def _reserved(self, row: Row) -> tuple[int, int]:
         return self.reserved(len(row.prompt), row.max_new_tokens)
 
-    def _after(self, unit: list[Row], slots: int, holes: int, longest: int) -> tuple[int, int, int]:
+    def _after(
+        self, unit: list[Row], slots: int, holes: int, longest: int, source: int
+    ) -> tuple[int, int, int, int]:
         """The batch's places, empty places and most reserved once ``unit`` joins: each row in a
         finished row's place where ``DecodingBatch._place`` writes it there, else added."""
         width = self.batch.mask.shape[1] if self.batch.rows else 0
@@ -234,19 +263,23 @@ class Scheduler:
             if self.batch.encoder_decoder:
                 in_hole = in_hole and len(row.prompt) <= self.batch.encoded.shape[1]
             slots, holes = (slots, holes - 1) if in_hole else (slots + 1, holes)
-            longest = max(longest, self._reserved(row))
-        return slots, holes, longest
+            decoder, cross = self._reserved(row)
+            longest, source = max(longest, decoder), max(source, cross)
+        return slots, holes, longest, source
 
     def _drop_withdrawn(self) -> None:
-        """The rows of models withdrawn leave the queue and the batch, failed."""
-        gone, self._withdrawn = self._withdrawn, set()
-        leaving = [row for row in self._waiting if row.model in gone]
-        self._waiting = deque(row for row in self._waiting if row.model not in gone)
-        running = [row for row in self.batch.live if row.model in gone]
+        """The rows of models withdrawn leave the queue and the batch, failed; their UNLOADs go
+        on."""
+        gone, self._withdrawn = self._withdrawn, {}
+        leaving = [row for row in self._waiting if id(row.owner) in gone]
+        self._waiting = deque(row for row in self._waiting if id(row.owner) not in gone)
+        running = [row for row in self.batch.live if id(row.owner) in gone]
         if running:
             self.batch.drop(running)
         for row in leaving + running:
             self._done(row, ModelUnloaded(f"the model {row.model} was unloaded"))
+        for _, left in gone.values():
+            left.set()
 
     def _admit(self, rows: list[Row]) -> None:
         """Prefills the joining rows; if that fails they fail, and the running rows only if the

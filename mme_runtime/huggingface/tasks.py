@@ -145,7 +145,7 @@ class TaskRunner:
         """The model over ``rows``, handed back row by row as a pass over each alone gives it
         (``cut_back``): sorted by length, in groups padded to their longest, so that a batch of
         texts from 4 to 200 tokens costs neither sixteen texts of 200 nor sixteen passes.
-        ``adapters``: each row's LoRA adapter (``lora.py``)."""
+        ``adapters``: each row's LoRA adapter (``lora_layers.py``)."""
         outputs: list[Any] = [None] * len(rows)
         pad_id = getattr(self.model.tokenizer, "pad_token_id", None)
         for group in length_groups([length(row) or 0 for row in rows]):

@@ -231,6 +231,7 @@ class AdapterSet:
         self._selected = threading.local()
         self._lock = threading.Lock()
         self._next = 0
+        self.version = 0  # counts adapters come and gone: a selection made before names old slots
         self._batcher: Any = None  # the one queue of every adapter's model (``serving/batcher.py``)
         self._users: set[str] = set()
 
@@ -270,6 +271,7 @@ class AdapterSet:
             for path, holder in holders.items():
                 holder.copies[index] = copies[path]
             self.index[name] = index
+            self.version += 1
 
     def batcher(self, name: str, make: Callable[[], Any]) -> Any:
         """The batcher every adapter's model submits to, made by the first (``make``)."""
@@ -296,6 +298,7 @@ class AdapterSet:
         with self._lock:
             index = self.index.pop(name, None)
             if index is not None:
+                self.version += 1
                 for layer in self.module.modules():
                     if (
                         isinstance(layer, LoraLinear)

@@ -213,7 +213,9 @@ class PackageCache:
             return key_for(path)
         settings = read_settings(model_dir, self.config)
         task = _base_task[0](model_dir, settings.task, self.config.hf_task) if _base_task else None
-        return None if task is None else _weights_key(model_dir, task, self.config)
+        if task is None:
+            return None
+        return _weights_key(model_dir, task, self.config, settings.trust_remote_code)
 
     def _evict_beyond(self, limit_bytes: int) -> None:
         while self.kept_bytes > limit_bytes and self._evict_oldest(
@@ -269,11 +271,14 @@ def _base_key(adapter_dir: Path, config: Config) -> Key | None:
         # stays the one its adapters use while any is loaded; the loader fetches it anew, by ETag,
         # after the last is gone.
         return (f"{settings.base_model}#{task}", 0, 0)
-    return _weights_key(lora.find_base(adapter_dir, settings.base_model, config), task, config)
+    base = lora.find_base(adapter_dir, settings.base_model, config)
+    return _weights_key(base, task, config, settings.trust_remote_code)
 
 
-def _weights_key(base: Path, task: str | None, config: Config) -> Key | None:
-    """A base's weights for ``task``, with its own script: what an adapter's LOAD, and a generative
+def _weights_key(base: Path, task: str | None, config: Config, trusted: bool) -> Key | None:
+    """A base's weights for ``task``, with its own script, its other files (its config, its
+    tokenizer: rewritten, they are another key) and whether its own code may run
+    (``trust_remote_code`` of the model that loads it): what an adapter's LOAD, and a generative
     base's own, load."""
     names = (*_weight_files, *MODEL_FILES)
     weights = next((base / name for name in names if (base / name).is_file()), None)
@@ -282,4 +287,10 @@ def _weights_key(base: Path, task: str | None, config: Config) -> Key | None:
     path, size, modified = key_for(weights)
     script = base / "code" / config.program
     code = key_for(script) if script.is_file() else None
-    return (f"{path}#{task}#{code}", size, modified)
+    others = sorted(
+        f"{other.name}:{stat.st_size}:{stat.st_mtime_ns}"
+        for other in base.iterdir()
+        if other != weights and other.is_file() and (stat := other.stat())
+    )
+    files = xxhash.xxh3_64_hexdigest("\n".join(others).encode())
+    return (f"{path}#{task}#{code}#{files}#{trusted}", size, modified)

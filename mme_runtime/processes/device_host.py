@@ -273,8 +273,6 @@ class DeviceHost:
         handler.served.thread_ended = self.board.done
         handler.served.pass_threads = self.passes
         model.demand = start_batching(spec, self.config, loaded)
-        for thread in handler.served.scheduler_threads:
-            self.board.work_for(model.slot, thread.ident)
         self._record_memory(model, handler.served)
         return loaded
 
@@ -423,8 +421,6 @@ class DeviceHost:
         leaving: list[Any] = [model.loaded]
         if ours is not None:  # our handler (one that is not ours has nothing to end)
             leaving += ours.parts(owns_model=not model.borrows_all)
-            for thread in ours.scheduler_threads:
-                self.board.done(thread.ident)
             ours.close()
         model.loaded = ours = None
         if self.shared is not None:

@@ -214,7 +214,7 @@ def run_batch(
     ``retry_in_halves`` says whether a batch that failed with an error is run again in two halves;
     ``before_retry`` runs first (freeing cached device memory, say), once the failed pass's frames
     are gone. ``around(jobs)`` holds each ``predict`` call (the rows of a pass over LoRA adapters,
-    ``lora.py``).
+    ``lora_layers.py``).
     """
     try:
         if len(jobs) == 1:
@@ -247,7 +247,7 @@ def run_batch(
 
 def run_by_first(jobs: list[Job]) -> None:
     """A pass run by the model of its first job: what a batcher several models share runs
-    (``lora.py``)."""
+    (``lora_layers.py``)."""
     assert jobs[0].run_by is not None
     jobs[0].run_by(jobs)
 

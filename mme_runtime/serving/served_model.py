@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -99,7 +98,7 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         # A GPU device host's threads for every model's passes (``batcher.PassThreads``); None: each
         # model's own.
         self.pass_threads: PassThreads | None = None
-        # LoRA adapters over a plain module (``lora_layers.py``): each job's rows use its own
+        # LoRA adapters over a plain module (``lora_layers.py``): a job's rows use its model's
         self.row_adapters: Any = None
         self._defaults = default_inference_handler
         self._loaded = False
@@ -256,8 +255,10 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         size, delay = self._settings.batch_size, self._settings.max_batch_delay_ms
         name, ended = self._context.model_name, self.thread_ended
         adapters = getattr(self._model, "adapters", None)
-        # a pass over a base's adapters is no one model's: none is marked the culprit of its crash
-        run_pass = functools.partial(self.on_pass_thread, mark=adapters is None)
+        # A pass over a base's adapters, or a generative base's step (its adapters' rows may share
+        # it), is no one model's: none is marked the culprit of its crash.
+        shared = adapters is not None or self._scheduling is not None
+        run_pass = functools.partial(self.on_pass_thread, mark=not shared)
         if self._scheduling is not None:  # its rows share steps in a scheduler: no batcher
             self._scheduling.start(self._model, size, name, run_pass)
             return self._settings
@@ -277,14 +278,6 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
                 )
         return self._settings
 
-    @property
-    def scheduler_threads(self) -> list[threading.Thread]:
-        """The generation scheduler's thread, which lives as long as the model (a batcher's threads
-        run ``thread_started`` and ``thread_ended`` themselves); none for one its adapters share."""
-        if self._scheduling is None or getattr(self._model, "adapters", None) is not None:
-            return []
-        return list(self._scheduling.threads)
-
     def parts(self, owns_model: bool = True) -> list[Any]:
         """What its UNLOAD frees (``MemoryRelease``): itself, its user modules, and its model unless
         another model here holds it too (``owns_model`` false: it took another's package whole; a
@@ -295,6 +288,9 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
     def close(self) -> None:
         """Lets go of the model (its UNLOAD in a device host): the batcher's threads end, the user
         module goes."""
+        if self._scheduling is not None:  # its rows leave the scheduler before its adapter goes
+            self._scheduling.close()
+            self._scheduling = None
         adapters = getattr(self._model, "adapters", None)
         if adapters is not None and self._context is not None:
             if self._batcher is not None:
@@ -304,9 +300,6 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         elif self._batcher is not None:
             self._batcher.close()
         self._batcher = None
-        if self._scheduling is not None:
-            self._scheduling.close()
-            self._scheduling = None
         self._model = None
         for name, module in self._user_modules.items():  # its script, under the model's unique name
             if sys.modules.get(name) is module:

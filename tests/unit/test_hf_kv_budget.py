@@ -160,3 +160,15 @@ def test_the_bound_is_the_model_s_setting_else_the_container_s(tmp_path: Path) -
     limits = generation_limits(read_settings(tmp_path / "none", Config()), Config(kv_cache_mb=8))
     assert (limits.kv_cache_mb, limits.kv_cache_from) == (8, "MME_KV_CACHE_MB")
     assert generation_limits(read_settings(tmp_path / "none", Config()), Config()).kv_cache_mb is None
+
+
+def test_an_encoder_decoder_row_reserves_its_input_apart_from_what_it_decodes(tmp_path: Path) -> None:
+    """Cross-attention is padded to the longest input and self-attention to the longest output, apart: a long input
+    beside a long output costs both, not the longer of their sums."""
+    model = hf_loading.load(hf_models.t5(tmp_path / "t5"), "text2text-generation", trust_remote_code=False).place(CPU)
+    generator = GenerationRunner(model, CPU, GenerationLimits(max_rows=16), "t5")
+    scheduler = generator._scheduler
+    assert scheduler.reserved(1000, 10) == (11, 1000) and scheduler.reserved(10, 1000) == (1001, 10)
+    # the two rows together: 2 rows x (1001 decoder places with their room + 1000 input places)
+    assert KvBudget.footprint(2, 1001, 1000) == 2 * (kv_cache.with_room(1001 + kv_cache.TRIM_COLUMNS) + 1000)
+    generator.close()

@@ -217,7 +217,10 @@ def test_an_adapter_unloaded_mid_answer_fails_its_own_rows_only(made: tuple[Path
         thread.join()
     assert len(failures) == 1 and "r8-alpha" in str(failures[0])
     assert answers == [lora_models.peft_text(base, adapters["r16-all"], "a short one", 40)]
-    assert model.generation is not None and model.generation.users == {*adapters, "base"} - {"r8-alpha"}
+    assert model.generation is not None and {runner.name for runner in model.generation.users} == {
+        *adapters,
+        "base",
+    } - {"r8-alpha"}
     for name, runner in runners.items():
         if name != "r8-alpha":
             runner.close()
@@ -367,3 +370,42 @@ def test_seq_2_seq_adapters_of_a_t5_decode_together_as_peft_generates_each_alone
         wanted.append(tokenizer.decode(output[0], skip_special_tokens=True))
     assert got == wanted
     assert len(set(wanted[: len(runners)])) == len(runners)  # the adapters answer otherwise than the base
+
+
+def test_an_adapter_unloaded_while_idle_and_loaded_again_answers_as_itself(made: tuple[Path, dict[str, Path]]) -> None:
+    """Its UNLOAD withdrew the rows of its old runner only: the new one's first request is served, with the adapter as
+    it was attached again (a selection kept from before names the old slot, and is not reused)."""
+    base, adapters = made
+    model, runners = served(base, adapters)
+    text = hf_models.text_of_tokens(9, 2)
+    first = ask(runners["r8-alpha"], text, max_new_tokens=8, do_sample=False)
+    runners["r8-alpha"].close()  # its UNLOAD: the scheduler idle, the other models still on it
+    model.adapters.remove("r8-alpha")
+    lora_layers.attach(model, model.model, "r8-alpha", lora.read_adapter(adapters["r8-alpha"]))
+    again = GenerationRunner(model, CPU, GenerationLimits(max_rows=16), "r8-alpha")
+    assert (
+        ask(again, text, max_new_tokens=8, do_sample=False)
+        == first
+        == lora_models.peft_text(base, adapters["r8-alpha"], text, 8)
+    )
+    for runner in [again, *runners.values()]:
+        runner.close()
+
+
+def test_a_kept_step_selection_is_made_again_once_an_adapter_comes_or_goes(made: tuple[Path, dict[str, Path]]) -> None:
+    from mme_runtime.huggingface.decoding import DecodingBatch, Row
+
+    base, adapters = made
+    model = hf_loading.load(base, "text-generation", trust_remote_code=False).place(CPU)
+    lora_layers.attach(model, model.model, "r4-attention", lora.read_adapter(adapters["r4-attention"]))
+    batch = DecodingBatch(model.model, model)
+    rows = [Row([1, 2], 4, "r4-attention")]
+    with batch._adapters(rows, steps=True):
+        kept = model.adapters.current()
+    with batch._adapters(rows, steps=True):
+        assert model.adapters.current() is kept
+    model.adapters.remove("r4-attention")
+    lora_layers.attach(model, model.model, "r4-attention", lora.read_adapter(adapters["r4-attention"]))
+    with batch._adapters(rows, steps=True):
+        assert model.adapters.current() is not kept
+        assert model.adapters.current().slots == [model.adapters.index["r4-attention"]] != kept.slots
