@@ -27,8 +27,10 @@ from typing import Any
 import torch
 import xxhash
 
-from mme_runtime.base.errors import ModelLoadError
+from mme_runtime.base.errors import InsufficientMemory, ModelLoadError
+from mme_runtime.base.parsing import MIB
 from mme_runtime.huggingface import sentences
+from mme_runtime.operations.memory import available_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -178,9 +180,22 @@ class HuggingFaceModel:
             # alone, which can tip a greedy pick: on the CPU, rows get generate's tokens exactly
             # only in float32 (transformers 4, the AWS container's, loaded float32 by default).
             logger.info("%s computes in float32 on the CPU", type(self.model).__name__)
+            _check_room_for_float32(self.model)
             self.model = self.model.float()
         _register_output_capture(self.model)
         return self
+
+
+def _check_room_for_float32(model: torch.nn.Module) -> None:
+    """Raises ``InsufficientMemory`` (507) where the host has no room for the float32 copy of the
+    weights (its LOAD counted only the checkpoint's half-precision bytes)."""
+    copy_bytes = sum(p.numel() * 4 for p in model.parameters() if p.is_floating_point())
+    available, bound = available_bytes()
+    if copy_bytes > available:
+        raise InsufficientMemory(
+            f"out of host memory: computing in float32 on the CPU takes a float32 copy of the "
+            f"weights, {copy_bytes // MIB} MiB, and {available // MIB} MiB are available {bound}"
+        )
 
 
 def _half(model: torch.nn.Module) -> bool:

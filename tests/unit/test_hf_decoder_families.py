@@ -179,6 +179,21 @@ def test_a_bfloat16_checkpoint_loads_as_bfloat16_and_computes_in_float32_on_the_
     assert next(hf_loading.load(older, "text-generation", False).model.parameters()).dtype == torch.bfloat16
 
 
+def test_no_room_for_the_float32_copy_answers_507_naming_the_sizes(
+    built: Callable[[str, str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its LOAD counted the checkpoint's bfloat16 bytes: the float32 copy made when it is placed is checked apart."""
+    from mme_runtime.base.errors import InsufficientMemory
+
+    loaded = hf_loading.load(built("llama", "bfloat16"), "text-generation", trust_remote_code=False)
+    monkeypatch.setattr(hf_loading, "available_bytes", lambda: (1 << 10, "on the host"))
+    with pytest.raises(
+        InsufficientMemory, match=r"takes a float32 copy of the weights, \d+ MiB, and 0 MiB are available on the host"
+    ) as refused:
+        loaded.place(CPU)
+    assert refused.value.status == 507
+
+
 def test_sliding_windows_get_plain_cache_layers_and_chunked_attention_keeps_the_models() -> None:
     import transformers
 
