@@ -33,60 +33,89 @@ from mme_runtime.models.lora import Adapter
 
 # A row with no adapter: the base alone.
 NO_ADAPTER = -1
+# The owner of a column an unloaded adapter left (no row's slot).
+DEAD = -2
+# The room a layer's buffers keep for more adapters' columns, as a share of what they hold: an
+# adapter's LOAD copies ten adapters' columns on average, however many are loaded.
+GROWTH = 1.1
 
 
 @dataclass(frozen=True)
 class Columns:
     """One layer's adapters, concatenated along the rank: ``down`` (rank x in) and ``up``
-    (out x rank) hold every adapter's A and B, ``owner`` the adapter of each column, ``scaling``
-    each adapter's. Replaced whole when an adapter comes or goes, so a pass under way keeps its
-    own."""
+    (out x rank) hold every adapter's A and B, ``owner`` the adapter of each column (``DEAD``: an
+    adapter unloaded left it), ``scaling`` each adapter's. Replaced whole when an adapter comes or
+    goes, so a pass under way keeps its own; the buffers behind them keep room (``GROWTH``), so an
+    adapter's LOAD writes its columns after the others' instead of copying them all."""
 
-    down: torch.Tensor
-    up: torch.Tensor
-    owner: torch.Tensor  # (rank,), on the layer's device
+    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # down, up, owner, with room
+    used: int  # the columns in use (an unloaded adapter's among them until they are compacted)
     scaling: dict[int, float]
     ranges: dict[int, tuple[int, int]]  # adapter -> its columns [first, end)
+
+    @property
+    def down(self) -> torch.Tensor:
+        return self.buffers[0][: self.used]
+
+    @property
+    def up(self) -> torch.Tensor:
+        return self.buffers[1][:, : self.used]
+
+    @property
+    def owner(self) -> torch.Tensor:  # (rank,), on the layer's device
+        return self.buffers[2][: self.used]
 
     @staticmethod
     def adding(
         columns: Columns | None, index: int, down: torch.Tensor, up: torch.Tensor, scaling: float
     ) -> Columns:
-        """``columns`` and adapter ``index``'s (A: rank x in, B: out x rank) after them."""
-        owner = torch.full((down.shape[0],), index, device=down.device)
-        if columns is None:
-            return Columns(down, up, owner, {index: scaling}, {index: (0, down.shape[0])})
-        first = columns.down.shape[0]
-        return Columns(
-            torch.cat([columns.down, down]),
-            torch.cat([columns.up, up], dim=1),
-            torch.cat([columns.owner, owner]),
-            {**columns.scaling, index: scaling},
-            {**columns.ranges, index: (first, first + down.shape[0])},
-        )
+        """``columns`` and adapter ``index``'s (A: rank x in, B: out x rank) after them: written
+        in the room the buffers keep (which no snapshot reads), else in new buffers."""
+        if columns is None or columns.used + down.shape[0] > columns.buffers[0].shape[0]:
+            columns = _packed(columns, down.shape[0], down, up)
+        first, end = columns.used, columns.used + down.shape[0]
+        columns.buffers[0][first:end] = down
+        columns.buffers[1][:, first:end] = up
+        columns.buffers[2][first:end] = index
+        scalings = {**columns.scaling, index: scaling}
+        return Columns(columns.buffers, end, scalings, {**columns.ranges, index: (first, end)})
 
     def without(self, index: int) -> Columns | None:
-        """These columns without adapter ``index``'s (None: no adapter left)."""
+        """These columns without adapter ``index``'s (None: no adapter left). Its columns are marked
+        ``DEAD`` in place (its rows left the batch before); packed anew once a quarter is dead."""
         start, end = self.ranges[index]
-        if end - start == self.down.shape[0]:
+        ranges = {other: span for other, span in self.ranges.items() if other != index}
+        if not ranges:
             return None
-        kept = torch.cat([torch.arange(0, start), torch.arange(end, self.down.shape[0])])
-        kept = kept.to(self.down.device)
-        shift = {
-            other: (end - start if first >= end else 0) for other, (first, _) in self.ranges.items()
-        }
-        ranges = {
-            other: (first - shift[other], last - shift[other])
-            for other, (first, last) in self.ranges.items()
-            if other != index
-        }
-        return Columns(
-            self.down.index_select(0, kept),
-            self.up.index_select(1, kept),
-            self.owner[kept],
-            {other: scale for other, scale in self.scaling.items() if other != index},
-            ranges,
-        )
+        self.buffers[2][start:end] = DEAD
+        scaling = {other: scale for other, scale in self.scaling.items() if other != index}
+        left = Columns(self.buffers, self.used, scaling, ranges)
+        live = sum(last - first for first, last in ranges.values())
+        return _packed(left, 0) if 4 * (left.used - live) > left.used else left
+
+
+def _packed(columns: Columns | None, more: int, *like: torch.Tensor) -> Columns:
+    """New buffers holding ``columns``' live columns, in order, with room for ``more`` and a
+    tenth more (``like``: the tensors whose shape, dtype and device they take when there are no
+    columns yet)."""
+    down, up = (columns.down, columns.up) if columns is not None else like
+    ranges = {} if columns is None else dict(sorted(columns.ranges.items(), key=lambda r: r[1]))
+    live = sum(end - start for start, end in ranges.values())
+    capacity = max(live + more, int((live + more) * GROWTH))
+    buffers = (
+        down.new_empty((capacity, down.shape[1])),
+        up.new_empty((up.shape[0], capacity)),
+        torch.full((capacity,), DEAD, device=down.device),
+    )
+    moved, first = {}, 0
+    for index, (start, end) in ranges.items():
+        last = first + end - start
+        buffers[0][first:last] = down[start:end]
+        buffers[1][:, first:last] = up[:, start:end]
+        buffers[2][first:last] = index
+        moved[index], first = (first, last), last
+    scaling = {} if columns is None else dict(columns.scaling)
+    return Columns(buffers, first, scaling, moved)
 
 
 @dataclass(frozen=True)

@@ -215,3 +215,17 @@ def test_a_layer_holds_each_adapter_s_matrices_once_and_lets_one_go_leaving_the_
     assert torch.equal(kept.up, torch.cat([parts[0][1], parts[2][1]], dim=1))
     assert kept.owner.tolist() == [0, 0, 2, 2, 2] and kept.scaling == {0: 0.0, 2: 1.0}
     assert kept.without(0) is not None and kept.without(0).without(2) is None  # type: ignore[union-attr]
+
+
+def test_an_adapter_s_load_writes_its_columns_in_the_room_kept_and_leaves_earlier_snapshots_as_they_were() -> None:
+    torch.manual_seed(1)
+    first = lora_layers.Columns.adding(None, 0, torch.randn(10, 6), torch.randn(5, 10), 1.0)  # room for 1 more
+    second = lora_layers.Columns.adding(first, 1, torch.randn(1, 6), torch.randn(5, 1), 2.0)
+    assert second.buffers[0].data_ptr() == first.buffers[0].data_ptr()  # no copy of the first adapter's
+    assert first.used == 10 and first.owner.tolist() == [0] * 10 and second.owner.tolist() == [0] * 10 + [1]
+    third = lora_layers.Columns.adding(second, 2, torch.randn(8, 6), torch.randn(5, 8), 3.0)  # no room left: packed
+    assert third.buffers[0].data_ptr() != first.buffers[0].data_ptr() and third.ranges[2] == (11, 19)
+    assert torch.equal(third.down[:11], second.down) and torch.equal(third.up[:, :11], second.up)
+    fewer = third.without(1)  # 1 column of 19 dead: marked, not copied
+    assert fewer is not None and fewer.buffers[0].data_ptr() == third.buffers[0].data_ptr()
+    assert fewer.owner.tolist() == [0] * 10 + [lora_layers.DEAD] + [2] * 8 and 1 not in fewer.ranges
