@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import threading
 import time
 from contextlib import nullcontext
@@ -44,6 +45,8 @@ from mme_runtime.huggingface.requests import TaskRequest
 from mme_runtime.huggingface.scheduler import Scheduler
 from mme_runtime.operations import metrics
 from mme_runtime.serving.pass_threads import RunPass, run_here
+
+logger = logging.getLogger(__name__)
 
 # How a generation is held is the server's: a static cache of max_cache_len 10**6 is allocated
 # whole, and an offloaded one fails on a CPU.
@@ -127,6 +130,14 @@ class GenerationRunner:
             if shared is None or shared.scheduler.closed:
                 made = SharedGeneration.make(model, device, limits, name, run_pass)
                 shared = model.generation = made
+            elif _batch_settings(limits) != _batch_settings(shared.limits):
+                logger.warning(
+                    "model=%s batch_size=%d kv_cache_mb=%s ignored: its rows decode in its base's "
+                    "batch, whose batch_size=%d and kv_cache_mb=%s the first of its models set",
+                    name,
+                    *_batch_settings(limits),
+                    *_batch_settings(shared.limits),
+                )
             shared.users.add(self)
         self._shared, self._scheduler, self._task = shared, shared.scheduler, shared.task
         self._vocabulary = shared.vocabulary
@@ -377,6 +388,11 @@ class GenerationRunner:
 _SHARED_LOCK = threading.Lock()
 
 
+def _batch_settings(limits: GenerationLimits) -> tuple[int, int | str]:
+    """What a base's models share of their settings: rows per step and the KV cache bound."""
+    return limits.max_rows, limits.kv_cache_mb or "unset"
+
+
 @dataclass(eq=False)
 class SharedGeneration:
     """What the models over one base's weights (the base and its LoRA adapters) share to generate,
@@ -389,6 +405,7 @@ class SharedGeneration:
     vocabulary: int | None
     stop_tokenizer: Any
     alone_tokenizer: Any
+    limits: GenerationLimits  # the first model's: its batch_size and KV bound are the batch's
     alone: threading.Lock = field(default_factory=threading.Lock)
     users: set[GenerationRunner] = field(default_factory=set)  # each model's runner
 
@@ -409,6 +426,7 @@ class SharedGeneration:
             vocabulary(model.model),
             copy.deepcopy(model.tokenizer),
             copy.deepcopy(model.tokenizer),
+            limits,
         )
 
 

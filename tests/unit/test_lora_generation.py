@@ -409,3 +409,21 @@ def test_a_kept_step_selection_is_made_again_once_an_adapter_comes_or_goes(made:
     with batch._adapters(rows, steps=True):
         assert model.adapters.current() is not kept
         assert model.adapters.current().slots == [model.adapters.index["r4-attention"]] != kept.slots
+
+
+def test_a_model_joining_its_base_s_batch_with_other_settings_is_told_whose_apply(
+    made: tuple[Path, dict[str, Path]], caplog: pytest.LogCaptureFixture
+) -> None:
+    base, adapters = made
+    model = hf_loading.load(base, "text-generation", trust_remote_code=False).place(CPU)
+    first = GenerationRunner(model, CPU, GenerationLimits(max_rows=16), "base")
+    same = GenerationRunner(model, CPU, GenerationLimits(max_rows=16), "same")
+    assert "ignored" not in caplog.text
+    other = GenerationRunner(model, CPU, GenerationLimits(max_rows=4, kv_cache_mb=64), "other")
+    assert (
+        "model=other batch_size=4 kv_cache_mb=64 ignored: its rows decode in its base's batch, whose batch_size=16 "
+        "and kv_cache_mb=unset the first of its models set" in caplog.text
+    )
+    assert other._scheduler is first._scheduler and first._scheduler.max_rows == 16
+    for runner in (other, same, first):
+        runner.close()
