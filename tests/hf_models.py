@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 import shutil
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,15 @@ def _transformers() -> Any:
 
     transformers.utils.logging.disable_progress_bar()
     return transformers
+
+
+def in_threads(client: Callable[[Any], None], arguments: Iterable[Any]) -> None:
+    """``client(argument)`` for each argument, each on a thread of its own, all at once; returns when all are done."""
+    threads = [threading.Thread(target=client, args=(argument,)) for argument in arguments]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def corpus(lines: int = 400, seed: int = 0) -> list[str]:

@@ -5,7 +5,6 @@ PEFT's generate gives its adapter alone on the same card."""
 from __future__ import annotations
 
 import random
-import threading
 from pathlib import Path
 
 import hf_models
@@ -51,11 +50,7 @@ def test_eight_adapters_decode_together_on_one_card_and_answer_as_peft_alone(tmp
             request = TaskRequest([text], {"max_new_tokens": new_tokens, "do_sample": False}, single=True)
             got[index] = runners[name].run([request])[0][0]["generated_text"]
 
-    threads = [threading.Thread(target=client, args=(first,)) for first in range(16)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    hf_models.in_threads(client, range(16))
     for runner in runners.values():
         runner.close()
     wanted = [lora_models.peft_text(base, adapters[name], text, new, device=cuda) for name, text, new in calls]

@@ -4,7 +4,6 @@ that waits too long is passed by no later one, and an input that could never fit
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -73,11 +72,7 @@ def test_rows_that_do_not_fit_wait_for_room_and_get_generate_s_tokens(base: Path
     def client(index: int) -> None:
         got[index] = ask(generator, texts[index], 20)
 
-    threads = [threading.Thread(target=client, args=(index,)) for index in range(len(texts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    hf_models.in_threads(client, range(len(texts)))
     generator.close()
     assert got == [lora_models.peft_text(base, None, text, 20) for text in texts]
     assert max(rows_held) <= 2 * one_row + one_row // 2
@@ -109,11 +104,7 @@ def test_beam_groups_wait_for_room_as_a_whole_and_get_generate_s_beams(base: Pat
         request = TaskRequest([texts[index]], {"max_new_tokens": 16, "do_sample": False, "num_beams": widths[index]})
         got[index] = str(generator.run([request])[0][0]["generated_text"])
 
-    threads = [threading.Thread(target=client, args=(index,)) for index in range(len(texts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    hf_models.in_threads(client, range(len(texts)))
     generator.close()
     assert got == [
         lora_models.peft_text(base, None, text, 16, num_beams=beams) for text, beams in zip(texts, widths, strict=True)

@@ -97,11 +97,7 @@ def test_sixteen_clients_over_five_adapters_and_the_base_get_peft_generate_exact
             name, text, new_tokens = cases[index]
             got[index] = ask(runners[name], text, max_new_tokens=new_tokens, do_sample=False)
 
-    threads = [threading.Thread(target=client, args=(first,)) for first in range(16)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    hf_models.in_threads(client, range(16))
     for runner in runners.values():
         runner.close()
 
@@ -142,11 +138,7 @@ def test_beam_searches_over_adapters_and_the_base_share_steps_and_get_peft_gener
         name, text, new_tokens, beams = cases[index]
         got[index] = ask(runners[name], text, max_new_tokens=new_tokens, num_beams=beams, do_sample=False)
 
-    threads = [threading.Thread(target=client, args=(index,)) for index in range(len(cases))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    hf_models.in_threads(client, range(len(cases)))
     for runner in runners.values():
         runner.close()
     wanted = [
@@ -348,11 +340,7 @@ def test_seq_2_seq_adapters_of_a_t5_decode_together_as_peft_generates_each_alone
         name, text, new_tokens = cases[index]
         got[index] = ask(runners[name], text, max_new_tokens=new_tokens, do_sample=False, num_beams=1)
 
-    threads = [threading.Thread(target=client, args=(index,)) for index in range(len(cases))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    hf_models.in_threads(client, range(len(cases)))
     for runner in runners.values():
         runner.close()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(base))
