@@ -1,19 +1,21 @@
 """The Prometheus series one model process writes (``metrics.py`` records into them), and the values
 behind them.
 
-A process that serves one model writes every value to its directory (``PROMETHEUS_MULTIPROC_DIR``,
-set once). A device host serves many: each of its models' ``Series`` owns a value class of its own,
-and every value is made with that class and its model's directory in force (prometheus_client reads
-both when a value is made, never after, in a process that does not fork), so each model's files land
-in its own directory and go with it on UNLOAD.
+A process's own values go to its directory (``PROMETHEUS_MULTIPROC_DIR``, set once). A device host
+serves many models: each model's ``Series`` owns its files (``SeriesFiles``), and its values are
+made with ``HostedValue``, one class for every model, which writes to the files of the series it
+was made for. So each model's files land in its own directory and go with it on UNLOAD, and nothing
+of a model is left for a full collection to find (prometheus_client's value class is a class per
+directory, a reference cycle per model).
 """
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import functools
 import mmap
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,35 +47,38 @@ LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 6
 # itself.
 MAX_EXACT_BATCH_BUCKETS = 64
 DIRECTORY_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
-# Held while a hosted model's values are made: the value class and the directory are process-wide.
+# Held while a hosted model's values are made: the value class prometheus_client uses is
+# process-wide.
 _MAKING_VALUES = threading.Lock()
-# Value classes of closed series, with their cleanups: a new series takes one (a class per model
-# would be garbage that only a full collection frees).
-_SPARE_CLASSES: list[tuple[Any, Any]] = []
 
 # prometheus_client makes each value file 64 KiB at once, and the pages mapped with its first value
 # stay resident: 192 KiB for each model of a device host (three files), where one model's values
 # take about 11 KiB. Started at a page, a file doubles as values are added (``MmapedDict`` grows it
 # itself).
 mmap_dict._INITIAL_MMAP_SIZE = mmap.PAGESIZE
+# Where CPython 3.11 and 3.12 keep an ``mmap``'s descriptor: after the object's header (16 bytes)
+# and its data pointer, size, position, offset and export count.
+_MMAP_FD_OFFSET = 56
 
 
 class MappedFile(mmap_dict.MmapedDict):
-    """prometheus_client's value file, holding one descriptor instead of two: the mapping keeps one
-    of its own (CPython duplicates it), so the file object ``MmapedDict`` keeps open besides is a
-    second descriptor per file, three per model in a device host, which would reach the process's
-    limit long before its memory at thousands of models. The file is opened again for the moment
-    it grows."""
+    """prometheus_client's value file, holding no descriptor: ``MmapedDict`` keeps its file object
+    open, and CPython's mapping keeps a duplicate of its own, two descriptors per file and six per
+    model of a device host, which would reach the process's limit long before its memory at
+    thousands of models. The mapping alone stays; the file is opened again for the moment it
+    grows."""
 
     def __init__(self, filename: str, read_mode: bool = False) -> None:
         super().__init__(filename, read_mode)  # type: ignore[no-untyped-call]
         self._f.close()
         self._f: Any = None
+        _let_go_of_descriptor(self._m, filename)
 
     def _init_value(self, key: str) -> None:
         with open(self._fname, "a+b") as self._f:  # growing maps the file anew
             super()._init_value(key)  # type: ignore[no-untyped-call]
         self._f = None
+        _let_go_of_descriptor(self._m, self._fname)
 
     def close(self) -> None:
         if self._m is not None:
@@ -81,7 +86,104 @@ class MappedFile(mmap_dict.MmapedDict):
             self._m: Any = None
 
 
+def _let_go_of_descriptor(mapping: mmap.mmap, filename: str) -> None:
+    """Closes the duplicate descriptor CPython's ``mmap`` keeps of its file (Python 3.13's
+    ``trackfd=False``, for 3.11 and 3.12): the mapping works on without it, and ``close`` still
+    unmaps. The field is read where those versions keep it and changed only when it holds a
+    descriptor of this very file; anywhere else the mapping keeps its descriptor."""
+    if sys.version_info[:2] not in ((3, 11), (3, 12)):
+        return
+    field = ctypes.c_int.from_address(id(mapping) + _MMAP_FD_OFFSET)
+    descriptor = field.value
+    if descriptor < 0:  # let go of already: the file did not grow
+        return
+    try:
+        if not os.path.samestat(os.fstat(descriptor), os.stat(filename)):
+            return
+    except OSError:
+        return
+    field.value = -1
+    os.close(descriptor)
+
+
 values.MmapedDict = MappedFile  # type: ignore[attr-defined]  # what every value class made from now on opens its files with
+
+
+class SeriesFiles:
+    """A hosted model's value files, one per value type, each opened when its first value is
+    made. Its values write under one lock, as prometheus_client's values of one class do."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.lock = threading.Lock()
+        self._files: dict[str, MappedFile] = {}
+
+    def file(self, kind: str) -> MappedFile:
+        """The file of values of ``kind`` (``counter``, ``gauge_livesum``, ...); caller holds
+        ``lock``."""
+        opened = self._files.get(kind)
+        if opened is None:
+            path = self.directory / f"{kind}_{os.getpid()}.db"  # the name the exporter reads
+            opened = self._files[kind] = MappedFile(str(path))
+        return opened
+
+    def close(self) -> None:
+        with self.lock:
+            for opened in self._files.values():
+                opened.close()
+            self._files.clear()
+
+
+class HostedValue:
+    """prometheus_client's value protocol for a hosted model's metrics: one class for every model,
+    each value writing to the files of the series that made it (``making_for``, set while it
+    makes values)."""
+
+    _multiprocess = True
+    making_for: SeriesFiles | None = None
+
+    def __init__(
+        self,
+        typ: str,
+        metric_name: str,
+        name: str,
+        labelnames: list[str],
+        labelvalues: list[str],
+        help_text: str,
+        multiprocess_mode: str = "",
+        **_: Any,
+    ) -> None:
+        files = HostedValue.making_for
+        if files is None:
+            raise RuntimeError("a hosted value made outside its series")
+        self._files = files
+        self._key = mmap_dict.mmap_key(metric_name, name, labelnames, labelvalues, help_text)
+        with files.lock:
+            self._file = file = files.file(f"{typ}_{multiprocess_mode}" if typ == "gauge" else typ)
+            self._value, self._timestamp = file.read_value(self._key)  # type: ignore[no-untyped-call]
+
+    def inc(self, amount: float) -> None:
+        with self._files.lock:
+            self._write(self._value + amount, 0.0)
+
+    def set(self, value: float, timestamp: float | None = None) -> None:
+        with self._files.lock:
+            self._write(value, timestamp or 0.0)
+
+    def _write(self, value: float, timestamp: float) -> None:
+        """Caller holds the files' lock."""
+        self._value, self._timestamp = value, timestamp
+        self._file.write_value(self._key, value, timestamp)  # type: ignore[no-untyped-call]
+
+    def get(self) -> float:
+        with self._files.lock:
+            return float(self._value)
+
+    def set_exemplar(self, exemplar: Any) -> None:
+        return None  # prometheus_client keeps no exemplars in multiprocess mode either
+
+    def get_exemplar(self) -> None:
+        return None
 
 
 def batch_size_buckets(batch_size: int) -> list[float]:
@@ -92,27 +194,15 @@ def batch_size_buckets(batch_size: int) -> list[float]:
 
 
 class Series:
-    """One model's metric objects (or the container's, with no model). With ``home`` (the process's
-    own directory), a device host's model: its values go to ``directory``, the process's other
-    values to ``home``."""
+    """One model's metric objects (or the container's, with no model). ``hosted``: a device host's
+    model, whose values go to ``directory`` while the process's own go to the process's."""
 
-    def __init__(self, model: str | None, directory: Path, home: Path | None = None) -> None:
+    def __init__(self, model: str | None, directory: Path, hosted: bool = False) -> None:
         self.model = model
         self.directory = directory
-        self._home = home  # the process's own directory, when this series is a hosted model's
-        self._value_class: Any = None
-        self._close_files: Any = None
-        self._closed = False  # its value class may serve another series now
-        if home is not None:
-            with _MAKING_VALUES:  # no other series' class between the two lines
-                if _SPARE_CLASSES:  # a closed series': its files closed, its values forgotten
-                    self._value_class, self._close_files = _SPARE_CLASSES.pop()
-                    values._multi_process_cleanups.append(self._close_files)
-                else:
-                    self._value_class = values.MultiProcessValue()
-                    # prometheus_client keeps each value class's cleanup (it closes the class's
-                    # files) last in this list.
-                    self._close_files = values._multi_process_cleanups[-1]
+        # a hosted model's files (None: the process's own series, written to its directory)
+        self._files = SeriesFiles(directory) if hosted else None
+        self._closed = False
         self._children: dict[tuple[int, tuple[Any, ...]], Any] = {}
         # a hosted model's own tensors on its GPU (not the process's pool)
         self.device_bytes: int | None = None
@@ -256,33 +346,21 @@ class Series:
     def close(self) -> None:
         """Closes a hosted model's files (its directory is handed to the exporter next)."""
         self._closed = True
-        if self._close_files is not None:
-            self._close_files()
-            # The cleanup would stay in prometheus_client's list (and its value class with it) for
-            # good.
-            with contextlib.suppress(ValueError):
-                values._multi_process_cleanups.remove(self._close_files)
-            # A class is a reference cycle: only a full collection frees one, which stalls every
-            # model of the host (``MemoryRelease``). The next series takes it instead.
-            with _MAKING_VALUES:
-                _SPARE_CLASSES.append((self._value_class, self._close_files))
-            self._close_files = None
+        if self._files is not None:
+            self._files.close()
 
     @contextmanager
     def _making_values(self) -> Iterator[None]:
-        if self._value_class is None or self._home is None:
+        if self._files is None:
             yield
             return
         with _MAKING_VALUES:
             saved_class = values.ValueClass
-            values.ValueClass, os.environ[DIRECTORY_VARIABLE] = (
-                self._value_class,
-                str(self.directory),
-            )
+            values.ValueClass, HostedValue.making_for = HostedValue, self._files
             try:
                 yield
             finally:
-                values.ValueClass, os.environ[DIRECTORY_VARIABLE] = saved_class, str(self._home)
+                values.ValueClass, HostedValue.making_for = saved_class, None
 
 
 @dataclass

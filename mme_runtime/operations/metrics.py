@@ -169,7 +169,7 @@ def start_hosted(config: Config, model: str, restart: bool = False) -> Series | 
         if restart:
             carry_over(directory)
         claim(config.metrics_dir, directory)
-        return Series(model, directory, home=_metrics.directory)
+        return Series(model, directory, hosted=True)
     except OSError as exc:
         logger.warning("model=%s metrics off in this host: %s", model, exc)
         return None
