@@ -59,6 +59,7 @@ class Config:
     share_device: bool = True
     share_weights: bool = True
     cpu_hosts: int = 2
+    empty_host_seconds: int = 5
     gpu_pass_threads: int = 4
     pip_timeout_seconds: int = 300
     properties_file: Path | None = None
@@ -179,6 +180,7 @@ class Config:
             "MME_SHARE_DEVICE": "true" if self.share_device else "false",
             "MME_SHARE_WEIGHTS": "true" if self.share_weights else "false",
             "MME_CPU_HOSTS": str(self.cpu_hosts),
+            "MME_EMPTY_HOST_SECONDS": str(self.empty_host_seconds),
             "MME_GPU_PASS_THREADS": str(self.gpu_pass_threads),
             "MME_MAX_NEW_TOKENS": str(self.max_new_tokens),
             "MME_KV_CACHE_MB": str(self.kv_cache_mb),

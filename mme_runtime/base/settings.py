@@ -288,6 +288,15 @@ PROCESSES: tuple[Setting, ...] = (
         "side by side.",
     ),
     Setting(
+        "MME_EMPTY_HOST_SECONDS",
+        "empty_host_seconds",
+        integer(0),
+        "5",
+        "Seconds a CPU host left with no model lives on before it ends, with the heap its "
+        "models freed (the next model chosen for it starts another in milliseconds): a LOAD that "
+        "follows an UNLOAD within this keeps its host. A GPU's host stays, with its CUDA context.",
+    ),
+    Setting(
         "MME_GPU_PASS_THREADS",
         "gpu_pass_threads",
         integer(1, 64),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import socket
+import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
@@ -52,6 +53,10 @@ class HostKey:
     @property
     def private(self) -> bool:
         return self.tenant != SHARED
+
+    @property
+    def in_cpu_pool(self) -> bool:
+        return not self.private and self.device.startswith("cpu")
 
     def __str__(self) -> str:
         return f"{self.device} model={self.tenant}" if self.private else self.device
@@ -107,6 +112,7 @@ class Host:
     control: socket.socket
     board: CrashBoard
     models: set[str] = field(default_factory=set)  # names sent to it
+    empty_since: float | None = None  # monotonic: when a pool host was left with no model
     # the kernel's count when it started
     oom_kills: dict[str, int] = field(default_factory=failures.oom_kills)
 
@@ -238,14 +244,35 @@ class DeviceHosts:
         host.board.close()
         return crash
 
+    def left_empty(self, host: Host) -> bool:
+        """``host`` has no model left: True when it ends now (a private one). One of the CPU's pool
+        ends once ``MME_EMPTY_HOST_SECONDS`` pass without a model (``idle``): its models' freed heap
+        goes with it (40-50 MiB after a mass UNLOAD), while LOAD-UNLOAD churn keeps it. A GPU's
+        shared host stays with its CUDA context (a new one costs its next LOAD seconds)."""
+        if host.key.in_cpu_pool:
+            host.empty_since = time.monotonic()
+        return host.key.private
+
+    def idle(self) -> list[Host]:
+        """The pool's hosts that have had no model for ``MME_EMPTY_HOST_SECONDS``, to retire (the
+        next model the pool chooses one for forks it again, in milliseconds)."""
+        now = time.monotonic()
+        return [
+            host
+            for host in self.hosts.values()
+            if host.empty_since is not None
+            and not host.models
+            and now - host.empty_since >= self.config.empty_host_seconds
+        ]
+
     def retire(self, host: Host) -> None:
-        """Ends a private host whose model has gone: with its control socket closed it lets its
-        models go and exits (its exit is no crash: it is no host of ours any more)."""
+        """Ends a host with no model: with its control socket closed it lets its models go and
+        exits (its exit is no crash: it is no host of ours any more)."""
         if self.hosts.get(host.key) is host:
             del self.hosts[host.key]
             host.control.close()
             host.board.close()
-            logger.info("device host pid=%d gpu=%s retired: its model is gone", host.pid, host.key)
+            logger.info("device host pid=%d gpu=%s retired: it serves no model", host.pid, host.key)
 
     def descriptors(self) -> list[int]:
         return [host.control.fileno() for host in self.hosts.values()]

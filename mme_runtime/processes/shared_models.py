@@ -283,6 +283,7 @@ class SharedModels:
             host, model.load_message(batch_size), [] if model.package is None else model.package.fds
         )
         host.models.add(model.spec.name)
+        host.empty_since = None
 
     def _host_reported(self, host: Host) -> None:
         """A host's word on a model's load there: the LOAD's outcome is counted once."""
@@ -354,7 +355,8 @@ class SharedModels:
         model.package, model.cache_key = None, None
 
     def _leave_hosts(self, model: SharedModel) -> None:
-        """Every host that has the model lets it go; a private host left with no model ends."""
+        """Every host that has the model lets it go; one left with none may end
+        (``DeviceHosts.left_empty``)."""
         name = model.spec.name
         for key in model.hosts:
             host = self.hosts.hosts.get(key)
@@ -364,10 +366,18 @@ class SharedModels:
                     self.hosts.send(host, {"op": "unload", "model": name})
                 except OSError as exc:
                     logger.info("model=%s device host gone before its unload: %s", name, exc)
-            if host is not None and key.private and not host.models:
-                self.watcher.forget(host.control)
-                self.hosts.retire(host)
+            if host is not None and not host.models and self.hosts.left_empty(host):
+                self._retire(host)
         model.hosts.clear()
+
+    def retire_idle_hosts(self) -> None:
+        """The pool's hosts with no model for a while end (the warm process's loop asks)."""
+        for host in self.hosts.idle():
+            self._retire(host)
+
+    def _retire(self, host: Host) -> None:
+        self.watcher.forget(host.control)  # before its socket closes: the number may be reused
+        self.hosts.retire(host)
 
     def _free_slot(self) -> int:
         """A slot no loaded model holds: one an UNLOAD gave back, else the next never used (called

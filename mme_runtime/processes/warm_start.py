@@ -71,6 +71,7 @@ class WarmProcess:
         while not self._stopping:
             self.watcher.run_once(0.5)
             self._reap()
+            self.shared.retire_idle_hosts()
         self.shared.stop()
 
     def _on_stop(self, _signum: int, _frame: FrameType | None) -> None:
