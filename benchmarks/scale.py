@@ -21,9 +21,11 @@ benchmark measures, with nothing else running:
 
 Then every model is unloaded by 4 clients as fast as the API answers (SageMaker evicting under
 pressure) while the probe is invoked 5 times a second: its p99 then, the UNLOAD p50, and the memory
-of our processes a few seconds after the last UNLOAD against the server with the probe alone. Every
-ERROR line the server logged is counted. The table goes to stdout; the plot of LOAD p50, INVOKE p50,
-memory and idle CPU against models loaded to ``--plot`` (matplotlib, headless).
+of our processes once the CPU host left with no model has ended (``MME_EMPTY_HOST_SECONDS`` after
+the last UNLOAD) against the server with the probe alone, with the packages kept for a fast re-LOAD
+(``MME_KEEP_UNLOADED_MB``) apart. Every ERROR line the server logged is counted. The table goes to
+stdout; the plot of LOAD p50, INVOKE p50, memory and idle CPU against models loaded to ``--plot``
+(matplotlib, headless).
 """
 
 from __future__ import annotations
@@ -45,12 +47,22 @@ import psutil
 import torch
 from model_factory import tiny_net  # tests/, which the benchmarks package puts on the path
 
-from benchmarks.benchlib import REPO, Server, our_server, percentile, serve, table
+from benchmarks.benchlib import (
+    REPO,
+    Server,
+    our_server,
+    percentile,
+    serve,
+    table,
+    unmapped_shared_memory_mib,
+)
+from mme_runtime.base.config import Config
 from mme_runtime.serving.batcher import IDLE_SECONDS as BATCHER_IDLE_SECONDS
 
 BODY = json.dumps([[1.0, 2.0, 3.0, 4.0]]).encode()
 PROBE_RATE = 5.0  # invokes a second of the model that stays while the others go
 UNLOAD_CLIENTS = 4
+EMPTY_HOST_SECONDS = Config.from_env({}).empty_host_seconds  # the default the server runs with
 
 
 def make_models(root: Path, count: int) -> list[Path]:
@@ -305,8 +317,9 @@ def main(argv: Sequence[str] = ()) -> int:
             time.sleep(BATCHER_IDLE_SECONDS + args.idle_seconds)
             idle_threads, idle_fds = counts(ours(server))
             unload_ms, probe_ms, failed = unload_all(server, loaded)
-            time.sleep(5)
+            time.sleep(EMPTY_HOST_SECONDS + 2)  # the host left with no model ends
             after_memory = server.tree_memory_mib()
+            kept_packages = unmapped_shared_memory_mib(ours(server))
             after_frontend = server.frontend_memory_mib()
             errors = error_lines(server)
             listed_after = listed(client)
@@ -376,8 +389,9 @@ def main(argv: Sequence[str] = ()) -> int:
     print(
         f"* server tree after UNLOAD of all: {after_memory - empty_memory:+.1f} MiB "
         "against the server with the "
-        f"probe alone ({empty_memory:.0f} MiB): our processes {ours_added:+.1f} MiB, "
-        "MMS's frontend "
+        f"probe alone ({empty_memory:.0f} MiB): our processes {ours_added:+.1f} MiB "
+        f"({ours_added - kept_packages:+.1f} MiB without the {kept_packages:.1f} MiB of packages "
+        "kept for a re-LOAD), MMS's frontend "
         f"{after_frontend - empty_frontend:+.1f} MiB; LIST then: {len(listed_after)} model(s)"
     )
     print(f"* ERROR lines in the server's log over the whole run: {len(errors)}")
