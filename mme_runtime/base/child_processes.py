@@ -97,10 +97,21 @@ def _become_child(title: str, close_fds: Iterable[int], environment: Mapping[str
     os.environ.clear()
     os.environ.update(environment)
     prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), "PR_SET_PDEATHSIG")
-    for fd in close_fds:
-        os.close(fd)
+    close_all(close_fds)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_DFL)
+
+
+def close_all(descriptors: Iterable[int]) -> None:
+    """Closes ``descriptors``, each run of consecutive numbers in one call (``close_range``): a
+    child of the warm process, which holds three descriptors per model, closes thousands in a few
+    calls (one by one, 3 ms more per fork at 2,000 models)."""
+    ordered = sorted(set(descriptors))
+    start = 0
+    for index in range(1, len(ordered) + 1):
+        if index == len(ordered) or ordered[index] != ordered[index - 1] + 1:
+            os.closerange(ordered[start], ordered[index - 1] + 1)
+            start = index
 
 
 def prctl(option: int, value: int, what: str) -> None:

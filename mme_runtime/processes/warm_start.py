@@ -206,8 +206,8 @@ def main() -> int:
     # loaders and hosts are forked from here: no OpenMP pool for them to inherit
     devices.single_threaded()
     # What the imports made lives as long as every process forked from here: out of the collector's
-    # way, so a full collection in a device host (each UNLOAD runs one) walks the models' objects,
-    # not torch's.
+    # way, so a full collection in a device host (an UNLOAD runs one when a cycle holds what it let
+    # go of) walks the models' objects, not torch's.
     gc.freeze()
     raise_descriptor_limit()
     path = Path(config.warm_socket)

@@ -19,12 +19,15 @@ import json, os, signal, socket, sys, time
 from mme_runtime.base.child_processes import fork_child
 
 kept, dropped = socket.socketpair()
+# a run of consecutive descriptors to close, but for one in its middle
+run = [end for pair in (socket.socketpair() for _ in range(4)) for end in pair]
+middle = run[3]
 report, theirs = socket.socketpair()
 os.environ["PARENT_ONLY"] = "1"
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 out = open(sys.argv[1], "w")
 
-def run():
+def run_child():
     def is_open(fd):
         try:
             os.fstat(fd)
@@ -38,11 +41,13 @@ def run():
         "title": title,
         "kept": is_open(kept.fileno()),
         "dropped": is_open(dropped.fileno()),
+        "run": [is_open(end.fileno()) for end in run],
         "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
     }).encode())
     return 7
 
-pid = fork_child("probe-title --model-name m", run, [dropped.fileno()], {"ONLY": "this"}, [0, out.fileno(), 2])
+close = [dropped.fileno(), *(end.fileno() for end in run if end is not middle)]
+pid = fork_child("probe-title --model-name m", run_child, close, {"ONLY": "this"}, [0, out.fileno(), 2])
 theirs.close()
 child = json.loads(report.recv(65536))
 _, status = os.waitpid(pid, 0)
@@ -60,6 +65,7 @@ def test_a_forked_child_gets_what_it_is_given_and_nothing_it_is_not(tmp_path: Pa
     assert child["environment"] == {"ONLY": "this"}  # its own environment, not the parent's
     assert child["title"] == "probe-title --model-name m"
     assert child["kept"] and not child["dropped"]
+    assert child["run"] == [False, False, False, True, False, False, False, False]  # closed in runs, its middle kept
     assert child["sigterm_default"]  # the parent's handler is not its own
     assert child["status"] == 7  # what run returned
     assert stdout.read_text() == "to the given stdout\n"
