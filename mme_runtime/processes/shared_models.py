@@ -355,8 +355,7 @@ class SharedModels:
         model.package, model.cache_key = None, None
 
     def _leave_hosts(self, model: SharedModel) -> None:
-        """Every host that has the model lets it go; one left with none may end
-        (``DeviceHosts.left_empty``)."""
+        """Every host that has the model lets it go; one left with none may end (``left_empty``)."""
         name = model.spec.name
         for key in model.hosts:
             host = self.hosts.hosts.get(key)
