@@ -123,22 +123,25 @@ class GenerationRunner:
         run_pass: RunPass = run_here,
     ) -> None:
         self.model, self.limits, self.name = model, limits, name
-        self._device = device
-        self._run_pass = run_pass
-        with _SHARED_LOCK:
-            shared: SharedGeneration | None = model.generation
-            if shared is None or shared.scheduler.closed:
+        self._device, self._run_pass = device, run_pass
+        # The first of a base's models makes what they share, under its base's own lock: the
+        # first LOADs of other bases do not wait for it (a pipeline, two tokenizer copies).
+        with _making_lock(model):
+            with _SHARED_LOCK:
+                shared: SharedGeneration | None = model.generation
+                if shared is not None and not shared.scheduler.closed:
+                    shared.users.add(self)
+            if shared is None or self not in shared.users:
                 made = SharedGeneration.make(model, device, limits, name, run_pass)
-                shared = model.generation = made
+                with _SHARED_LOCK:
+                    shared = model.generation = made
+                    shared.users.add(self)
             elif _batch_settings(limits) != _batch_settings(shared.limits):
                 logger.warning(
                     "model=%s batch_size=%d kv_cache_mb=%s ignored: its rows decode in its base's "
                     "batch, whose batch_size=%d and kv_cache_mb=%s the first of its models set",
-                    name,
-                    *_batch_settings(limits),
-                    *_batch_settings(shared.limits),
+                    *(name, *_batch_settings(limits), *_batch_settings(shared.limits)),
                 )
-            shared.users.add(self)
         self._shared, self._scheduler, self._task = shared, shared.scheduler, shared.task
         self._vocabulary = shared.vocabulary
         self._stop_tokenizer, self._alone_tokenizer = shared.stop_tokenizer, shared.alone_tokenizer
@@ -186,10 +189,8 @@ class GenerationRunner:
                     if row.error is not None:
                         raise row.error
                 group = rows[0].group
-                sequences, cut = (
-                    group.sequences() if group is not None else [row.tokens for row in rows],
-                    any(row.finish == TIME for row in rows),
-                )
+                sequences = group.sequences() if group is not None else [row.tokens for row in rows]
+                cut = any(row.finish == TIME for row in rows)
             records = [prompt.answer(sequence) for sequence in sequences]
             if cut:
                 warning = (
@@ -215,8 +216,7 @@ class GenerationRunner:
         start = 1 if model.config.is_encoder_decoder else len(ids)
         arguments = dict(prompt.generate)
         base = arguments.pop("generation_config", None)
-        # As generate tells them: a length nobody set, or one the request, the task or the model
-        # set.
+        # As generate tells them: a length nobody set, or one set by the request, task or model.
         unset = [
             key not in arguments
             and getattr(base, key, None) is None
@@ -385,7 +385,15 @@ class GenerationRunner:
         return [sequence.tolist() for sequence in sequences], time.monotonic() >= deadline
 
 
+# Held while a runner joins or leaves what its base's models share (``SharedGeneration.users``).
 _SHARED_LOCK = threading.Lock()
+
+
+def _making_lock(model: HuggingFaceModel) -> threading.Lock:
+    """The lock a base's first runners make its ``SharedGeneration`` under: one per base."""
+    with _SHARED_LOCK:
+        model.generation_lock = model.generation_lock or threading.Lock()
+        return model.generation_lock  # type: ignore[no-any-return]
 
 
 def _batch_settings(limits: GenerationLimits) -> tuple[int, int | str]:

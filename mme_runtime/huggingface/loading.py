@@ -155,13 +155,16 @@ class HuggingFaceModel:
     score_activation: str | None = None
     # its LoRA adapters once one is attached in the process that serves it (``lora_layers.py``)
     adapters: Any = None
-    # what its models (a base, its adapters) share to generate once placed (``generation.py``)
+    # what its models (a base, its adapters) share to generate once placed (``generation.py``),
+    # and the lock its first runners make it under
     generation: Any = None
+    generation_lock: Any = None
     feature_extractor: Any = None  # audio tasks: turns a waveform into the model's inputs
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled with its tokenizer as bytes in a tensor, one for equal ones (``packed``)."""
         state = dict(self.__dict__)
+        state["generation_lock"] = None  # a lock does not travel
         if self.tokenizer is not None:
             state["tokenizer"] = packed(self.tokenizer)
             state["tokenizer_from"] = str(getattr(self.tokenizer, "name_or_path", ""))

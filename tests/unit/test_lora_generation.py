@@ -23,7 +23,7 @@ from mme_runtime.base.config import Config
 from mme_runtime.base.errors import ModelLoadError
 from mme_runtime.huggingface import loading as hf_loading
 from mme_runtime.huggingface.defaults import HuggingFaceDefaults
-from mme_runtime.huggingface.generation import GenerationLimits, GenerationRunner
+from mme_runtime.huggingface.generation import GenerationLimits, GenerationRunner, SharedGeneration
 from mme_runtime.huggingface.requests import TaskRequest
 from mme_runtime.huggingface.scheduler import ModelUnloaded
 from mme_runtime.models import lora, lora_layers
@@ -414,4 +414,45 @@ def test_a_model_joining_its_base_s_batch_with_other_settings_is_told_whose_appl
     )
     assert other._scheduler is first._scheduler and first._scheduler.max_rows == 16
     for runner in (other, same, first):
+        runner.close()
+
+
+def test_the_first_runners_of_two_bases_do_not_wait_for_each_other(
+    made: tuple[Path, dict[str, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a base's models share (a pipeline, two tokenizer copies) is made under that base's lock: a first LOAD of
+    # another base goes on, and another model of the same base waits for it and shares it.
+    base, _ = made
+    slow, quick = (hf_loading.load(base, "text-generation", trust_remote_code=False).place(CPU) for _ in range(2))
+    making, go_on = threading.Event(), threading.Event()
+    make = SharedGeneration.make
+
+    def slow_make(model: Any, *arguments: Any) -> SharedGeneration:
+        if model is slow:
+            making.set()
+            assert go_on.wait(60)
+        return make(model, *arguments)
+
+    monkeypatch.setattr(SharedGeneration, "make", staticmethod(slow_make))
+    runners: dict[str, GenerationRunner] = {}
+
+    def start(name: str, model: Any) -> threading.Thread:
+        def run() -> None:
+            runners[name] = GenerationRunner(model, CPU, GenerationLimits(max_rows=4), name)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    first = start("first", slow)
+    assert making.wait(60)
+    same_base, other_base = start("same base", slow), start("other base", quick)
+    other_base.join(60)
+    assert "other base" in runners  # made while the slow base's was being made
+    assert same_base.is_alive() and "same base" not in runners
+    go_on.set()
+    for thread in (first, same_base):
+        thread.join(60)
+    assert runners["same base"]._scheduler is runners["first"]._scheduler is not runners["other base"]._scheduler
+    for runner in runners.values():
         runner.close()
