@@ -33,13 +33,13 @@ from mme_runtime.base.janitor import Janitor
 from mme_runtime.base.nvidia import gpu_count
 from mme_runtime.operations.metrics_exporter import ModelMetrics
 from mme_runtime.operations.scaler import Scaler
+from mme_runtime.processes.warm_protocol import STARTING_FILE, WARM_START_SECONDS
 
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.2
 METRICS_SWEEP_SECONDS = 1.0
 KILL_WAIT_SECONDS = 5.0
-WARM_START_TIMEOUT_SECONDS = 60.0
 
 
 class StartError(Exception):
@@ -146,32 +146,42 @@ class Supervisor:
             self._wait_for_group(KILL_WAIT_SECONDS)
         self.exit_status = None
         # One process group holds the warm process, MMS and every model process: one group to
-        # signal.
-        self.group = self._start_warm_process()
+        # signal. Both start at once (the warm process imports torch while the JVM starts); a
+        # model MMS starts before the warm process accepts waits for it (``STARTING_FILE``).
+        warm = self._start_warm_process()
+        self.group = warm.pid
         logger.info("starting MMS: %s", " ".join(self.command))
         self.process = start_program(self.command, self.env, self.cwd, group=self.group)
+        self._wait_for_warm_process(warm)
         self._wait_until_ready()
 
-    def _start_warm_process(self) -> int:
-        """Starts the warm process, which leads a new process group, and waits until it accepts; the
-        start fails (and is tried again) if it does not."""
+    def _start_warm_process(self) -> subprocess.Popen[bytes]:
+        """Starts the warm process, which leads a new process group."""
         socket_path = self.config.warm_socket
         socket_path.unlink(missing_ok=True)
+        (socket_path.parent / STARTING_FILE).touch()
         # A new process group (not session: MMS must be able to join the group, which needs the same
         # session).
         self.warm_process = start_program(self.warm_command, self.env, self.cwd, group=0)
-        deadline = time.monotonic() + WARM_START_TIMEOUT_SECONDS
-        while time.monotonic() < deadline and not self.stopping:
-            if self.warm_process.poll() is not None:
-                break
-            if _accepts(socket_path):
-                return self.warm_process.pid
-            time.sleep(POLL_SECONDS / 4)
-        if self.warm_process.poll() is None:
-            self.warm_process.kill()
+        return self.warm_process
+
+    def _wait_for_warm_process(self, warm: subprocess.Popen[bytes]) -> None:
+        """Until the warm process accepts; the start fails (and is tried again) if it does not."""
+        socket_path = self.config.warm_socket
+        deadline = time.monotonic() + WARM_START_SECONDS
+        try:
+            while time.monotonic() < deadline and not self.stopping:
+                if warm.poll() is not None:
+                    break
+                if _accepts(socket_path):
+                    return
+                time.sleep(POLL_SECONDS / 4)
+        finally:
+            (socket_path.parent / STARTING_FILE).unlink(missing_ok=True)
+        if warm.poll() is None:
+            warm.kill()
         raise StartError(
-            f"the warm process did not accept on {socket_path} within {WARM_START_TIMEOUT_SECONDS} "
-            "s"
+            f"the warm process did not accept on {socket_path} within {WARM_START_SECONDS:.0f} s"
         )
 
     def _wait_until_ready(self) -> None:

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from typing import Any
 
 HEADER = struct.Struct("!I")
+# Beside warm.sock while the warm process starts (MMS starts meanwhile): a stub waits for the
+# warm process to accept, for at most WARM_START_SECONDS, instead of failing its model.
+STARTING_FILE = "warm.starting"
+WARM_START_SECONDS = 60.0
 MAX_MESSAGE = 1 << 20
 _INT_SIZE = array.array("i").itemsize
 

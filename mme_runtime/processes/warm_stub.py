@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 
-from mme_runtime.processes.warm_protocol import receive, send
+from mme_runtime.processes.warm_protocol import STARTING_FILE, WARM_START_SECONDS, receive, send
 
 STUB_TITLE = "mme-model-stub"
 
@@ -23,11 +24,8 @@ def run_via_warm_process(socket_path: str, environment: dict[str, str]) -> int:
     """Asks the warm process to serve our model and becomes ``head -c 1`` once it takes it (never
     returns then); 1, with the cause on stderr, if there is no warm process or it ends first.
     ``environment`` is the stub's, which the model's processes take."""
-    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        client.connect(socket_path)
-    except OSError as exc:
-        print(f"mme-gpu: no warm process at {socket_path}: {exc}", file=sys.stderr, flush=True)
+    client = _connect(socket_path)
+    if client is None:
         return 1
     request = {"argv": sys.argv, "env": environment, "cwd": os.getcwd(), "pid": os.getpid()}
     send(client, request, [0, 1, 2])
@@ -39,6 +37,25 @@ def run_via_warm_process(socket_path: str, environment: dict[str, str]) -> int:
         return 1
     _become_reader(client, sys.argv)
     return 1  # not reached: _become_reader replaces this process
+
+
+def _connect(socket_path: str) -> socket.socket | None:
+    """A connection to the warm process; None, with the cause on stderr, if there is none. While it
+    starts (``STARTING_FILE``: MMS starts meanwhile, and may start a model first), waits for it."""
+    starting = os.path.join(os.path.dirname(socket_path), STARTING_FILE)
+    deadline = time.monotonic() + WARM_START_SECONDS
+    while True:
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            client.connect(socket_path)
+            return client
+        except OSError as exc:
+            client.close()
+            if not os.path.exists(starting) or time.monotonic() > deadline:
+                cause = f"mme-gpu: no warm process at {socket_path}: {exc}"
+                print(cause, file=sys.stderr, flush=True)
+                return None
+            time.sleep(0.05)
 
 
 def _become_reader(client: socket.socket, argv: list[str]) -> None:

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from mme_runtime.base.config import Config
@@ -15,6 +17,7 @@ from mme_runtime.processes.frontend import (
     prepare_mms_home,
     write_properties,
 )
+from mme_runtime.processes.warm_protocol import STARTING_FILE, receive
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "mme-mms.properties"
 
@@ -73,6 +76,33 @@ def test_a_stub_with_no_warm_process_fails_its_model_and_says_why(tmp_path: Path
     stub = subprocess.run([sys.executable, script, *arguments], env=env, capture_output=True, text=True, timeout=60)
     assert stub.returncode == 1
     assert f"no warm process at {tmp_path / 'warm.sock'}" in stub.stderr
+
+
+def test_a_stub_started_while_the_warm_process_starts_waits_for_it(tmp_path: Path) -> None:
+    # MMS and the warm process start at once: a model MMS starts first waits for the warm process to accept.
+    home = prepare_mms_home(tmp_path)
+    (tmp_path / STARTING_FILE).touch()
+    env = {**os.environ, "MME_RUNTIME_DIR": str(tmp_path)}
+    script = str(home / "mms" / "model_service_worker.py")
+    arguments = ["--model-name", "m", "--model-path", str(tmp_path)]
+    stub = subprocess.Popen([sys.executable, script, *arguments], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1)
+        assert stub.poll() is None  # still waiting, where with no warm process starting it fails at once
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(str(tmp_path / "warm.sock"))
+            listener.listen()
+            listener.settimeout(30)
+            connection, _ = listener.accept()
+            with connection:
+                request, fds = receive(connection, with_fds=3)
+                for fd in fds:
+                    os.close(fd)
+        assert request is not None and request["argv"][-len(arguments) :] == arguments
+        _, stderr = stub.communicate(timeout=30)
+    finally:
+        stub.kill()
+    assert stub.returncode == 1 and "the warm process ended before it took the model" in stderr
 
 
 def test_frontend_command_starts_java_with_our_properties_and_python(tmp_path: Path) -> None:
