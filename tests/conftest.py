@@ -1,7 +1,10 @@
-"""Markers by directory, and the GPU and container gates."""
+"""Markers by directory, the GPU and container gates, and mypy beside the tests."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,3 +33,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason="no CUDA device (nvidia-smi -L lists none)"))
         if "container" in item.keywords and not config.getoption("--run-container"):
             item.add_marker(pytest.mark.skip(reason="container suite runs only with --run-container"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mypy_beside_the_tests(request: pytest.FixtureRequest) -> Iterator[subprocess.Popen[str] | None]:
+    """mypy from a cold cache takes about 13 s of one core: when the session runs its lint test, mypy starts with the
+    first test and runs beside the tests before that one, which waits for it (tests/unit/test_lint.py)."""
+    if not any(item.nodeid.endswith("test_code_passes[mypy]") for item in request.session.items):
+        yield None
+        return
+    command = [str(Path(sys.executable).parent / "mypy"), "mme_runtime"]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        yield process
+    finally:
+        if process.returncode is None:  # its test did not run, or did not wait for it
+            process.kill()
+            process.communicate()

@@ -222,10 +222,36 @@ def peft_text(
 ) -> str:
     """PEFT's generate for the text alone (None: the base's), greedy unless ``parameters`` say otherwise, on ``device``
     (the CPU by default), as the text-generation pipeline writes the answer."""
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(base_dir))
+    tokenizer, model = _reference(base_dir, adapter_dir, device or torch.device("cpu"))
     prompt = tokenizer(text)["input_ids"]
-    new = peft_generate(peft_causal(base_dir, adapter_dir).to(device or "cpu"), prompt, new_tokens, **parameters)
+    new = peft_generate(model, prompt, new_tokens, **parameters)
     full = tokenizer.decode(prompt + new, skip_special_tokens=True)
     return text + full[len(tokenizer.decode(prompt, skip_special_tokens=True)) :]
+
+
+# peft_text's tokenizers and models, by the contents of their directories: a test checks dozens of answers against the
+# same few models, and loading one cost about 0.2 s an answer.
+_REFERENCES: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+KEPT_REFERENCES = 16
+
+
+def _reference(base_dir: Path, adapter_dir: Path | None, device: torch.device) -> tuple[Any, Any]:
+    import transformers
+
+    key = (_contents(base_dir), _contents(adapter_dir), str(device))
+    made = _REFERENCES.pop(key, None)
+    if made is None:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(base_dir))
+        made = tokenizer, peft_causal(base_dir, adapter_dir).to(device)
+    _REFERENCES[key] = made  # the newest last
+    while len(_REFERENCES) > KEPT_REFERENCES:
+        del _REFERENCES[next(iter(_REFERENCES))]
+    return made
+
+
+def _contents(directory: Path | None) -> tuple[Any, ...] | None:
+    """What a directory holds, by file name, size and modification time: another model is another key."""
+    if directory is None:
+        return None
+    files = sorted(path for path in directory.iterdir() if path.is_file())
+    return (str(directory), *((path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in files))

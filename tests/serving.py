@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,11 +54,26 @@ class RunningServer:
         return self.models / name
 
     def load(self, name: str, model_dir: Path | None = None, **extra: Any) -> requests.Response:
-        body = {"model_name": name, "url": str(model_dir or self.model_dir(name)), **extra}
-        response = requests.post(f"{self.url}/models", json=body, timeout=REQUEST_TIMEOUT_SECONDS)
+        """LOADs ``name`` and waits for a batching model's connections (``wait_for_batching_workers``)."""
+        response = self._post_load(name, model_dir, **extra)
         if response.status_code == 200:
             self.wait_for_batching_workers(name)
         return response
+
+    def _post_load(self, name: str, model_dir: Path | None = None, **extra: Any) -> requests.Response:
+        """The LOAD request alone."""
+        body = {"model_name": name, "url": str(model_dir or self.model_dir(name)), **extra}
+        return requests.post(f"{self.url}/models", json=body, timeout=REQUEST_TIMEOUT_SECONDS)
+
+    def load_all(self, names: Iterable[str]) -> None:
+        """LOADs each of ``names`` (each must answer 200), then waits for the batching connections of all: the scaler
+        adds a model's about a second after its LOAD, for every model that asked by then."""
+        names = list(names)
+        for name in names:
+            response = self._post_load(name)
+            assert response.status_code == 200, f"{name}: {response.text}\n{self.log_text()[-3000:]}"
+        for name in names:
+            self.wait_for_batching_workers(name)
 
     def wait_for_batching_workers(self, name: str, timeout: float = 10) -> None:
         """A batching model gets the connections that fill its batches from the entrypoint's scaler shortly after its

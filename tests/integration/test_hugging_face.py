@@ -39,9 +39,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, hf_root: Path) -> Iterator[
         shutil.copytree(hf_root / "question-answering", running.models / "question-answering")
         shutil.copytree(hf_root / "distilbert", running.models / "distilbert")
         shutil.copytree(hf_root / "vit", running.models / "vit")
-        for name in sorted(path.name for path in running.models.iterdir()):
-            response = running.load(name)
-            assert response.status_code == 200, f"{name}: {response.text}\n{running.log_text()[-3000:]}"
+        running.load_all(sorted(path.name for path in running.models.iterdir()))
         yield running
 
 

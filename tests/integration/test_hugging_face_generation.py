@@ -44,8 +44,7 @@ def server(shared_server: RunningServer, sources: dict[str, Path]) -> Iterator[R
         for name, (kind, properties, _, _) in MODELS.items():
             shutil.copytree(sources[kind], running.models / name)
             (running.models / name / "serving.properties").write_text(properties)
-            response = running.load(name)
-            assert response.status_code == 200, f"{name}: {response.text}\n{running.log_text()[-3000:]}"
+        running.load_all(MODELS)
         for name, (_, properties, _, _) in MODELS.items():
             size = int(properties.split("batch_size=")[1].split("\n")[0])
             assert wait_until(lambda name=name, size=size: _workers_ready(running, name, size), 60), name

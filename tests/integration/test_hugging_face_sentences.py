@@ -39,8 +39,7 @@ def server(shared_server: RunningServer, sentence_root: Path) -> Iterator[Runnin
             model = running.models / name
             shutil.copytree(sentence_root / ("cross-encoder" if name == "ranking" else "bi-encoder"), model)
             (model / "serving.properties").write_text(f"task={task}\nbatch_size=16\nmax_batch_delay=50\n")
-            response = running.load(name)
-            assert response.status_code == 200, f"{name}: {response.text}\n{running.log_text()[-3000:]}"
+        running.load_all(TASKS)
         yield running
 
 

@@ -42,9 +42,7 @@ def server(shared_server: RunningServer, built: Path) -> Iterator[RunningServer]
         (running.models / "nli" / "serving.properties").write_text(f"task={ZERO_SHOT}\n{BATCHED}")
         shutil.copytree(built / "tapas", running.models / "tapas")  # its task from its architecture
         (running.models / "tapas" / "serving.properties").write_text(BATCHED)
-        for name in ("nli", "tapas"):
-            response = running.load(name)
-            assert response.status_code == 200, f"{name}: {response.text}\n{running.log_text()[-3000:]}"
+        running.load_all(["nli", "tapas"])
         yield running
 
 

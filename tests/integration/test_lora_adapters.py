@@ -39,9 +39,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         for index in range(ADAPTERS):
             directory = lora_models.adapter(base, running.models / f"adapter-{index}", seed=index)
             (directory / "serving.properties").write_text("base_model=../base\nbatch_size=8\nmax_batch_delay=20\n")
-        for index in range(ADAPTERS):
-            response = running.load(f"adapter-{index}")
-            assert response.status_code == 200, f"{response.text}\n{running.log_text()[-3000:]}"
+        running.load_all(f"adapter-{index}" for index in range(ADAPTERS))
         yield running
 
 
@@ -177,9 +175,7 @@ def test_sixteen_clients_over_eight_generation_adapters_and_the_base_get_peft_ge
         rank, targets = (4, 16, 64, 8)[index % 4], (lora_models.ATTENTION, lora_models.ALL_LINEAR)[index % 2]
         directory = lora_models.causal_adapter(base, server.models / name, seed=index, rank=rank, targets=targets)
         (directory / "serving.properties").write_text("base_model=../llama\nbatch_size=16\n")
-    for name in [*names, "llama"]:
-        response = server.load(name)
-        assert response.status_code == 200, server.log_text()[-3000:]
+    server.load_all([*names, "llama"])
     assert "model=llama shares its package" in server.log_text()  # the one its adapters loaded
     rng = random.Random(5)
     models = [*names, "llama"]

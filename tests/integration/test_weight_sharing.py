@@ -67,9 +67,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
             hf_models.fine_tune(base, running.models / f"tune-{index}", seed=index + 1)
         opted_out = hf_models.fine_tune(base, running.models / "own-copy", seed=99)
         (opted_out / "serving.properties").write_text("share_weights=false\n")
-        for name in (*(f"tune-{index}" for index in range(FINE_TUNES)), "own-copy"):
-            response = running.load(name)
-            assert response.status_code == 200, f"{name}: {response.text}\n{running.log_text()[-3000:]}"
+        running.load_all([*(f"tune-{index}" for index in range(FINE_TUNES)), "own-copy"])
         yield running
 
 
