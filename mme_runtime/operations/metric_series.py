@@ -117,10 +117,13 @@ class SeriesFiles:
         self.directory = directory
         self.lock = threading.Lock()
         self._files: dict[str, MappedFile] = {}
+        self._closed = False  # a value made now would open a file its model's next LOAD may map
 
     def file(self, kind: str) -> MappedFile:
         """The file of values of ``kind`` (``counter``, ``gauge_livesum``, ...); caller holds
         ``lock``."""
+        if self._closed:
+            raise RuntimeError(f"the metrics files in {self.directory} are closed")
         opened = self._files.get(kind)
         if opened is None:
             path = self.directory / f"{kind}_{os.getpid()}.db"  # the name the exporter reads
@@ -129,6 +132,7 @@ class SeriesFiles:
 
     def close(self) -> None:
         with self.lock:
+            self._closed = True
             for opened in self._files.values():
                 opened.close()
             self._files.clear()
@@ -351,16 +355,22 @@ class Series:
 
     @contextmanager
     def _making_values(self) -> Iterator[None]:
-        if self._files is None:
-            yield
-            return
+        """The process's own values are made under the lock too: another thread's hosted model may
+        have the value class in force meanwhile."""
         with _MAKING_VALUES:
+            if self._files is None:
+                yield
+                return
             saved_class = values.ValueClass
-            values.ValueClass, HostedValue.making_for = HostedValue, self._files
+            # in this order, and back in the other: a value made meanwhile outside this lock (by a
+            # library) finds either class ready
+            HostedValue.making_for = self._files
+            values.ValueClass = HostedValue
             try:
                 yield
             finally:
-                values.ValueClass, HostedValue.making_for = saved_class, None
+                values.ValueClass = saved_class
+                HostedValue.making_for = None
 
 
 @dataclass

@@ -151,7 +151,11 @@ class Supervisor:
         warm = self._start_warm_process()
         self.group = warm.pid
         logger.info("starting MMS: %s", " ".join(self.command))
-        self.process = start_program(self.command, self.env, self.cwd, group=self.group)
+        try:
+            self.process = start_program(self.command, self.env, self.cwd, group=self.group)
+        except BaseException:  # no java, say: no stub is to wait for a warm process either
+            (self.config.warm_socket.parent / STARTING_FILE).unlink(missing_ok=True)
+            raise
         self._wait_for_warm_process(warm)
         self._wait_until_ready()
 

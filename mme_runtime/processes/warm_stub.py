@@ -44,6 +44,7 @@ def _connect(socket_path: str) -> socket.socket | None:
     starts (``STARTING_FILE``: MMS starts meanwhile, and may start a model first), waits for it."""
     starting = os.path.join(os.path.dirname(socket_path), STARTING_FILE)
     deadline = time.monotonic() + WARM_START_SECONDS
+    waiting = True
     while True:
         client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -51,11 +52,14 @@ def _connect(socket_path: str) -> socket.socket | None:
             return client
         except OSError as exc:
             client.close()
-            if not os.path.exists(starting) or time.monotonic() > deadline:
+            if not waiting or time.monotonic() > deadline:
                 cause = f"mme-gpu: no warm process at {socket_path}: {exc}"
                 print(cause, file=sys.stderr, flush=True)
                 return None
-            time.sleep(0.05)
+            # once the file has gone, one more try: it goes as the warm process accepts
+            waiting = os.path.exists(starting)
+            if waiting:
+                time.sleep(0.05)
 
 
 def _become_reader(client: socket.socket, argv: list[str]) -> None:

@@ -369,3 +369,14 @@ def test_a_model_directory_removed_mid_scan_is_skipped_and_the_rest_merged(
     monkeypatch.setattr(os, "scandir", vanishing)
     assert collector._live_files() == [str(tmp_path / "models" / "kept" / "202" / "counter_202.db")]
     assert [path.parent.name for path in collector._server_dirs()] == ["kept"]
+
+
+def test_closed_series_files_open_no_file_again(tmp_path: Path) -> None:
+    # A value made as its model's UNLOAD closes the files would open one that the next LOAD of that name (same host,
+    # same directory) maps too, each writing over the other's entries.
+    files = metric_series.SeriesFiles(tmp_path)
+    with files.lock:
+        files.file("counter")
+    files.close()
+    with files.lock, pytest.raises(RuntimeError, match="closed"):
+        files.file("counter")
