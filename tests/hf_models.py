@@ -212,6 +212,14 @@ def _byte_bpe(specials: list[str], size: int = 400) -> tuple[dict[str, int], lis
     return data["vocab"], [tuple(merge) for merge in data["merges"]]
 
 
+def gpt2_tokenizer(model_max_length: int) -> tuple[Any, int]:
+    """A GPT-2 tokenizer over a byte-level BPE trained here, ``<|endoftext|>`` its one special token, and its
+    vocabulary's size: the decoders' tokenizer."""
+    vocab, merges = _byte_bpe(["<|endoftext|>"])
+    tokenizer = _transformers().GPT2Tokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
+    return tokenizer, len(vocab)
+
+
 def _unigram(specials: list[str], size: int = 300) -> list[tuple[str, float]]:
     """A SentencePiece-style unigram vocabulary (T5's and Marian's kind) trained on ``corpus()``."""
     import json
@@ -260,12 +268,11 @@ def gpt2(directory: Path, layers: int = 2, hidden: int = 64, seed: int = 0, posi
     """A GPT-2-shaped causal LM with random weights and a byte-level BPE tokenizer trained here."""
     transformers = _transformers()
 
-    vocab, merges = _byte_bpe(["<|endoftext|>"])
-    tokenizer = transformers.GPT2Tokenizer(vocab=vocab, merges=merges, model_max_length=positions)
+    tokenizer, vocabulary = gpt2_tokenizer(positions)
     torch.manual_seed(seed)
     end = tokenizer.eos_token_id
     config = transformers.GPT2Config(
-        vocab_size=len(vocab),
+        vocab_size=vocabulary,
         n_positions=positions,
         n_embd=hidden,
         n_layer=layers,
@@ -440,11 +447,10 @@ def llama(
     transformers 4 and 5 may cut differently at the prompt's end (lora_models.causal_base is the tests' tiny one)."""
     transformers = _transformers()
 
-    vocab, merges = _byte_bpe(["<|endoftext|>"])
-    tokenizer = transformers.GPT2Tokenizer(vocab=vocab, merges=merges, model_max_length=512)
+    tokenizer, vocabulary = gpt2_tokenizer(512)
     end = tokenizer.eos_token_id
     config = transformers.LlamaConfig(
-        vocab_size=len(vocab),
+        vocab_size=vocabulary,
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
@@ -459,7 +465,7 @@ def llama(
     model = _lively(transformers.LlamaForCausalLM(config), end, seed=seed)
     used = {token for line in corpus() for token in tokenizer(" " + line)["input_ids"]}
     with torch.no_grad():
-        model.lm_head.weight[[token for token in range(len(vocab)) if token not in used | {end}]] *= 0.1
+        model.lm_head.weight[[token for token in range(vocabulary) if token not in used | {end}]] *= 0.1
     return _save(model, tokenizer, directory)
 
 

@@ -133,11 +133,10 @@ def causal_base(directory: Path, seed: int = 0, hidden: int = 64, layers: int = 
     byte-level BPE tokenizer trained here: the base of the generative adapters."""
     import transformers
 
-    vocab, merges = hf_models._byte_bpe(["<|endoftext|>"])
-    tokenizer = transformers.GPT2Tokenizer(vocab=vocab, merges=merges, model_max_length=256)
+    tokenizer, vocabulary = hf_models.gpt2_tokenizer(256)
     end = tokenizer.eos_token_id
     config = transformers.LlamaConfig(
-        vocab_size=len(vocab),
+        vocab_size=vocabulary,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
