@@ -133,6 +133,12 @@ class Config:
         return self.runtime_dir / "warm.sock"
 
     @property
+    def models_socket(self) -> Path:
+        """Where the frontend's connections for every model arrive (each model's socket path links
+        here)."""
+        return self.runtime_dir / "models.sock"
+
+    @property
     def metrics_dir(self) -> Path:
         """Where the model processes keep their Prometheus values for the entrypoint to expose."""
         return self.runtime_dir / "metrics"

@@ -1,14 +1,13 @@
 """The warm process's side of the device hosts: every model, its load, its connections, its hosts.
 
-For each model MMS starts, the warm process binds the model's socket and forks a loader
-(``model_loader``), which runs ``model_fn`` once, CUDA-free, and hands back a package (or says why
-the host must load it, or why the LOAD fails), and whether the model needs a host of its own.
-Meanwhile the frontend's connections wait in the socket's backlog. Once the model is ready, each
-connection's LOAD message is read here and the connection goes to the host of its device and tenant
-(``device_hosts.py``), forked on first use (on the CPU, the host of a model that no host may share
-while its loader loads); the model is sent to that host once, before its first connection. Each
-model is a ``SharedModel``: the stub MMS started for it, its own socket where the frontend connects,
-its loader's result socket, its package and its hosts.
+For each model MMS starts, the warm process links the model's socket path to the socket of all
+models and forks a loader (``model_loader``), which runs ``model_fn`` once, CUDA-free, and hands
+back a package (or says why the host must load it, or why the LOAD fails), and whether the model
+needs a host of its own. Each frontend connection's LOAD message names its model; it waits here
+until the model is ready, then goes to the host of its device and tenant (``device_hosts.py``),
+forked on first use (on the CPU, the host of a model that no host may share while its loader
+loads); the model is sent to that host once, before its first connection. Each model is a
+``SharedModel``: the stub MMS started for it, its loader's result socket, its package and its hosts.
 
 When the stub goes (UNLOAD), every host lets the model go (its package may be kept for a re-LOAD),
 and a private host ends. When a host dies, the model whose code killed it is named
@@ -42,6 +41,7 @@ from mme_runtime.models.model_package import Package
 from mme_runtime.models.package_cache import Key, PackageCache
 from mme_runtime.models.tensor_store import TensorStore
 from mme_runtime.operations import metrics
+from mme_runtime.processes import warm_protocol
 from mme_runtime.processes.crash_board import SLOTS
 from mme_runtime.processes.device_hosts import (
     SHARED,
@@ -53,8 +53,7 @@ from mme_runtime.processes.device_hosts import (
     HostKey,
 )
 from mme_runtime.processes.model_loader import start_loader
-from mme_runtime.processes.warm_protocol import bind_model_socket, drain, receive, send
-from mme_runtime.serving.connection import device_of, read_assignment
+from mme_runtime.serving.connection import Assignment, device_of, read_assignment
 
 logger = logging.getLogger(__name__)
 
@@ -85,17 +84,18 @@ class SharedModels:
         # every package, its tensors held once by content
         self.store = TensorStore(config.share_weights)
         self.cache = PackageCache(config, self.store.release)
+        # where the frontend's connections for every model arrive
+        self.models_socket = str(config.models_socket)
+        self.listener = warm_protocol.listen_for_models(self.models_socket)
+        watcher.watch(self.listener, self._connection_waiting)
 
     def descriptors(self) -> list[int]:
         """What a forked child must close: every socket and package of ours (a copy would keep them
         alive)."""
         fds = [self.watcher.fileno(), *(sock.fileno() for sock in self.watcher.sockets())]
         for model in self.models.values():
-            fds += [
-                model.listener.fileno(),
-                model.stub.fileno(),
-                *(fd for fd in model.stdio if fd >= 0),
-            ]
+            fds += [model.stub.fileno(), *(fd for fd in model.stdio if fd >= 0)]
+            fds += [connection.fileno() for connection, _ in model.waiting]
         fds += self.hosts.descriptors() + self.store.descriptors()
         return sorted({fd for fd in fds if fd >= 0})
 
@@ -108,11 +108,8 @@ class SharedModels:
         for model in self.models.values():
             if model.loader == pid:
                 model.loader = None
-                if (
-                    (model.result is not None or model.loader_silent)
-                    and not model.ready
-                    and model.failure is None
-                ):
+                reporting = model.result is not None or model.loader_silent
+                if reporting and not model.ready and model.failure is None:
                     # its report, if it sent one before it exited
                     self._loader_reported(model, exit_code=code)
                 return True
@@ -124,7 +121,7 @@ class SharedModels:
     def add(
         self, spec: ModelSpec, request: dict[str, Any], stub: socket.socket, stdio: list[int]
     ) -> None:
-        """Binds the model's socket, tells the frontend it may connect, and starts the model's
+        """Links the model's socket, tells the frontend it may connect, and starts the model's
         loader (unless the same artifacts are loaded under another name already: then the model
         takes their package)."""
         if (existing := self.models.get(spec.name)) is not None:
@@ -134,11 +131,11 @@ class SharedModels:
             raise RuntimeError(
                 f"{SLOTS} shared models are loaded already: the device hosts track no more"
             )
-        listener = bind_model_socket(request["argv"])
+        socket_link = warm_protocol.link_model_socket(request["argv"], self.models_socket)
         os.write(
             stdio[1], f"[PID] {request.get('pid', os.getpid())}\nMMS worker started.\n".encode()
         )
-        model = SharedModel(spec, request, stub, stdio, listener, self._free_slot(), time.time())
+        model = SharedModel(spec, request, stub, stdio, socket_link, self._free_slot(), time.time())
         self.models[spec.name] = model
         self.watcher.watch(stub, lambda: self._stub_readable(model))
         if check_location(spec, self.config) is None:
@@ -185,7 +182,7 @@ class SharedModels:
         fds: list[int] = []
         if model.result is not None:
             with contextlib.suppress(OSError, ValueError):
-                report, fds = receive(model.result, with_fds=1)
+                report, fds = warm_protocol.receive(model.result, with_fds=1)
             self.watcher.forget(model.result)
             model.result.close()
             model.result = None
@@ -210,8 +207,7 @@ class SharedModels:
             logger.warning(
                 "model=%s model_fn runs in the device host: %s", spec.name, report["host_loads"]
             )
-        if report is not None:
-            model.resolved = report.get("resolved")
+        model.resolved = None if report is None else report.get("resolved")
         if report is not None and report.get("private"):
             self._make_private(model, report["private"], report.get("threads"))
         if model.failure is not None:
@@ -226,15 +222,13 @@ class SharedModels:
             where = (
                 "shares its device host" if model.tenant == SHARED else "has its own device host"
             )
-            logger.info(
-                "model=%s %s (loaded in %.2f s)",
-                model.spec.name,
-                where,
-                time.time() - model.started,
-            )
+            seconds = time.time() - model.started
+            logger.info("model=%s %s (loaded in %.2f s)", model.spec.name, where, seconds)
         model.ready = True
-        self.watcher.watch(model.listener, lambda: self._connection_waiting(model))
         model.tell_stub({"shared": True})
+        waiting, model.waiting = model.waiting, []
+        for connection, assignment in waiting:
+            self._route(model, connection, assignment)
 
     def _make_private(self, model: SharedModel, reason: str, threads: int | None) -> None:
         """From its next connection on, the model is served by a device host of its own."""
@@ -247,13 +241,29 @@ class SharedModels:
         self._leave_hosts(model)
         self._make_private(model, reason, model.threads)
 
-    def _connection_waiting(self, model: SharedModel) -> None:
-        connection = model.accept()
-        if connection is None:
-            return
-        assignment = read_assignment(connection, model.spec.name, LOAD_MESSAGE_SECONDS)
+    def _connection_waiting(self) -> None:
+        """A frontend connection: routed by the model its LOAD message names once that model is
+        ready. MMS connects once it has read "MMS worker started." from the model's stub."""
+        try:
+            connection, _ = self.listener.accept()
+        except OSError:
+            return  # BlockingIOError (none waits after all), InterruptedError
+        assignment = read_assignment(connection, LOAD_MESSAGE_SECONDS)
         if assignment is None:
             return
+        model = self.models.get(assignment.model)
+        if model is None:
+            # a worker of a model unloaded since
+            logger.info("model=%s not loaded: its frontend connection dropped", assignment.model)
+            connection.close()
+        elif not model.ready:
+            model.waiting.append((connection, assignment))
+        else:
+            self._route(model, connection, assignment)
+
+    def _route(self, model: SharedModel, connection: socket.socket, assignment: Assignment) -> None:
+        """A connection of a ready model to its host (or refused with the model's failure)."""
+        model.stop_logging()
         if model.failure is not None:
             refuse_load(connection, model.failure, model.spec, self.config, drain=False)
             return
@@ -333,13 +343,13 @@ class SharedModels:
         del self.models[name]
         self.cpu_pool.leave(name)
         self._free_slots.append(model.slot)
-        for sock in (model.stub, model.listener, model.result):
+        for sock in (model.stub, model.result):
             if sock is not None:
                 self.watcher.forget(sock)
         if model.loader is not None:
             kill(model.loader)
         if model.result is not None:
-            drain(model.result)  # a package it sent and nobody read: its memfd goes too
+            warm_protocol.drain(model.result)  # a package sent and never read: its memfd too
         self._leave_hosts(model)
         self._release_package(model, keep=True)
         model.close()
@@ -395,13 +405,15 @@ class SharedModel:
     stub: socket.socket  # closes when MMS ends the model's process (UNLOAD)
     # the stub's stdin, stdout and stderr: the model's log (-1: closed once it was served)
     stdio: list[int]
-    listener: socket.socket
+    socket_link: tuple[str, int]  # its socket's path, a link to the models' socket, and its inode
     slot: int
     started: float
     loader: int | None = None
     result: socket.socket | None = None
     package: Package | None = None  # None while loading, or where the host runs model_fn
     ready: bool = False  # connections are routed from now on
+    # frontend connections and their LOAD messages, until it is ready
+    waiting: list[tuple[socket.socket, Assignment]] = field(default_factory=list)
     failure: LoadFailure | None = None
     hosts: set[HostKey] = field(default_factory=set)
     # or its own name: it needs a host of its own (the loader said why, or it crashed twice)
@@ -456,43 +468,28 @@ class SharedModel:
 
     def tell_stub(self, payload: dict[str, Any]) -> None:
         try:
-            send(self.stub, payload)
+            warm_protocol.send(self.stub, payload)
         except OSError:
             pass  # the stub is gone: its unload follows
-
-    def accept(self) -> socket.socket | None:
-        """A frontend connection waiting on the model's socket (None if there is none after all).
-        MMS connects once it has read "MMS worker started." and counted the model's process started:
-        from then on the stub's pipes may end (earlier, MMS would fail the LOAD: "Backend stream
-        closed")."""
-        try:
-            connection, _ = self.listener.accept()
-        except OSError:
-            # BlockingIOError (none waits after all), InterruptedError, a socket closing
-            return None
-        self.stop_logging()
-        return connection
 
     def stop_logging(self) -> None:
         """Lets go of the stub's stdio once the model is served: its loader has read and written all
         it will (a host logs to the container's own output), and the stub (``head -c 1`` now) holds
-        its connection alone. MMS reads the stub's stdout and stderr with a thread each,
-        about 90 KiB each, which ends at the pipe's end; at thousands of models the descriptors
-        count too."""
+        its connection alone. MMS counted the model's process started when it connected, so its
+        pipes may end (earlier, MMS would fail the LOAD: "Backend stream closed"); MMS reads each
+        with a thread of about 90 KiB, which ends with it."""
         for index in (0, 1, 2):
             if self.stdio[index] >= 0:
                 os.close(self.stdio[index])
                 self.stdio[index] = -1
 
     def close(self) -> None:
-        """Closes the model's socket (and removes its path), its stub and the stub's stdio."""
-        path = self.listener.getsockname()
-        self.listener.close()
-        if isinstance(path, str) and path:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        """Removes the model's socket path and closes its waiting connections, its stub and the
+        stub's stdio."""
+        warm_protocol.unlink_model_socket(*self.socket_link)
+        for connection, _ in self.waiting:
+            connection.close()
+        self.waiting = []
         self.stub.close()
         for fd in self.stdio:
             if fd >= 0:

@@ -1,6 +1,6 @@
 """The warm process's messages: length-prefixed JSON over a unix socket, with descriptors passed
-beside them (SCM_RIGHTS). Stubs, loaders and the warm process speak it; a model's socket and a
-loader's result socket are opened and drained here. Light on imports: the stub imports it too."""
+beside them (SCM_RIGHTS). Stubs, loaders and the warm process speak it; the models' socket is
+opened, and a loader's result socket drained, here. Light on imports: the stub imports it too."""
 
 from __future__ import annotations
 
@@ -61,19 +61,40 @@ def receive(sock: socket.socket, with_fds: int = 0) -> tuple[dict[str, Any] | No
     return json.loads(body), fds
 
 
-def bind_model_socket(argv: list[str]) -> socket.socket:
-    """The socket MMS's stub command line names (``--sock-name``), bound and listening, where the
-    frontend's connections for the model wait in the backlog until the model is ready."""
-    path = argv[argv.index("--sock-name") + 1]
+def listen_for_models(path: str) -> socket.socket:
+    """The one socket where the frontend's connections for every model arrive (each model's path
+    links to it: ``link_model_socket``); each connection's LOAD message names its model."""
     try:
         os.remove(path)
     except FileNotFoundError:
         pass
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
-    listener.listen(128)
+    listener.listen(socket.SOMAXCONN)
     listener.setblocking(False)
     return listener
+
+
+def link_model_socket(argv: list[str], target: str) -> tuple[str, int]:
+    """Makes the path MMS's stub command line names (``--sock-name``) a link to the socket of all
+    models, ``target``: the frontend connects there, again after a host dies, and a model holds no
+    socket of its own. Returns the path and the link's inode (``unlink_model_socket``)."""
+    path = argv[argv.index("--sock-name") + 1]
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    os.symlink(target, path)
+    return path, os.lstat(path).st_ino
+
+
+def unlink_model_socket(path: str, inode: int) -> None:
+    """Removes a model's link unless another model's link has taken its path since."""
+    try:
+        if os.lstat(path).st_ino == inode:
+            os.remove(path)
+    except OSError:
+        pass
 
 
 def drain(result: socket.socket) -> None:

@@ -119,23 +119,28 @@ def start_batching(spec: ModelSpec, config: Config, loaded: LoadedModel) -> Conn
 
 @dataclass(frozen=True)
 class Assignment:
-    """What a connection's LOAD message says: the frontend's GPU for it and MMS's batch size."""
+    """What a connection's LOAD message says: the frontend's GPU for it and MMS's batch size (and
+    the model it is for: the warm process routes by it)."""
 
     gpu: int | None
     batch_size: int
+    model: str = ""
 
     @classmethod
     def from_load_message(cls, message: dict[str, Any]) -> Assignment:
         gpu = message.get("gpu")
-        return cls(None if gpu is None else int(gpu), max(1, int(message.get("batchSize") or 1)))
+        name = message.get("modelName", b"")
+        return cls(
+            None if gpu is None else int(gpu),
+            max(1, int(message.get("batchSize") or 1)),
+            bytes(name).decode() if isinstance(name, bytes | bytearray) else str(name),
+        )
 
 
-def read_assignment(
-    connection: socket.socket, model_name: str, timeout: float
-) -> Assignment | None:
-    """Reads a frontend connection's first message, its LOAD (the GPU the frontend assigned it);
-    None, with the connection closed and the cause logged, when something else or nothing arrives
-    within ``timeout``."""
+def read_assignment(connection: socket.socket, timeout: float) -> Assignment | None:
+    """Reads a frontend connection's first message, its LOAD (the model and the GPU the frontend
+    assigned it); None, with the connection closed and the cause logged, when something else or
+    nothing arrives within ``timeout``."""
     try:
         connection.settimeout(timeout)
         command, message = retrieve_msg(connection)
@@ -143,7 +148,7 @@ def read_assignment(
         if command != LOAD_MSG:
             raise ValueError(f"expected a LOAD message first, got {command!r}")
     except (ValueError, OSError) as exc:
-        logger.warning("model=%s dropped a frontend connection: %s", model_name, exc)
+        logger.warning("dropped a frontend connection: %s", exc)
         connection.close()
         return None
     return Assignment.from_load_message(message)

@@ -105,6 +105,37 @@ def test_a_served_model_s_stub_holds_one_descriptor(server: RunningServer) -> No
     assert wait_until(lambda: not alive([stub]), 10)
 
 
+def test_the_frontend_connects_for_every_model_on_one_socket(server: RunningServer) -> None:
+    """Each model's socket path links to one socket of the warm process, so a model holds no listening socket of its
+    own: at thousands of models each descriptor counts."""
+    for name in ("linked-a", "linked-b", "linked-c"):
+        model_factory.torchscript_model(server.model_dir(name))
+        assert server.load(name).status_code == 200
+        assert server.invoke(name, json.dumps([[1, 2, 3, 4]])).status_code == 200
+    listening = _listening_sockets(warm_process(server))
+    assert sorted(Path(path).name for path in listening) == ["models.sock", "warm.sock"], listening
+    assert server.unload("linked-b").status_code == 200
+    assert server.invoke("linked-c", json.dumps([[1, 2, 3, 4]])).status_code == 200
+
+
+def _listening_sockets(process: psutil.Process) -> list[str]:
+    """The paths of the unix sockets ``process`` listens on (``/proc/net/unix``: flag 0x10000 is a listener)."""
+    inodes = set()
+    for fd in Path(f"/proc/{process.pid}/fd").iterdir():
+        try:
+            target = fd.readlink().name
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    listening = []
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[6] in inodes and int(fields[3], 16) & 0x10000:
+            listening.append(fields[7])
+    return listening
+
+
 def _is_stub(process: psutil.Process, model: str) -> bool:
     try:
         return process.cmdline()[:1] == [f"mme-model-stub --model-name {model}"]

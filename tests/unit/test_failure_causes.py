@@ -160,8 +160,8 @@ def test_a_loader_the_oom_killer_ended_fails_its_load_with_507_and_any_other_dea
     from mme_runtime.processes.shared_models import SharedModel
 
     spec = ModelSpec(name="m", model_dir="/opt/ml/models/m", handler="handler_service", tmp_dir="/tmp")
-    stub, listener = socket.socketpair()
-    model = SharedModel(spec, {}, stub, [], listener, slot=0, started=0.0, oom_kills=failures.oom_kills())
+    stub, peer = socket.socketpair()
+    model = SharedModel(spec, {}, stub, [], ("", 0), slot=0, started=0.0, oom_kills=failures.oom_kills())
     assert failures.oom_killed(-signal.SIGKILL, model.oom_kills) is False
     segfault = model.loader_failure(-signal.SIGSEGV)
     assert (segfault.status, segfault.message) == (500, "model m: its loader killed by SIGSEGV before it reported")
@@ -172,4 +172,4 @@ def test_a_loader_the_oom_killer_ended_fails_its_load_with_507_and_any_other_dea
     assert oom.status == 507 and oom.message.startswith("model m: its loader killed by SIGKILL (out of memory: "), oom
     assert model.loader_failure(None).status == 500  # its end unknown
     stub.close()
-    listener.close()
+    peer.close()
