@@ -158,12 +158,13 @@ def oom_kills() -> dict[str, int]:
     counts = {}
     for path in OOM_KILL_COUNTERS:
         try:
-            lines = path.read_text().splitlines()
+            with open(path, "rb") as counters:  # as bytes: no text decoder made for each read
+                lines = counters.read().splitlines()
         except OSError:
             continue
         for line in lines:
-            key, _, value = line.partition(" ")
-            if key == "oom_kill" and value.strip().isdigit():
+            key, _, value = line.partition(b" ")
+            if key == b"oom_kill" and value.strip().isdigit():
                 counts[str(path)] = int(value)
     return counts
 

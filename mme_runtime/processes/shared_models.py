@@ -17,6 +17,7 @@ others are loaded again from their packages into a new host as the frontend reco
 
 from __future__ import annotations
 
+import array
 import contextlib
 import dataclasses
 import logging
@@ -77,7 +78,9 @@ class SharedModels:
         self.close_in_children = close_in_children
         self.models: dict[str, SharedModel] = {}
         # slots on the crash board given back by UNLOADs, taken first
-        self._free_slots: list[int] = []
+        # numbers, not int objects: those would outlive their models and pin Python's arenas
+        self._free_slots = array.array("i")
+        self.last_unload = 0.0  # monotonic
         self.hosts = DeviceHosts(config, close_in_children)
         self.cpu_pool = CpuPool(config.cpu_hosts)
         self.crash_count = CrashCount()
@@ -94,8 +97,7 @@ class SharedModels:
         alive)."""
         fds = [self.watcher.fileno(), *(sock.fileno() for sock in self.watcher.sockets())]
         for model in self.models.values():
-            fds += [model.stub.fileno(), *(fd for fd in model.stdio if fd >= 0)]
-            fds += [connection.fileno() for connection, _ in model.waiting]
+            fds += [model.stub.fileno(), *model.stdio, *(c.fileno() for c, _ in model.waiting)]
         fds += self.hosts.descriptors() + self.store.descriptors()
         return sorted({fd for fd in fds if fd >= 0})
 
@@ -343,6 +345,7 @@ class SharedModels:
         del self.models[name]
         self.cpu_pool.leave(name)
         self._free_slots.append(model.slot)
+        self.last_unload = time.monotonic()
         for sock in (model.stub, model.result):
             if sock is not None:
                 self.watcher.forget(sock)

@@ -27,12 +27,14 @@ from mme_runtime.base.child_processes import Watcher, exited_children, raise_des
 from mme_runtime.base.config import Config
 from mme_runtime.huggingface.loading import is_hugging_face_directory
 from mme_runtime.models.loading import ModelSpec
+from mme_runtime.operations.memory import release_memory
 from mme_runtime.processes.warm_protocol import receive
 
 logger = logging.getLogger(__name__)
 
 STDIO_FDS = 3
 REQUEST_TIMEOUT_SECONDS = 5.0
+TRIM_AFTER_SECONDS = 1.0
 WARM_MODULES = (
     "numpy",
     "torch",
@@ -63,6 +65,7 @@ class WarmProcess:
         self.shared = SharedModels(config, self.watcher, self._descriptors)
         self.deaths = failures.Deaths()  # loaders: a signal that kills one is logged with its model
         self._stopping = False
+        self._trimmed_at = 0.0  # monotonic
 
     def serve_forever(self) -> None:
         signal.signal(signal.SIGTERM, self._on_stop)
@@ -72,7 +75,17 @@ class WarmProcess:
             self.watcher.run_once(0.5)
             self._reap()
             self.shared.retire_idle_hosts()
+            self._trim_after_unloads()
         self.shared.stop()
+
+    def _trim_after_unloads(self) -> None:
+        """The heap a burst of UNLOADs freed goes back to the system once the burst is over (glibc
+        keeps freed memory unless asked; a trim takes a few ms): ``TRIM_AFTER_SECONDS`` after the
+        last UNLOAD. Never in a thread of its own: every fork from here would copy its locks."""
+        last = self.shared.last_unload
+        if last > self._trimmed_at and time.monotonic() - last > TRIM_AFTER_SECONDS:
+            release_memory(None)
+            self._trimmed_at = time.monotonic()
 
     def _on_stop(self, _signum: int, _frame: FrameType | None) -> None:
         self._stopping = True
