@@ -275,23 +275,16 @@ class AdapterSet:
                 raise ModelLoadError(
                     f"the adapter targets modules the base does not have: {names}", status=400
                 )
+            for path, (down, up, _) in adapter.lora.items():
+                _check_target(path, _unwrapped(modules[path]), down, up)
+            copies = {
+                path: _replaced(_unwrapped(modules[path]), state, path)
+                for path, state in adapter.saved.items()
+            }
+            # all checked: a refused adapter leaves the base as it was, with no wrapper of its own
             layers = {path: self._wrapped(path, modules, LoraLinear) for path in adapter.lora}
             holders = {path: self._wrapped(path, modules, SavedModule) for path in adapter.saved}
-            copies = {
-                path: _replaced(holder.base, adapter.saved[path], path)
-                for path, holder in holders.items()
-            }
             index, self._next = self._next, self._next + 1
-            for path, layer in layers.items():
-                down, up, scaling = adapter.lora[path]
-                weight = layer.base.weight
-                if down.shape[1] != weight.shape[1] or up.shape[0] != weight.shape[0]:
-                    raise ModelLoadError(
-                        f"the adapter's {path} maps {down.shape[1]} to {up.shape[0]} features, the "
-                        f"base's {weight.shape[1]} to {weight.shape[0]}: it was trained on another "
-                        "base",
-                        status=400,
-                    )
             for path, layer in layers.items():
                 down, up, scaling = adapter.lora[path]
                 device, dtype = layer.base.weight.device, layer.base.weight.dtype
@@ -376,17 +369,31 @@ class AdapterSet:
         layer = modules[path]
         if isinstance(layer, kind):
             return layer
-        if kind is LoraLinear and not isinstance(layer, torch.nn.Linear):
-            raise ModelLoadError(
-                f"the adapter targets {path}, a {type(layer).__name__}: only Linear layers are "
-                "served",
-                status=400,
-            )
         parent_path, _, child = path.rpartition(".")
         wrapper = kind(layer, self)
         setattr(modules[parent_path] if parent_path else self.module, child, wrapper)
         modules[path] = wrapper
         return wrapper
+
+
+def _unwrapped(layer: torch.nn.Module) -> torch.nn.Module:
+    return layer.base if isinstance(layer, _Wrapper) else layer
+
+
+def _check_target(path: str, layer: torch.nn.Module, down: torch.Tensor, up: torch.Tensor) -> None:
+    """Refuses (400) an adapter's update of a layer that is not a Linear layer of its shapes."""
+    if not isinstance(layer, torch.nn.Linear):
+        raise ModelLoadError(
+            f"the adapter targets {path}, a {type(layer).__name__}: only Linear layers are served",
+            status=400,
+        )
+    weight = layer.weight
+    if down.shape[1] != weight.shape[1] or up.shape[0] != weight.shape[0]:
+        raise ModelLoadError(
+            f"the adapter's {path} maps {down.shape[1]} to {up.shape[0]} features, the base's "
+            f"{weight.shape[1]} to {weight.shape[0]}: it was trained on another base",
+            status=400,
+        )
 
 
 def _replaced(base: torch.nn.Module, state: dict[str, torch.Tensor], path: str) -> torch.nn.Module:

@@ -249,6 +249,8 @@ def test_an_adapter_of_another_base_is_refused_naming_the_shapes(
     with pytest.raises(ModelLoadError, match="trained on another base") as refused:
         lora_layers.attach(model, model.model, "of-wider", lora.read_adapter(directory))
     assert refused.value.status == 400
+    # nothing of it stays on the base: no layer wrapped for it
+    assert not [layer for layer in model.model.modules() if isinstance(layer, lora_layers.LoraLinear)]
 
 
 def defaults_for(adapter_dir: Path) -> HuggingFaceDefaults:
