@@ -61,7 +61,7 @@ def fork_child(
 ) -> int:
     """Forks a model process and returns its pid. The child takes ``stdio`` (if given) as its
     descriptors 0, 1 and 2, closes ``close`` (what the parent holds for other children: a copy would
-    keep a model's socket or package alive), is named ``title`` for ``ps``, dies with its parent,
+    keep a connection or a package alive), is named ``title`` for ``ps``, dies with its parent,
     gets the default SIGTERM and SIGINT and ``environment`` as its own, then runs ``run`` and exits
     with its status: it never returns into the parent's code. A fork copies only the calling thread,
     so the parent must hold no lock another thread could hold (the warm process runs one)."""
