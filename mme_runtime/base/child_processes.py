@@ -104,7 +104,7 @@ def _become_child(title: str, close_fds: Iterable[int], environment: Mapping[str
 
 def close_all(descriptors: Iterable[int]) -> None:
     """Closes ``descriptors``, each run of consecutive numbers in one call (``close_range``): a
-    child of the warm process, which holds three descriptors per model, closes thousands in a few
+    child of the warm process, which holds two descriptors per model, closes thousands in a few
     calls (one by one, 3 ms more per fork at 2,000 models)."""
     ordered = sorted(set(descriptors))
     start = 0
@@ -188,7 +188,7 @@ class Watcher:
 
 
 def raise_descriptor_limit() -> None:
-    """Each shared model holds a few descriptors in this process (its socket, its stub's, its
+    """Each shared model holds a few descriptors in this process (its stub's connection, its
     package): lift the soft limit to the hard one, so that thousands of models fit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:

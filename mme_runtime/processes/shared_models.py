@@ -90,7 +90,7 @@ class SharedModels:
         # where the frontend's connections for every model arrive
         self.models_socket = str(config.models_socket)
         self.listener = warm_protocol.listen_for_models(self.models_socket)
-        watcher.watch(self.listener, self._connection_waiting)
+        watcher.watch(self.listener, self._connection_arrived)
 
     def descriptors(self) -> list[int]:
         """What a forked child must close: every socket and package of ours (a copy would keep them
@@ -133,11 +133,11 @@ class SharedModels:
             raise RuntimeError(
                 f"{SLOTS} shared models are loaded already: the device hosts track no more"
             )
-        socket_link = warm_protocol.link_model_socket(request["argv"], self.models_socket)
+        socket_path = warm_protocol.link_model_socket(request["argv"], self.models_socket)
         os.write(
             stdio[1], f"[PID] {request.get('pid', os.getpid())}\nMMS worker started.\n".encode()
         )
-        model = SharedModel(spec, request, stub, stdio, socket_link, self._free_slot(), time.time())
+        model = SharedModel(spec, request, stub, stdio, socket_path, self._free_slot(), time.time())
         self.models[spec.name] = model
         self.watcher.watch(stub, lambda: self._stub_readable(model))
         if check_location(spec, self.config) is None:
@@ -228,9 +228,8 @@ class SharedModels:
             logger.info("model=%s %s (loaded in %.2f s)", model.spec.name, where, seconds)
         model.ready = True
         model.tell_stub({"shared": True})
-        waiting, model.waiting = model.waiting, []
-        for connection, assignment in waiting:
-            self._route(model, connection, assignment)
+        while model.waiting:  # one at a time: a host forked meanwhile closes those still waiting
+            self._route(model, *model.waiting.pop(0))
 
     def _make_private(self, model: SharedModel, reason: str, threads: int | None) -> None:
         """From its next connection on, the model is served by a device host of its own."""
@@ -243,20 +242,26 @@ class SharedModels:
         self._leave_hosts(model)
         self._make_private(model, reason, model.threads)
 
-    def _connection_waiting(self) -> None:
-        """A frontend connection: routed by the model its LOAD message names once that model is
-        ready. MMS connects once it has read "MMS worker started." from the model's stub."""
+    def _connection_arrived(self) -> None:
+        """A frontend connection, watched until its first message arrives (the LOAD, which MMS
+        writes as it connects): the loop never waits for it."""
         try:
             connection, _ = self.listener.accept()
         except OSError:
             return  # BlockingIOError (none waits after all), InterruptedError
+        self.watcher.watch(connection, lambda: self._load_message(connection))
+
+    def _load_message(self, connection: socket.socket) -> None:
+        """Routes a connection by the model its LOAD message names, once that model is ready; drops
+        one whose model is not loaded, or that the frontend has closed already (a worker of an
+        earlier LOAD of the same name)."""
+        self.watcher.forget(connection)
         assignment = read_assignment(connection, LOAD_MESSAGE_SECONDS)
         if assignment is None:
             return
         model = self.models.get(assignment.model)
-        if model is None:
-            # a worker of a model unloaded since
-            logger.info("model=%s not loaded: its frontend connection dropped", assignment.model)
+        if model is None or warm_protocol.peer_closed(connection):
+            logger.info("model=%s: a connection of an earlier LOAD dropped", assignment.model)
             connection.close()
         elif not model.ready:
             model.waiting.append((connection, assignment))
@@ -278,10 +283,8 @@ class SharedModels:
             if model.spec.name not in host.models:
                 self._send_model(host, model, assignment.batch_size)
                 model.hosts.add(key)
-            payload = {"op": "connect", "model": model.spec.name, "gpu": assignment.gpu}
-            self.hosts.send(
-                host, {**payload, "batch_size": assignment.batch_size}, [connection.fileno()]
-            )
+            payload = {"op": "connect", **dataclasses.asdict(assignment)}  # model, gpu, batch_size
+            self.hosts.send(host, payload, [connection.fileno()])
         except OSError as exc:
             # the host is dying: the frontend reconnects, and its reap starts a new one
             logger.warning("model=%s gpu=%s device host unreachable: %s", model.spec.name, key, exc)
@@ -291,9 +294,8 @@ class SharedModels:
     def _send_model(self, host: Host, model: SharedModel, batch_size: int) -> None:
         """The model to a host, before its first connection there (whose LOAD message carries MMS's
         batch size)."""
-        self.hosts.send(
-            host, model.load_message(batch_size), [] if model.package is None else model.package.fds
-        )
+        fds = [] if model.package is None else model.package.fds
+        self.hosts.send(host, model.load_message(batch_size), fds)
         host.models.add(model.spec.name)
         host.empty_since = None
 
@@ -346,12 +348,11 @@ class SharedModels:
         self.cpu_pool.leave(name)
         self._free_slots.append(model.slot)
         self.last_unload = time.monotonic()
-        for sock in (model.stub, model.result):
-            if sock is not None:
-                self.watcher.forget(sock)
+        self.watcher.forget(model.stub)
         if model.loader is not None:
             kill(model.loader)
         if model.result is not None:
+            self.watcher.forget(model.result)
             warm_protocol.drain(model.result)  # a package sent and never read: its memfd too
         self._leave_hosts(model)
         self._release_package(model, keep=True)
@@ -399,8 +400,7 @@ class SharedModels:
 
 @dataclass
 class SharedModel:
-    """One model MMS started, in the warm process: its stub, its socket, its loader, its package,
-    its hosts."""
+    """One model MMS started, in the warm process: its stub, its loader, its package, its hosts."""
 
     spec: ModelSpec
     # the stub's command line, environment and directory: its hosts' environment
@@ -408,7 +408,7 @@ class SharedModel:
     stub: socket.socket  # closes when MMS ends the model's process (UNLOAD)
     # the stub's stdin, stdout and stderr: the model's log (-1: closed once it was served)
     stdio: list[int]
-    socket_link: tuple[str, int]  # its socket's path, a link to the models' socket, and its inode
+    socket_path: str  # where the frontend connects for it: a link to the models' socket
     slot: int
     started: float
     loader: int | None = None
@@ -487,9 +487,9 @@ class SharedModel:
                 self.stdio[index] = -1
 
     def close(self) -> None:
-        """Removes the model's socket path and closes its waiting connections, its stub and the
-        stub's stdio."""
-        warm_protocol.unlink_model_socket(*self.socket_link)
+        """Removes its socket path; closes its waiting connections, its stub and its stdio."""
+        with contextlib.suppress(OSError):
+            os.remove(self.socket_path)
         for connection, _ in self.waiting:
             connection.close()
         self.waiting = []

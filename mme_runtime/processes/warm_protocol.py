@@ -75,26 +75,28 @@ def listen_for_models(path: str) -> socket.socket:
     return listener
 
 
-def link_model_socket(argv: list[str], target: str) -> tuple[str, int]:
+def link_model_socket(argv: list[str], target: str) -> str:
     """Makes the path MMS's stub command line names (``--sock-name``) a link to the socket of all
     models, ``target``: the frontend connects there, again after a host dies, and a model holds no
-    socket of its own. Returns the path and the link's inode (``unlink_model_socket``)."""
+    socket of its own. Returns the path. MMS gives each model a port (and so a path) of its own;
+    the same model started again replaces its earlier self first."""
     path = argv[argv.index("--sock-name") + 1]
     try:
         os.remove(path)
     except FileNotFoundError:
         pass
     os.symlink(target, path)
-    return path, os.lstat(path).st_ino
+    return path
 
 
-def unlink_model_socket(path: str, inode: int) -> None:
-    """Removes a model's link unless another model's link has taken its path since."""
+def peer_closed(sock: socket.socket) -> bool:
+    """Whether the other end has closed ``sock``: nothing is left to read and its end is reached."""
     try:
-        if os.lstat(path).st_ino == inode:
-            os.remove(path)
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
     except OSError:
-        pass
+        return True
 
 
 def drain(result: socket.socket) -> None:

@@ -161,7 +161,7 @@ def test_a_loader_the_oom_killer_ended_fails_its_load_with_507_and_any_other_dea
 
     spec = ModelSpec(name="m", model_dir="/opt/ml/models/m", handler="handler_service", tmp_dir="/tmp")
     stub, peer = socket.socketpair()
-    model = SharedModel(spec, {}, stub, [], ("", 0), slot=0, started=0.0, oom_kills=failures.oom_kills())
+    model = SharedModel(spec, {}, stub, [], "", slot=0, started=0.0, oom_kills=failures.oom_kills())
     assert failures.oom_killed(-signal.SIGKILL, model.oom_kills) is False
     segfault = model.loader_failure(-signal.SIGSEGV)
     assert (segfault.status, segfault.message) == (500, "model m: its loader killed by SIGSEGV before it reported")
