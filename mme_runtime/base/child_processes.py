@@ -55,16 +55,17 @@ def start_program(
 def fork_child(
     title: str,
     run: Callable[[], int],
-    close: Iterable[int],
     environment: Mapping[str, str],
     stdio: Sequence[int] = (),
+    keep: Iterable[int] = (),
 ) -> int:
     """Forks a model process and returns its pid. The child takes ``stdio`` (if given) as its
-    descriptors 0, 1 and 2, closes ``close`` (what the parent holds for other children: a copy would
-    keep a connection or a package alive), is named ``title`` for ``ps``, dies with its parent,
-    gets the default SIGTERM and SIGINT and ``environment`` as its own, then runs ``run`` and exits
-    with its status: it never returns into the parent's code. A fork copies only the calling thread,
-    so the parent must hold no lock another thread could hold (the warm process runs one)."""
+    descriptors 0, 1 and 2 and keeps ``keep``; it closes every other descriptor (what the parent
+    holds for models and other children: a copy would keep a connection or a package alive). It is
+    named ``title`` for ``ps``, dies with its parent, gets the default SIGTERM and SIGINT and
+    ``environment`` as its own, then runs ``run`` and exits with its status: it never returns into
+    the parent's code. A fork copies only the calling thread, so the parent must hold no lock
+    another thread could hold (the warm process runs one)."""
     sys.stdout.flush()  # or the child would write the parent's buffered output again
     sys.stderr.flush()
     parent = os.getpid()
@@ -75,8 +76,7 @@ def fork_child(
     try:
         for target, fd in enumerate(stdio):
             os.dup2(fd, target)
-        # stdio: copied to 0-2
-        _become_child(title, {fd for fd in (*close, *stdio) if fd > 2}, environment)
+        _become_child(title, keep, environment)
         if os.getppid() != parent:
             # it died before the kernel was asked to tell us: nobody waits for us
             return status
@@ -89,7 +89,7 @@ def fork_child(
         os._exit(status)
 
 
-def _become_child(title: str, close_fds: Iterable[int], environment: Mapping[str, str]) -> None:
+def _become_child(title: str, keep: Iterable[int], environment: Mapping[str, str]) -> None:
     import setproctitle
 
     # before the environment is replaced: it finds the argv memory through it
@@ -97,21 +97,26 @@ def _become_child(title: str, close_fds: Iterable[int], environment: Mapping[str
     os.environ.clear()
     os.environ.update(environment)
     prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), "PR_SET_PDEATHSIG")
-    close_all(close_fds)
+    close_all_but(keep)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_DFL)
 
 
-def close_all(descriptors: Iterable[int]) -> None:
-    """Closes ``descriptors``, each run of consecutive numbers in one call (``close_range``): a
-    child of the warm process, which holds two descriptors per model, closes thousands in a few
-    calls (one by one, 3 ms more per fork at 2,000 models)."""
-    ordered = sorted(set(descriptors))
-    start = 0
-    for index in range(1, len(ordered) + 1):
-        if index == len(ordered) or ordered[index] != ordered[index - 1] + 1:
-            os.closerange(ordered[start], ordered[index - 1] + 1)
-            start = index
+def close_all_but(keep: Iterable[int]) -> None:
+    """Closes every descriptor from 3 up but ``keep``, each run between two kept ones in one call
+    (``close_range``): a child of the warm process, which holds two descriptors per model, closes
+    thousands in a few calls. The runs end at the highest open descriptor, so that where a sandbox
+    refuses ``close_range``, CPython's fallback (one ``close`` per number) closes no more than
+    those."""
+    try:
+        highest = max(int(name) for name in os.listdir("/proc/self/fd"))
+    except (OSError, ValueError):
+        highest = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 1
+    low = 3
+    for fd in sorted({fd for fd in keep if fd >= low}):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, highest + 1)
 
 
 def prctl(option: int, value: int, what: str) -> None:
@@ -130,16 +135,12 @@ class Watcher:
     go, so that a process holding a few sockets per model pays per event, not per socket: a poll
     set hands the kernel every descriptor on every wait (about 2 ms a wait at 2,400 sockets, several
     waits a LOAD), epoll only those that are ready. A forked child closes the set's own descriptor
-    too (``fileno``): it would share the set."""
+    too, as every other it is not given: it would share the set."""
 
     def __init__(self) -> None:
         self._epoll = select.epoll()
         self._handlers: dict[socket.socket, tuple[int, Callable[[], None]]] = {}
         self._by_fd: dict[int, socket.socket] = {}
-
-    def fileno(self) -> int:
-        """The epoll set's descriptor: a forked child closes it (it would share the set)."""
-        return self._epoll.fileno()
 
     def watch(self, sock: socket.socket, handler: Callable[[], None]) -> None:
         """Calls ``handler`` whenever ``sock`` is readable (or closed by its peer), until

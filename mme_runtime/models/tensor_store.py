@@ -65,9 +65,6 @@ class TensorStore:
         self.index: dict[str, Location] = {}  # digest -> the place its bytes are held
         self._next_id = 1
 
-    def descriptors(self) -> list[int]:
-        return [segment.fd for segment in self.segments.values()]
-
     def add(self, package: Package, share: bool = True) -> Package:
         """Takes ``package`` (its own file now belongs to the store) and returns it with every blob
         that equals one already held pointing there. ``share=False`` (the model opted out): its

@@ -15,7 +15,7 @@ import logging
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,34 +167,26 @@ class CrashCount:
 
 
 class DeviceHosts:
-    def __init__(self, config: Config, close_in_children: Callable[[], list[int]]) -> None:
+    def __init__(self, config: Config) -> None:
         self.config = config
-        self.close_in_children = close_in_children
         self.hosts: dict[HostKey, Host] = {}
         self.cpu_only = gpu_count() == 0  # no card for the frontend to assign
 
-    def get(
-        self, key: HostKey, gpu: int | None, env: dict[str, str], in_hand: socket.socket | None
-    ) -> Host:
+    def get(self, key: HostKey, gpu: int | None, env: dict[str, str]) -> Host:
         """The host of ``key``, forked now if there is none, with the environment MMS gives its
         model processes (it reads some of it, such as ``MMS_DECODE_INPUT_REQUEST``, while
-        answering). ``in_hand``: the connection being routed, if any, which a new host must not keep
-        a copy of (the frontend would never see it close)."""
+        answering)."""
         host = self.hosts.get(key)
         if host is not None:
             return host
         board = CrashBoard()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        close = [*self.close_in_children(), ours.fileno()]
-        if in_hand is not None:
-            close.append(in_hand.fileno())
         title = f"{HOST_TITLE} gpu={gpu}" if gpu is not None else f"{HOST_TITLE} {key.device}"
         if key.private:  # named as the model's stub is, so that ps tells whose it is
             title += f" --model-name {key.tenant}"
         try:
-            pid = fork_child(
-                title, functools.partial(run_host, theirs, self.config, gpu, board), close, env
-            )
+            run = functools.partial(run_host, theirs, self.config, gpu, board)
+            pid = fork_child(title, run, env, keep=[theirs.fileno()])
         finally:
             theirs.close()
         ours.settimeout(CONTROL_SECONDS)
@@ -206,7 +198,7 @@ class DeviceHosts:
         """The host of a model that no host may share, forked before its first connection (while
         its loader loads) where its key is known by then: on the CPU. On GPUs the card comes with
         the connection, and so does the host (None)."""
-        return self.get(HostKey.own(model), None, env, None) if self.cpu_only else None
+        return self.get(HostKey.own(model), None, env) if self.cpu_only else None
 
     def send(self, host: Host, payload: dict[str, Any], fds: list[int] | None = None) -> None:
         """``OSError`` when the host is gone or stuck: its reap follows."""
@@ -273,9 +265,6 @@ class DeviceHosts:
             host.control.close()
             host.board.close()
             logger.info("device host pid=%d gpu=%s retired: it serves no model", host.pid, host.key)
-
-    def descriptors(self) -> list[int]:
-        return [host.control.fileno() for host in self.hosts.values()]
 
     def stop(self) -> None:
         for host in self.hosts.values():

@@ -63,16 +63,15 @@ CAUSE_READ_SECONDS = 0.2
 
 
 def start_loader(
-    spec: ModelSpec, request: dict[str, Any], stdio: list[int], close_fds: list[int]
+    spec: ModelSpec, request: dict[str, Any], stdio: list[int]
 ) -> tuple[int, socket.socket]:
     """Forks the model's loader with the stub's stdio, directory and environment (``request``);
-    returns its pid and the socket its report arrives on. ``close_fds``: what the forked child must
-    not keep."""
+    returns its pid and the socket its report arrives on."""
     result, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     run = functools.partial(_run_loader, theirs, spec, request["cwd"])
     title = f"mme-loader {spec.name}"
     try:
-        pid = fork_child(title, run, [*close_fds, result.fileno()], request["env"], stdio)
+        pid = fork_child(title, run, request["env"], stdio, keep=[theirs.fileno()])
     finally:
         theirs.close()
     return pid, result

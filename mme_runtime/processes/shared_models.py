@@ -24,7 +24,6 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,19 +68,16 @@ class SharedModels:
     """Every model and device host of the warm process. The methods follow a model's life: what the
     warm process's loop asks, a model arrives, its connections, a host dies, a model goes."""
 
-    def __init__(
-        self, config: Config, watcher: Watcher, close_in_children: Callable[[], list[int]]
-    ) -> None:
+    def __init__(self, config: Config, watcher: Watcher) -> None:
         self.config = config
         # the warm process's: every socket of ours it waits on, with what to do
         self.watcher = watcher
-        self.close_in_children = close_in_children
         self.models: dict[str, SharedModel] = {}
         # slots on the crash board given back by UNLOADs, taken first
         # numbers, not int objects: those would outlive their models and pin Python's arenas
         self._free_slots = array.array("i")
         self.last_unload = 0.0  # monotonic
-        self.hosts = DeviceHosts(config, close_in_children)
+        self.hosts = DeviceHosts(config)
         self.cpu_pool = CpuPool(config.cpu_hosts)
         self.crash_count = CrashCount()
         # every package, its tensors held once by content
@@ -91,15 +87,6 @@ class SharedModels:
         self.models_socket = str(config.models_socket)
         self.listener = warm_protocol.listen_for_models(self.models_socket)
         watcher.watch(self.listener, self._connection_arrived)
-
-    def descriptors(self) -> list[int]:
-        """What a forked child must close: every socket and package of ours (a copy would keep them
-        alive)."""
-        fds = [self.watcher.fileno(), *(sock.fileno() for sock in self.watcher.sockets())]
-        for model in self.models.values():
-            fds += [model.stub.fileno(), *model.stdio, *(c.fileno() for c, _ in model.waiting)]
-        fds += self.hosts.descriptors() + self.store.descriptors()
-        return sorted({fd for fd in fds if fd >= 0})
 
     def child_exited(self, pid: int, code: int) -> bool:
         """True when ``pid`` was ours (a loader or a host)."""
@@ -159,7 +146,7 @@ class SharedModels:
             model.artifact_bytes = self.cache.make_room(spec, loading)
         # should it die: whether the kernel's out-of-memory killer did it
         model.oom_kills = failures.oom_kills()
-        model.loader, model.result = start_loader(spec, request, stdio, self.close_in_children())
+        model.loader, model.result = start_loader(spec, request, stdio)
         # a loader's child could hold the socket open after the loader died
         model.result.settimeout(RESULT_SECONDS)
         self.watcher.watch(model.result, lambda: self._loader_reported(model))
@@ -228,7 +215,7 @@ class SharedModels:
             logger.info("model=%s %s (loaded in %.2f s)", model.spec.name, where, seconds)
         model.ready = True
         model.tell_stub({"shared": True})
-        while model.waiting:  # one at a time: a host forked meanwhile closes those still waiting
+        while model.waiting:  # one at a time: those not yet routed stay the model's to close
             self._route(model, *model.waiting.pop(0))
 
     def _make_private(self, model: SharedModel, reason: str, threads: int | None) -> None:
@@ -277,7 +264,7 @@ class SharedModels:
         device = device_of(assignment, self.config.cuda_visible_devices)
         key = model.host_key(device, self.cpu_pool)
         try:
-            host = self.hosts.get(key, assignment.gpu, model.request["env"], connection)
+            host = self.hosts.get(key, assignment.gpu, model.request["env"])
             if not self.watcher.watches(host.control):  # a host started just now
                 self.watcher.watch(host.control, lambda: self._host_reported(host))
             if model.spec.name not in host.models:

@@ -62,7 +62,7 @@ class WarmProcess:
         self.config = config
         self.watcher = Watcher()
         self.watcher.watch(listener, self._accept)
-        self.shared = SharedModels(config, self.watcher, self._descriptors)
+        self.shared = SharedModels(config, self.watcher)
         self.deaths = failures.Deaths()  # loaders: a signal that kills one is logged with its model
         self._stopping = False
         self._trimmed_at = 0.0  # monotonic
@@ -127,10 +127,6 @@ class WarmProcess:
                 for fd in fds:
                     os.close(fd)
                 connection.close()
-
-    def _descriptors(self) -> list[int]:
-        """What this process holds that a forked child must not keep open."""
-        return self.shared.descriptors()  # the listener among them
 
     def _reap(self) -> None:
         for pid, code in exited_children():

@@ -40,14 +40,16 @@ def run_child():
         "environment": dict(os.environ),
         "title": title,
         "kept": is_open(kept.fileno()),
+        "kept_fds": keep,
         "dropped": is_open(dropped.fileno()),
         "run": [is_open(end.fileno()) for end in run],
+        "open": [int(name) for name in os.listdir("/proc/self/fd")],  # and the listing's own
         "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
     }).encode())
     return 7
 
-close = [dropped.fileno(), *(end.fileno() for end in run if end is not middle)]
-pid = fork_child("probe-title --model-name m", run_child, close, {"ONLY": "this"}, [0, out.fileno(), 2])
+keep = [kept.fileno(), middle.fileno(), theirs.fileno()]
+pid = fork_child("probe-title --model-name m", run_child, {"ONLY": "this"}, [0, out.fileno(), 2], keep)
 theirs.close()
 child = json.loads(report.recv(65536))
 _, status = os.waitpid(pid, 0)
@@ -65,7 +67,8 @@ def test_a_forked_child_gets_what_it_is_given_and_nothing_it_is_not(tmp_path: Pa
     assert child["environment"] == {"ONLY": "this"}  # its own environment, not the parent's
     assert child["title"] == "probe-title --model-name m"
     assert child["kept"] and not child["dropped"]
-    assert child["run"] == [False, False, False, True, False, False, False, False]  # closed in runs, its middle kept
+    assert child["run"] == [False, False, False, True, False, False, False, False]  # all but the one it was given
+    assert len(set(child["open"]) - {0, 1, 2, *child["kept_fds"]}) <= 1, child  # nothing else: the listing's own
     assert child["sigterm_default"]  # the parent's handler is not its own
     assert child["status"] == 7  # what run returned
     assert stdout.read_text() == "to the given stdout\n"
@@ -81,7 +84,7 @@ def test_a_forked_child_dies_with_its_parent(tmp_path: Path) -> None:
             time.sleep(60)
             return 0
 
-        print(fork_child("orphan", run, [], {}), flush=True)
+        print(fork_child("orphan", run, {}), flush=True)
         time.sleep(60)
         """
     )
@@ -139,7 +142,6 @@ def test_the_watcher_s_set_is_one_descriptor_that_a_forked_child_can_close() -> 
     pairs[123][1].send(b"x")
     watcher.run_once(1)
     assert calls == [123]  # only the ready one
-    os.fstat(watcher.fileno())  # a descriptor of its own, for fork_child's closes
     ours, peer = pairs[7]
     watcher.forget(ours)
     ours.close()

@@ -99,7 +99,7 @@ def test_unload_in_either_order_keeps_what_the_other_uses_and_frees_the_rest() -
             assert 4 * MIB <= resident_bytes(owner.fd) < 4 * MIB + 64 * 1024
 
         store.release(second)
-        assert store.descriptors() == [] and not store.uses and not store.index
+        assert not store.segments and not store.uses and not store.index
 
 
 def test_two_equal_tensors_of_one_model_stay_two() -> None:

@@ -1,5 +1,5 @@
 """The warm-start wire format: framed JSON with file descriptors passed alongside (SCM_RIGHTS); the one socket where
-the frontend connects for every model, and how its connections wait for their model."""
+the frontend connects for every model."""
 
 from __future__ import annotations
 
@@ -9,10 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from mme_runtime.base.child_processes import Watcher
-from mme_runtime.base.config import Config
-from mme_runtime.models.loading import ModelSpec
-from mme_runtime.processes.shared_models import SharedModel, SharedModels
 from mme_runtime.processes.warm_protocol import (
     link_model_socket,
     listen_for_models,
@@ -20,7 +16,6 @@ from mme_runtime.processes.warm_protocol import (
     receive,
     send,
 )
-from mme_runtime.serving.connection import Assignment
 
 
 def test_message_and_descriptors_arrive_together() -> None:
@@ -82,32 +77,3 @@ def test_a_model_s_socket_path_links_to_the_socket_of_all_models(tmp_path: Path)
         accepted, _ = listener.accept()
         accepted.close()
     listener.close()
-
-
-def test_connections_still_waiting_are_closed_in_a_host_forked_while_an_earlier_one_is_routed(tmp_path: Path) -> None:
-    """A model's connections wait in the warm process while it loads, and are routed one by one once it is ready: a
-    host forked to take the first must close the others (a copy would keep them open after their own host dies)."""
-    config = Config(runtime_dir=tmp_path)
-    shared = SharedModels(config, Watcher(), list)
-    spec = ModelSpec(name="m", model_dir=str(tmp_path), handler="handler_service", tmp_dir=str(tmp_path))
-    stub, stub_peer = socket.socketpair()
-    model = SharedModel(spec, {}, stub, [-1, -1, -1], "", slot=0, started=0.0)
-    pairs = [socket.socketpair() for _ in range(3)]
-    model.waiting = [(ours, Assignment(None, 1, "m")) for ours, _ in pairs]
-    shared.models["m"] = model
-    closed_in_a_fork: list[tuple[int, list[int]]] = []
-
-    def route(_: SharedModel, connection: socket.socket, assignment: Assignment) -> None:
-        closed_in_a_fork.append((connection.fileno(), shared.descriptors()))
-
-    shared._route = route  # type: ignore[method-assign]
-    shared._ready(model)
-    assert [fd for fd, _ in closed_in_a_fork] == [ours.fileno() for ours, _ in pairs]
-    for index, (_, descriptors) in enumerate(closed_in_a_fork):
-        assert {ours.fileno() for ours, _ in pairs[index + 1 :]} <= set(descriptors)
-    for ours, theirs in pairs:
-        ours.close()
-        theirs.close()
-    stub.close()
-    stub_peer.close()
-    shared.listener.close()
