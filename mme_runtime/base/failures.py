@@ -220,8 +220,10 @@ class Deaths:
     def __init__(self) -> None:
         self._children: dict[int, tuple[str, dict[str, int]]] = {}
 
-    def watch(self, pid: int, label: str) -> None:
-        self._children[pid] = (label, oom_kills())
+    def watch(self, pid: int, label: str, oom_kills_before: dict[str, int] | None = None) -> None:
+        """``oom_kills_before``: ``oom_kills()`` as the child started, if read already."""
+        before = oom_kills() if oom_kills_before is None else oom_kills_before
+        self._children[pid] = (label, before)
 
     def exited(self, pid: int, code: int) -> str | None:
         """``<label> killed by <SIGNAL> (...)`` for a watched child that a signal ended; None

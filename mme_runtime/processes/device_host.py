@@ -172,7 +172,8 @@ class DeviceHost:
             if hosted is None:  # unloaded meanwhile: the frontend is done with this connection too
                 connection.close()
                 return
-            self._connect(hosted, connection, Assignment(message["gpu"], message["batch_size"]))
+            assignment = Assignment(name, message["gpu"], message["batch_size"])
+            self._connect(hosted, connection, assignment)
         elif op == "unload":
             leaving = self.models.pop(name, None)
             if leaving is not None:

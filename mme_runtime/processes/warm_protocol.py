@@ -64,10 +64,7 @@ def receive(sock: socket.socket, with_fds: int = 0) -> tuple[dict[str, Any] | No
 def listen_for_models(path: str) -> socket.socket:
     """The one socket where the frontend's connections for every model arrive (each model's path
     links to it: ``link_model_socket``); each connection's LOAD message names its model."""
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
+    _remove_stale(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(socket.SOMAXCONN)
@@ -81,12 +78,17 @@ def link_model_socket(argv: list[str], target: str) -> str:
     socket of its own. Returns the path. MMS gives each model a port (and so a path) of its own;
     the same model started again replaces its earlier self first."""
     path = argv[argv.index("--sock-name") + 1]
+    _remove_stale(path)
+    os.symlink(target, path)
+    return path
+
+
+def _remove_stale(path: str) -> None:
+    """What an earlier process left at ``path``, if anything."""
     try:
         os.remove(path)
     except FileNotFoundError:
         pass
-    os.symlink(target, path)
-    return path
 
 
 def peer_closed(sock: socket.socket) -> bool:

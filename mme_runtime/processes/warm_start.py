@@ -116,9 +116,10 @@ class WarmProcess:
         self._warm_imports(request["argv"])
         try:
             self.shared.add(spec, request, connection, fds)
-            loader = getattr(self.shared.models.get(spec.name), "loader", None)
-            if loader is not None:
-                self.deaths.watch(loader, f"model={spec.name} load failed: its loader pid={loader}")
+            model = self.shared.models.get(spec.name)
+            if model is not None and model.loader is not None:
+                label = f"model={spec.name} load failed: its loader pid={model.loader}"
+                self.deaths.watch(model.loader, label, model.oom_kills)
         except Exception:  # noqa: BLE001
             # one model's arrival must never end the process every model needs
             logger.exception("model=%s could not be taken in: its LOAD fails", spec.name)

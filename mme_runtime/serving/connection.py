@@ -119,21 +119,20 @@ def start_batching(spec: ModelSpec, config: Config, loaded: LoadedModel) -> Conn
 
 @dataclass(frozen=True)
 class Assignment:
-    """What a connection's LOAD message says: the frontend's GPU for it and MMS's batch size (and
-    the model it is for: the warm process routes by it)."""
+    """What a connection's LOAD message says: the model it is for (the warm process routes by it),
+    the frontend's GPU for it and MMS's batch size."""
 
+    model: str
     gpu: int | None
     batch_size: int
-    model: str = ""
 
     @classmethod
     def from_load_message(cls, message: dict[str, Any]) -> Assignment:
         gpu = message.get("gpu")
-        name = message.get("modelName", b"")
         return cls(
+            bytes(message["modelName"]).decode(),  # mms.protocol reads it as a bytearray
             None if gpu is None else int(gpu),
             max(1, int(message.get("batchSize") or 1)),
-            bytes(name).decode() if isinstance(name, bytes | bytearray) else str(name),
         )
 
 
