@@ -99,7 +99,7 @@ def test_a_served_model_s_stub_holds_one_descriptor(server: RunningServer) -> No
     assert server.load("one-fd").status_code == 200
     assert server.invoke("one-fd", json.dumps([[1, 2, 3, 4]])).status_code == 200
     [stub] = [p for p in psutil.Process(server.process.pid).children(recursive=True) if _is_stub(p, "one-fd")]
-    descriptors = {fd.name: fd.readlink().name for fd in Path(f"/proc/{stub.pid}/fd").iterdir()}
+    descriptors = _descriptor_targets(stub)
     assert list(descriptors) == ["0"] and descriptors["0"].startswith("socket:"), descriptors
     assert server.unload("one-fd").status_code == 200
     assert wait_until(lambda: not alive([stub]), 10)
@@ -120,14 +120,8 @@ def test_the_frontend_connects_for_every_model_on_one_socket(server: RunningServ
 
 def _listening_sockets(process: psutil.Process) -> list[str]:
     """The paths of the unix sockets ``process`` listens on (``/proc/net/unix``: flag 0x10000 is a listener)."""
-    inodes = set()
-    for fd in Path(f"/proc/{process.pid}/fd").iterdir():
-        try:
-            target = fd.readlink().name
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
+    targets = _descriptor_targets(process).values()
+    inodes = {target[len("socket:[") : -1] for target in targets if target.startswith("socket:[")}
     listening = []
     for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
         fields = line.split()
@@ -144,13 +138,18 @@ def _is_stub(process: psutil.Process, model: str) -> bool:
 
 
 def _pipes(process: psutil.Process) -> int:
-    count = 0
+    return sum(target.startswith("pipe:") for target in _descriptor_targets(process).values())
+
+
+def _descriptor_targets(process: psutil.Process) -> dict[str, str]:
+    """What each open descriptor of ``process`` is (``socket:[inode]``, ``pipe:[inode]``, a path), by number."""
+    targets = {}
     for fd in Path(f"/proc/{process.pid}/fd").iterdir():
         try:
-            count += fd.readlink().name.startswith("pipe:")
-        except OSError:
+            targets[fd.name] = fd.readlink().name
+        except OSError:  # closed meanwhile
             continue
-    return count
+    return targets
 
 
 def test_user_code_never_reaches_the_warm_process_or_another_model(server: RunningServer) -> None:
