@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import struct
+import sys
 
 # Every model's stub imports this module as it starts: typing (3 ms there) is for the type checker
 # only.
@@ -35,7 +36,10 @@ def send(sock: socket.socket, payload: dict[str, Any], fds: list[int] | None = N
 
 
 def receive(sock: socket.socket, with_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
-    """One framed JSON message (and up to ``with_fds`` descriptors); None when the peer closed."""
+    """One framed JSON message (and up to ``with_fds`` descriptors); None when the peer closed. Its
+    keys and string values are interned: the warm process and the hosts keep a message or two for
+    every model, and every stub sends the same environment (10 KiB a model held once per model, a
+    high-water mark the heap keeps at thousands of models: issue #37)."""
     fds: list[int] = []
     ancillary = socket.CMSG_SPACE(with_fds * _INT_SIZE) if with_fds else 0
     header, ancdata, _, _ = sock.recvmsg(HEADER.size, ancillary)
@@ -58,7 +62,20 @@ def receive(sock: socket.socket, with_fds: int = 0) -> tuple[dict[str, Any] | No
         if not chunk:
             return None, fds
         body += chunk
-    return json.loads(body), fds
+    return json.loads(body, object_pairs_hook=_interned), fds
+
+
+def _interned(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    return {sys.intern(key): _intern(value) for key, value in pairs}
+
+
+def _intern(value: Any) -> Any:
+    """A string interned, and the strings of a list (a command line); anything else as it is."""
+    if type(value) is str:
+        return sys.intern(value)
+    if type(value) is list:
+        return [sys.intern(item) if type(item) is str else item for item in value]
+    return value
 
 
 def listen_for_models(path: str) -> socket.socket:

@@ -36,6 +36,28 @@ def test_message_and_descriptors_arrive_together() -> None:
         right.close()
 
 
+def test_messages_share_their_strings() -> None:
+    """Every stub sends the same environment, and the warm process keeps each model's: received twice, its strings
+    are held once (the names and values are made at run time, as a decoder makes them)."""
+    left, right = socket.socketpair()
+    value = "".join(["/opt/", "conda/bin"])
+    stub = {"argv": ["worker", "--handler", "handler_service"], "env": {"PATH": value, "LANG": "C.UTF-8"}, "pid": 7}
+    try:
+        send(left, stub)
+        send(left, stub)
+        first, _ = receive(right)
+        second, _ = receive(right)
+    finally:
+        left.close()
+        right.close()
+    assert first == second == stub
+    assert first is not None and second is not None
+    assert first["env"]["PATH"] is second["env"]["PATH"]
+    assert next(iter(first["env"])) is next(iter(second["env"]))
+    assert all(a is b for a, b in zip(first["argv"], second["argv"], strict=True))
+    assert first["env"] is not second["env"]  # each model's own mapping, which it may change
+
+
 def test_a_closed_peer_reads_as_none() -> None:
     left, right = socket.socketpair()
     left.close()
