@@ -80,8 +80,9 @@ class DeviceHost:
         self.board = board
         self.ordinal: int | None = None
         self.models: dict[str, HostedModel] = {}
-        # UNLOADs still letting go of their models, by name
+        # UNLOADs still letting go of their models, by name: each leaves once done
         self.unloading: dict[str, threading.Thread] = {}
+        self._unloading_lock = threading.Lock()
         self._control_lock = threading.Lock()
         # a model's metrics directory changes hands under it: from an UNLOAD to a LOAD of its name
         self._directories = threading.Lock()
@@ -140,7 +141,8 @@ class DeviceHost:
                 spec, int(message["slot"]), None, started=message["started"]
             )
             # the same name's UNLOAD, maybe still letting go
-            model.after = self.unloading.pop(name, None)
+            with self._unloading_lock:
+                model.after = self.unloading.pop(name, None)
             package = (
                 None
                 if message.get("package") is None
@@ -154,13 +156,8 @@ class DeviceHost:
             # what its loader resolved; else _our_handler resolves it
             if message.get("resolved") is not None:
                 model.resolved = ResolvedModel.from_message(message["resolved"])
-            arguments = (
-                model,
-                package,
-                fds,
-                int(message["batch_size"]),
-                bool(message.get("restart")),
-            )
+            batch_size, restart = int(message["batch_size"]), bool(message.get("restart"))
+            arguments = (model, package, fds, batch_size, restart)
             model.loading = threading.Thread(
                 target=self._load, args=arguments, name=f"load-{name}", daemon=True
             )
@@ -180,10 +177,8 @@ class DeviceHost:
                 unloading = threading.Thread(
                     target=self._unload, args=(leaving,), name=f"unload-{name}", daemon=True
                 )
-                self.unloading = {
-                    key: thread for key, thread in self.unloading.items() if thread.is_alive()
-                }
-                self.unloading[name] = unloading
+                with self._unloading_lock:
+                    self.unloading[name] = unloading
                 unloading.start()
 
     def _load(
@@ -397,6 +392,16 @@ class DeviceHost:
                 model.turns_ended.notify_all()
 
     def _unload(self, model: HostedModel) -> None:
+        """Lets the model go, then leaves ``unloading``: a thread kept there once done would pin the
+        heap where the models were after a mass UNLOAD (about 100 threads, issue #37)."""
+        try:
+            self._let_go(model)
+        finally:
+            with self._unloading_lock:
+                if self.unloading.get(model.spec.name) is threading.current_thread():
+                    del self.unloading[model.spec.name]
+
+    def _let_go(self, model: HostedModel) -> None:
         """Closes the model's connections, ends its batcher and drops every reference, then gives
         the memory back."""
         if model.loading is not None:

@@ -62,7 +62,7 @@ def receive(sock: socket.socket, with_fds: int = 0) -> tuple[dict[str, Any] | No
         if not chunk:
             return None, fds
         body += chunk
-    return json.loads(body, object_pairs_hook=_interned), fds
+    return _DECODER.decode(body.decode()), fds
 
 
 def _interned(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -76,6 +76,9 @@ def _intern(value: Any) -> Any:
     if type(value) is list:
         return [sys.intern(item) if type(item) is str else item for item in value]
     return value
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_interned)  # one for every message
 
 
 def listen_for_models(path: str) -> socket.socket:

@@ -1,12 +1,20 @@
-"""What a device host does for its models' memory: UNLOADs in a burst share one collection."""
+"""What a device host does for its models' memory: UNLOADs in a burst share one collection, and a finished one
+leaves nothing behind."""
 
 from __future__ import annotations
 
 import gc
+import socket
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
+from mme_runtime.base.config import Config
+from mme_runtime.models.loading import ModelSpec
 from mme_runtime.operations.memory import MemoryRelease
+from mme_runtime.processes.crash_board import CrashBoard
+from mme_runtime.processes.device_host import DeviceHost, HostedModel
 
 
 def wait_for(release: MemoryRelease, count: int, timeout: float = 5) -> int:
@@ -66,3 +74,29 @@ def test_a_full_collection_runs_only_when_a_cycle_keeps_what_an_unload_let_go_of
         gc.enable()
     assert asked == [False, False, True, True]
     assert release.collections == 2
+
+
+def test_an_unload_that_is_done_leaves_nothing_of_itself_in_its_host(tmp_path: Path) -> None:
+    # The last UNLOADs of a burst had their finished threads kept until the next UNLOAD: about 100 after a mass
+    # UNLOAD, whose small objects pinned the host's heap where the models had been (issue #37).
+    left, right = socket.socketpair()
+    host = DeviceHost(left, Config.from_env({"MME_RUNTIME_DIR": str(tmp_path)}), None, CrashBoard())
+    host.release = MemoryRelease(lambda collect: None)
+    loads_end = threading.Event()  # each UNLOAD waits for its model's LOAD first
+    try:
+        for name in ("a", "b", "c"):
+            model = HostedModel(ModelSpec(name, str(tmp_path), "handler", str(tmp_path)), 0, None)
+            model.loading = threading.Thread(target=loads_end.wait, daemon=True)
+            model.loading.start()
+            host.models[name] = model
+            host._dispatch({"op": "unload", "model": name}, [])
+        threads = list(host.unloading.values())
+        assert len(threads) == 3  # a LOAD of one of these names now would wait for its UNLOAD
+        loads_end.set()
+        for thread in threads:
+            thread.join(5)
+        assert not any(thread.is_alive() for thread in threads)
+        assert host.unloading == {}
+    finally:
+        left.close()
+        right.close()
