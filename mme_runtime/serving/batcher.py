@@ -371,24 +371,30 @@ class Batcher:
 
     def _dispatch(self) -> None:
         while (batch := self._next_batch()) is not None:
-            started = time.monotonic()
-            try:
-                # timed from when the pass started (a GPU's pass threads may hold it back a moment)
-                started = self._run_pass(functools.partial(self._timed_run, batch))
-            except BaseException as exc:  # noqa: BLE001
-                # the runner answers its own errors; this is a last guard
-                logger.exception("batch runner failed")
-                for job in batch:
-                    if job.result is None and job.error is None:
-                        job.error = exc
-            with self._ready:
-                self._running -= 1
-                self._awaited = len(batch)
-                self._pass_ended = time.monotonic()
-            for job in batch:  # after _awaited is set: an answered client may be back at once
-                job.done.set()
-            waits = [started - job.queued_at for job in batch]
-            metrics.record_pass(waits, self._pass_ended - started, self.batch_size)
+            self._pass(batch)
+            # nothing of the pass's requests and answers held while the next one is awaited (up
+            # to a minute for an idle model)
+            del batch
+
+    def _pass(self, batch: list[Job]) -> None:
+        started = time.monotonic()
+        try:
+            # timed from when the pass started (a GPU's pass threads may hold it back a moment)
+            started = self._run_pass(functools.partial(self._timed_run, batch))
+        except BaseException as exc:  # noqa: BLE001
+            # the runner answers its own errors; this is a last guard
+            logger.exception("batch runner failed")
+            for job in batch:
+                if job.result is None and job.error is None:
+                    job.error = exc
+        with self._ready:
+            self._running -= 1
+            self._awaited = len(batch)
+            self._pass_ended = time.monotonic()
+        for job in batch:  # after _awaited is set: an answered client may be back at once
+            job.done.set()
+        waits = [started - job.queued_at for job in batch]
+        metrics.record_pass(waits, self._pass_ended - started, self.batch_size)
 
     def _timed_run(self, batch: list[Job]) -> float:
         """Runs the pass; returns when it started."""

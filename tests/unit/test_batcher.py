@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -244,6 +245,22 @@ def test_an_idle_dispatcher_ends_and_the_next_request_starts_another() -> None:
     assert torch.equal(second.result, torch.full((1, 2), 2.0)) and len(batcher.threads) == 1
     batcher.close()
     assert ended == [1, 1]
+
+
+def test_an_idle_dispatcher_holds_nothing_of_the_requests_it_answered() -> None:
+    # Its last pass's jobs, requests and answers were held until the next request or the idle end (a minute): at
+    # thousands of idle models, each one's last answer (issue #37).
+    batcher = Batcher(Recorder(), 1, 10, name="holds", idle_seconds=30)
+    answered = job(torch.ones(1, 2))
+    batcher.submit([answered])
+    assert torch.equal(answered.result, torch.full((1, 2), 2.0))
+    gone = weakref.ref(answered)
+    del answered
+    deadline = time.monotonic() + 2
+    while gone() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gone() is None and batcher.threads[0].is_alive()
+    batcher.close()
 
 
 def test_a_dispatcher_marked_on_the_crash_board_leaves_no_mark_when_it_ends() -> None:
