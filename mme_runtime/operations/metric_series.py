@@ -80,6 +80,17 @@ class MappedFile(mmap_dict.MmapedDict):
         self._f = None
         _let_go_of_descriptor(self._m, self._fname)
 
+    def place(self, key: str) -> tuple[int, float, float]:
+        """Where ``key``'s value is in the file (added if new) and the value there. The caller keeps
+        the place and writes there (``write_at``); the key (about 200 bytes: the metric's help text
+        is in each), dozens a model, is in the file only. Each key's value is made once per file
+        (``Series.child``)."""
+        value, timestamp = self.read_value(key)  # type: ignore[no-untyped-call]
+        return self._positions.pop(key), value, timestamp
+
+    def write_at(self, position: int, value: float, timestamp: float) -> None:
+        mmap_dict._pack_two_doubles(self._m, position, value, timestamp)
+
     def close(self) -> None:
         if self._m is not None:
             self._m.close()
@@ -161,10 +172,10 @@ class HostedValue:
         if files is None:
             raise RuntimeError("a hosted value made outside its series")
         self._files = files
-        self._key = mmap_dict.mmap_key(metric_name, name, labelnames, labelvalues, help_text)
+        key = mmap_dict.mmap_key(metric_name, name, labelnames, labelvalues, help_text)
         with files.lock:
             self._file = file = files.file(f"{typ}_{multiprocess_mode}" if typ == "gauge" else typ)
-            self._value, self._timestamp = file.read_value(self._key)  # type: ignore[no-untyped-call]
+            self._position, self._value, self._timestamp = file.place(key)
 
     def inc(self, amount: float) -> None:
         with self._files.lock:
@@ -177,7 +188,7 @@ class HostedValue:
     def _write(self, value: float, timestamp: float) -> None:
         """Caller holds the files' lock."""
         self._value, self._timestamp = value, timestamp
-        self._file.write_value(self._key, value, timestamp)  # type: ignore[no-untyped-call]
+        self._file.write_at(self._position, value, timestamp)
 
     def get(self) -> float:
         with self._files.lock:
