@@ -243,19 +243,22 @@ class Turns:
                     continue
                 self._waiting -= 1
                 last = self._waiting == 0
-            if (
-                last
-            ):  # another waits while this one answers: a long turn holds no other connection back
+            if last:  # another waits while this one answers: a long turn holds no other back
                 self._add_worker()
-            fd = events[0][0]
-            connection, turn = self._turns[fd]
-            if not self._take_turn(connection, turn) or not self._arm(fd):
-                self._end(fd, connection)
+            self._take_turn(events[0][0])
             with self._lock:
                 self._waiting += 1
 
+    def _take_turn(self, fd: int) -> None:
+        """A turn of the connection whose message arrived. Its own frame: nothing of the turn (its
+        model, through ``turn``) stays with the worker while it waits for the next (a worker held
+        the last model it served after that model's UNLOAD)."""
+        connection, turn = self._turns[fd]
+        if not self._run_turn(connection, turn) or not self._arm(fd):
+            self._end(fd, connection)
+
     @staticmethod
-    def _take_turn(connection: socket.socket, turn: Callable[[socket.socket], bool]) -> bool:
+    def _run_turn(connection: socket.socket, turn: Callable[[socket.socket], bool]) -> bool:
         try:
             return turn(connection)
         except Exception:  # noqa: BLE001 - a turn that fails ends its connection, never the worker

@@ -4,9 +4,11 @@ whose turn fails or ends closed without harming the others."""
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -114,3 +116,22 @@ def test_turns_of_different_connections_run_side_by_side(pairs: list[tuple[socke
     for client in clients:
         client.sendall(b"x")
     assert [client.recv(8) for client in clients] == [b"met"] * 4
+
+
+class Model:
+    """What a connection's turn works for (a device host's model)."""
+
+
+def test_a_waiting_worker_holds_nothing_of_the_connection_it_served_last(
+    pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
+    # A worker kept its last turn, and through it that model, while it waited: after a mass UNLOAD, a model per
+    # worker with its metrics stayed in the host (issue #37).
+    turns = Turns("holds")
+    model = Model()
+    gone = weakref.ref(model)
+    client = connect(turns, pairs, functools.partial(lambda model, connection: False, model))  # its last turn
+    del model
+    client.sendall(b"x")
+    assert wait_until(lambda: turns.connections == 0)
+    assert wait_until(lambda: gone() is None, 2) and turns.workers == SPARE_WORKERS
