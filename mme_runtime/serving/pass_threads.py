@@ -147,3 +147,5 @@ class PassThreads:
                         return
                 continue
             work()
+            # nothing of the pass (its model, through ``function``) held while the next is awaited
+            del work

@@ -256,7 +256,7 @@ def test_an_idle_dispatcher_holds_nothing_of_the_requests_it_answered() -> None:
     assert torch.equal(answered.result, torch.full((1, 2), 2.0))
     gone = weakref.ref(answered)
     del answered
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 5
     while gone() is not None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert gone() is None and batcher.threads[0].is_alive()
@@ -459,6 +459,19 @@ def test_what_a_pass_raises_reaches_its_caller_and_the_thread_serves_on() -> Non
         passes.run(failing, None)
     assert passes.run(lambda: 42, None) == 42
     assert len(passes.threads) == 1
+
+
+def test_a_waiting_pass_thread_holds_nothing_of_the_pass_it_ran_last() -> None:
+    # A GPU's pass thread kept its last pass, and through it that model, until its next pass (issue #37).
+    passes = PassThreads(1, "gpu0")
+    model = torch.nn.Linear(2, 2)
+    gone = weakref.ref(model)
+    assert passes.run(functools.partial(lambda model: 42, model), None) == 42
+    del model
+    deadline = time.monotonic() + 5
+    while gone() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gone() is None and passes.threads[0].is_alive()
 
 
 def test_a_pass_that_hangs_holds_its_own_thread_and_the_next_pass_gets_another_that_ends_idle() -> None:

@@ -134,4 +134,4 @@ def test_a_waiting_worker_holds_nothing_of_the_connection_it_served_last(
     del model
     client.sendall(b"x")
     assert wait_until(lambda: turns.connections == 0)
-    assert wait_until(lambda: gone() is None, 2) and turns.workers == SPARE_WORKERS
+    assert wait_until(lambda: gone() is None) and turns.workers == SPARE_WORKERS
