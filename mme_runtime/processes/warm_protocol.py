@@ -37,9 +37,8 @@ def send(sock: socket.socket, payload: dict[str, Any], fds: list[int] | None = N
 
 def receive(sock: socket.socket, with_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
     """One framed JSON message (and up to ``with_fds`` descriptors); None when the peer closed. Its
-    keys and string values are interned: the warm process and the hosts keep a message or two for
-    every model, and every stub sends the same environment (10 KiB a model held once per model, a
-    high-water mark the heap keeps at thousands of models: issue #37)."""
+    keys are interned, one copy of each name however many models' messages a process keeps (the
+    environment's names too: a bounded set, where an interned string may live for good)."""
     fds: list[int] = []
     ancillary = socket.CMSG_SPACE(with_fds * _INT_SIZE) if with_fds else 0
     header, ancdata, _, _ = sock.recvmsg(HEADER.size, ancillary)
@@ -65,20 +64,11 @@ def receive(sock: socket.socket, with_fds: int = 0) -> tuple[dict[str, Any] | No
     return _DECODER.decode(body.decode()), fds
 
 
-def _interned(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    return {sys.intern(key): _intern(value) for key, value in pairs}
+def _interned_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    return {sys.intern(key): value for key, value in pairs}
 
 
-def _intern(value: Any) -> Any:
-    """A string interned, and the strings of a list (a command line); anything else as it is."""
-    if type(value) is str:
-        return sys.intern(value)
-    if type(value) is list:
-        return [sys.intern(item) if type(item) is str else item for item in value]
-    return value
-
-
-_DECODER = json.JSONDecoder(object_pairs_hook=_interned)  # one for every message
+_DECODER = json.JSONDecoder(object_pairs_hook=_interned_keys)  # one for every message
 
 
 def listen_for_models(path: str) -> socket.socket:

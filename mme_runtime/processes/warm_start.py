@@ -66,6 +66,7 @@ class WarmProcess:
         self.deaths = failures.Deaths()  # loaders: a signal that kills one is logged with its model
         self._stopping = False
         self._trimmed_at = 0.0  # monotonic
+        self._environment: dict[str, str] = {}  # the last stub's, whose values the next one shares
 
     def serve_forever(self) -> None:
         signal.signal(signal.SIGTERM, self._on_stop)
@@ -102,6 +103,8 @@ class WarmProcess:
             connection.close()
             return
         connection.settimeout(None)
+        if request is not None and isinstance(request.get("env"), dict):
+            self._environment = request["env"] = _shared(request["env"], self._environment)
         spec = None if request is None else _spec(request["argv"])
         if request is None or spec is None or len(fds) != STDIO_FDS:
             for fd in fds:
@@ -196,6 +199,18 @@ def _model_dir(argv: list[str]) -> Path | None:
     if "--model-path" not in argv:
         return None
     return Path(argv[argv.index("--model-path") + 1])
+
+
+def _shared(environment: dict[str, str], previous: dict[str, str]) -> dict[str, str]:
+    """``environment`` with the values it shares with ``previous`` (the last stub's) taken from
+    there. Every stub sends the same environment, which the warm process keeps for each model's
+    hosts: one copy of each value for all of them (about 10 KiB a model otherwise, and a high-water
+    mark the heap keeps after they go: issue #37). A value lives no longer than the models that
+    have it (an interned one may live for good)."""
+    return {
+        name: known if (known := previous.get(name)) == value else value
+        for name, value in environment.items()
+    }
 
 
 def main() -> int:

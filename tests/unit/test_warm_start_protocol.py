@@ -1,5 +1,5 @@
 """The warm-start wire format: framed JSON with file descriptors passed alongside (SCM_RIGHTS); the one socket where
-the frontend connects for every model."""
+the frontend connects for every model; what the warm process keeps of each stub's message."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from mme_runtime.processes.warm_protocol import (
     receive,
     send,
 )
+from mme_runtime.processes.warm_start import _shared
 
 
 def test_message_and_descriptors_arrive_together() -> None:
@@ -36,12 +37,10 @@ def test_message_and_descriptors_arrive_together() -> None:
         right.close()
 
 
-def test_messages_share_their_strings() -> None:
-    """Every stub sends the same environment, and the warm process keeps each model's: received twice, its strings
-    are held once (the names and values are made at run time, as a decoder makes them)."""
+def test_messages_share_their_names() -> None:
+    """The warm process and the hosts keep a message or more for every model: each key is held once."""
     left, right = socket.socketpair()
-    value = "".join(["/opt/", "conda/bin"])
-    stub = {"argv": ["worker", "--handler", "handler_service"], "env": {"PATH": value, "LANG": "C.UTF-8"}, "pid": 7}
+    stub = {"argv": ["worker", "--handler", "handler_service"], "env": {"PATH": "/opt/conda/bin"}, "pid": 7}
     try:
         send(left, stub)
         send(left, stub)
@@ -52,10 +51,19 @@ def test_messages_share_their_strings() -> None:
         right.close()
     assert first == second == stub
     assert first is not None and second is not None
-    assert first["env"]["PATH"] is second["env"]["PATH"]
+    assert all(a is b for a, b in zip(first, second, strict=True))
     assert next(iter(first["env"])) is next(iter(second["env"]))
-    assert all(a is b for a, b in zip(first["argv"], second["argv"], strict=True))
-    assert first["env"] is not second["env"]  # each model's own mapping, which it may change
+
+
+def test_the_warm_process_keeps_one_copy_of_what_every_stub_s_environment_holds() -> None:
+    # Every stub sends the same environment, kept for each model's hosts: about 10 KiB a model (issue #37). Values
+    # are shared with the last stub's, never interned (an interned string may live for good: Python 3.12).
+    previous = {"PATH": "".join(["/opt/", "conda/bin"]), "LANG": "C.UTF-8", "GONE": "x"}
+    environment = {"PATH": "".join(["/opt/", "conda/bin"]), "LANG": "".join(["en_", "US"]), "NEW": "y"}
+    shared = _shared(environment, previous)
+    assert shared == environment
+    assert shared["PATH"] is previous["PATH"] and environment["PATH"] is not previous["PATH"]
+    assert shared["LANG"] is environment["LANG"] and shared["NEW"] is environment["NEW"]
 
 
 def test_a_closed_peer_reads_as_none() -> None:
