@@ -50,6 +50,7 @@ DIRECTORY_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 # Held while a hosted model's values are made: the value class prometheus_client uses is
 # process-wide.
 _MAKING_VALUES = threading.Lock()
+_MAKING_FAMILIES = threading.Lock()  # held while a model's family made at its first pass is made
 
 # prometheus_client makes each value file 64 KiB at once, and the pages mapped with its first value
 # stay resident: 192 KiB for each model of a device host (three files), where one model's values
@@ -84,7 +85,7 @@ class MappedFile(mmap_dict.MmapedDict):
         """Where ``key``'s value is in the file (added if new) and the value there. The caller keeps
         the place and writes there (``write_at``); the key (about 200 bytes: the metric's help text
         is in each), dozens a model, is in the file only. Each key's value is made once per file
-        (``Series.child``)."""
+        (``Series.child``): one made again would be a second entry of the key, counted twice."""
         value, timestamp = self.read_value(key)  # type: ignore[no-untyped-call]
         return self._positions.pop(key), value, timestamp
 
@@ -336,16 +337,19 @@ class Series:
         return made
 
     def batch_size_histogram(self, batch_size: int) -> Any:
-        """The model's passes by size, bucketed for its ``batch_size`` (known at its first pass)."""
-        family = Histogram(
-            "mme_batch_size",
-            "Requests per forward pass.",
-            ["model"],
-            buckets=batch_size_buckets(batch_size),
-            registry=None,
-        )
-        self.answers.batch_sizes = made = self.child(family, self.model)
-        return made
+        """The model's passes by size, bucketed for its ``batch_size`` (known at its first pass):
+        made once, whichever of its dispatchers' first passes asks first."""
+        with _MAKING_FAMILIES:
+            if self.answers.batch_sizes is None:
+                family = Histogram(
+                    "mme_batch_size",
+                    "Requests per forward pass.",
+                    ["model"],
+                    buckets=batch_size_buckets(batch_size),
+                    registry=None,
+                )
+                self.answers.batch_sizes = self.child(family, self.model)
+        return self.answers.batch_sizes
 
     def child(self, family: Any, *labels: Any) -> Any:
         """``family.labels(*labels)``, its values made in this series' directory."""

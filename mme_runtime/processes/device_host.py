@@ -121,7 +121,9 @@ class DeviceHost:
                 logger.exception(
                     "device host pid=%d: message %s not handled", os.getpid(), message.get("op")
                 )
-        for unloading in list(self.unloading.values()):
+        with self._unloading_lock:
+            unloadings = list(self.unloading.values())
+        for unloading in unloadings:
             # a private host's last model, say: its UNLOAD counted
             unloading.join(2 * UNLOAD_SECONDS)  # its messages' wait, then the rest
         logger.info("device host pid=%d: the warm process let go, stopping", os.getpid())
@@ -197,6 +199,7 @@ class DeviceHost:
             # what the old model holds under this name, its metrics directory included, goes
             # before the new one takes it
             model.after.join(self.config.response_timeout_seconds)
+            model.after = None
         with self._directories:  # that UNLOAD, if still running, leaves the directory to this one
             model.series = metrics.start_hosted(self.config, spec.name, restart)
         metrics.bind(model.series)

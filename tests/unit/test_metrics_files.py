@@ -324,7 +324,8 @@ def test_a_hosted_model_s_files_grow_from_a_page_and_go_with_it(config: Config, 
             metrics.bind(series)
             metrics.record_requests(lambda requests=requests: [200] * requests, 0.01)  # type: ignore[misc]
             metrics.record_pass([0.001] * requests, 0.005, batch_size=64)  # 64 buckets: its file has to grow
-            metrics.record_requests(lambda: [200], 0.01)  # a value made before the growth, written after it
+            # the request histogram's values were made before the batch sizes' grew their file: written after it
+            metrics.record_requests(lambda: [200], 0.01)
             # Each value keeps its place in its file, not its key (about 200 bytes, dozens a model).
             assert all(not opened._positions for opened in series._files._files.values())  # type: ignore[union-attr]
             metrics.bind(None)
@@ -348,6 +349,8 @@ def test_a_hosted_model_s_files_grow_from_a_page_and_go_with_it(config: Config, 
     in_child(host)
     samples = scrape(exporter())
     assert value(samples, "mme_requests_total", model="wide", code="200") == 61
+    assert value(samples, "mme_request_duration_seconds_count", model="wide") == 61
+    assert value(samples, "mme_request_duration_seconds_bucket", model="wide", le="0.01") == 61
     assert value(samples, "mme_batch_size_bucket", model="wide", le="60.0") == 1
     assert value(samples, "mme_batch_size_bucket", model="wide", le="59.0") == 0
     assert value(samples, "mme_requests_total", model="small", code="200") is None
