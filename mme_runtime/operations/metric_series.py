@@ -50,7 +50,7 @@ DIRECTORY_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 # Held while a hosted model's values are made: the value class prometheus_client uses is
 # process-wide.
 _MAKING_VALUES = threading.Lock()
-_MAKING_FAMILIES = threading.Lock()  # held while a model's family made at its first pass is made
+_MAKING_FAMILIES = threading.Lock()  # a model's batch-size family, made once at its first pass
 
 # prometheus_client makes each value file 64 KiB at once, and the pages mapped with its first value
 # stay resident: 192 KiB for each model of a device host (three files), where one model's values

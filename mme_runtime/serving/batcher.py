@@ -377,6 +377,7 @@ class Batcher:
             del batch
 
     def _pass(self, batch: list[Job]) -> None:
+        """One batch: its pass run, its jobs answered, its waits and time counted."""
         started = time.monotonic()
         try:
             # timed from when the pass started (a GPU's pass threads may hold it back a moment)
