@@ -78,7 +78,10 @@ def test_a_load_past_the_timeout_succeeds_while_loaded_models_answer_at_once(ser
         loads[name] = post_load(server, name)
 
     def registered() -> bool:
-        return all(server.describe(name).status_code == 200 for name in ("slow", "slow-own"))
+        # Known, and given its worker: in between, MMS answers an INVOKE 503 "No worker is available" (three times in
+        # fresh-clone runs of the whole suite, where the worker came a moment later).
+        descriptions = [server.describe(name) for name in ("slow", "slow-own")]
+        return all(described.status_code == 200 and described.json().get("workers") for described in descriptions)
 
     def invoke_while_loading() -> None:
         # MMS holds it until the LOAD ends (for good, if the LOAD fails): the client gives up soon after.
@@ -123,7 +126,7 @@ def test_a_load_past_the_timeout_succeeds_while_loaded_models_answer_at_once(ser
         response = server.invoke(name, "x", content_type="text/plain")
         assert response.status_code == 200 and response.json() == {"model": name}
     waiting.join(30)
-    # It answered 503 twice in fresh-clone runs of the whole suite, never alone: what MMS said, and when, is kept.
+    # What MMS said, and when, is kept.
     assert early_invoke.get("slow", (None,))[0] == 200, early_invoke
 
     all_latencies = sorted(seconds for series in latencies.values() for seconds in series)
