@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from serving import wait_until
 
 from mme_runtime.base.errors import InvalidInput
 from mme_runtime.processes.crash_board import CrashBoard
@@ -256,10 +257,7 @@ def test_an_idle_dispatcher_holds_nothing_of_the_requests_it_answered() -> None:
     assert torch.equal(answered.result, torch.full((1, 2), 2.0))
     gone = weakref.ref(answered)
     del answered
-    deadline = time.monotonic() + 5
-    while gone() is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert gone() is None and batcher.threads[0].is_alive()
+    assert wait_until(lambda: gone() is None, 5, 0.01) and batcher.threads[0].is_alive()
     batcher.close()
 
 
@@ -468,10 +466,7 @@ def test_a_waiting_pass_thread_holds_nothing_of_the_pass_it_ran_last() -> None:
     gone = weakref.ref(model)
     assert passes.run(functools.partial(lambda model: 42, model), None) == 42
     del model
-    deadline = time.monotonic() + 5
-    while gone() is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert gone() is None and passes.threads[0].is_alive()
+    assert wait_until(lambda: gone() is None, 5, 0.01) and passes.threads[0].is_alive()
 
 
 def test_a_pass_that_hangs_holds_its_own_thread_and_the_next_pass_gets_another_that_ends_idle() -> None:
