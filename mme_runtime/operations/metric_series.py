@@ -50,7 +50,7 @@ DIRECTORY_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 # Held while a hosted model's values are made: the value class prometheus_client uses is
 # process-wide.
 _MAKING_VALUES = threading.Lock()
-_MAKING_FAMILIES = threading.Lock()  # a model's batch-size family, made once at its first pass
+_MAKING_BATCH_SIZES = threading.Lock()  # a model's batch-size values, made once at its first pass
 
 # prometheus_client makes each value file 64 KiB at once, and the pages mapped with its first value
 # stay resident: 192 KiB for each model of a device host (three files), where one model's values
@@ -209,9 +209,115 @@ def batch_size_buckets(batch_size: int) -> list[float]:
     return [float(size) for size in sorted(sizes | {batch_size})]
 
 
+@functools.cache
+def _batch_size_family(batch_size: int) -> Histogram:
+    """The batch-size family of the models of one ``batch_size``: its buckets are theirs."""
+    return Histogram(
+        "mme_batch_size",
+        "Requests per forward pass.",
+        ["model"],
+        buckets=batch_size_buckets(batch_size),
+        registry=None,
+    )
+
+
 class Series:
-    """One model's metric objects (or the container's, with no model). ``hosted``: a device host's
-    model, whose values go to ``directory`` while the process's own go to the process's."""
+    """One model's metric values (or the container's, with no model). ``hosted``: a device host's
+    model, whose values go to ``directory`` while the process's own go to the process's.
+
+    The families are made once per process and shared by every series as templates: a series keeps
+    the values it made from them (``child``), and no family keeps any, so a model's metrics cost
+    its values alone (about 7.6 KiB a model less than a set of families each)."""
+
+    # registry=None: the exporter reads the files; nothing in a model process exposes a registry.
+    requests = Counter(
+        "mme_requests",
+        "Requests answered by the model, by HTTP status code.",
+        ["model", "code"],
+        registry=None,
+    )
+    request_seconds = Histogram(
+        "mme_request_duration_seconds",
+        "Time in the model's backend from a request's arrival to its answer.",
+        ["model"],
+        buckets=LATENCY_BUCKETS,
+        registry=None,
+    )
+    queue_seconds = Histogram(
+        "mme_queue_duration_seconds",
+        "Time a decoded request waited for its forward pass.",
+        ["model"],
+        buckets=LATENCY_BUCKETS,
+        registry=None,
+    )
+    predict_seconds = Histogram(
+        "mme_predict_duration_seconds",
+        "Time of one forward pass (predict_fn on a batch, or transform_fn), per pass.",
+        ["model"],
+        buckets=LATENCY_BUCKETS,
+        registry=None,
+    )
+    restarts = Counter(
+        "mme_model_restarts",
+        "Times the model was loaded again after the device host that served it ended (a crash, "
+        "an OOM kill).",
+        ["model"],
+        registry=None,
+    )
+    # The same count under the name of the design before device hosts: kept for one release
+    # (docs/metrics.md).
+    executor_restarts = Counter(
+        "mme_executor_restarts",
+        "Deprecated: mme_model_restarts_total.",
+        ["model"],
+        registry=None,
+    )
+    # livesum: the exporter leaves out the files of processes that ended, so a dead host's memory
+    # goes.
+    gpu_memory = Gauge(
+        "mme_model_gpu_memory_bytes",
+        "GPU memory the model's own tensors take on each card (the host's pool and CUDA context "
+        "not included).",
+        ["model", "gpu"],
+        multiprocess_mode="livesum",
+        registry=None,
+    )
+    # livemax: on GPUs each card's host loads the model; the slowest is when it was ready
+    # everywhere.
+    load_seconds = Gauge(
+        "mme_model_load_seconds",
+        "Seconds the model's LOAD took, from its start in the warm process to the model ready on "
+        "its device.",
+        ["model"],
+        multiprocess_mode="livemax",
+        registry=None,
+    )
+    loads = Histogram(
+        "mme_model_load_duration_seconds",
+        "LOADs that reached the warm process, from their start to the first answer, by outcome.",
+        ["outcome"],
+        buckets=LOAD_BUCKETS,
+        registry=None,
+    )
+    unloads = Histogram(
+        "mme_model_unload_duration_seconds",
+        "UNLOADs of loaded models, from the stop request to the model let go of, by outcome.",
+        ["outcome"],
+        buckets=LOAD_BUCKETS,
+        registry=None,
+    )
+    quarantines = Counter(
+        "mme_model_quarantines",
+        "Models moved out of their shared device host to one of their own after crashing it twice.",
+        ["model"],
+        registry=None,
+    )
+    cache_lookups = Counter(
+        "mme_cache_lookups",
+        "Cache lookups, by cache and result (hit or miss).",
+        ["cache", "result"],
+        registry=None,
+    )
 
     def __init__(self, model: str | None, directory: Path, hosted: bool = False) -> None:
         self.model = model
@@ -223,98 +329,6 @@ class Series:
         # a hosted model's own tensors on its GPU (not the process's pool)
         self.device_bytes: int | None = None
         self.gpu: str | None = None  # the host's card, once it reports its GPU memory
-        # registry=None: the exporter reads the files; nothing in a model process exposes a
-        # registry.
-        self.requests = Counter(
-            "mme_requests",
-            "Requests answered by the model, by HTTP status code.",
-            ["model", "code"],
-            registry=None,
-        )
-        self.request_seconds = Histogram(
-            "mme_request_duration_seconds",
-            "Time in the model's backend from a request's arrival to its answer.",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=None,
-        )
-        self.queue_seconds = Histogram(
-            "mme_queue_duration_seconds",
-            "Time a decoded request waited for its forward pass.",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=None,
-        )
-        self.predict_seconds = Histogram(
-            "mme_predict_duration_seconds",
-            "Time of one forward pass (predict_fn on a batch, or transform_fn), per pass.",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=None,
-        )
-        self.restarts = Counter(
-            "mme_model_restarts",
-            "Times the model was loaded again after the device host that served it ended (a crash, "
-            "an OOM kill).",
-            ["model"],
-            registry=None,
-        )
-        # The same count under the name of the design before device hosts: kept for one release
-        # (docs/metrics.md).
-        self.executor_restarts = Counter(
-            "mme_executor_restarts",
-            "Deprecated: mme_model_restarts_total.",
-            ["model"],
-            registry=None,
-        )
-        # livesum: the exporter leaves out the files of processes that ended, so a dead host's
-        # memory goes.
-        self.gpu_memory = Gauge(
-            "mme_model_gpu_memory_bytes",
-            "GPU memory the model's own tensors take on each card (the host's pool and CUDA "
-            "context not included).",
-            ["model", "gpu"],
-            multiprocess_mode="livesum",
-            registry=None,
-        )
-        # livemax: on GPUs each card's host loads the model; the slowest is when it was ready
-        # everywhere.
-        self.load_seconds = Gauge(
-            "mme_model_load_seconds",
-            "Seconds the model's LOAD took, from its start in the warm process to the model ready "
-            "on its device.",
-            ["model"],
-            multiprocess_mode="livemax",
-            registry=None,
-        )
-        self.loads = Histogram(
-            "mme_model_load_duration_seconds",
-            "LOADs that reached the warm process, from their start to the first answer, by "
-            "outcome.",
-            ["outcome"],
-            buckets=LOAD_BUCKETS,
-            registry=None,
-        )
-        self.unloads = Histogram(
-            "mme_model_unload_duration_seconds",
-            "UNLOADs of loaded models, from the stop request to the model let go of, by outcome.",
-            ["outcome"],
-            buckets=LOAD_BUCKETS,
-            registry=None,
-        )
-        self.quarantines = Counter(
-            "mme_model_quarantines",
-            "Models moved out of their shared device host to one of their own after crashing it "
-            "twice.",
-            ["model"],
-            registry=None,
-        )
-        self.cache_lookups = Counter(
-            "mme_cache_lookups",
-            "Cache lookups, by cache and result (hit or miss).",
-            ["cache", "result"],
-            registry=None,
-        )
         if model is not None:
             for restarts in (self.restarts, self.executor_restarts):
                 # 0 from the start, not after the first restart
@@ -339,15 +353,9 @@ class Series:
     def batch_size_histogram(self, batch_size: int) -> Any:
         """The model's passes by size, bucketed for its ``batch_size`` (known at its first pass):
         made once, whichever of its dispatchers' first passes asks first."""
-        with _MAKING_FAMILIES:
+        with _MAKING_BATCH_SIZES:
             if self.answers.batch_sizes is None:
-                family = Histogram(
-                    "mme_batch_size",
-                    "Requests per forward pass.",
-                    ["model"],
-                    buckets=batch_size_buckets(batch_size),
-                    registry=None,
-                )
+                family = _batch_size_family(batch_size)
                 self.answers.batch_sizes = self.child(family, self.model)
         return self.answers.batch_sizes
 
@@ -360,6 +368,10 @@ class Series:
                 raise RuntimeError(f"the metrics of {self.model} are closed")
             with self._making_values():
                 made = self._children[key] = family.labels(*labels)
+                # The family is a template shared by every series: it keeps no value (its public
+                # remove warns in multiprocess mode).
+                with family._lock:
+                    family._metrics.pop(tuple(str(label) for label in labels), None)
         return made
 
     def close(self) -> None:

@@ -386,3 +386,49 @@ def test_closed_series_files_open_no_file_again(tmp_path: Path) -> None:
     files.close()
     with files.lock, pytest.raises(RuntimeError, match="closed"):
         files.file("counter")
+
+
+def test_a_model_loaded_again_under_its_name_counts_anew_in_its_own_files(config: Config, exporter: Exporter) -> None:
+    # The families are templates every series of a process shares: the values a series made stay its own, so a model
+    # loaded again under its name (same host) gets new values, not the closed ones of its last LOAD.
+    def host() -> None:
+        metrics.start_container(config)
+        for requests in (3, 1):
+            series = metrics.start_hosted(config, "again")
+            assert series is not None
+            metrics.bind(series)
+            metrics.record_requests(lambda requests=requests: [200] * requests, 0.01)  # type: ignore[misc]
+            metrics.record_pass([0.001] * requests, 0.005, batch_size=4)
+            metrics.bind(None)
+            if requests == 3:
+                series.close()
+                metrics.stop_hosted(config, series)
+        families = [family for family in vars(metric_series.Series).values() if hasattr(family, "_metrics")]
+        families.append(metric_series._batch_size_family(4))
+        assert len(families) == 13 and not any(family._metrics for family in families)
+
+    in_child(host)
+    samples = scrape(exporter())
+    assert value(samples, "mme_requests_total", model="again", code="200") == 1
+    assert value(samples, "mme_batch_size_bucket", model="again", le="1.0") == 1
+
+
+def test_a_hosted_model_s_series_costs_its_values_alone(tmp_path: Path) -> None:
+    # A set of families a model (12, about 7.6 KiB) was most of what its metrics cost before it answered: at thousands
+    # of models, memory a host's heap keeps after they go (issue #37).
+    import tracemalloc
+
+    (tmp_path / "warm").mkdir()
+    metric_series.Series("warm", tmp_path / "warm", hosted=True)
+    for index in range(20):
+        (tmp_path / f"m{index}").mkdir()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        made = [metric_series.Series(f"m{index}", tmp_path / f"m{index}", hosted=True) for index in range(20)]
+        each = (tracemalloc.get_traced_memory()[0] - before) / len(made)
+    finally:
+        tracemalloc.stop()
+    for series in made:
+        series.close()
+    assert each < 4096, each  # its two restart counters (0 from the start) and its files
