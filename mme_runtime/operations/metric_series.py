@@ -169,9 +169,9 @@ class HostedMetric:
         kind, name, label_names = family._type, family._name, list(family._labelnames)
         # (sample, its label names, its label values), as prometheus_client names them
         samples = [(f"{name}_total" if kind == "counter" else name, label_names, list(labels))]
-        self._bounds: tuple[float, ...] = ()
+        self._bounds: list[float] = []
         if kind == "histogram":
-            self._bounds = tuple(family._upper_bounds)
+            self._bounds = family._upper_bounds  # the family's, never changed
             samples = [(f"{name}_sum", label_names, list(labels))] + [
                 (f"{name}_bucket", [*label_names, "le"], [*labels, floatToGoString(bound)])
                 for bound in self._bounds
@@ -322,7 +322,7 @@ class Series:
         # a hosted model's files (None: the process's own series, written to its directory)
         self._files = SeriesFiles(directory) if hosted else None
         self._closed = False
-        self._children: dict[tuple[int, tuple[Any, ...]], Any] = {}
+        self._children: dict[tuple[Any, tuple[Any, ...]], Any] = {}
         # a hosted model's own tensors on its GPU (not the process's pool)
         self.device_bytes: int | None = None
         self.gpu: str | None = None  # the host's card, once it reports its GPU memory
@@ -359,7 +359,7 @@ class Series:
     def child(self, family: Any, *labels: Any) -> Any:
         """The metric of ``family`` with ``labels``: a hosted model's ``HostedMetric``, or the
         process's own prometheus_client child, made once."""
-        key = (id(family), labels)
+        key = (family, labels)
         made = self._children.get(key)
         if made is None:
             with _MAKING_VALUES:

@@ -242,10 +242,10 @@ class DeviceHost:
             waiting, model.waiting = model.waiting, []
         for connection, assignment in waiting:
             self._connect(model, connection, assignment)
-        # What loading freed back to the system, once the LOAD is answered (a new host's first trim
-        # takes 7 ms): after its first large free glibc raises its mmap threshold, and the temporary
-        # buffers of every later load would stay as free heap (about 3x the model) until an UNLOAD.
+        # What loading freed goes back once the LOAD is answered (7 ms): after its first large free
+        # glibc raises its mmap threshold, and later loads' buffers would stay as free heap.
         release_memory(None)
+        model.loading = None  # done: an UNLOAD has nothing to wait for, and the thread goes
 
     def _our_handler(
         self, model: HostedModel, package: Package | None, batch_size: int

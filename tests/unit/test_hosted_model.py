@@ -100,3 +100,23 @@ def test_an_unload_that_is_done_leaves_nothing_of_itself_in_its_host(tmp_path: P
     finally:
         left.close()
         right.close()
+
+
+def test_a_load_that_is_done_leaves_no_thread_in_its_model(tmp_path: Path) -> None:
+    # A model kept its finished LOAD's thread (with its event, condition and lock, about 1.5 KiB) for as long as it was
+    # loaded: at thousands of models, heap that stays after they go (issue #37).
+    from serving import wait_until
+
+    left, right = socket.socketpair()
+    config = Config.from_env({"MME_RUNTIME_DIR": str(tmp_path), "MME_METRICS_PORT": "0"})
+    host = DeviceHost(left, config, None, CrashBoard())
+    spec = ModelSpec("a", str(tmp_path / "nothing-here"), "handler_service", str(tmp_path))
+    message = {"spec": vars(spec), "slot": 0, "started": time.time(), "batch_size": 1}
+    try:
+        host._dispatch({"op": "load", "model": "a", **message}, [])
+        model = host.models["a"]
+        assert wait_until(lambda: model.loading is None, timeout=10, interval=0.01)
+        assert model.failure is not None  # it had nothing to load: done all the same
+    finally:
+        left.close()
+        right.close()
