@@ -5,9 +5,9 @@ A process's own values go to its directory (``PROMETHEUS_MULTIPROC_DIR``, set on
 prometheus_client. A device host serves many models: each model's ``Series`` owns its files
 (``SeriesFiles``), and its metrics are ``HostedMetric``s, the places of their values in those files,
 written in prometheus_client's format. So each model's files land in its own directory and go with
-it on UNLOAD, a model's metrics cost about 150 bytes each, and nothing of a model is left for a full
-collection to find (prometheus_client's value class is a class per directory, a reference cycle
-per model).
+it on UNLOAD, a model's metrics cost 150 to 300 bytes each, and nothing of a model is left for a
+full collection to find (prometheus_client's value class is a class per directory, a reference
+cycle per model).
 """
 
 from __future__ import annotations
@@ -159,9 +159,9 @@ class SeriesFiles:
 class HostedMetric:
     """A hosted model's counter, gauge or histogram, made from its family (``Series.child``): the
     places of its values in the series' files, written as prometheus_client's multiprocess values
-    are (so the exporter reads them alike), under the files' lock. It keeps no value object: each
-    write adds to the value at its place. About 150 bytes, where prometheus_client's child and its
-    value objects took about 2 KiB (a histogram's 17 values each an object of its own)."""
+    are (so the exporter reads them alike), under the files' lock. It keeps no value object: a
+    write adds to (or sets) the value at its place. 150 to 300 bytes, where prometheus_client's
+    child and its value objects took about 2 KiB (a histogram's 17 values each an object)."""
 
     __slots__ = ("_files", "_file", "_places", "_bounds")
 
@@ -176,6 +176,9 @@ class HostedMetric:
                 (f"{name}_bucket", [*label_names, "le"], [*labels, floatToGoString(bound)])
                 for bound in self._bounds
             ]
+        if kind == "gauge" and "mostrecent" in family._multiprocess_mode:
+            # their values carry the time they were set, which ``set`` does not write
+            raise ValueError(f"{name}: a most-recent gauge is not served to hosted models")
         self._files = files
         with files.lock:
             self._file = files.file(
@@ -185,6 +188,8 @@ class HostedMetric:
             self._places = array.array("q", [self._file.place(key) for key in keys])
 
     def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError("a counter only goes up")  # as prometheus_client's
         with self._files.lock:
             self._file.add_at(self._places[0], amount)
 
@@ -193,10 +198,12 @@ class HostedMetric:
             self._file.write_at(self._places[0], float(value))
 
     def observe(self, amount: float) -> None:
-        """Adds ``amount`` to the sum and one to the first bucket whose bound it does not pass."""
+        """Adds ``amount`` to the sum and one to the first bucket whose bound it does not pass (none
+        for NaN, as prometheus_client's)."""
         with self._files.lock:
             self._file.add_at(self._places[0], amount)
-            self._file.add_at(self._places[1 + bisect.bisect_left(self._bounds, amount)], 1.0)
+            if amount == amount:
+                self._file.add_at(self._places[1 + bisect.bisect_left(self._bounds, amount)], 1.0)
 
 
 def batch_size_buckets(batch_size: int) -> list[float]:

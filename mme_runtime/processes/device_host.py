@@ -407,9 +407,9 @@ class DeviceHost:
     def _let_go(self, model: HostedModel) -> None:
         """Closes the model's connections, ends its batcher and drops every reference, then gives
         the memory back."""
-        if model.loading is not None:
-            # an UNLOAD during the load: what the load makes must not outlive the model
-            model.loading.join()
+        # an UNLOAD during the load waits for it (read once: the load drops its thread at its end)
+        if (loading := model.loading) is not None:
+            loading.join()
         with model.turns_ended:
             model.closing = True  # no message is answered from now on
         with model.lock:

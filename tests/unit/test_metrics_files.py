@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from mme_runtime.base.config import Config
@@ -258,7 +259,8 @@ class LiveServer:
     @staticmethod
     def _executor(model: str, count: int, recorded: Any, keep_alive: bool) -> None:
         metrics.record_requests(lambda: [200] * count, 0.01)
-        metrics._live().gpu_memory.labels(model, "0").set(1000)  # as watch_gpu_memory would, without CUDA
+        series = metrics._live()
+        series.child(series.gpu_memory, model, "0").set(1000)  # as watch_gpu_memory would, without CUDA
         recorded.set()
         if keep_alive:
             time.sleep(60)
@@ -448,3 +450,20 @@ def test_a_hosted_model_s_metrics_cost_their_values_places_alone(tmp_path: Path)
     for series in made:
         series.close()
     assert each < 10 * 1024, each  # 6.7 KiB on Python 3.11: its files, and 8 metrics of 1 to 17 values
+
+
+def test_a_hosted_metric_refuses_what_prometheus_client_refuses(tmp_path: Path) -> None:
+    series = metric_series.Series("m", tmp_path, hosted=True)
+    histogram = series.child(series.request_seconds, "m")
+    histogram.observe(float("nan"))  # in the sum, in no bucket: the count stays as prometheus_client keeps it
+    histogram.observe(0.002)
+    with pytest.raises(ValueError, match="only goes up"):
+        series.child(series.requests, "m", "200").inc(-1)
+    newest = Gauge("newest", "A gauge whose samples carry their time.", ["model"], multiprocess_mode="mostrecent")
+    with pytest.raises(ValueError, match="most-recent"):
+        series.child(newest, "m")
+    series.close()
+    files = [str(tmp_path / f"histogram_{os.getpid()}.db")]
+    samples = MultiProcessCollector._read_metrics(files)["mme_request_duration_seconds"].samples
+    buckets = {dict(sample.labels)["le"]: sample.value for sample in samples if sample.name.endswith("_bucket")}
+    assert buckets["0.0025"] == 1 and sum(buckets.values()) == 1
