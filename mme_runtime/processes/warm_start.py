@@ -205,8 +205,11 @@ def _shared(environment: dict[str, str], previous: dict[str, str]) -> dict[str, 
     """``environment`` with the values it shares with ``previous`` (the last stub's) taken from
     there. Every stub sends the same environment, which the warm process keeps for each model's
     hosts: one copy of each value for all of them (about 10 KiB a model otherwise, and a high-water
-    mark the heap keeps after they go: issue #37). Not interned: a value goes with the models that
-    have it, where an interned string may live for good (Python 3.12)."""
+    mark the heap keeps after they go: issue #37); an equal environment is the last one itself
+    (hosts only read it). Not interned: a value goes with the models that have it, where an
+    interned string may live for good (Python 3.12)."""
+    if environment == previous:
+        return previous
     return {
         name: known if (known := previous.get(name)) == value else value
         for name, value in environment.items()
