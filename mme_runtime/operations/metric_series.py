@@ -378,13 +378,14 @@ class Series:
     def _make(self, family: Any, labels: tuple[Any, ...]) -> Any:
         if self._closed:
             raise RuntimeError(f"the metrics of {self.model} are closed")
+        texts = tuple(str(label) for label in labels)  # as prometheus_client keys them
         if self._files is not None:
-            return HostedMetric(family, tuple(str(label) for label in labels), self._files)
+            return HostedMetric(family, texts, self._files)
         made = family.labels(*labels)
         # The family is a template every series shares: it keeps no value (its public remove
         # warns in multiprocess mode).
         with family._lock:
-            family._metrics.pop(tuple(str(label) for label in labels), None)
+            family._metrics.pop(texts, None)
         return made
 
     def close(self) -> None:
