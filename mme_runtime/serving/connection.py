@@ -30,6 +30,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from mms.context import Context
 from mms.protocol.otf_message_handler import LOAD_MSG, create_load_model_response, retrieve_msg
 from mms.service import emit_metrics
 
@@ -296,12 +297,37 @@ def _answer(loaded: LoadedModel, message: list[dict[str, Any]]) -> tuple[Any, by
     service = copy.copy(loaded.service)
     # Service keeps its context in ``_context`` (MMS 1.1.11, pinned); the copy shares
     # system_properties, not requests.
-    service._context = copy.copy(loaded.service.context)
+    service._context = WireContext.copy_of(loaded.service.context)
     response = service.predict(message)
     if service.context.metrics is not None and SERVICE_LOG.isEnabledFor(logging.INFO):
         # off in a device host
         emit_metrics(service.context.metrics.store)
     return service.context, bytes(response)
+
+
+class WireContext(Context):  # type: ignore[misc]
+    """MMS's context for one message, whose answers carry each request's Content-Type in the field
+    of MMS's wire format that holds it, and not also in the header map that follows.
+
+    MMS 1.1.11's frontend decodes a header map only when all of it has arrived
+    (``CodecUtils.readMap`` treats a map cut by the end of a read as corrupt): the worker
+    connection dies and each request of the message answers 500 "Worker died.". Its reads are
+    sized by the answers before, so a model whose small answers were followed by a large one with
+    a longer Content-Type met it, as did one answer in 16 sizes of an MMS batch. The frontend sets
+    the HTTP Content-Type from that field alone, so clients see the same headers."""
+
+    @staticmethod
+    def copy_of(context: Context) -> WireContext:
+        copied = WireContext.__new__(WireContext)
+        copied.__dict__.update(vars(context))
+        return copied
+
+    def get_response_content_type(self, idx: int) -> Any:
+        return super().get_response_headers(idx).get("content-type")
+
+    def get_response_headers(self, idx: int) -> dict[str, str]:
+        headers = super().get_response_headers(idx)
+        return {key: value for key, value in headers.items() if key != "content-type"}
 
 
 def _statuses(context: Any, response: bytes) -> list[int]:

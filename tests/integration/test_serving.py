@@ -269,3 +269,40 @@ def test_an_aws_style_input_fn_that_cannot_decode_answers_400(server: RunningSer
     response = server.invoke("state_dict", body, accept="application/json")
     assert response.status_code == 400, response.text
     assert f"input_fn raised {cause}" in response.json()["message"]
+
+
+SIZED_ANSWER_SCRIPT = """
+import json
+
+
+def model_fn(model_dir):
+    return None
+
+
+def input_fn(request_body, content_type):
+    return json.loads(request_body)
+
+
+def predict_fn(data, model):
+    return data
+
+
+def output_fn(prediction, accept):
+    return "x" * prediction["length"], accept
+"""
+
+
+def test_a_large_answer_after_many_small_ones_is_answered(server: RunningServer) -> None:
+    """MMS's frontend sizes its reads of a connection by the answers before, and treats a header map cut by the end of
+    a read as corrupt (the worker dies, 500 "Worker died."): each answer's Content-Type travels in its own field."""
+    model_factory.write_code(server.model_dir("sized"), SIZED_ANSWER_SCRIPT)
+    assert server.load("sized").status_code == 200
+    for _ in range(80):  # the frontend's next read shrinks to about the size of these
+        small = server.invoke("sized", json.dumps({"length": 1}), accept="text/csv")
+        assert small.status_code == 200, small.text
+        assert small.headers["Content-Type"] == "text/csv"
+    large = server.invoke("sized", json.dumps({"length": 3000}), accept="application/json")
+    assert large.status_code == 200, large.text
+    assert large.headers["Content-Type"] == "application/json"
+    assert large.text == "x" * 3000
+    assert server.unload("sized").status_code == 200
