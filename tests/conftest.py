@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -38,10 +39,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session", autouse=True)
 def mypy_beside_the_tests(request: pytest.FixtureRequest) -> Iterator[subprocess.Popen[str] | None]:
     """mypy from a cold cache takes about 13 s of one core: when the session runs its lint test, mypy starts with the
-    first test and runs beside the tests before that one, which waits for it (tests/unit/test_lint.py)."""
+    first test and runs beside the tests before that one, which waits for it (tests/unit/test_lint.py). Not in a
+    pytest-xdist worker: each collects every test, and only one runs the lint test, which runs mypy itself while the
+    other worker goes on."""
     command = [str(Path(sys.executable).parent / "mypy"), "mme_runtime"]
     wanted = any(item.nodeid.endswith("test_code_passes[mypy]") for item in request.session.items)
-    if not wanted or not Path(command[0]).exists():  # its test runs it, and fails, alone
+    in_a_worker = "PYTEST_XDIST_WORKER" in os.environ
+    if not wanted or in_a_worker or not Path(command[0]).exists():  # its test runs it, and fails, alone
         yield None
         return
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
