@@ -302,32 +302,59 @@ def _answer(loaded: LoadedModel, message: list[dict[str, Any]]) -> tuple[Any, by
     if service.context.metrics is not None and SERVICE_LOG.isEnabledFor(logging.INFO):
         # off in a device host
         emit_metrics(service.context.metrics.store)
-    return service.context, bytes(response)
+    return service.context, with_first_status_whole(bytes(response))
+
+
+# MMS 1.1.11's frontend decodes an answer as the pieces of its reads arrive, and two fields it reads
+# without checking that they have arrived: a request's header map and its 4-byte status. A piece
+# cut inside either is taken as a corrupt answer: the worker connection dies, and each request of
+# the message answers 500 "Worker died.". The pieces are sized by the answers before (netty's
+# adaptive buffer, a multiple of 16 bytes), so a model's large answer after many small ones met it
+# (docs/troubleshooting.md).
+READ_SIZE_MULTIPLE = 16
+OK_CODE = (200).to_bytes(4, "big")
 
 
 class WireContext(Context):  # type: ignore[misc]
     """MMS's context for one message, whose answers carry each request's Content-Type in the field
-    of MMS's wire format that holds it, and not also in the header map that follows.
-
-    MMS 1.1.11's frontend decodes a header map only when all of it has arrived
-    (``CodecUtils.readMap`` treats a map cut by the end of a read as corrupt): the worker
-    connection dies and each request of the message answers 500 "Worker died.". Its reads are
-    sized by the answers before, so a model whose small answers were followed by a large one with
-    a longer Content-Type met it, as did one answer in 16 sizes of an MMS batch. The frontend sets
-    the HTTP Content-Type from that field alone, so clients see the same headers."""
+    of MMS's wire format that holds it, and not also in the header map that follows (above). The
+    frontend sets the HTTP Content-Type from that field alone, so clients see the same headers."""
 
     @staticmethod
     def copy_of(context: Context) -> WireContext:
+        """A copy of the model's context for one message (``Service.predict`` sets its requests)."""
         copied = WireContext.__new__(WireContext)
         copied.__dict__.update(vars(context))
         return copied
 
     def get_response_content_type(self, idx: int) -> Any:
-        return super().get_response_headers(idx).get("content-type")
+        headers = super().get_response_headers(idx)
+        return next((v for k, v in headers.items() if k.lower() == "content-type"), None)
 
     def get_response_headers(self, idx: int) -> dict[str, str]:
         headers = super().get_response_headers(idx)
-        return {key: value for key, value in headers.items() if key != "content-type"}
+        return {key: value for key, value in headers.items() if key.lower() != "content-type"}
+
+
+def with_first_status_whole(answer: bytes) -> bytes:
+    """A 200 ``answer`` with its first request's status where no piece of a read can end inside it
+    (above): its leading message, which the frontend does not use in a 200, gets up to 4 spaces.
+    The status of a later request of an MMS batch stays where the answers before it put it."""
+    if answer[:4] != OK_CODE:
+        return answer
+    message_end = 8 + int.from_bytes(answer[4:8], "big")
+    if answer[message_end : message_end + 4] == b"\xff\xff\xff\xff":  # no request
+        return answer
+    content_type_at = message_end + 4 + int.from_bytes(answer[message_end : message_end + 4], "big")
+    status_at = (
+        content_type_at + 4 + int.from_bytes(answer[content_type_at : content_type_at + 4], "big")
+    )
+    # a piece ends at a multiple of 16: the 4 bytes must not start at one, nor run past one
+    padding = {0: 1, 13: 4, 14: 3, 15: 2}.get(status_at % READ_SIZE_MULTIPLE, 0)
+    if padding == 0:
+        return answer
+    message = answer[8:message_end] + b" " * padding
+    return OK_CODE + len(message).to_bytes(4, "big") + message + answer[message_end:]
 
 
 def _statuses(context: Any, response: bytes) -> list[int]:

@@ -292,17 +292,20 @@ def output_fn(prediction, accept):
 """
 
 
-def test_a_large_answer_after_many_small_ones_is_answered(server: RunningServer) -> None:
-    """MMS's frontend sizes its reads of a connection by the answers before, and treats a header map cut by the end of
-    a read as corrupt (the worker dies, 500 "Worker died."): each answer's Content-Type travels in its own field."""
+def test_a_large_answer_after_many_small_ones_is_answered_whatever_its_content_type(server: RunningServer) -> None:
+    """MMS's frontend reads an answer in pieces sized by the answers before (a multiple of 16 bytes), and takes a piece
+    cut inside a request's header map or status as a corrupt answer (the worker dies: 500 "Worker died."). Sixteen
+    Content-Type lengths in a row put the status at each place a piece can end."""
     model_factory.write_code(server.model_dir("sized"), SIZED_ANSWER_SCRIPT)
     assert server.load("sized").status_code == 200
-    for _ in range(80):  # the frontend's next read shrinks to about the size of these
-        small = server.invoke("sized", json.dumps({"length": 1}), accept="text/csv")
-        assert small.status_code == 200, small.text
-        assert small.headers["Content-Type"] == "text/csv"
-    large = server.invoke("sized", json.dumps({"length": 3000}), accept="application/json")
-    assert large.status_code == 200, large.text
-    assert large.headers["Content-Type"] == "application/json"
-    assert large.text == "x" * 3000
+    for length in range(36, 52):
+        for _ in range(80):  # the frontend's next read shrinks to about the size of these
+            small = server.invoke("sized", json.dumps({"length": 1}), accept="text/csv")
+            assert small.status_code == 200, small.text
+            assert small.headers["Content-Type"] == "text/csv"
+        content_type = "application/x-" + "a" * (length - len("application/x-"))
+        large = server.invoke("sized", json.dumps({"length": 3000}), accept=content_type)
+        assert large.status_code == 200, f"Content-Type of {length} characters: {large.text}"
+        assert large.headers["Content-Type"] == content_type
+        assert large.text == "x" * 3000
     assert server.unload("sized").status_code == 200
