@@ -37,7 +37,7 @@ def fake_podman(bin_dir: Path, failures: list[str]) -> Path:
     script = ["#!/bin/sh", f'n=$(cat "{calls}" 2>/dev/null || echo 0); echo $((n + 1)) > "{calls}"']
     for index, message in enumerate(failures):
         script.append(f'if [ "$n" = {index} ]; then echo "STEP 16/23: RUN"; echo "{message}" >&2; exit 1; fi')
-    script.append('echo "Successfully tagged $5"')
+    script.append('echo "COMMIT"')
     podman = bin_dir / "podman"
     podman.write_text("\n".join(script) + "\n")
     podman.chmod(0o755)
