@@ -10,8 +10,9 @@ TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8080
 PYTEST_ARGS ?=
 # The suite on this many pytest workers, each test file on one of them (its module's server with it); 0 runs it
-# in this process. Two fill the 2 cores of a CI machine: 5 minutes of tests instead of 8.5.
-PYTEST_WORKERS ?= 2
+# in this process. Two fill the 2 cores of a CI machine: 5 minutes of tests instead of 8.5. Where nvidia-smi lists
+# a GPU, 0: tests/gpu measure the card's memory, which another worker's tests would move.
+PYTEST_WORKERS ?= $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo 0 || echo 2)
 
 .PHONY: install serve test lint check-java test-image bench gpu-proof-kit clean
 
