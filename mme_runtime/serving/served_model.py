@@ -45,6 +45,7 @@ from mme_runtime.serving.batcher import (
     signature,
 )
 from mme_runtime.serving.content import (
+    StepError,
     error_response,
     http_status,
     is_client_error,
@@ -484,7 +485,13 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         response_type = request.accept
         if isinstance(result, tuple):
             result, response_type = result
-        request.body, request.content_type = to_bytes(result), str(response_type)
+        content_type = str(response_type)
+        if not (content_type.isascii() and content_type.isprintable()):
+            # an HTTP header holds printable ASCII; MMS would misframe the answer (its worker dies)
+            step = "transform_fn" if self._contract.answers_whole else "output_fn"
+            problem = f"returned the Content-Type {content_type!r}: not printable ASCII"
+            raise StepError(step, ValueError(problem))
+        request.body, request.content_type = to_bytes(result), content_type
 
 
 def _retry_in_halves(exc: BaseException) -> bool:

@@ -235,3 +235,25 @@ def test_an_unload_waits_on_the_model_only_where_no_other_model_holds_it(tmp_pat
     assert any(part is model for part in served.parts())
     assert not any(part is model for part in served.parts(owns_model=False))
     assert served in served.parts(owns_model=False)
+
+
+def test_a_content_type_that_is_not_printable_ascii_answers_500_naming_it(tmp_path: Path) -> None:
+    """MMS would misframe such an answer and drop the worker with every request on it: the request answers alone."""
+    model_dir = tmp_path / "m"
+    model_factory.write_code(
+        model_dir,
+        """
+        def model_fn(model_dir):
+            return None
+
+        def transform_fn(model, body, content_type, accept):
+            return "hello", "text/plain; charset=\\u00fc" if "bad" in str(body) else "text/plain"
+        """,
+    )
+    service = service_for(model_dir)
+    context = mms_context(model_dir, [{"Content-Type": "text/plain"}, {"Content-Type": "text/plain"}])
+    results = service.handle([{"body": b"bad"}, {"body": b"good"}], context)
+    assert [context.get_response_status(i)[0] for i in range(2)] == [500, 200]
+    error = json.loads(results[0])
+    assert "transform_fn" in error["message"] and "not printable ASCII" in error["message"]
+    assert results[1] == b"hello" and context.get_response_content_type(1) == "text/plain"
