@@ -26,6 +26,8 @@ KEEP_UNLOADED_MB = 2048
 KEEP_UNLOADED_SHARE = 16
 
 SAGEMAKER_CLOUDWATCH_SECONDS = 60
+# MMS 1.1.11's max_response_size where none is set
+MMS_MAX_RESPONSE_BYTES = 6553500
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,12 @@ class Config:
         """This process's environment plus the variables that carry this configuration to MMS's
         backends."""
         return {**os.environ, **self.to_env(), **(extra or {})}
+
+    @property
+    def max_response_bytes(self) -> int:
+        """The frontend's limit on an answer's body (``max_response_size``): MMS's default, or the
+        request limit where that is larger. MMS takes a larger answer for a corrupt one."""
+        return max(self.max_request_bytes, MMS_MAX_RESPONSE_BYTES)
 
     @property
     def warm_socket(self) -> Path:

@@ -219,7 +219,8 @@ SAGEMAKER: tuple[Setting, ...] = (
         integer(1),
         "6291456 (6 MiB)",
         "Largest request body in bytes (`max_request_size`); `SAGEMAKER_MAX_PAYLOAD_IN_MB` is "
-        "accepted too.",
+        "accepted too. An answer's body may be this large, or 6553500 bytes (MMS's "
+        "`max_response_size`) where that is larger; a larger one answers 500, naming the limit.",
     ),
     Setting(
         "SAGEMAKER_MODEL_SERVER_VMARGS",

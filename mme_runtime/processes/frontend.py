@@ -101,7 +101,7 @@ def mms_properties(config: Config, mme: dict[str, str], workers_per_model: int) 
             # MMS's own check, with an empty 413, only stops bodies twice as large from being
             # buffered at all.
             "max_request_size": str(2 * config.max_request_bytes),
-            "max_response_size": str(max(config.max_request_bytes, 6553500)),
+            "max_response_size": str(config.max_response_bytes),
             # Our backend preloads by itself (MME_PRELOAD_MODEL_GPU); the stock flag stays off.
             "preload_model": "false",
         }

@@ -445,6 +445,22 @@ def read_request(
     return payload, content_type, accept
 
 
+def check_answer(step: str, body: bytes, content_type: str, max_response_bytes: int) -> None:
+    """Refuses an answer MMS's frontend would take for a corrupt one, dropping the worker with
+    every request of its message (docs/troubleshooting.md): a Content-Type that is not printable
+    ASCII (MMS's encoder counts its characters, then writes its UTF-8 bytes), or a body over the
+    frontend's limit. ``step`` is the function that returned it."""
+    if not (content_type.isascii() and content_type.isprintable()):
+        problem = f"returned the Content-Type {content_type!r}: not printable ASCII"
+        raise StepError(step, ValueError(problem))
+    if len(body) > max_response_bytes:
+        problem = (
+            f"returned {len(body)} bytes, over the frontend's limit of {max_response_bytes} for "
+            "an answer (max_response_size: SAGEMAKER_MAX_REQUEST_SIZE, where that is larger)"
+        )
+        raise StepError(step, ValueError(problem))
+
+
 def to_bytes(result: Any) -> bytes:
     """What ``output_fn`` returned, as the answer's bytes (anything else JSON-encoded, or a 500
     naming the type)."""

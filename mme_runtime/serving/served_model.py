@@ -45,7 +45,7 @@ from mme_runtime.serving.batcher import (
     signature,
 )
 from mme_runtime.serving.content import (
-    StepError,
+    check_answer,
     error_response,
     http_status,
     is_client_error,
@@ -485,13 +485,9 @@ class ServedModel(ToolkitTransformer):  # type: ignore[misc]
         response_type = request.accept
         if isinstance(result, tuple):
             result, response_type = result
-        content_type = str(response_type)
-        if not (content_type.isascii() and content_type.isprintable()):
-            # an HTTP header holds printable ASCII; MMS would misframe the answer (its worker dies)
-            step = "transform_fn" if self._contract.answers_whole else "output_fn"
-            problem = f"returned the Content-Type {content_type!r}: not printable ASCII"
-            raise StepError(step, ValueError(problem))
-        request.body, request.content_type = to_bytes(result), content_type
+        request.body, request.content_type = to_bytes(result), str(response_type)
+        step = "transform_fn" if self._contract.answers_whole else "output_fn"
+        check_answer(step, request.body, request.content_type, self._config.max_response_bytes)
 
 
 def _retry_in_halves(exc: BaseException) -> bool:

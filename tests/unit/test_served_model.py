@@ -257,3 +257,29 @@ def test_a_content_type_that_is_not_printable_ascii_answers_500_naming_it(tmp_pa
     error = json.loads(results[0])
     assert "transform_fn" in error["message"] and "not printable ASCII" in error["message"]
     assert results[1] == b"hello" and context.get_response_content_type(1) == "text/plain"
+
+
+def test_an_answer_over_the_frontends_limit_answers_500_naming_the_limit(tmp_path: Path) -> None:
+    """MMS would take it for a corrupt answer and drop the worker with every request on it: it answers alone."""
+    model_dir = tmp_path / "m"
+    model_factory.write_code(
+        model_dir,
+        """
+        import json
+
+        def model_fn(model_dir):
+            return None
+
+        def transform_fn(model, body, content_type, accept):
+            return "x" * json.loads(body)["length"], "text/plain"
+        """,
+    )
+    service = service_for(model_dir)
+    limit = Config.from_env({}).max_response_bytes
+    context = mms_context(model_dir, [{"Content-Type": "application/json"}] * 2)
+    bodies = [json.dumps({"length": limit + 1}).encode(), json.dumps({"length": limit}).encode()]
+    results = service.handle([{"body": body} for body in bodies], context)
+    assert [context.get_response_status(i)[0] for i in range(2)] == [500, 200]
+    message = json.loads(results[0])["message"]
+    assert f"returned {limit + 1} bytes, over the frontend's limit of {limit}" in message
+    assert len(results[1]) == limit
