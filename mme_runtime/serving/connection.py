@@ -329,6 +329,8 @@ class WireContext(Context):  # type: ignore[misc]
 
     def get_response_content_type(self, idx: int) -> Any:
         headers = super().get_response_headers(idx)
+        if "content-type" in headers:  # where the answer's own is set (and checked)
+            return headers["content-type"]
         return next((v for k, v in headers.items() if k.lower() == "content-type"), None)
 
     def get_response_headers(self, idx: int) -> dict[str, str]:

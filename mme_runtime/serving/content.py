@@ -440,6 +440,9 @@ def read_request(
     content_type, accept = header("content-type"), header("accept")
     if accept is not None and accept.strip() in ("", ANY):
         accept = None
+    if accept is not None and not (accept.isascii() and accept.isprintable()):
+        # it becomes the answer's Content-Type when output_fn names none (check_answer)
+        raise UnsupportedAccept(f"Accept {accept!r} is not printable ASCII")
     if isinstance(payload, (bytes, bytearray)) and media_type(content_type) in TEXT_TYPES:
         payload = utf8_text(payload)
     return payload, content_type, accept
@@ -456,7 +459,7 @@ def check_answer(step: str, body: bytes, content_type: str, max_response_bytes: 
     if len(body) > max_response_bytes:
         problem = (
             f"returned {len(body)} bytes, over the frontend's limit of {max_response_bytes} for "
-            "an answer (max_response_size: SAGEMAKER_MAX_REQUEST_SIZE, where that is larger)"
+            "an answer (max_response_size; SAGEMAKER_MAX_REQUEST_SIZE raises it)"
         )
         raise StepError(step, ValueError(problem))
 

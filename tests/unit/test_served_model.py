@@ -283,3 +283,12 @@ def test_an_answer_over_the_frontends_limit_answers_500_naming_the_limit(tmp_pat
     message = json.loads(results[0])["message"]
     assert f"returned {limit + 1} bytes, over the frontend's limit of {limit}" in message
     assert len(results[1]) == limit
+
+
+def test_an_accept_that_is_not_printable_ascii_answers_406(tmp_path: Path) -> None:
+    """It would become the answer's Content-Type where output_fn names none: the client's error, not the model's."""
+    service = service_for(model_factory.torchscript_model(tmp_path / "m"))
+    context = mms_context(tmp_path / "m", [{"Content-Type": "application/json", "Accept": "text/\u00fc"}])
+    results = service.handle([{"body": b"[[1,2,3,4]]"}], context)
+    assert context.get_response_status(0)[0] == 406
+    assert "is not printable ASCII" in json.loads(results[0])["message"]

@@ -90,3 +90,13 @@ def test_the_first_status_never_starts_at_or_runs_past_a_multiple_of_16() -> Non
 def test_answers_other_than_200_are_left_as_they_are() -> None:
     frame = bytes(create_predict_response(None, {0: "a" * 36}, "Prediction failed", 503))
     assert with_first_status_whole(frame) == frame
+
+
+def test_the_answers_own_content_type_wins_over_a_header_user_code_set_in_other_letters() -> None:
+    context = WireContext.copy_of(Context("m", "/models/m", {}, 1, None, "1.1.11"))
+    context.request_ids = {0: "a" * 36}
+    context.request_processor = [RequestProcessor({})]
+    context.set_response_header(0, "Content-Type", "text/\u00fc")
+    context.set_response_content_type(0, "text/plain")
+    assert context.get_response_content_type(0) == "text/plain"
+    assert context.get_response_headers(0) == {}
