@@ -194,7 +194,7 @@ class GenerationRunner:
             records = [prompt.answer(sequence) for sequence in sequences]
             if cut:
                 warning = (
-                    f"cut after {self.limits.seconds:.0f} s, the time limit of one request: "
+                    f"cut after {self.limits.seconds:g} s, the time limit of one request: "
                     "answered what was generated"
                 )
                 records = [{**record, "warning": warning} for record in records]

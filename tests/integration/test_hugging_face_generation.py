@@ -27,7 +27,12 @@ MODELS = {
     "summarizer": ("t5", "task=summarization\nbatch_size=16\n", "summarize: ", "summary_text"),
     "rewriter": ("bart", "task=text2text-generation\nbatch_size=16\n", "", "generated_text"),
     "translator": ("marian", "task=translation\nbatch_size=16\n", "", "translation_text"),
-    "hasty": ("gpt2", "task=text-generation\nbatch_size=4\nmax_generation_seconds=0.3\nmax_new_tokens=400\n", None, ""),
+    "hasty": (
+        "gpt2",
+        "task=text-generation\nbatch_size=4\nmax_generation_seconds=0.05\nmax_new_tokens=400\n",
+        None,
+        "",
+    ),
 }
 GREEDY = {"do_sample": False, "num_beams": 1}
 
