@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import model_factory
 import numpy as np
@@ -237,22 +238,22 @@ def test_an_unload_waits_on_the_model_only_where_no_other_model_holds_it(tmp_pat
     assert served in served.parts(owns_model=False)
 
 
+def answers_of_one_message(tmp_path: Path, transform_fn: str, bodies: list[bytes]) -> tuple[list[Any], Context]:
+    """What a model whose script has ``transform_fn`` (source at column 0; ``json`` imported) answers to one MMS
+    message of ``bodies``, and the message's context (each request's status and Content-Type)."""
+    model_dir = tmp_path / "m"
+    model_factory.write_code(model_dir, "import json\n\ndef model_fn(model_dir):\n    return None\n\n" + transform_fn)
+    context = mms_context(model_dir, [{"Content-Type": "application/json"}] * len(bodies))
+    return service_for(model_dir).handle([{"body": body} for body in bodies], context), context
+
+
 def test_a_content_type_that_is_not_printable_ascii_answers_500_naming_it(tmp_path: Path) -> None:
     """MMS would misframe such an answer and drop the worker with every request on it: the request answers alone."""
-    model_dir = tmp_path / "m"
-    model_factory.write_code(
-        model_dir,
-        """
-        def model_fn(model_dir):
-            return None
-
-        def transform_fn(model, body, content_type, accept):
-            return "hello", "text/plain; charset=\\u00fc" if "bad" in str(body) else "text/plain"
-        """,
+    transform_fn = (
+        "def transform_fn(model, body, content_type, accept):\n"
+        '    return "hello", "text/plain; charset=\\u00fc" if "bad" in str(body) else "text/plain"\n'
     )
-    service = service_for(model_dir)
-    context = mms_context(model_dir, [{"Content-Type": "text/plain"}, {"Content-Type": "text/plain"}])
-    results = service.handle([{"body": b"bad"}, {"body": b"good"}], context)
+    results, context = answers_of_one_message(tmp_path, transform_fn, [b"bad", b"good"])
     assert [context.get_response_status(i)[0] for i in range(2)] == [500, 200]
     error = json.loads(results[0])
     assert "transform_fn" in error["message"] and "not printable ASCII" in error["message"]
@@ -261,24 +262,13 @@ def test_a_content_type_that_is_not_printable_ascii_answers_500_naming_it(tmp_pa
 
 def test_an_answer_over_the_frontends_limit_answers_500_naming_the_limit(tmp_path: Path) -> None:
     """MMS would take it for a corrupt answer and drop the worker with every request on it: it answers alone."""
-    model_dir = tmp_path / "m"
-    model_factory.write_code(
-        model_dir,
-        """
-        import json
-
-        def model_fn(model_dir):
-            return None
-
-        def transform_fn(model, body, content_type, accept):
-            return "x" * json.loads(body)["length"], "text/plain"
-        """,
+    transform_fn = (
+        "def transform_fn(model, body, content_type, accept):\n"
+        '    return "x" * json.loads(body)["length"], "text/plain"\n'
     )
-    service = service_for(model_dir)
     limit = Config.from_env({}).max_response_bytes
-    context = mms_context(model_dir, [{"Content-Type": "application/json"}] * 2)
     bodies = [json.dumps({"length": limit + 1}).encode(), json.dumps({"length": limit}).encode()]
-    results = service.handle([{"body": body} for body in bodies], context)
+    results, context = answers_of_one_message(tmp_path, transform_fn, bodies)
     assert [context.get_response_status(i)[0] for i in range(2)] == [500, 200]
     message = json.loads(results[0])["message"]
     assert f"returned {limit + 1} bytes, over the frontend's limit of {limit}" in message
