@@ -302,7 +302,7 @@ def _answer(loaded: LoadedModel, message: list[dict[str, Any]]) -> tuple[Any, by
     if service.context.metrics is not None and SERVICE_LOG.isEnabledFor(logging.INFO):
         # off in a device host
         emit_metrics(service.context.metrics.store)
-    return service.context, with_first_status_whole(bytes(response))
+    return service.context, with_first_status_whole(response)
 
 
 # MMS 1.1.11's frontend decodes an answer as the pieces of its reads arrive, and two fields it reads
@@ -338,15 +338,16 @@ class WireContext(Context):  # type: ignore[misc]
         return {key: value for key, value in headers.items() if key.lower() != "content-type"}
 
 
-def with_first_status_whole(answer: bytes) -> bytes:
+def with_first_status_whole(answer: bytes | bytearray) -> bytes:
     """A 200 ``answer`` with its first request's status where no piece of a read can end inside it
     (above): its leading message, which the frontend does not use in a 200, gets up to 4 spaces.
-    The status of a later request of an MMS batch stays where the answers before it put it."""
+    The status of a later request of an MMS batch stays where the answers before it put it. Copies
+    ``answer`` once either way (``Service.predict`` builds it in a bytearray)."""
     if answer[:4] != OK_CODE:
-        return answer
+        return bytes(answer)
     message_end = 8 + int.from_bytes(answer[4:8], "big")
     if answer[message_end : message_end + 4] == b"\xff\xff\xff\xff":  # no request
-        return answer
+        return bytes(answer)
     content_type_at = message_end + 4 + int.from_bytes(answer[message_end : message_end + 4], "big")
     status_at = (
         content_type_at + 4 + int.from_bytes(answer[content_type_at : content_type_at + 4], "big")
@@ -354,9 +355,10 @@ def with_first_status_whole(answer: bytes) -> bytes:
     # a piece ends at a multiple of 16: the 4 bytes must not start at one, nor run past one
     padding = {0: 1, 13: 4, 14: 3, 15: 2}.get(status_at % READ_SIZE_MULTIPLE, 0)
     if padding == 0:
-        return answer
-    message = answer[8:message_end] + b" " * padding
-    return OK_CODE + len(message).to_bytes(4, "big") + message + answer[message_end:]
+        return bytes(answer)
+    message = bytes(answer[8:message_end]) + b" " * padding
+    rest = memoryview(answer)[message_end:]
+    return b"".join((OK_CODE, len(message).to_bytes(4, "big"), message, rest))
 
 
 def _statuses(context: Any, response: bytes) -> list[int]:
