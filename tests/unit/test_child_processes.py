@@ -22,6 +22,7 @@ kept, dropped = socket.socketpair()
 # a run of consecutive descriptors to close, but for one in its middle
 run = [end for pair in (socket.socketpair() for _ in range(4)) for end in pair]
 middle = run[3]
+high = os.dup2(dropped.fileno(), 1000)  # near the end of the descriptor table (FDSize 1024)
 report, theirs = socket.socketpair()
 os.environ["PARENT_ONLY"] = "1"
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -42,6 +43,7 @@ def run_child():
         "kept": is_open(kept.fileno()),
         "kept_fds": keep,
         "dropped": is_open(dropped.fileno()),
+        "high": is_open(high),
         "run": [is_open(end.fileno()) for end in run],
         "open": [int(name) for name in os.listdir("/proc/self/fd")],  # and the listing's own
         "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
@@ -66,7 +68,7 @@ def test_a_forked_child_gets_what_it_is_given_and_nothing_it_is_not(tmp_path: Pa
     child = json.loads(probe.stdout.strip().splitlines()[-1])
     assert child["environment"] == {"ONLY": "this"}  # its own environment, not the parent's
     assert child["title"] == "probe-title --model-name m"
-    assert child["kept"] and not child["dropped"]
+    assert child["kept"] and not child["dropped"] and not child["high"]
     assert child["run"] == [False, False, False, True, False, False, False, False]  # all but the one it was given
     assert len(set(child["open"]) - {0, 1, 2, *child["kept_fds"]}) <= 1, child  # nothing else: the listing's own
     assert child["sigterm_default"]  # the parent's handler is not its own
