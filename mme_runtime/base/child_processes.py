@@ -105,9 +105,9 @@ def _become_child(title: str, keep: Iterable[int], environment: Mapping[str, str
 def close_all_but(keep: Iterable[int]) -> None:
     """Closes every descriptor from 3 up but ``keep``, each run between two kept ones in one call
     (``close_range``): a child of the warm process, which holds two descriptors per model, closes
-    thousands in a few calls. The runs end at the size of the descriptor table, so that where a
-    sandbox refuses ``close_range``, CPython's fallback (one ``close`` per number) closes no more
-    than that."""
+    thousands in a few calls. The runs end at the size of the descriptor table, so that where
+    ``close_range`` is missing or refused, CPython's fallback (one ``close`` per number) closes no
+    more than that."""
     low = 3
     for fd in sorted({fd for fd in keep if fd >= low}):
         os.closerange(low, fd)
@@ -116,13 +116,14 @@ def close_all_but(keep: Iterable[int]) -> None:
 
 
 def descriptor_table_size() -> int:
-    """How many descriptors this process's table holds (``FDSize``): none is open at or past it.
-    Read from one line of ``/proc/self/status``, where listing ``/proc/self/fd`` costs the kernel
-    a few microseconds a descriptor (14 ms in a loader at 1,600 models)."""
+    """The size of this process's descriptor table (``FDSize``): every open descriptor is below it.
+    One line of ``/proc/self/status``, where listing ``/proc/self/fd`` costs the kernel an entry a
+    descriptor (14 ms in a loader at 1,600 models); ``RLIMIT_NOFILE`` where /proc cannot be read."""
     try:
-        with open("/proc/self/status", encoding="ascii") as status:
+        # bytes: the process's name (its title's first 15 bytes) may not be ASCII
+        with open("/proc/self/status", "rb") as status:
             for line in status:
-                if line.startswith("FDSize:"):
+                if line.startswith(b"FDSize:"):
                     return int(line.split()[1])
     except (OSError, ValueError):
         pass

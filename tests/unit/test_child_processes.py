@@ -22,7 +22,7 @@ kept, dropped = socket.socketpair()
 # a run of consecutive descriptors to close, but for one in its middle
 run = [end for pair in (socket.socketpair() for _ in range(4)) for end in pair]
 middle = run[3]
-high = os.dup2(dropped.fileno(), 1000)  # near the end of the descriptor table (FDSize 1024)
+high = os.dup2(dropped.fileno(), 1023)  # the descriptor table's last (FDSize 1024)
 report, theirs = socket.socketpair()
 os.environ["PARENT_ONLY"] = "1"
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -74,6 +74,23 @@ def test_a_forked_child_gets_what_it_is_given_and_nothing_it_is_not(tmp_path: Pa
     assert child["sigterm_default"]  # the parent's handler is not its own
     assert child["status"] == 7  # what run returned
     assert stdout.read_text() == "to the given stdout\n"
+
+
+def test_the_descriptor_table_size_is_read_whatever_the_process_is_named() -> None:
+    # A loader's name is its model's: one that is not ASCII once sent the bound to RLIMIT_NOFILE (often a million,
+    # one close each where close_range is refused).
+    script = textwrap.dedent(
+        """
+        import os, resource, setproctitle
+        from mme_runtime.base.child_processes import descriptor_table_size
+        setproctitle.setproctitle("mme-loader m\u00f6del")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        os.dup2(1, 1000)  # the table grows to 1024
+        print(descriptor_table_size())
+        """
+    )
+    probe = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert probe.stdout.split()[-1] == "1024"
 
 
 def test_a_forked_child_dies_with_its_parent(tmp_path: Path) -> None:
