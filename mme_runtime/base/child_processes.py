@@ -4,13 +4,14 @@ exited children, Linux's ``prctl``, waiting on many sockets, and the descriptor 
 ``start_program`` starts a program (the supervisor's MMS frontend and warm process); ``fork_child``
 forks every model process from the warm process (loaders and device hosts) and decides what such a
 child inherits: the stdio it is given, none of the descriptors its parent named, the default SIGTERM
-and SIGINT, the environment it is given, and death with its parent.
+and SIGINT, the environment it is given, death with its parent, and the parent's objects frozen.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import resource
@@ -72,6 +73,10 @@ def fork_child(
     pid = os.fork()
     if pid != 0:
         return pid
+    # What the parent made stays out of the child's collections: a cycle it had not yet collected
+    # may hold a socket whose number this child closes and reuses, and collecting it would close
+    # the child's own descriptor. Nor do the child's collections touch (copy) the parent's pages.
+    gc.freeze()
     status = 1
     try:
         for target, fd in enumerate(stdio):

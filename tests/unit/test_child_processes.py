@@ -93,6 +93,48 @@ def test_the_descriptor_table_size_is_read_whatever_the_process_is_named() -> No
     assert probe.stdout.split()[-1] == "1024"
 
 
+def test_a_forked_child_never_collects_a_socket_of_its_parent_onto_a_descriptor_of_its_own() -> None:
+    # The parent's socket in a cycle not yet collected: the child closes its number and may reuse it; collecting the
+    # socket there would close the child's descriptor under it.
+    script = textwrap.dedent(
+        """
+        import gc, json, os, socket
+        from mme_runtime.base.child_processes import fork_child
+
+        class Holder:
+            pass
+
+        gc.disable()  # the parent has not collected it yet
+        mine, _ = socket.socketpair()
+        number = mine.fileno()
+        cycle = Holder()
+        cycle.me, cycle.socket = cycle, mine
+        del mine, cycle
+        report, theirs = socket.socketpair()
+
+        def run_child():
+            gc.enable()
+            with open(os.devnull) as other:
+                os.dup2(other.fileno(), number)  # the number, now the child's
+                gc.collect()
+                try:
+                    os.fstat(number)
+                    still_open = True
+                except OSError:
+                    still_open = False
+            theirs.sendall(json.dumps({"still_open": still_open}).encode())
+            return 0
+
+        pid = fork_child("probe", run_child, {}, [], [theirs.fileno()])
+        theirs.close()
+        print(report.recv(1000).decode())
+        os.waitpid(pid, 0)
+        """
+    )
+    probe = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(probe.stdout.strip().splitlines()[-1]) == {"still_open": True}, probe.stderr
+
+
 def test_a_forked_child_dies_with_its_parent(tmp_path: Path) -> None:
     script = textwrap.dedent(
         """
