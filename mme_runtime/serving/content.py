@@ -440,7 +440,7 @@ def read_request(
     content_type, accept = header("content-type"), header("accept")
     if accept is not None and accept.strip() in ("", ANY):
         accept = None
-    if accept is not None and not (accept.isascii() and accept.isprintable()):
+    if accept is not None and not _fits_the_wire(accept):
         # it becomes the answer's Content-Type when output_fn names none (check_answer)
         raise UnsupportedAccept(f"Accept {accept!r} is not printable ASCII")
     if isinstance(payload, (bytes, bytearray)) and media_type(content_type) in TEXT_TYPES:
@@ -453,7 +453,7 @@ def check_answer(step: str, body: bytes, content_type: str, max_response_bytes: 
     every request of its message (docs/troubleshooting.md): a Content-Type that is not printable
     ASCII (MMS's encoder counts its characters, then writes its UTF-8 bytes), or a body over the
     frontend's limit. ``step`` is the function that returned it."""
-    if not (content_type.isascii() and content_type.isprintable()):
+    if not _fits_the_wire(content_type):
         problem = f"returned the Content-Type {content_type!r}: not printable ASCII"
         raise StepError(step, ValueError(problem))
     if len(body) > max_response_bytes:
@@ -462,6 +462,12 @@ def check_answer(step: str, body: bytes, content_type: str, max_response_bytes: 
             "an answer (max_response_size; SAGEMAKER_MAX_REQUEST_SIZE raises it)"
         )
         raise StepError(step, ValueError(problem))
+
+
+def _fits_the_wire(content_type: str) -> bool:
+    """Whether MMS's encoder frames ``content_type`` right: it counts characters and writes UTF-8
+    bytes, so only printable ASCII is the same length both ways."""
+    return content_type.isascii() and content_type.isprintable()
 
 
 def to_bytes(result: Any) -> bytes:
