@@ -62,6 +62,7 @@ class Config:
     share_weights: bool = True
     cpu_hosts: int = 2
     empty_host_seconds: int = 5
+    recycle_peak_models: int = 64
     gpu_pass_threads: int = 4
     pip_timeout_seconds: int = 300
     properties_file: Path | None = None
@@ -195,6 +196,7 @@ class Config:
             "MME_SHARE_WEIGHTS": "true" if self.share_weights else "false",
             "MME_CPU_HOSTS": str(self.cpu_hosts),
             "MME_EMPTY_HOST_SECONDS": str(self.empty_host_seconds),
+            "MME_RECYCLE_PEAK_MODELS": str(self.recycle_peak_models),
             "MME_GPU_PASS_THREADS": str(self.gpu_pass_threads),
             "MME_MAX_NEW_TOKENS": str(self.max_new_tokens),
             "MME_KV_CACHE_MB": str(self.kv_cache_mb),

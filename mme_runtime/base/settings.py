@@ -298,6 +298,15 @@ PROCESSES: tuple[Setting, ...] = (
         "follows an UNLOAD within this keeps its host. A GPU's host stays, with its CUDA context.",
     ),
     Setting(
+        "MME_RECYCLE_PEAK_MODELS",
+        "recycle_peak_models",
+        integer(0),
+        "64",
+        "A CPU host that held at least this many models, once UNLOADs leave it a sixteenth of them "
+        "or fewer, moves them to a fresh host and ends: the memory it kept from the models gone "
+        "goes with it, and no request is lost (0: never).",
+    ),
+    Setting(
         "MME_GPU_PASS_THREADS",
         "gpu_pass_threads",
         integer(1, 64),

@@ -24,6 +24,7 @@ import functools
 import glob
 import logging
 import os
+import shutil
 import threading
 import time
 import urllib.parse
@@ -184,6 +185,22 @@ def stop_hosted(config: Config, series: Series | None) -> None:
         move_to_unloaded(config.metrics_dir, series.directory)
     except OSError as exc:
         logger.warning("metrics of %s left in place: %s", series.directory, exc)
+
+
+def hand_over(config: Config, series: Series | None, successor: int) -> None:
+    """The host's model moved to host ``successor`` (``host_recycling.py``): its counts go into
+    that host's directory for it, as a dead host's do (``carry_over``: counters and histograms kept,
+    gauges dropped once this process ends), and its own directory goes."""
+    if series is None:
+        return
+    target = series.directory.parent / str(successor)
+    if not target.is_dir():  # metrics off there: the counts end as an UNLOAD's do
+        stop_hosted(config, series)
+        return
+    for path in scan(series.directory, "*.db"):
+        with contextlib.suppress(OSError):
+            path.rename(target / path.name)
+    shutil.rmtree(series.directory, ignore_errors=True)
 
 
 def record_host_bytes(series: Series | None, host_bytes: int) -> None:

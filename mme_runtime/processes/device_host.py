@@ -29,7 +29,6 @@ import socket
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 from mme_runtime.base import devices
@@ -38,7 +37,6 @@ from mme_runtime.base.logs import configure_logging
 from mme_runtime.huggingface.loading import HuggingFaceModel
 from mme_runtime.models.loading import (
     LoadedModel,
-    LoadFailure,
     ModelSpec,
     ResolvedModel,
     check_memory,
@@ -51,12 +49,11 @@ from mme_runtime.models.model_package import Package, unpack
 from mme_runtime.models.tensor_store import MAX_SEGMENTS, DeviceTensors, module_of, tensor_bytes
 from mme_runtime.operations import metrics
 from mme_runtime.operations.memory import MemoryRelease, release_memory
-from mme_runtime.operations.metric_series import Series
 from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, report_crashes
+from mme_runtime.processes.hosted_model import HostedModel
 from mme_runtime.processes.warm_protocol import receive, send
 from mme_runtime.serving.connection import (
     Assignment,
-    ConnectionDemand,
     Turns,
     answer_load,
     answer_message,
@@ -95,6 +92,7 @@ class DeviceHost:
         self.release: MemoryRelease  # made once the GPU is bound
         # every model's connections: idle in one epoll set, answered by workers
         self.turns = Turns("connections")
+        self._handed_over: list[socket.socket] = []  # open until this host ends (Turns.release)
 
     def serve(self) -> None:
         self.ordinal = devices.bind_gpu(self.gpu, self.config.cuda_visible_devices)
@@ -139,9 +137,8 @@ class DeviceHost:
                 logger.info(
                     "model=%s threads=%d, as its model_fn chose", name, int(message["threads"])
                 )
-            model = self.models[name] = HostedModel(
-                spec, int(message["slot"]), None, started=message["started"]
-            )
+            model = self.models[name] = HostedModel(spec, int(message["slot"]), None)
+            model.started, model.moved = message["started"], bool(message.get("moved"))
             # the same name's UNLOAD, maybe still letting go
             with self._unloading_lock:
                 model.after = self.unloading.pop(name, None)
@@ -172,12 +169,15 @@ class DeviceHost:
                 connection.close()
                 return
             assignment = Assignment(name, message["gpu"], message["batch_size"])
-            self._connect(hosted, connection, assignment)
-        elif op == "unload":
+            self._connect(hosted, connection, assignment, adopted=bool(message.get("adopted")))
+        elif op in ("unload", "hand_over"):  # hand_over: to the host ``to``, which has it loaded
             leaving = self.models.pop(name, None)
             if leaving is not None:
                 unloading = threading.Thread(
-                    target=self._unload, args=(leaving,), name=f"unload-{name}", daemon=True
+                    target=self._unload,
+                    args=(leaving, message.get("to")),
+                    name=f"{op}-{name}",
+                    daemon=True,
                 )
                 with self._unloading_lock:
                     self.unloading[name] = unloading
@@ -226,7 +226,8 @@ class DeviceHost:
             model.failure = fail_load(spec, self.gpu, exc)
         else:
             model.loaded = loaded
-            metrics.record_model_load(time.time() - model.started)
+            if not model.moved:
+                metrics.record_model_load(time.time() - model.started)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -240,8 +241,8 @@ class DeviceHost:
         )
         with model.lock:
             waiting, model.waiting = model.waiting, []
-        for connection, assignment in waiting:
-            self._connect(model, connection, assignment)
+        for connection, assignment, adopted in waiting:
+            self._connect(model, connection, assignment, adopted)
         # What loading freed goes back once the LOAD is answered (7 ms): after its first large free
         # glibc raises its mmap threshold, and later loads' buffers would stay as free heap.
         release_memory(None)
@@ -316,26 +317,33 @@ class DeviceHost:
         ]
         return self.shared.new_bytes(places)
 
-    def _report(self, message: dict[str, Any]) -> None:
+    def _report(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
         with self._control_lock:  # load threads report at once
             try:
-                send(self.control, message)
+                send(self.control, message, fds)
             except OSError:
                 pass  # the warm process is gone: the main loop ends
 
     def _connect(
-        self, model: HostedModel, connection: socket.socket, assignment: Assignment
+        self,
+        model: HostedModel,
+        connection: socket.socket,
+        assignment: Assignment,
+        adopted: bool = False,
     ) -> None:
+        """Serves a connection of the model once it is loaded: its LOAD answered first, unless it is
+        ``adopted`` from a host that answered it (``hand_over``)."""
         with model.lock:
             if model.loaded is None and model.failure is None:
-                model.waiting.append((connection, assignment))
+                model.waiting.append((connection, assignment, adopted))
                 return
         if model.failure is not None:
             arguments = (connection, model.failure, model.spec, self.config)
             threading.Thread(target=refuse_load, args=arguments, daemon=True).start()
             return
         try:
-            answer_load(connection, model.spec)
+            if not adopted:
+                answer_load(connection, model.spec)
         except OSError as exc:
             logger.debug(
                 "model=%s connection closed before its LOAD was answered: %s", model.spec.name, exc
@@ -394,19 +402,38 @@ class DeviceHost:
                 model.turns -= 1
                 model.turns_ended.notify_all()
 
-    def _unload(self, model: HostedModel) -> None:
-        """Lets the model go, then leaves ``unloading``: a thread kept there once done would pin the
-        heap where the models were after a mass UNLOAD (about 100 threads, issue #37)."""
+    def _unload(self, model: HostedModel, successor: int | None = None) -> None:
+        """Lets the model go (its connections handed to host ``successor`` first, if any), then
+        leaves ``unloading``: a thread kept there once done would pin the heap where the models were
+        after a mass UNLOAD (about 100 threads, issue #37)."""
         try:
-            self._let_go(model)
+            if successor is not None:
+                self._hand_over(model, successor)
+            self._let_go(model, successor)
         finally:
             with self._unloading_lock:
                 if self.unloading.get(model.spec.name) is threading.current_thread():
                     del self.unloading[model.spec.name]
 
-    def _let_go(self, model: HostedModel) -> None:
+    def _hand_over(self, model: HostedModel, successor: int) -> None:
+        """The model's connections go back to the warm process for host ``successor``, each between
+        two messages (MMS sends the next once answered: it waits in the socket), open: a drained
+        host's models move to a fresh one (``host_recycling.py``). Kept open here until this host
+        ends, its last model gone."""
+        if (loading := model.loading) is not None:
+            loading.join()
+        connections = list(model.connections)
+        model.connections.clear()
+        for connection in connections:
+            self.turns.release(connection)
+        self._handed_over += connections
+        handed = {"model": model.spec.name, "handed_over": len(connections)}
+        self._report(handed, [connection.fileno() for connection in connections])
+        logger.info("model=%s handed over to device host pid=%d", model.spec.name, successor)
+
+    def _let_go(self, model: HostedModel, successor: int | None = None) -> None:
         """Closes the model's connections, ends its batcher and drops every reference, then gives
-        the memory back."""
+        the memory back; its metrics go with it to host ``successor``, if it moved there."""
         # an UNLOAD during the load waits for it (read once: the load drops its thread at its end)
         if (loading := model.loading) is not None:
             loading.join()
@@ -414,7 +441,7 @@ class DeviceHost:
             model.closing = True  # no message is answered from now on
         with model.lock:
             waiting, model.waiting = model.waiting, []
-        for connection, _ in waiting:
+        for connection, _, _ in waiting:
             connection.close()
         for connection in list(model.connections):
             try:
@@ -424,7 +451,7 @@ class DeviceHost:
         with model.turns_ended:  # answered, but not yet counted: its metrics first
             model.turns_ended.wait_for(lambda: model.turns == 0, UNLOAD_SECONDS)
         started = time.monotonic()
-        served = model.loaded is not None  # a LOAD that failed here is no UNLOAD
+        served = model.loaded is not None and successor is None  # a failed LOAD is no UNLOAD
         ours = None if model.loaded is None else getattr(model.loaded.module, "served", None)
         # what must be freed: a full collection only if a cycle keeps some of it alive
         leaving: list[Any] = [model.loaded]
@@ -441,13 +468,16 @@ class DeviceHost:
             # handed to the exporter once written to for the last time (a value made later would
             # find no directory), unless a LOAD of the same name that waited too long took it
             with self._directories:
-                successor = self.models.get(model.spec.name)
-                if successor is None or successor.series is None:
+                same_name = self.models.get(model.spec.name)
+                if successor is not None:
+                    metrics.hand_over(self.config, model.series, successor)
+                elif same_name is None or same_name.series is None:
                     metrics.stop_hosted(self.config, model.series)
         metrics.bind(None)  # the container's count: the host's own series
         if served:
             metrics.record_unload(True, time.monotonic() - started)
-        logger.info("model=%s unloaded from the device host", model.spec.name)
+        if successor is None:
+            logger.info("model=%s unloaded from the device host", model.spec.name)
 
 
 def run_host(control: socket.socket, config: Config, gpu: int | None, board: CrashBoard) -> int:
@@ -465,36 +495,3 @@ def run_host(control: socket.socket, config: Config, gpu: int | None, board: Cra
     crash_report.close()
     crash_report_path(config.runtime_dir, os.getpid()).unlink(missing_ok=True)
     return 0
-
-
-@dataclass
-class HostedModel:
-    """One model in the host: its handler once loaded, or why it failed, and the connections that
-    wait or run."""
-
-    spec: ModelSpec
-    slot: int
-    series: Series | None  # its metrics
-    loaded: LoadedModel | None = None
-    failure: LoadFailure | None = None
-    waiting: list[tuple[socket.socket, Assignment]] = field(default_factory=list)
-    connections: set[socket.socket] = field(default_factory=set)
-    turns: int = 0  # messages being answered
-    closing: bool = False  # its UNLOAD began: no more messages are answered
-    turns_ended: threading.Condition = field(default_factory=threading.Condition)
-    # a batching model's busy connections, to open more (serving/connection.py)
-    demand: ConnectionDemand | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    loading: threading.Thread | None = None
-    # its tensors in host memory that another model brought (held once, theirs)
-    borrowed_host_bytes: int = 0
-    borrowed_device_bytes: int = 0  # the same on its GPU
-    # it took the very model another one here unpacked (one package: all of it theirs)
-    borrows_all: bool = False
-    # when its LOAD began (wall clock, the warm process's): its load time is counted from it
-    started: float = 0.0
-    # the UNLOAD of a model of the same name, to end before this one loads
-    after: threading.Thread | None = None
-    package_unused: bool = False  # its package was made with other code: model_fn ran here
-    # the model as its loader resolved it (None: resolved here)
-    resolved: ResolvedModel | None = None

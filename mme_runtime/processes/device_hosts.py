@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 HOST_TITLE = "mme-device-host"
 CONTROL_SECONDS = 10.0
 CRASHES_BEFORE_QUARANTINE = 2
+# descriptors a host's report may carry: the connections of a model it hands over, at most this
+# many a message
+REPORT_FDS = 64
 SHARED = "shared"  # the tenant of every model that shares its device's host
 
 
@@ -113,6 +116,13 @@ class Host:
     board: CrashBoard
     models: set[str] = field(default_factory=set)  # names sent to it
     empty_since: float | None = None  # monotonic: when a pool host was left with no model
+    peak: int = 0  # the most models it has held
+    # recycling (host_recycling.py): the fresh host its models move to, and for that one, the
+    # models whose load it has not reported yet
+    successor: Host | None = None
+    pending: set[str] = field(default_factory=set)
+    handing_over: bool = False  # the models go to the successor now
+    recyclable: bool = True  # False once a recycling failed, or a model has no package
     # the kernel's count when it started
     oom_kills: dict[str, int] = field(default_factory=failures.oom_kills)
 
@@ -128,6 +138,7 @@ class Crash:
     culprit: int | None
     running: frozenset[int]
     stack: str = ""
+    successor: bool = False  # a host that was taking a drained one's models (host_recycling.py)
 
 
 class CrashCount:
@@ -179,6 +190,35 @@ class DeviceHosts:
         host = self.hosts.get(key)
         if host is not None:
             return host
+        host = self.hosts[key] = self._fork(key, gpu, env)
+        return host
+
+    def fork_successor(self, host: Host, env: dict[str, str]) -> Host:
+        """A fresh host for ``host``'s key, its ``successor`` until it takes the models and the key
+        (``promote``)."""
+        host.successor = self._fork(host.key, None, env)
+        return host.successor
+
+    def promote(self, host: Host) -> Host:
+        """``host``'s successor takes its key; ``host``, which holds no model now, ends (its control
+        socket closes). Returns the successor."""
+        successor, host.successor = host.successor, None
+        assert successor is not None
+        self.hosts[host.key] = successor
+        successor.peak = len(successor.models)
+        if not successor.models:
+            self.left_empty(successor)
+        host.control.close()
+        host.board.close()
+        logger.info(
+            "device host pid=%d gpu=%s retired: pid=%d serves its models",
+            host.pid,
+            host.key,
+            successor.pid,
+        )
+        return successor
+
+    def _fork(self, key: HostKey, gpu: int | None, env: dict[str, str]) -> Host:
         board = CrashBoard()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         title = f"{HOST_TITLE} gpu={gpu}" if gpu is not None else f"{HOST_TITLE} {key.device}"
@@ -190,9 +230,8 @@ class DeviceHosts:
         finally:
             theirs.close()
         ours.settimeout(CONTROL_SECONDS)
-        host = self.hosts[key] = Host(key, pid, ours, board)
         logger.info("device host pid=%d gpu=%s started", pid, key)
-        return host
+        return Host(key, pid, ours, board)
 
     def start_own(self, model: str, env: dict[str, str]) -> Host | None:
         """The host of a model that no host may share, forked before its first connection (while
@@ -204,21 +243,28 @@ class DeviceHosts:
         """``OSError`` when the host is gone or stuck: its reap follows."""
         send(host.control, payload, fds)
 
-    def report(self, host: Host) -> dict[str, Any] | None:
-        """The host's next report, once its control socket is readable; None once it is gone."""
+    def report(self, host: Host) -> tuple[dict[str, Any] | None, list[int]]:
+        """The host's next report and the descriptors it carries, once its control socket is
+        readable; None once it is gone."""
         try:
-            message, _ = receive(host.control)
+            return receive(host.control, with_fds=REPORT_FDS)
         except (OSError, ValueError):
-            return None
-        return message
+            return None, []
 
     def exited(self, pid: int, code: int) -> Crash | None:
         """The crash of host ``pid`` (its report read, the host forgotten); None if ``pid`` was no
         host of ours."""
         host = next((host for host in self.hosts.values() if host.pid == pid), None)
-        if host is None:
+        recycled = next(
+            (old for old in self.hosts.values() if old.successor and old.successor.pid == pid), None
+        )
+        if recycled is not None and recycled.successor is not None:
+            # a successor: the models that did not move stay where they are
+            host, recycled.successor = recycled.successor, None
+        elif host is None:
             return None
-        del self.hosts[host.key]  # its control socket: closed by the caller, once it forgot it
+        else:
+            del self.hosts[host.key]  # its control socket: closed by the caller, once it forgot it
         path = crash_report_path(self.config.runtime_dir, pid)
         try:
             report = path.read_text(errors="replace")
@@ -232,6 +278,7 @@ class DeviceHosts:
             host.board.culprit(report),
             frozenset(host.board.busy()),
             crashed_stack(report),
+            successor=recycled is not None,
         )
         host.board.close()
         return crash
@@ -269,3 +316,5 @@ class DeviceHosts:
     def stop(self) -> None:
         for host in self.hosts.values():
             kill(host.pid)
+            if host.successor is not None:
+                kill(host.successor.pid)

@@ -24,7 +24,6 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from mme_runtime.base import failures
@@ -38,7 +37,7 @@ from mme_runtime.models.loading import (
     refuse_load,
 )
 from mme_runtime.models.model_package import Package
-from mme_runtime.models.package_cache import Key, PackageCache
+from mme_runtime.models.package_cache import PackageCache
 from mme_runtime.models.tensor_store import TensorStore
 from mme_runtime.operations import metrics
 from mme_runtime.processes import warm_protocol
@@ -50,9 +49,10 @@ from mme_runtime.processes.device_hosts import (
     CrashCount,
     DeviceHosts,
     Host,
-    HostKey,
 )
+from mme_runtime.processes.host_recycling import HostRecycling
 from mme_runtime.processes.model_loader import start_loader
+from mme_runtime.processes.shared_model import SharedModel
 from mme_runtime.serving.connection import Assignment, device_of, read_assignment
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,8 @@ class SharedModels:
         self.models_socket = str(config.models_socket)
         self.listener = warm_protocol.listen_for_models(self.models_socket)
         watcher.watch(self.listener, self._connection_arrived)
+        moved = lambda host, model: self._send_model(host, model, model.batch_size, moved=True)  # noqa: E731
+        self.recycling = HostRecycling(self.hosts, watcher, self.models, moved, self._watch_host)
 
     def child_exited(self, pid: int, code: int) -> bool:
         """True when ``pid`` was ours (a loader or a host)."""
@@ -266,7 +268,8 @@ class SharedModels:
         try:
             host = self.hosts.get(key, assignment.gpu, model.request["env"])
             if not self.watcher.watches(host.control):  # a host started just now
-                self.watcher.watch(host.control, lambda: self._host_reported(host))
+                self._watch_host(host)
+            host = host.successor or host  # it takes the models of a drained one
             if model.spec.name not in host.models:
                 self._send_model(host, model, assignment.batch_size)
                 model.hosts.add(key)
@@ -278,19 +281,29 @@ class SharedModels:
         finally:
             connection.close()  # the host holds its own descriptor now
 
-    def _send_model(self, host: Host, model: SharedModel, batch_size: int) -> None:
+    def _send_model(
+        self, host: Host, model: SharedModel, batch_size: int, moved: bool = False
+    ) -> None:
         """The model to a host, before its first connection there (whose LOAD message carries MMS's
-        batch size)."""
+        batch size), or ``moved`` there from a drained host (``host_recycling.py``)."""
         fds = [] if model.package is None else model.package.fds
-        self.hosts.send(host, model.load_message(batch_size), fds)
+        self.hosts.send(host, model.load_message(batch_size, moved), fds)
+        model.batch_size = batch_size
         host.models.add(model.spec.name)
+        host.peak = max(host.peak, len(host.models))
         host.empty_since = None
 
+    def _watch_host(self, host: Host) -> None:
+        self.watcher.watch(host.control, lambda: self._host_reported(host))
+
     def _host_reported(self, host: Host) -> None:
-        """A host's word on a model's load there: the LOAD's outcome is counted once."""
-        message = self.hosts.report(host)
+        """A host's word on a model's load there (the LOAD's outcome is counted once), or on its
+        recycling."""
+        message, fds = self.hosts.report(host)
         if message is None:
             self.watcher.forget(host.control)  # it is dying: its reap names the cause
+            return
+        if self.recycling.reported(host, message, fds):
             return
         model = self.models.get(message.get("model", ""))
         if model is not None and not model.load_recorded:
@@ -307,6 +320,12 @@ class SharedModels:
         key = crash.host.key
         self.watcher.forget(crash.host.control)  # before it closes: its number may be reused
         crash.host.control.close()
+        if crash.successor:  # no model was its own yet: those that moved there reconnect
+            logger.error("device host pid=%d gpu=%s %s", crash.host.pid, key, crash.cause)
+            if (recycled := self.hosts.hosts.get(key)) is not None:
+                self.recycling.successor_died(recycled)
+            return
+        self.recycling.host_died(crash.host)
         on_host = [model for model in self.models.values() if model.spec.name in crash.host.models]
         for model in self.models.values():
             model.hosts.discard(key)  # its own host too, had the model not reached it yet
@@ -360,20 +379,28 @@ class SharedModels:
         name = model.spec.name
         for key in model.hosts:
             host = self.hosts.hosts.get(key)
-            if host is not None and name in host.models:
-                host.models.discard(name)
-                try:
-                    self.hosts.send(host, {"op": "unload", "model": name})
-                except OSError as exc:
-                    logger.info("model=%s device host gone before its unload: %s", name, exc)
-            if host is not None and not host.models and self.hosts.left_empty(host):
+            if host is None:
+                continue
+            for holder in (host, host.successor):  # a drained host's successor has it too
+                if holder is not None and name in holder.models:
+                    holder.models.discard(name)
+                    holder.pending.discard(name)
+                    try:
+                        self.hosts.send(holder, {"op": "unload", "model": name})
+                    except OSError as exc:
+                        logger.info("model=%s device host gone before its unload: %s", name, exc)
+            if host.successor is not None:
+                self.recycling.advance(host)
+            elif not host.models and self.hosts.left_empty(host):
                 self._retire(host)
         model.hosts.clear()
 
-    def retire_idle_hosts(self) -> None:
-        """The pool's hosts with no model for a while end (the warm process's loop asks)."""
+    def tend_hosts(self) -> None:
+        """The pool's hosts with no model for a while end, and drained ones are recycled
+        (``host_recycling.py``): the warm process's loop asks."""
         for host in self.hosts.idle():
             self._retire(host)
+        self.recycling.recycle(self.last_unload)
 
     def _retire(self, host: Host) -> None:
         self.watcher.forget(host.control)  # before its socket closes: the number may be reused
@@ -383,105 +410,3 @@ class SharedModels:
         """A slot no loaded model holds: one an UNLOAD gave back, else the next never used (called
         below SLOTS)."""
         return self._free_slots.pop() if self._free_slots else len(self.models)
-
-
-@dataclass
-class SharedModel:
-    """One model MMS started, in the warm process: its stub, its loader, its package, its hosts."""
-
-    spec: ModelSpec
-    # the stub's command line, environment and directory: its hosts' environment
-    request: dict[str, Any]
-    stub: socket.socket  # closes when MMS ends the model's process (UNLOAD)
-    # the stub's stdin, stdout and stderr: the model's log (-1: closed once it was served)
-    stdio: list[int]
-    socket_path: str  # where the frontend connects for it: a link to the models' socket
-    slot: int
-    started: float
-    loader: int | None = None
-    result: socket.socket | None = None
-    package: Package | None = None  # None while loading, or where the host runs model_fn
-    ready: bool = False  # connections are routed from now on
-    # frontend connections and their LOAD messages, until it is ready
-    waiting: list[tuple[socket.socket, Assignment]] = field(default_factory=list)
-    failure: LoadFailure | None = None
-    hosts: set[HostKey] = field(default_factory=set)
-    # or its own name: it needs a host of its own (the loader said why, or it crashed twice)
-    tenant: str = SHARED
-    threads: int | None = None  # the intra-op threads its model_fn chose, for a host of its own
-    cache_key: Key | None = None  # its package's in the package cache (package_cache.py)
-    served: bool = False  # a host has had it
-    load_recorded: bool = False
-    # the kernel's OOM kill counts as its loader started
-    oom_kills: dict[str, int] = field(default_factory=dict)
-    loader_silent: bool = False  # its loader died before it reported
-    artifact_bytes: int = 0  # its files' size: what its loader's memory check counts
-    # what its loader resolved (None: a kept package's host resolves it)
-    resolved: dict[str, Any] | None = None
-
-    def host_key(self, device: str | None, cpu_pool: CpuPool) -> HostKey:
-        """The host of a connection assigned ``device`` (a card's name; None for the CPU): on the
-        CPU, a shared model goes to one of the pool (``CpuPool``), a private one to its own."""
-        if self.tenant != SHARED:
-            return HostKey.own(self.tenant, device)
-        return HostKey(device or cpu_pool.host_for(self.spec.name, self.cache_key))
-
-    def load_message(self, batch_size: int) -> dict[str, Any]:
-        """The model as a host takes it (its package's descriptors go beside), before its first
-        connection there."""
-        return {
-            "op": "load",
-            "model": self.spec.name,
-            "spec": dataclasses.asdict(self.spec),
-            "slot": self.slot,
-            "package": None if self.package is None else self.package.layout,
-            "resolved": self.resolved,
-            "batch_size": batch_size,
-            "restart": self.served,  # served before, by a host that has died since
-            # its load time counts from this
-            "started": time.time() if self.served else self.started,
-            # a shared host keeps torch's default
-            "threads": None if self.tenant == SHARED else self.threads,
-        }
-
-    def loader_failure(self, exit_code: int | None) -> LoadFailure:
-        """The LOAD's failure when the loader ended with no report: how it ended (``exit_code``:
-        None if unknown). 507 when the kernel's out-of-memory killer ended it, so that SageMaker
-        makes room and tries again."""
-        if exit_code is None:
-            return LoadFailure(
-                500, f"model {self.spec.name}: its loader died before it reported (see the log)"
-            )
-        cause = failures.exit_cause(exit_code, self.oom_kills)
-        status = 507 if failures.oom_killed(exit_code, self.oom_kills) else 500
-        return LoadFailure(status, f"model {self.spec.name}: its loader {cause} before it reported")
-
-    def tell_stub(self, payload: dict[str, Any]) -> None:
-        try:
-            warm_protocol.send(self.stub, payload)
-        except OSError:
-            pass  # the stub is gone: its unload follows
-
-    def stop_logging(self) -> None:
-        """Lets go of the stub's stdio once the model is served: its loader has read and written all
-        it will (a host logs to the container's own output), and the stub (``head -c 1`` now) holds
-        its connection alone. MMS counted the model's process started when it connected, so its
-        pipes may end (earlier, MMS would fail the LOAD: "Backend stream closed"); MMS reads each
-        with a thread of about 90 KiB, which ends with it."""
-        for index in (0, 1, 2):
-            if self.stdio[index] >= 0:
-                os.close(self.stdio[index])
-                self.stdio[index] = -1
-
-    def close(self) -> None:
-        """Removes its socket path; closes its waiting connections, its stub and its stdio."""
-        with contextlib.suppress(OSError):
-            os.remove(self.socket_path)
-        for connection, _ in self.waiting:
-            connection.close()
-        self.waiting = []
-        self.stub.close()
-        for fd in self.stdio:
-            if fd >= 0:
-                os.close(fd)
-        self.stdio = [-1, -1, -1]

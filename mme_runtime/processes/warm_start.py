@@ -75,7 +75,7 @@ class WarmProcess:
         while not self._stopping:
             self.watcher.run_once(0.5)
             self._reap()
-            self.shared.retire_idle_hosts()
+            self.shared.tend_hosts()
             self._trim_after_unloads()
         self.shared.stop()
 

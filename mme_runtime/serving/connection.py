@@ -210,6 +210,8 @@ class Turns:
             set()
         )  # registered with the epoll set (ONESHOT: re-armed after each turn)
         self._lock = threading.Lock()
+        self._running: set[int] = set()  # connections in a turn
+        self._released = threading.Condition(self._lock)  # a turn of one being released ended
         self._waiting = 0  # workers waiting on the epoll set
         self.workers = 0
         for _ in range(SPARE_WORKERS):
@@ -225,6 +227,20 @@ class Turns:
         self._turns[fd] = (connection, turn)
         if not self._arm(fd):
             self._end(fd, connection)
+
+    def release(self, connection: socket.socket) -> None:
+        """Takes the connection out between two turns (one running ends first), open, for another
+        process to serve: a message that arrives meanwhile stays in the socket for it. The caller
+        keeps the socket open while this process lives: a worker woken for it just before is then
+        never handed a new connection under its number."""
+        fd = connection.fileno()
+        with self._lock:
+            self._turns.pop(fd, None)  # no turn of it starts from now on
+            self._released.wait_for(lambda: fd not in self._running)
+            if fd in self._armed:
+                self._armed.discard(fd)
+                with contextlib.suppress(OSError):
+                    self._epoll.unregister(fd)
 
     def _add_worker(self) -> None:
         with self._lock:
@@ -254,8 +270,18 @@ class Turns:
         """A turn of the connection whose message arrived. Its own frame: nothing of the turn (its
         model, through ``turn``) stays with the worker while it waits for the next (a worker held
         the last model it served after that model's UNLOAD)."""
-        connection, turn = self._turns[fd]
-        if not self._run_turn(connection, turn) or not self._arm(fd):
+        with self._lock:
+            taken = self._turns.get(fd)  # None: released since its message woke this worker
+            if taken is None:
+                return
+            self._running.add(fd)
+        connection, turn = taken
+        ended = not self._run_turn(connection, turn)
+        with self._lock:
+            self._running.discard(fd)
+            released = fd not in self._turns
+            self._released.notify_all()
+        if not released and (ended or not self._arm(fd)):
             self._end(fd, connection)
 
     @staticmethod

@@ -157,7 +157,7 @@ def test_a_watched_child_killed_by_a_signal_gets_its_line(counters: Path) -> Non
 
 def test_a_loader_the_oom_killer_ended_fails_its_load_with_507_and_any_other_death_with_500(counters: Path) -> None:
     from mme_runtime.models.loading import ModelSpec
-    from mme_runtime.processes.shared_models import SharedModel
+    from mme_runtime.processes.shared_model import SharedModel
 
     spec = ModelSpec(name="m", model_dir="/opt/ml/models/m", handler="handler_service", tmp_dir="/tmp")
     stub, peer = socket.socketpair()

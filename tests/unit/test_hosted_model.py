@@ -14,7 +14,8 @@ from mme_runtime.base.config import Config
 from mme_runtime.models.loading import ModelSpec
 from mme_runtime.operations.memory import MemoryRelease
 from mme_runtime.processes.crash_board import CrashBoard
-from mme_runtime.processes.device_host import DeviceHost, HostedModel
+from mme_runtime.processes.device_host import DeviceHost
+from mme_runtime.processes.hosted_model import HostedModel
 
 
 def wait_for(release: MemoryRelease, count: int, timeout: float = 5) -> int:

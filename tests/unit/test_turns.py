@@ -135,3 +135,56 @@ def test_a_waiting_worker_holds_nothing_of_the_connection_it_served_last(
     client.sendall(b"x")
     assert wait_until(lambda: turns.connections == 0)
     assert wait_until(lambda: gone() is None) and turns.workers == SPARE_WORKERS
+
+
+def test_a_released_connection_leaves_between_two_turns_open_with_its_next_message_unread(
+    pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
+    # A drained host hands its connections to a fresh one (host_recycling.py): a turn running when the release
+    # comes ends first, and a message sent after it waits in the socket for the next process, unanswered here.
+    started, finish = threading.Event(), threading.Event()
+
+    def slow_echo(connection: socket.socket) -> bool:
+        data = connection.recv(64)
+        if not data:
+            return False
+        started.set()
+        finish.wait(5)
+        connection.sendall(data.upper())
+        return True
+
+    turns = Turns("test")
+    client = connect(turns, pairs, slow_echo)
+    ours = pairs[-1][0]
+    client.sendall(b"first")
+    assert started.wait(5)
+    released = threading.Thread(target=turns.release, args=(ours,))
+    released.start()
+    time.sleep(0.2)
+    assert released.is_alive()  # its turn still runs
+    finish.set()
+    released.join(5)
+    assert not released.is_alive()
+    assert client.recv(64) == b"FIRST"
+    assert turns.connections == 0
+    client.sendall(b"second")
+    time.sleep(0.3)  # no worker takes it
+    ours.setblocking(False)
+    assert ours.recv(64) == b"second"  # open, and the message is the next process's to read
+    ours.setblocking(True)
+    other = connect(turns, pairs, echo_turn)  # the set still serves the others
+    other.sendall(b"ok")
+    assert other.recv(64) == b"OK"
+
+
+def test_a_released_idle_connection_is_never_answered_again(pairs: list[tuple[socket.socket, socket.socket]]) -> None:
+    turns = Turns("test")
+    client = connect(turns, pairs, echo_turn)
+    client.sendall(b"one")
+    assert client.recv(64) == b"ONE"
+    turns.release(pairs[-1][0])
+    client.sendall(b"two")
+    client.settimeout(0.5)
+    with pytest.raises(TimeoutError):
+        client.recv(64)
+    assert pairs[-1][0].recv(64) == b"two"
