@@ -51,7 +51,7 @@ from mme_runtime.operations import metrics
 from mme_runtime.operations.memory import MemoryRelease, release_memory
 from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, report_crashes
 from mme_runtime.processes.hosted_model import HostedModel
-from mme_runtime.processes.warm_protocol import receive, send
+from mme_runtime.processes.warm_protocol import MAX_FDS, receive, send
 from mme_runtime.serving.connection import (
     Assignment,
     Turns,
@@ -63,7 +63,7 @@ from mme_runtime.serving.pass_threads import PassThreads
 
 logger = logging.getLogger(__name__)
 
-MAX_FDS = MAX_SEGMENTS + 1  # a model's own file and the files of the tensors it shares
+MAX_PACKAGE_FDS = MAX_SEGMENTS + 1  # a model's own file and the files of the tensors it shares
 UNLOAD_SECONDS = 5.0  # how long a host that is told to end waits for the UNLOADs still under way
 
 
@@ -107,7 +107,7 @@ class DeviceHost:
         logger.info("device host pid=%d gpu=%s serving", os.getpid(), self.gpu)
         while True:
             try:
-                message, fds = receive(self.control, with_fds=MAX_FDS)
+                message, fds = receive(self.control, with_fds=MAX_PACKAGE_FDS)
             except (OSError, ValueError):
                 message, fds = None, []
             if message is None:
@@ -427,8 +427,11 @@ class DeviceHost:
         for connection in connections:
             self.turns.release(connection)
         self._handed_over += connections
-        handed = {"model": model.spec.name, "handed_over": len(connections)}
-        self._report(handed, [connection.fileno() for connection in connections])
+        fds = [connection.fileno() for connection in connections]
+        for start in range(0, max(len(fds), 1), MAX_FDS):  # the last says so
+            last = start + MAX_FDS >= len(fds)
+            handed = {"model": model.spec.name, "handed_over": True, "last": last}
+            self._report(handed, fds[start : start + MAX_FDS])
         logger.info("model=%s handed over to device host pid=%d", model.spec.name, successor)
 
     def _let_go(self, model: HostedModel, successor: int | None = None) -> None:

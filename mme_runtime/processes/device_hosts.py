@@ -25,7 +25,7 @@ from mme_runtime.base.config import Config
 from mme_runtime.base.nvidia import gpu_count
 from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, crashed_stack
 from mme_runtime.processes.device_host import run_host
-from mme_runtime.processes.warm_protocol import receive, send
+from mme_runtime.processes.warm_protocol import MAX_FDS, receive, send
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +33,6 @@ logger = logging.getLogger(__name__)
 HOST_TITLE = "mme-device-host"
 CONTROL_SECONDS = 10.0
 CRASHES_BEFORE_QUARANTINE = 2
-# descriptors a host's report may carry: the connections of a model it hands over, at most this
-# many a message
-REPORT_FDS = 64
 SHARED = "shared"  # the tenant of every model that shares its device's host
 
 
@@ -247,7 +244,7 @@ class DeviceHosts:
         """The host's next report and the descriptors it carries, once its control socket is
         readable; None once it is gone."""
         try:
-            return receive(host.control, with_fds=REPORT_FDS)
+            return receive(host.control, with_fds=MAX_FDS)
         except (OSError, ValueError):
             return None, []
 

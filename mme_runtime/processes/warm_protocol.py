@@ -23,6 +23,8 @@ HEADER = struct.Struct("!I")
 STARTING_FILE = "warm.starting"
 WARM_START_SECONDS = 60.0
 MAX_MESSAGE = 1 << 20
+# descriptors in one message of the connections a host hands over (the kernel allows 253)
+MAX_FDS = 64
 _INT_SIZE = array.array("i").itemsize
 
 

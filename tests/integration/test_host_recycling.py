@@ -4,10 +4,12 @@ it; UNLOAD and LOAD work after."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import model_factory
 import psutil
@@ -51,6 +53,12 @@ def successes(server: RunningServer, model: str) -> float:
     )
 
 
+def started_workers(server: RunningServer, model: str) -> set[tuple[str, str]]:
+    """MMS's ready workers of ``model``, each with when it started: one that lost its connection starts again."""
+    workers = server.describe(model).json()["workers"]
+    return {(worker["id"], worker["startTime"]) for worker in workers if worker["status"] == "READY"}
+
+
 def test_a_drained_host_hands_its_last_model_to_a_fresh_one_with_no_request_lost(server: RunningServer) -> None:
     model_factory.write_code(server.model_dir("stays"), WHO_SCRIPT)
     assert server.load("stays").status_code == 200
@@ -59,6 +67,7 @@ def test_a_drained_host_hands_its_last_model_to_a_fresh_one_with_no_request_lost
         model_factory.torchscript_model(server.model_dir(name), seed=index)
         assert server.load(name).status_code == 200
     [old] = server.hosts_of("stays")
+    workers = started_workers(server, "stays")
     answered: Counter[int] = Counter()  # by the pid that answered
     failures: list[str] = []
     stop = threading.Event()
@@ -87,6 +96,7 @@ def test_a_drained_host_hands_its_last_model_to_a_fresh_one_with_no_request_lost
         for thread in clients:
             thread.join(30)
     assert failures == []
+    assert started_workers(server, "stays") == workers  # MMS's worker kept its connection
     [new] = set(answered) - {old}
     assert server.hosts_of("stays") == {new}
     log = server.log_text()
@@ -115,3 +125,36 @@ def test_a_host_that_never_held_many_models_is_left_alone(server: RunningServer)
     assert server.hosts_of("stays") == {host}
     assert "move to pid" not in server.log_text()
     assert server.invoke("stays", "0", "text/plain").json()["pid"] == host
+
+
+def test_a_model_with_more_connections_than_one_message_carries_moves_with_all_of_them(server: RunningServer) -> None:
+    # A batching model holds a connection per row of its batch (the tests' servers open them at LOAD): 70 are more
+    # than the 64 descriptors of one hand-over message (warm_protocol.MAX_FDS).
+    connections = 70
+    model_factory.batching_model(server.model_dir("wide"), batch_size=connections)
+    assert server.load("wide").status_code == 200
+
+    assert wait_until(lambda: len(started_workers(server, "wide")) == connections, 60)
+    workers = started_workers(server, "wide")
+    drained = [f"drained{index}" for index in range(PEAK - 1)]
+    for index, name in enumerate(drained):
+        model_factory.torchscript_model(server.model_dir(name), seed=index)
+        assert server.load(name).status_code == 200
+    [old] = server.hosts_of("wide")
+    for name in drained:
+        assert server.unload(name).status_code == 200
+    assert wait_until(lambda: server.hosts_of("wide") not in (set(), {old}), 30)
+    assert wait_until(lambda: not psutil.pid_exists(old) or psutil.Process(old).status() == "zombie", 10)
+    # every connection answers from the new host: as many requests at once as there are connections
+    barrier = threading.Barrier(connections)
+
+    def call(_: int) -> requests.Response:
+        barrier.wait()
+        return server.invoke("wide", json.dumps([[1.0, 2.0, 3.0, 4.0]]))
+
+    with ThreadPoolExecutor(connections) as pool:
+        responses = list(pool.map(call, range(connections)))
+    assert [response.status_code for response in responses] == [200] * connections
+    time.sleep(1)
+    assert started_workers(server, "wide") == workers  # none of MMS's workers lost its connection and started again
+    assert "ERROR" not in server.log_text()
