@@ -139,6 +139,7 @@ class DeviceHost:
                 )
             model = self.models[name] = HostedModel(spec, int(message["slot"]), None)
             model.started, model.moved = message["started"], bool(message.get("moved"))
+            model.load_seconds = message.get("load_seconds")
             # the same name's UNLOAD, maybe still letting go
             with self._unloading_lock:
                 model.after = self.unloading.pop(name, None)
@@ -226,8 +227,9 @@ class DeviceHost:
             model.failure = fail_load(spec, self.gpu, exc)
         else:
             model.loaded = loaded
-            if not model.moved:
-                metrics.record_model_load(time.time() - model.started)
+            seconds = model.load_seconds if model.moved else time.time() - model.started
+            if seconds is not None:
+                metrics.record_model_load(seconds)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -416,16 +418,14 @@ class DeviceHost:
                     del self.unloading[model.spec.name]
 
     def _hand_over(self, model: HostedModel, successor: int) -> None:
-        """The model's connections go back to the warm process for host ``successor``, each between
-        two messages (MMS sends the next once answered: it waits in the socket), open: a drained
-        host's models move to a fresh one (``host_recycling.py``). Kept open here until this host
-        ends, its last model gone."""
+        """The model's connections, each between two messages (MMS sends the next once answered: it
+        waits in the socket), back to the warm process for host ``successor``, where a drained
+        host's models move (``host_recycling.py``); kept open here until this host ends."""
         if (loading := model.loading) is not None:
             loading.join()
-        connections = list(model.connections)
+        # one whose frontend went meanwhile is closed here already
+        connections = [c for c in list(model.connections) if self.turns.release(c)]
         model.connections.clear()
-        for connection in connections:
-            self.turns.release(connection)
         self._handed_over += connections
         fds = [connection.fileno() for connection in connections]
         for start in range(0, max(len(fds), 1), MAX_FDS):  # the last says so

@@ -120,6 +120,7 @@ class Host:
     pending: set[str] = field(default_factory=set)
     handing_over: bool = False  # the models go to the successor now
     recyclable: bool = True  # False once a recycling failed, or a model has no package
+    ended_by_warm: bool = False  # killed by the warm process (a recycling gone wrong)
     # the kernel's count when it started
     oom_kills: dict[str, int] = field(default_factory=failures.oom_kills)
 
@@ -224,6 +225,10 @@ class DeviceHosts:
         try:
             run = functools.partial(run_host, theirs, self.config, gpu, board)
             pid = fork_child(title, run, env, keep=[theirs.fileno()])
+        except OSError:
+            ours.close()
+            board.close()
+            raise
         finally:
             theirs.close()
         ours.settimeout(CONTROL_SECONDS)

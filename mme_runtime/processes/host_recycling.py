@@ -76,9 +76,13 @@ class HostRecycling:
             host.recyclable = False
             return
         moving = [model for model in models if model is not None]
-        successor = self.hosts.fork_successor(host, moving[0].request["env"])
+        try:
+            successor = self.hosts.fork_successor(host, moving[0].request["env"])
+        except OSError as exc:  # no fork under memory pressure, say: the models stay
+            logger.warning("device host pid=%d gpu=%s not recycled: %s", host.pid, host.key, exc)
+            host.recyclable = False
+            return
         self._watch(successor)
-        successor.pending = {model.spec.name for model in moving}
         logger.info(
             "device host pid=%d gpu=%s holds %d of its %d models: they move to pid=%d",
             host.pid,
@@ -87,8 +91,17 @@ class HostRecycling:
             host.peak,
             successor.pid,
         )
-        for model in moving:
-            self._send_model(successor, model)
+        self._load_in_successor(host, moving)
+
+    def _load_in_successor(self, host: Host, models: list[SharedModel]) -> None:
+        successor = host.successor
+        assert successor is not None
+        successor.pending.update(model.spec.name for model in models)
+        try:
+            for model in models:
+                self._send_model(successor, model)
+        except OSError as exc:
+            self._abandon(host, f"it is unreachable: {exc}")
 
     def reported(self, host: Host, message: dict[str, Any], fds: list[int]) -> bool:
         """Acts on a report that is part of a recycling (a successor's load, an old host's
@@ -116,9 +129,18 @@ class HostRecycling:
         if successor is None:
             return
         if not host.handing_over and not successor.pending:
-            host.handing_over = True
-            for name in sorted(host.models):
-                self.hosts.send(host, {"op": "hand_over", "model": name, "to": successor.pid})
+            # models LOADed here meanwhile: to the successor first
+            arrived = [self.models[name] for name in host.models - successor.models]
+            if arrived:
+                self._load_in_successor(host, arrived)
+                return
+            host.handing_over = True  # from now on, connections go to the successor
+            try:
+                for name in sorted(host.models):
+                    self.hosts.send(host, {"op": "hand_over", "model": name, "to": successor.pid})
+            except OSError as exc:  # it is dying: its reap ends the successor too (host_died)
+                logger.warning("device host pid=%d unreachable: %s", host.pid, exc)
+                return
         if host.handing_over and not host.models:
             self.watcher.forget(host.control)  # before it closes: its number may be reused
             self.hosts.promote(host)
@@ -147,7 +169,8 @@ class HostRecycling:
         return old if old is not None and old.successor is successor else None
 
     def _abandon(self, host: Host, why: str) -> None:
-        """The models stay in ``host``; its successor ends (before any connection moved to it)."""
+        """The models stay in ``host``; its successor ends (before the hand-over no connection
+        is routed to it: nothing is lost)."""
         successor, host.successor = host.successor, None
         host.recyclable = False
         if successor is None:
@@ -180,4 +203,5 @@ class HostRecycling:
                 host.pid,
                 host.key,
             )
+            host.ended_by_warm = True  # no model's code killed it: none is blamed
             kill(host.pid)

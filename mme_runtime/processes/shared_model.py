@@ -52,6 +52,7 @@ class SharedModel:
     loader_silent: bool = False  # its loader died before it reported
     artifact_bytes: int = 0  # its files' size: what its loader's memory check counts
     batch_size: int = 1  # MMS's, as its first connection's LOAD message gave it
+    load_seconds: float | None = None  # its LOAD's, once a host reported it loaded
     # what its loader resolved (None: a kept package's host resolves it)
     resolved: dict[str, Any] | None = None
 
@@ -75,6 +76,7 @@ class SharedModel:
             "batch_size": batch_size,
             "restart": self.served and not moved,  # served before, by a host that has died since
             "moved": moved,
+            "load_seconds": self.load_seconds,  # a moved model's metrics keep its LOAD's
             # its load time counts from this
             "started": time.time() if self.served else self.started,
             # a shared host keeps torch's default

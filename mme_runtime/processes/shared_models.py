@@ -269,7 +269,8 @@ class SharedModels:
             host = self.hosts.get(key, assignment.gpu, model.request["env"])
             if not self.watcher.watches(host.control):  # a host started just now
                 self._watch_host(host)
-            host = host.successor or host  # it takes the models of a drained one
+            if host.successor is not None and host.handing_over:
+                host = host.successor  # it takes the models of a drained one
             if model.spec.name not in host.models:
                 self._send_model(host, model, assignment.batch_size)
                 model.hosts.add(key)
@@ -307,7 +308,8 @@ class SharedModels:
             return
         model = self.models.get(message.get("model", ""))
         if model is not None and not model.load_recorded:
-            metrics.record_load(bool(message.get("loaded")), time.time() - model.started)
+            model.load_seconds = time.time() - model.started
+            metrics.record_load(bool(message.get("loaded")), model.load_seconds)
             model.load_recorded = True
         if model is not None and message.get("package_unused"):
             # made with code the model no longer has
@@ -320,17 +322,21 @@ class SharedModels:
         key = crash.host.key
         self.watcher.forget(crash.host.control)  # before it closes: its number may be reused
         crash.host.control.close()
-        if crash.successor:  # no model was its own yet: those that moved there reconnect
-            logger.error("device host pid=%d gpu=%s %s", crash.host.pid, key, crash.cause)
+        if crash.successor:  # a drained host's: the models it took reconnect, to the old one
             if (recycled := self.hosts.hosts.get(key)) is not None:
                 self.recycling.successor_died(recycled)
-            return
-        self.recycling.host_died(crash.host)
+        else:
+            self.recycling.host_died(crash.host)
+            for model in self.models.values():
+                model.hosts.discard(key)  # its own host too, had the model not reached it yet
         on_host = [model for model in self.models.values() if model.spec.name in crash.host.models]
-        for model in self.models.values():
-            model.hosts.discard(key)  # its own host too, had the model not reached it yet
         for model in on_host:
             model.served = True
+        if crash.host.ended_by_warm:
+            logger.warning(
+                "device host pid=%d gpu=%s ended: its models load again", crash.host.pid, key
+            )
+            return
         name = self.crash_count.blame(crash, {model.slot: model.spec.name for model in on_host})
         culprit = None if name is None else self.models.get(name)
         if culprit is not None and culprit.tenant == SHARED:

@@ -224,23 +224,28 @@ class Turns:
     def add(self, connection: socket.socket, turn: Callable[[socket.socket], bool]) -> None:
         """Takes a connection (its LOAD answered): a turn each time a message arrives."""
         fd = connection.fileno()
-        self._turns[fd] = (connection, turn)
-        if not self._arm(fd):
-            self._end(fd, connection)
+        with self._lock:
+            self._turns[fd] = (connection, turn)
+            if self._arm(fd):
+                return
+            self._forget(fd)
+        connection.close()
 
-    def release(self, connection: socket.socket) -> None:
+    def release(self, connection: socket.socket) -> bool:
         """Takes the connection out between two turns (one running ends first), open, for another
-        process to serve: a message that arrives meanwhile stays in the socket for it. The caller
-        keeps the socket open while this process lives: a worker woken for it just before is then
-        never handed a new connection under its number."""
+        process to serve: a message that arrives meanwhile stays in the socket for it. False if it
+        had ended (closed here). The caller keeps the socket open while this process lives: a
+        worker woken for it just before is then never handed a new connection under its number."""
         fd = connection.fileno()
         with self._lock:
-            self._turns.pop(fd, None)  # no turn of it starts from now on
+            if self._turns.pop(fd, None) is None:  # no turn of it starts from now on
+                return False
             self._released.wait_for(lambda: fd not in self._running)
             if fd in self._armed:
                 self._armed.discard(fd)
                 with contextlib.suppress(OSError):
                     self._epoll.unregister(fd)
+        return True
 
     def _add_worker(self) -> None:
         with self._lock:
@@ -277,12 +282,13 @@ class Turns:
             self._running.add(fd)
         connection, turn = taken
         ended = not self._run_turn(connection, turn)
-        with self._lock:
+        with self._lock:  # what follows the turn, or its release: one or the other, never both
             self._running.discard(fd)
-            released = fd not in self._turns
             self._released.notify_all()
-        if not released and (ended or not self._arm(fd)):
-            self._end(fd, connection)
+            if fd not in self._turns or (not ended and self._arm(fd)):
+                return  # released (the releaser's now), or waiting for its next message
+            self._forget(fd)
+        connection.close()
 
     @staticmethod
     def _run_turn(connection: socket.socket, turn: Callable[[socket.socket], bool]) -> bool:
@@ -306,13 +312,13 @@ class Turns:
             return False
         return True
 
-    def _end(self, fd: int, connection: socket.socket) -> None:
+    def _forget(self, fd: int) -> None:
+        """The connection leaves the set (called with the lock held)."""
         if fd in self._armed:
             self._armed.discard(fd)
             with contextlib.suppress(OSError):  # closed under us: the epoll set let go of it then
                 self._epoll.unregister(fd)
         self._turns.pop(fd, None)
-        connection.close()
 
 
 def _answer(loaded: LoadedModel, message: list[dict[str, Any]]) -> tuple[Any, bytes]:

@@ -188,3 +188,36 @@ def test_a_released_idle_connection_is_never_answered_again(pairs: list[tuple[so
     with pytest.raises(TimeoutError):
         client.recv(64)
     assert pairs[-1][0].recv(64) == b"two"
+
+
+def test_a_connection_that_ended_is_not_released_and_a_running_one_is_released_once(
+    pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
+    turns = Turns("test")
+    client = connect(turns, pairs, echo_turn)
+    ours = pairs[-1][0]
+    client.close()  # its turn reads nothing: the connection ends and is closed here
+    assert wait_until(lambda: turns.connections == 0)
+    assert ours.fileno() == -1
+    assert turns.release(ours) is False  # nothing of it to hand over
+    # a turn that ends its connection while a release waits for it: the release gets it, open, and no worker closes it
+    started, finish = threading.Event(), threading.Event()
+
+    def ends(connection: socket.socket) -> bool:
+        connection.recv(64)
+        started.set()
+        finish.wait(5)
+        return False
+
+    client = connect(turns, pairs, ends)
+    ours = pairs[-1][0]
+    client.sendall(b"x")
+    assert started.wait(5)
+    released: list[bool] = []
+    releasing = threading.Thread(target=lambda: released.append(turns.release(ours)))
+    releasing.start()
+    time.sleep(0.1)
+    finish.set()
+    releasing.join(5)
+    assert released == [True]
+    assert ours.fileno() != -1
