@@ -11,9 +11,11 @@ How, with no request lost: the successor loads each model from the package the w
 ``hand_over`` for each: it takes the model's connections out between two messages (MMS sends the
 next only once answered, so one sent meanwhile waits in the socket), sends them back over its
 control socket, and lets the model go, its metrics moved to the successor's directory. The warm
-process passes each connection on (``connect``, ``adopted``: its LOAD was answered). Connections and
-models that arrive meanwhile go to the successor. Once the old host holds nothing, the successor
-takes its key and the old host ends. A load that fails leaves everything where it was.
+process passes each connection on (``connect``, ``adopted``: its LOAD was answered). Until the
+hand-over starts, new models and connections go to the old host (a model LOADed meanwhile loads in
+the successor too, first), so a load that fails there leaves everything where it was; from then on
+they go to the successor. Once the old host holds nothing, the successor takes its key and the old
+host ends.
 """
 
 from __future__ import annotations
