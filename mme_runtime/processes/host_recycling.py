@@ -132,7 +132,8 @@ class HostRecycling:
             return
         if not host.handing_over and not successor.pending:
             # models LOADed here meanwhile: to the successor first
-            arrived = [self.models[name] for name in host.models - successor.models]
+            names = host.models - successor.models
+            arrived = [model for name in names if (model := self.models.get(name)) is not None]
             if arrived:
                 self._load_in_successor(host, arrived)
                 return

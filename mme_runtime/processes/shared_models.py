@@ -87,8 +87,9 @@ class SharedModels:
         self.models_socket = str(config.models_socket)
         self.listener = warm_protocol.listen_for_models(self.models_socket)
         watcher.watch(self.listener, self._connection_arrived)
-        moved = lambda host, model: self._send_model(host, model, model.batch_size, moved=True)  # noqa: E731
-        self.recycling = HostRecycling(self.hosts, watcher, self.models, moved, self._watch_host)
+        self.recycling = HostRecycling(
+            self.hosts, watcher, self.models, self._send_moved, self._watch_host
+        )
 
     def child_exited(self, pid: int, code: int) -> bool:
         """True when ``pid`` was ours (a loader or a host)."""
@@ -293,6 +294,9 @@ class SharedModels:
         host.models.add(model.spec.name)
         host.peak = max(host.peak, len(host.models))
         host.empty_since = None
+
+    def _send_moved(self, host: Host, model: SharedModel) -> None:
+        self._send_model(host, model, model.batch_size, moved=True)
 
     def _watch_host(self, host: Host) -> None:
         self.watcher.watch(host.control, lambda: self._host_reported(host))

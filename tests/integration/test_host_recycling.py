@@ -60,6 +60,19 @@ def load_seconds(server: RunningServer, model: str) -> float:
     return value
 
 
+def fill_host(server: RunningServer, stays: str, prefix: str) -> list[str]:
+    """LOADs ``stays`` (WHO_SCRIPT) unless it is loaded already, and beside it PEAK - 1 tiny models named ``prefix``
+    and a number, all in the one host: their names."""
+    if not server.model_dir(stays).exists():
+        model_factory.write_code(server.model_dir(stays), WHO_SCRIPT)
+        assert server.load(stays).status_code == 200
+    names = [f"{prefix}{index}" for index in range(PEAK - 1)]
+    for index, name in enumerate(names):
+        model_factory.torchscript_model(server.model_dir(name), seed=index)
+        assert server.load(name).status_code == 200
+    return names
+
+
 def started_workers(server: RunningServer, model: str) -> set[tuple[str, str]]:
     """MMS's ready workers of ``model``, each with when it started: one that lost its connection starts again."""
     workers = server.describe(model).json()["workers"]
@@ -67,12 +80,7 @@ def started_workers(server: RunningServer, model: str) -> set[tuple[str, str]]:
 
 
 def test_a_drained_host_hands_its_last_model_to_a_fresh_one_with_no_request_lost(server: RunningServer) -> None:
-    model_factory.write_code(server.model_dir("stays"), WHO_SCRIPT)
-    assert server.load("stays").status_code == 200
-    drained = [f"drained{index}" for index in range(PEAK - 1)]
-    for index, name in enumerate(drained):
-        model_factory.torchscript_model(server.model_dir(name), seed=index)
-        assert server.load(name).status_code == 200
+    drained = fill_host(server, "stays", "drained")
     [old] = server.hosts_of("stays")
     workers = started_workers(server, "stays")
     answered: Counter[int] = Counter()  # by the pid that answered
@@ -123,12 +131,7 @@ def test_a_drained_host_hands_its_last_model_to_a_fresh_one_with_no_request_lost
 
 
 def test_a_host_left_more_than_a_sixteenth_of_its_models_stays(server: RunningServer) -> None:
-    model_factory.write_code(server.model_dir("stays"), WHO_SCRIPT)
-    assert server.load("stays").status_code == 200
-    others = [f"other{index}" for index in range(PEAK - 1)]
-    for index, name in enumerate(others):
-        model_factory.torchscript_model(server.model_dir(name), seed=index)
-        assert server.load(name).status_code == 200
+    others = fill_host(server, "stays", "other")
     [host] = server.hosts_of("stays")
     for name in others[1:]:  # 2 of 16 left
         assert server.unload(name).status_code == 200
@@ -147,10 +150,7 @@ def test_a_model_with_more_connections_than_one_message_carries_moves_with_all_o
 
     assert wait_until(lambda: len(started_workers(server, "wide")) == connections, 60)
     workers = started_workers(server, "wide")
-    drained = [f"drained{index}" for index in range(PEAK - 1)]
-    for index, name in enumerate(drained):
-        model_factory.torchscript_model(server.model_dir(name), seed=index)
-        assert server.load(name).status_code == 200
+    drained = fill_host(server, "wide", "drained")
     [old] = server.hosts_of("wide")
     for name in drained:
         assert server.unload(name).status_code == 200
