@@ -113,9 +113,15 @@ def carry_over(directory: Path) -> None:
             continue
         if not (sibling / HOST_BYTES_FILE).exists():
             continue  # a loader's or a server's: nothing of the model's own to keep
-        for path in scan(sibling, "*.db"):
-            with contextlib.suppress(OSError):
-                path.rename(directory / path.name)
+        _move_values(sibling, directory)
+
+
+def _move_values(source: Path, target: Path) -> None:
+    """The values files of ``source`` into ``target``; the exporter reads them there by their
+    process's pid, which their names hold."""
+    for path in scan(source, "*.db"):
+        with contextlib.suppress(OSError):
+            path.rename(target / path.name)
 
 
 def claim(metrics_dir: Path, directory: Path) -> None:
@@ -197,9 +203,7 @@ def hand_over(config: Config, series: Series | None, successor: int) -> None:
     if not target.is_dir():  # metrics off there: the counts end as an UNLOAD's do
         stop_hosted(config, series)
         return
-    for path in scan(series.directory, "*.db"):
-        with contextlib.suppress(OSError):
-            path.rename(target / path.name)
+    _move_values(series.directory, target)
     shutil.rmtree(series.directory, ignore_errors=True)
 
 

@@ -124,6 +124,11 @@ class Host:
     # the kernel's count when it started
     oom_kills: dict[str, int] = field(default_factory=failures.oom_kills)
 
+    def close(self) -> None:
+        """Lets go of the host: with its control socket closed it lets its models go and exits."""
+        self.control.close()
+        self.board.close()
+
 
 @dataclass(frozen=True)
 class Crash:
@@ -206,8 +211,7 @@ class DeviceHosts:
         successor.peak = len(successor.models)
         if not successor.models:
             self.left_empty(successor)
-        host.control.close()
-        host.board.close()
+        host.close()
         logger.info(
             "device host pid=%d gpu=%s retired: pid=%d serves its models",
             host.pid,
@@ -311,8 +315,7 @@ class DeviceHosts:
         exits (its exit is no crash: it is no host of ours any more)."""
         if self.hosts.get(host.key) is host:
             del self.hosts[host.key]
-            host.control.close()
-            host.board.close()
+            host.close()
             logger.info("device host pid=%d gpu=%s retired: it serves no model", host.pid, host.key)
 
     def stop(self) -> None:

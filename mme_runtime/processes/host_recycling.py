@@ -186,8 +186,7 @@ class HostRecycling:
             why,
         )
         self.watcher.forget(successor.control)
-        successor.control.close()
-        successor.board.close()
+        successor.close()
 
     def host_died(self, host: Host) -> None:
         """``host`` died while it was being recycled: its successor ends too (the frontend's

@@ -241,10 +241,7 @@ class Turns:
             if self._turns.pop(fd, None) is None:  # no turn of it starts from now on
                 return False
             self._released.wait_for(lambda: fd not in self._running)
-            if fd in self._armed:
-                self._armed.discard(fd)
-                with contextlib.suppress(OSError):
-                    self._epoll.unregister(fd)
+            self._forget(fd)
         return True
 
     def _add_worker(self) -> None:
