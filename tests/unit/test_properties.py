@@ -46,6 +46,15 @@ def test_mms_properties_derive_addresses_workers_and_limits() -> None:
     assert "preload_model_gpu" not in properties and properties["async_logging"] == "true"
 
 
+def test_the_frontend_has_event_loops_to_spare_for_unloads_unless_the_user_says_otherwise() -> None:
+    # An UNLOAD holds its event loop until the model's process is reaped; netty's default, 2 a core, made a model
+    # invoked meanwhile wait for it.
+    ours = mms_properties(Config(), {}, workers_per_model=1)
+    assert int(ours["number_of_netty_threads"]) >= 32
+    users = mms_properties(Config(), {"number_of_netty_threads": "4"}, workers_per_model=1)
+    assert users["number_of_netty_threads"] == "4"
+
+
 def test_mms_timer_never_cuts_a_load_shorter_than_sagemaker_allows() -> None:
     # MMS times a LOAD with the request timer: SAGEMAKER_MODEL_SERVER_TIMEOUT below 360 s must not shorten LOADs.
     for timeout, timer in (("60", "360"), ("120", "360"), ("600", "600")):
