@@ -14,7 +14,6 @@ import ctypes
 import gc
 import logging
 import os
-import resource
 import select
 import signal
 import socket
@@ -22,6 +21,8 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+
+from mme_runtime.base.descriptor_table import close_all_but
 
 logger = logging.getLogger(__name__)
 
@@ -107,34 +108,6 @@ def _become_child(title: str, keep: Iterable[int], environment: Mapping[str, str
         signal.signal(signum, signal.SIG_DFL)
 
 
-def close_all_but(keep: Iterable[int]) -> None:
-    """Closes every descriptor from 3 up but ``keep``, each run between two kept ones in one call
-    (``close_range``): a child of the warm process, which holds two descriptors per model, closes
-    thousands in a few calls. The runs end at the size of the descriptor table, so that where
-    ``close_range`` is missing or refused, CPython's fallback (one ``close`` per number) closes no
-    more than that."""
-    low = 3
-    for fd in sorted({fd for fd in keep if fd >= low}):
-        os.closerange(low, fd)
-        low = fd + 1
-    os.closerange(low, descriptor_table_size())
-
-
-def descriptor_table_size() -> int:
-    """The size of this process's descriptor table (``FDSize``): every open descriptor is below it.
-    One line of ``/proc/self/status``, where listing ``/proc/self/fd`` costs the kernel an entry a
-    descriptor (14 ms in a loader at 1,600 models); ``RLIMIT_NOFILE`` where /proc cannot be read."""
-    try:
-        # bytes: the process's name (its title's first 15 bytes) may not be ASCII
-        with open("/proc/self/status", "rb") as status:
-            for line in status:
-                if line.startswith(b"FDSize:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
 def prctl(option: int, value: int, what: str) -> None:
     """Sets a ``prctl`` option of this process; where that fails, the caller carries on without
     (logged)."""
@@ -202,14 +175,6 @@ class Watcher:
             watched = self._handlers.get(sock)
             if watched is not None:
                 watched[1]()
-
-
-def raise_descriptor_limit() -> None:
-    """Each shared model holds a few descriptors in this process (its stub's connection, its
-    package): lift the soft limit to the hard one, so that thousands of models fit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def kill(pid: int) -> None:

@@ -23,8 +23,9 @@ from pathlib import Path
 from types import FrameType
 
 from mme_runtime.base import failures
-from mme_runtime.base.child_processes import Watcher, exited_children, raise_descriptor_limit
+from mme_runtime.base.child_processes import Watcher, exited_children
 from mme_runtime.base.config import Config
+from mme_runtime.base.descriptor_table import raise_descriptor_limit
 from mme_runtime.huggingface.loading import is_hugging_face_directory
 from mme_runtime.models.loading import ModelSpec
 from mme_runtime.operations.memory import release_memory

@@ -4,6 +4,7 @@ from each other. What models that share a device host share, and what they do no
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,15 +93,17 @@ def test_a_served_model_leaves_no_descriptor_of_its_stub_s_stdio_in_the_warm_pro
     assert wait_until(lambda: _pipes(warm_process(server)) <= pipes_before, 5)
 
 
-def test_a_served_model_s_stub_holds_one_descriptor(server: RunningServer) -> None:
+def test_a_served_model_s_stub_holds_one_descriptor_at_the_normal_priority(server: RunningServer) -> None:
     """The process MMS started for a model waits on its connection to the warm process alone (its stdio closed):
-    MMS's reading threads ended with its pipes, and nothing more is written there."""
+    MMS's reading threads ended with its pipes, and nothing more is written there. It freed the JDK launcher's
+    entries at idle priority, in a thread of its own: the process MMS kills to UNLOAD keeps the normal one."""
     model_factory.torchscript_model(server.model_dir("one-fd"))
     assert server.load("one-fd").status_code == 200
     assert server.invoke("one-fd", json.dumps([[1, 2, 3, 4]])).status_code == 200
     [stub] = [p for p in psutil.Process(server.process.pid).children(recursive=True) if _is_stub(p, "one-fd")]
     descriptors = _descriptor_targets(stub)
     assert list(descriptors) == ["0"] and descriptors["0"].startswith("socket:"), descriptors
+    assert os.sched_getscheduler(stub.pid) == os.SCHED_OTHER and stub.nice() == 0
     assert server.unload("one-fd").status_code == 200
     assert wait_until(lambda: not alive([stub]), 10)
 

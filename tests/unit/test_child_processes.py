@@ -76,23 +76,6 @@ def test_a_forked_child_gets_what_it_is_given_and_nothing_it_is_not(tmp_path: Pa
     assert stdout.read_text() == "to the given stdout\n"
 
 
-def test_the_descriptor_table_size_is_read_whatever_the_process_is_named() -> None:
-    # A loader's name is its model's: one that is not ASCII once sent the bound to RLIMIT_NOFILE (often a million,
-    # one close each where close_range is refused).
-    script = textwrap.dedent(
-        """
-        import os, resource, setproctitle
-        from mme_runtime.base.child_processes import descriptor_table_size
-        setproctitle.setproctitle("mme-loader m\u00f6del")
-        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-        os.dup2(1, 1000)  # the table grows to 1024
-        print(descriptor_table_size())
-        """
-    )
-    probe = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
-    assert probe.stdout.split()[-1] == "1024"
-
-
 def test_a_forked_child_never_collects_a_socket_of_its_parent_onto_a_descriptor_of_its_own() -> None:
     # The parent's socket in a cycle not yet collected: the child closes its number and may reuse it; collecting the
     # socket there would close the child's descriptor under it.
