@@ -57,6 +57,7 @@ class WarmProcess:
     connections, its hosts."""
 
     def __init__(self, listener: socket.socket, config: Config) -> None:
+        from mme_runtime.processes.launcher_entries import LauncherEntries
         from mme_runtime.processes.shared_models import SharedModels
 
         self.listener = listener
@@ -65,6 +66,7 @@ class WarmProcess:
         self.watcher.watch(listener, self._accept)
         self.shared = SharedModels(config, self.watcher)
         self.deaths = failures.Deaths()  # loaders: a signal that kills one is logged with its model
+        self.launcher_entries = LauncherEntries(dict(os.environ))
         self._stopping = False
         self._trimmed_at = 0.0  # monotonic
         self._environment: dict[str, str] = {}  # the last stub's, whose values the next one shares
@@ -78,6 +80,7 @@ class WarmProcess:
             self._reap()
             self.shared.tend_hosts()
             self._trim_after_unloads()
+        self.launcher_entries.close()
         self.shared.stop()
 
     def _trim_after_unloads(self) -> None:
@@ -120,6 +123,8 @@ class WarmProcess:
         self._warm_imports(request["argv"])
         try:
             self.shared.add(spec, request, connection, fds)
+            if isinstance(request.get("pid"), int):
+                self.launcher_entries.forget(request["pid"])
             model = self.shared.models.get(spec.name)
             if model is not None and model.loader is not None:
                 label = f"model={spec.name} load failed: its loader pid={model.loader}"
@@ -135,6 +140,8 @@ class WarmProcess:
 
     def _reap(self) -> None:
         for pid, code in exited_children():
+            if self.launcher_entries.exited(pid):
+                continue
             death = self.deaths.exited(pid, code)
             if death is not None:
                 logger.error("%s", death)

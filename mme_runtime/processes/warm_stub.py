@@ -5,9 +5,7 @@ The stub hands its command line, environment and stdio to the warm process, whic
 once the model is ready to take connections; the stub then becomes ``head -c 1`` reading its
 connection, with no other descriptor: a process of a few hundred KiB that MMS can kill to UNLOAD
 (the warm process sees the connection close) and that exits when the warm process closes it (MMS
-then starts the model again). Nothing is written to it after ``shared``. Before it becomes ``head``
-it frees, on idle CPU, what the JDK's launcher left in the kernel for it, so that its UNLOAD does not
-pay for it.
+then starts the model again). Nothing is written to it after ``shared``.
 """
 
 from __future__ import annotations
@@ -15,16 +13,11 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import threading
 import time
 
-from mme_runtime.base.descriptor_table import forget_closed_descriptors
 from mme_runtime.processes.warm_protocol import STARTING_FILE, WARM_START_SECONDS, receive, send
 
 STUB_TITLE = "mme-model-stub"
-# How long the stub may spend, on idle CPU, freeing what the JDK's launcher left before it becomes
-# ``head`` (about 15 ms at 2,000 models); what is left then is freed when it is reaped, as before.
-FORGET_SECONDS = 1.0
 
 
 def run_via_warm_process(socket_path: str, environment: dict[str, str]) -> int:
@@ -42,7 +35,6 @@ def run_via_warm_process(socket_path: str, environment: dict[str, str]) -> int:
             "mme-gpu: the warm process ended before it took the model", file=sys.stderr, flush=True
         )
         return 1
-    _forget_the_launcher_s_listing()
     _become_reader(client, sys.argv)
     return 1  # not reached: _become_reader replaces this process
 
@@ -68,26 +60,6 @@ def _connect(socket_path: str) -> socket.socket | None:
             waiting = os.path.exists(starting)
             if waiting:
                 time.sleep(0.05)
-
-
-def _forget_the_launcher_s_listing() -> None:
-    """Frees, on idle CPU and for at most ``FORGET_SECONDS``, the kernel's entries for the
-    frontend's descriptors: the JDK started this process through ``jspawnhelper``, which lists
-    ``/proc/self/fd`` to close them (2 per model loaded), and the kernel would free the entries when
-    MMS reaps the stub, in the UNLOAD's path: 4.4 ms of CPU at 4,000, on the frontend's event loop
-    (MMS answers an UNLOAD once the process is reaped). A thread of its own, since a process's
-    policy is each thread's: ``head`` keeps the normal one, so that it dies at once when killed."""
-
-    def forget() -> None:
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except OSError:  # no SCHED_IDLE: the lowest priority instead
-            os.setpriority(os.PRIO_PROCESS, 0, 19)
-        forget_closed_descriptors()
-
-    worker = threading.Thread(target=forget, name="forget-listing", daemon=True)
-    worker.start()
-    worker.join(FORGET_SECONDS)  # if it is not done, exec ends it
 
 
 def _become_reader(client: socket.socket, argv: list[str]) -> None:

@@ -108,6 +108,27 @@ def test_a_served_model_s_stub_holds_one_descriptor_at_the_normal_priority(serve
     assert wait_until(lambda: not alive([stub]), 10)
 
 
+def test_stubs_go_to_one_process_at_idle_priority_started_again_if_it_ends(server: RunningServer) -> None:
+    """The JDK's launcher left kernel entries in each stub that its UNLOAD would free: the warm process sends each stub
+    to one process of its own, at idle priority, that frees them meanwhile (launcher_entries.py)."""
+    model_factory.torchscript_model(server.model_dir("idle-a"))
+    assert server.load("idle-a").status_code == 200
+    [idle] = _launcher_entries(server)
+    assert idle.ppid() == warm_process(server).pid
+    assert os.sched_getscheduler(idle.pid) == os.SCHED_IDLE
+    idle.kill()
+    assert wait_until(lambda: not _launcher_entries(server), 10)
+    model_factory.torchscript_model(server.model_dir("idle-b"))
+    assert server.load("idle-b").status_code == 200
+    assert [process.pid for process in _launcher_entries(server)] not in ([], [idle.pid])
+    assert server.invoke("idle-b", json.dumps([[1, 2, 3, 4]])).status_code == 200
+    assert "ERROR" not in server.log_text().split("idle-a", 1)[1]  # its end is none of the models' concern
+
+
+def _launcher_entries(server: RunningServer) -> list[psutil.Process]:
+    return [p for p in alive(warm_process(server).children()) if p.cmdline()[:1] == ["mme-launcher-entries"]]
+
+
 def test_the_frontend_connects_for_every_model_on_one_socket(server: RunningServer) -> None:
     """Each model's socket path links to one socket of the warm process, so a model holds no listening socket of its
     own: at thousands of models each descriptor counts."""

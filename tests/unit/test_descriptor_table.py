@@ -1,13 +1,44 @@
-"""This process's descriptor table: its size under any name, and the kernel's /proc entries of closed numbers."""
+"""A process's descriptor table: its size under any name, and the kernel's /proc entries of closed numbers, freed by
+the idle process the warm process sends each stub to."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 
-from mme_runtime.base.descriptor_table import forget_closed_descriptors
+# A process lists its /proc/self/fd as the JDK's launcher does in every stub (an entry per open number), closes a
+# number, then, once told, opens it again. An entry still cached keeps its inode number; a freed one is made afresh,
+# with a new one.
+LISTED = textwrap.dedent(
+    """
+    import fcntl, os, sys
+    number = fcntl.fcntl(1, fcntl.F_DUPFD, 900)
+    kept = fcntl.fcntl(1, fcntl.F_DUPFD, 900)
+    os.listdir("/proc/self/fd")
+    inode = lambda fd: os.stat(f"/proc/self/fd/{fd}", follow_symlinks=False).st_ino
+    before = (inode(number), inode(kept))
+    os.close(number)
+    print("listed", flush=True)
+    sys.stdin.readline()
+    os.dup2(1, number)
+    after = (inode(number), inode(kept))
+    print(before[0] != after[0], before[1] == after[1], flush=True)
+    """
+)
+
+# What the warm process does for each stub: its pid down a pipe to launcher_entries.run, here in a process of its own
+# (it puts itself at idle priority), which ends when the pipe closes.
+IDLE_PROCESS = textwrap.dedent(
+    """
+    import os, sys
+    from mme_runtime.processes.launcher_entries import PID, run
+    read_end, write_end = os.pipe()
+    os.write(write_end, PID.pack(int(sys.argv[1])) + PID.pack(2**31 - 1))  # the second has gone
+    os.close(write_end)
+    sys.exit(run(read_end))
+    """
+)
 
 
 def test_the_descriptor_table_size_is_read_whatever_the_process_is_named() -> None:
@@ -27,22 +58,25 @@ def test_the_descriptor_table_size_is_read_whatever_the_process_is_named() -> No
     assert probe.stdout.split()[-1] == "1024"
 
 
-def test_forgetting_closed_descriptors_frees_the_entries_a_listing_made_and_keeps_the_open_ones() -> None:
-    # The JDK's launcher lists /proc/self/fd in each model's stub, and the kernel keeps an entry per number listed
-    # until the stub is reaped in the UNLOAD's path. An entry still cached for a number closed and opened again keeps
-    # its inode number; a freed one is made afresh, with a new one.
-    closed, kept = 900, 901
-    for fd in (closed, kept):
-        os.dup2(1, fd)
-    try:
-        os.listdir("/proc/self/fd")  # what the launcher does
-        before = {fd: os.stat(f"/proc/self/fd/{fd}", follow_symlinks=False).st_ino for fd in (closed, kept)}
-        os.close(closed)
-        forget_closed_descriptors()
-        os.dup2(1, closed)
-        after = {fd: os.stat(f"/proc/self/fd/{fd}", follow_symlinks=False).st_ino for fd in (closed, kept)}
-    finally:
-        for fd in (closed, kept):
-            os.close(fd)
-    assert after[closed] != before[closed]
-    assert after[kept] == before[kept]
+def test_the_idle_process_frees_the_entries_of_closed_numbers_a_listing_made_and_keeps_the_open_ones() -> None:
+    assert _listed_process_after(forget=True) == "True True"
+
+
+def test_without_it_a_number_closed_and_opened_again_finds_its_old_entry() -> None:
+    # The control: what the test above tells apart.
+    assert _listed_process_after(forget=False) == "False True"
+
+
+def _listed_process_after(forget: bool) -> str:
+    command = [sys.executable, "-c", LISTED]
+    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as listed:
+        assert listed.stdout is not None and listed.stdin is not None
+        try:
+            assert listed.stdout.readline().strip() == "listed"
+            if forget:
+                subprocess.run([sys.executable, "-c", IDLE_PROCESS, str(listed.pid)], timeout=60, check=True)
+            listed.stdin.write("go\n")
+            listed.stdin.flush()
+            return listed.stdout.readline().strip()
+        finally:
+            listed.kill()
