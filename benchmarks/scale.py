@@ -320,7 +320,9 @@ def main(argv: Sequence[str] = ()) -> int:
             # Idle means idle: once a batcher's threads have ended too, what an idle model costs.
             time.sleep(BATCHER_IDLE_SECONDS + args.idle_seconds)
             idle_threads, idle_fds = counts(ours(server))
+            drain_started = time.monotonic()
             unload_ms, probe_ms, failed = unload_all(server, loaded)
+            drain_seconds = time.monotonic() - drain_started
             time.sleep(EMPTY_HOST_SECONDS + 2)  # the host left with no model ends
             after_memory = server.tree_memory_mib()
             kept_packages = unmapped_shared_memory_mib(ours(server))
@@ -377,11 +379,11 @@ def main(argv: Sequence[str] = ()) -> int:
         f"{first['models']:.0f}: {last['invoke_p50'] / first['invoke_p50']:.2f}"
     )
     print(
-        f"* UNLOAD of all {len(unload_ms)} from {UNLOAD_CLIENTS} clients: "
+        f"* UNLOAD of all {len(unload_ms)} from {UNLOAD_CLIENTS} clients in {drain_seconds:.1f} s: "
         f"p50 {percentile(unload_ms, 50):.1f} ms, "
         f"p99 {percentile(unload_ms, 99):.1f} ms, {failed} failed; "
-        f"the probe, invoked {PROBE_RATE:g} times a "
-        f"second meanwhile: p50 {percentile(probe_ms, 50):.1f} ms, p99 {probe_p99:.1f} ms"
+        f"the probe, invoked {PROBE_RATE:g} times a second meanwhile ({len(probe_ms)} calls): "
+        f"p50 {percentile(probe_ms, 50):.1f} ms, p99 {probe_p99:.1f} ms"
     )
     print(
         f"* after {BATCHER_IDLE_SECONDS + args.idle_seconds:.0f} s with no request (a batcher's "
