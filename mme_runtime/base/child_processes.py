@@ -1,5 +1,5 @@
 """The one place processes are made, and the plumbing of the processes that make them: collecting
-exited children, Linux's ``prctl``, waiting on many sockets, and the descriptor limit.
+exited children, Linux's ``prctl`` and waiting on many sockets.
 
 ``start_program`` starts a program (the supervisor's MMS frontend and warm process); ``fork_child``
 forks every model process from the warm process (loaders and device hosts) and decides what such a

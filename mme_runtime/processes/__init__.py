@@ -5,6 +5,6 @@ starts a stub per model (``warm_stub``), which hands its model to the ``warm_sta
 per device for the models that share (each there a ``hosted_model``), and one per device for each
 model that needs isolation; a ``crash_board`` names whose code killed a host, and a CPU host that
 UNLOADs drained moves what it has left to a fresh one (``host_recycling``). What the JDK's launcher
-left in the kernel for each stub is freed on idle CPU (``launcher_entries``).
+left in the kernel for each stub is freed at the lowest priority (``launcher_entries``).
 It may import: ``base``, ``operations``, ``models``, ``serving``, ``huggingface``.
 """

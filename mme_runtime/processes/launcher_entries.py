@@ -1,19 +1,22 @@
-"""What the JDK's launcher leaves in the kernel for each model's stub, freed on idle CPU before the
-stub's UNLOAD would pay for it.
+"""What the JDK's launcher leaves in the kernel for each model's stub, freed at the lowest priority
+before the stub's UNLOAD would pay for it.
 
 MMS starts each stub through the JDK's ``jspawnhelper``, which lists ``/proc/self/fd`` to close the
 frontend's descriptors (2 per model loaded): the kernel makes an entry for each and keeps it after
 the descriptor closes, until the number is looked up again or the process is reaped. At an UNLOAD,
 Java's reaper of the stub frees them all (4.4 ms of CPU at 4,000 entries, 2,000 models) while MMS
-holds the netty event loop that read the UNLOAD (it answers once the stub is reaped), and a drain of
-thousands of models spent most of its CPU there. So the warm process sends each stub's pid to one
-process of its own at idle priority, which looks up every number of that stub's ``/proc/<pid>/fd``
-(``descriptor_table.forget_closed_descriptors``): the stale entries go when the CPU has nothing else
-to do. Best effort: a stub it did not reach is freed at its reap, as before.
+holds the netty event loop that read the UNLOAD (it answers once the stub is reaped): 40% of the CPU
+a drain of 1,500 models took. So the warm process sends each stub's pid to one
+process of its own at the lowest priority (nice 19), which looks up every number of that stub's
+``/proc/<pid>/fd`` (``descriptor_table.forget_closed_descriptors``): the stale entries go while the
+CPU has little else to do. Not ``SCHED_IDLE``: a process that may get no CPU at all for as long as
+others want it could hold an entry the reaper then waits for. Best effort: a stub it did not reach
+in time is freed at its reap, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -29,17 +32,25 @@ PID = struct.Struct("=i")
 
 
 class LauncherEntries:
-    """The warm process's side: ``forget(pid)`` queues a stub for the idle process (started on
-    first use, again once it has ended); ``exited(pid)`` says whether a child that ended was it."""
+    """The warm process's side: ``start()`` forks the low-priority process, before any model (a fork
+    holds the pages of the moment it was made); ``forget(pid)`` queues a stub for it, starting a new
+    one if it has ended; ``exited(pid)`` says whether a child that ended was it."""
 
     def __init__(self, environment: dict[str, str]) -> None:
         self._environment = environment
-        self._pid: int | None = None
+        self.pid: int | None = None
         self._queue: int | None = None  # the pipe's end we write, non-blocking
 
+    def start(self) -> None:
+        """Forks the process; where that fails, the stubs are left to their reaps (logged)."""
+        try:
+            self._start()
+        except OSError as exc:
+            logger.warning("launcher entries left to the stubs' reaps: %s", exc)
+
     def forget(self, stub_pid: int) -> None:
-        """Queues ``stub_pid``. Never waits: if the idle process is a pipe's worth behind (about
-        16,000 stubs), the stub is left to its reap."""
+        """Queues ``stub_pid``. Never waits: if the process is a pipe's worth behind (about 16,000
+        stubs), the stub is left to its reap."""
         message = PID.pack(stub_pid)
         try:
             try:
@@ -54,15 +65,15 @@ class LauncherEntries:
             self.close()
 
     def exited(self, pid: int) -> bool:
-        """True when ``pid`` was the idle process (a new one starts with the next stub)."""
-        if pid != self._pid:
+        """True when ``pid`` was the process (a new one starts with the next stub)."""
+        if pid != self.pid:
             return False
-        self._pid = None
+        self.pid = None
         self.close()
         return True
 
     def close(self) -> None:
-        """Lets the idle process go: it ends once it has read what was queued."""
+        """Lets the process go: it ends once it has read what was queued."""
         if self._queue is not None:
             os.close(self._queue)
             self._queue = None
@@ -76,8 +87,9 @@ class LauncherEntries:
     def _start(self) -> None:
         read_end, write_end = os.pipe()
         try:
-            idle = functools.partial(run, read_end)
-            self._pid = fork_child(TITLE, idle, self._environment, keep=(read_end,))
+            self.pid = fork_child(
+                TITLE, functools.partial(run, read_end), self._environment, keep=(read_end,)
+            )
         except OSError:
             os.close(write_end)
             raise
@@ -88,11 +100,9 @@ class LauncherEntries:
 
 
 def run(queue: int) -> int:
-    """The idle process: for each pid read from ``queue``, frees that process's stale entries; 0
-    once the warm process has closed it."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except OSError:  # where SCHED_IDLE is refused, the lowest priority a process may take
+    """The process: for each pid read from ``queue``, frees that process's stale entries; 0 once
+    the warm process has closed it."""
+    with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, 0, 19)
     pending = b""
     while chunk := os.read(queue, 4096):

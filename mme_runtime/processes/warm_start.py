@@ -74,6 +74,7 @@ class WarmProcess:
     def serve_forever(self) -> None:
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
+        self.launcher_entries.start()
         print(f"warm process ready pid={os.getpid()}", flush=True)
         while not self._stopping:
             self.watcher.run_once(0.5)
@@ -123,8 +124,6 @@ class WarmProcess:
         self._warm_imports(request["argv"])
         try:
             self.shared.add(spec, request, connection, fds)
-            if isinstance(request.get("pid"), int):
-                self.launcher_entries.forget(request["pid"])
             model = self.shared.models.get(spec.name)
             if model is not None and model.loader is not None:
                 label = f"model={spec.name} load failed: its loader pid={model.loader}"
@@ -137,6 +136,8 @@ class WarmProcess:
                 for fd in fds:
                     os.close(fd)
                 connection.close()
+        if isinstance(request.get("pid"), int):
+            self.launcher_entries.forget(request["pid"])
 
     def _reap(self) -> None:
         for pid, code in exited_children():

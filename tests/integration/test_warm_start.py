@@ -85,6 +85,7 @@ def _own_hosts(server: RunningServer, model: str) -> list[psutil.Process]:
 def test_a_served_model_leaves_no_descriptor_of_its_stub_s_stdio_in_the_warm_process(server: RunningServer) -> None:
     """At thousands of models every descriptor per model counts: once a model is served, the warm process keeps its
     socket, its stub's connection and its package, none of the stub's pipes."""
+    assert wait_until(lambda: _launcher_entries(server), 60)  # the warm process is up: its one pipe open
     pipes_before = _pipes(warm_process(server))
     for name in ("quiet-a", "quiet-b", "quiet-c"):
         model_factory.torchscript_model(server.model_dir(name))
@@ -93,31 +94,29 @@ def test_a_served_model_leaves_no_descriptor_of_its_stub_s_stdio_in_the_warm_pro
     assert wait_until(lambda: _pipes(warm_process(server)) <= pipes_before, 5)
 
 
-def test_a_served_model_s_stub_holds_one_descriptor_at_the_normal_priority(server: RunningServer) -> None:
+def test_a_served_model_s_stub_holds_one_descriptor(server: RunningServer) -> None:
     """The process MMS started for a model waits on its connection to the warm process alone (its stdio closed):
-    MMS's reading threads ended with its pipes, and nothing more is written there. It freed the JDK launcher's
-    entries at idle priority, in a thread of its own: the process MMS kills to UNLOAD keeps the normal one."""
+    MMS's reading threads ended with its pipes, and nothing more is written there."""
     model_factory.torchscript_model(server.model_dir("one-fd"))
     assert server.load("one-fd").status_code == 200
     assert server.invoke("one-fd", json.dumps([[1, 2, 3, 4]])).status_code == 200
     [stub] = [p for p in psutil.Process(server.process.pid).children(recursive=True) if _is_stub(p, "one-fd")]
     descriptors = _descriptor_targets(stub)
     assert list(descriptors) == ["0"] and descriptors["0"].startswith("socket:"), descriptors
-    assert os.sched_getscheduler(stub.pid) == os.SCHED_OTHER and stub.nice() == 0
     assert server.unload("one-fd").status_code == 200
     assert wait_until(lambda: not alive([stub]), 10)
 
 
-def test_stubs_go_to_one_process_at_idle_priority_started_again_if_it_ends(server: RunningServer) -> None:
+def test_stubs_go_to_one_process_at_the_lowest_priority_started_again_if_it_ends(server: RunningServer) -> None:
     """The JDK's launcher left kernel entries in each stub that its UNLOAD would free: the warm process sends each stub
-    to one process of its own, at idle priority, that frees them meanwhile (launcher_entries.py)."""
+    to one process of its own, at the lowest priority, that frees them meanwhile (launcher_entries.py)."""
     model_factory.torchscript_model(server.model_dir("idle-a"))
     assert server.load("idle-a").status_code == 200
     [idle] = _launcher_entries(server)
     assert idle.ppid() == warm_process(server).pid
-    assert os.sched_getscheduler(idle.pid) == os.SCHED_IDLE
+    assert os.sched_getscheduler(idle.pid) == os.SCHED_OTHER and idle.nice() == 19
     idle.kill()
-    assert wait_until(lambda: not _launcher_entries(server), 10)
+    assert wait_until(lambda: not _launcher_entries(server), 30)
     model_factory.torchscript_model(server.model_dir("idle-b"))
     assert server.load("idle-b").status_code == 200
     assert [process.pid for process in _launcher_entries(server)] not in ([], [idle.pid])
@@ -126,7 +125,14 @@ def test_stubs_go_to_one_process_at_idle_priority_started_again_if_it_ends(serve
 
 
 def _launcher_entries(server: RunningServer) -> list[psutil.Process]:
-    return [p for p in alive(warm_process(server).children()) if p.cmdline()[:1] == ["mme-launcher-entries"]]
+    found = []
+    for process in alive(warm_process(server).children()):
+        try:
+            if process.cmdline()[:1] == ["mme-launcher-entries"]:
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
 
 
 def test_the_frontend_connects_for_every_model_on_one_socket(server: RunningServer) -> None:

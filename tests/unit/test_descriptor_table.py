@@ -1,5 +1,5 @@
 """A process's descriptor table: its size under any name, and the kernel's /proc entries of closed numbers, freed by
-the idle process the warm process sends each stub to."""
+the low-priority process the warm process sends each stub to (launcher_entries.py)."""
 
 from __future__ import annotations
 
@@ -27,16 +27,24 @@ LISTED = textwrap.dedent(
     """
 )
 
-# What the warm process does for each stub: its pid down a pipe to launcher_entries.run, here in a process of its own
-# (it puts itself at idle priority), which ends when the pipe closes.
-IDLE_PROCESS = textwrap.dedent(
+# What the warm process does for each stub, here in a process of its own: the low-priority process started, then
+# ended (killed and reaped here, so the next stub meets a broken pipe and starts another), the listed process's pid
+# sent, then one no process has; closing the queue ends the process once it has read it all.
+LOW_PRIORITY_PROCESS = textwrap.dedent(
     """
-    import os, sys
-    from mme_runtime.processes.launcher_entries import PID, run
-    read_end, write_end = os.pipe()
-    os.write(write_end, PID.pack(int(sys.argv[1])) + PID.pack(2**31 - 1))  # the second has gone
-    os.close(write_end)
-    sys.exit(run(read_end))
+    import os, signal, sys
+    from mme_runtime.processes.launcher_entries import LauncherEntries
+    entries = LauncherEntries(dict(os.environ))
+    entries.start()
+    first = entries.pid
+    os.kill(first, signal.SIGKILL)
+    os.waitpid(first, 0)
+    entries.forget(int(sys.argv[1]))
+    entries.forget(2**22 + 1)  # above any pid_max
+    second = entries.pid
+    entries.close()
+    _, status = os.waitpid(second, 0)
+    print(second not in (None, first), os.waitstatus_to_exitcode(status), os.getpriority(os.PRIO_PROCESS, 0))
     """
 )
 
@@ -58,7 +66,7 @@ def test_the_descriptor_table_size_is_read_whatever_the_process_is_named() -> No
     assert probe.stdout.split()[-1] == "1024"
 
 
-def test_the_idle_process_frees_the_entries_of_closed_numbers_a_listing_made_and_keeps_the_open_ones() -> None:
+def test_the_low_priority_process_frees_the_entries_of_closed_numbers_a_listing_made_and_keeps_the_open_ones() -> None:
     assert _listed_process_after(forget=True) == "True True"
 
 
@@ -74,7 +82,9 @@ def _listed_process_after(forget: bool) -> str:
         try:
             assert listed.stdout.readline().strip() == "listed"
             if forget:
-                subprocess.run([sys.executable, "-c", IDLE_PROCESS, str(listed.pid)], timeout=60, check=True)
+                command = [sys.executable, "-c", LOW_PRIORITY_PROCESS, str(listed.pid)]
+                done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
+                assert done.stdout.split() == ["True", "0", "0"], done  # a new one, ended well; not this one's nice
             listed.stdin.write("go\n")
             listed.stdin.flush()
             return listed.stdout.readline().strip()
