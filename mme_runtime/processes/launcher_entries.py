@@ -17,12 +17,11 @@ in time is freed at its reap, as before.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import struct
+import sys
 
-from mme_runtime.base.child_processes import fork_child
 from mme_runtime.base.descriptor_table import forget_closed_descriptors
 
 logger = logging.getLogger(__name__)
@@ -32,9 +31,11 @@ PID = struct.Struct("=i")
 
 
 class LauncherEntries:
-    """The warm process's side: ``start()`` forks the low-priority process, before any model (a fork
-    holds the pages of the moment it was made); ``forget(pid)`` queues a stub for it, starting a new
-    one if it has ended; ``exited(pid)`` says whether a child that ended was it."""
+    """The warm process's side: ``start()`` starts the low-priority process, a fresh interpreter
+    reading a pipe (a fork of the warm process would keep the original of each page the warm
+    process writes later, a copy the more the longer it lives); ``forget(pid)`` queues a stub for
+    it, starting a new one if it has ended; ``exited(pid)`` says whether a child that ended was
+    it."""
 
     def __init__(self, environment: dict[str, str]) -> None:
         self._environment = environment
@@ -85,11 +86,11 @@ class LauncherEntries:
         os.write(self._queue, message)
 
     def _start(self) -> None:
+        from mme_runtime.base.child_processes import fork_child
+
         read_end, write_end = os.pipe()
         try:
-            self.pid = fork_child(
-                TITLE, functools.partial(run, read_end), self._environment, keep=(read_end,)
-            )
+            self.pid = fork_child(TITLE, _fresh, self._environment, stdio=(read_end, 1, 2))
         except OSError:
             os.close(write_end)
             raise
@@ -97,6 +98,21 @@ class LauncherEntries:
             os.close(read_end)
         os.set_blocking(write_end, False)
         self._queue = write_end
+
+
+def _fresh() -> int:
+    """In the forked child: this module's ``main`` in a new interpreter (it dies with the warm
+    process still: the kernel keeps that across ``exec``)."""
+    os.execv(sys.executable, [sys.executable, "-m", __name__])
+    return 1  # not reached: exec replaces the process or raises
+
+
+def main() -> int:
+    """The process: its queue is its stdin."""
+    import setproctitle
+
+    setproctitle.setproctitle(TITLE)
+    return run(0)
 
 
 def run(queue: int) -> int:
@@ -112,3 +128,7 @@ def run(queue: int) -> int:
             forget_closed_descriptors(pid)
         pending = pending[whole:]
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

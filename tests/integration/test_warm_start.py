@@ -112,6 +112,7 @@ def test_stubs_go_to_one_process_at_the_lowest_priority_started_again_if_it_ends
     to one process of its own, at the lowest priority, that frees them meanwhile (launcher_entries.py)."""
     model_factory.torchscript_model(server.model_dir("idle-a"))
     assert server.load("idle-a").status_code == 200
+    assert wait_until(lambda: _launcher_entries(server), 30)  # a new interpreter: titled once it runs
     [idle] = _launcher_entries(server)
     assert idle.ppid() == warm_process(server).pid
     assert os.sched_getscheduler(idle.pid) == os.SCHED_OTHER and idle.nice() == 19
@@ -119,7 +120,7 @@ def test_stubs_go_to_one_process_at_the_lowest_priority_started_again_if_it_ends
     assert wait_until(lambda: not _launcher_entries(server), 30)
     model_factory.torchscript_model(server.model_dir("idle-b"))
     assert server.load("idle-b").status_code == 200
-    assert [process.pid for process in _launcher_entries(server)] not in ([], [idle.pid])
+    assert wait_until(lambda: [process.pid for process in _launcher_entries(server)] not in ([], [idle.pid]), 30)
     assert server.invoke("idle-b", json.dumps([[1, 2, 3, 4]])).status_code == 200
     assert "ERROR" not in server.log_text().split("idle-a", 1)[1]  # its end is none of the models' concern
 
