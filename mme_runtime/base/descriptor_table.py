@@ -13,20 +13,31 @@ def descriptor_table_size() -> int:
     """The size of this process's descriptor table (``FDSize``): every open descriptor is below it.
     One line of ``/proc/self/status``, where listing ``/proc/self/fd`` costs the kernel an entry a
     descriptor (14 ms in a loader at 1,600 models); ``RLIMIT_NOFILE`` where /proc cannot be read."""
-    size = _table_size("self")
+    size = status_number("self", b"FDSize:")
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0] if size is None else size
 
 
-def _table_size(pid: int | str) -> int | None:
+def status_number(pid: int | str, field: bytes) -> int | None:
+    """A number of ``/proc/<pid>/status`` (``FDSize:``, ``PPid:``); None if it cannot be read."""
     try:
         # bytes: the process's name (its title's first 15 bytes) may not be ASCII
         with open(f"/proc/{pid}/status", "rb") as status:
             for line in status:
-                if line.startswith(b"FDSize:"):
+                if line.startswith(field):
                     return int(line.split()[1])
-    except (OSError, ValueError):
+    except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def open_descriptors(pid: int) -> int | None:
+    """How many descriptors ``pid`` holds, without listing them: the size ``stat`` gives its
+    ``/proc/<pid>/fd`` (Linux 6.2 on; None before, where that size is 0, or if it has gone)."""
+    try:
+        count = os.stat(f"/proc/{pid}/fd").st_size
+    except OSError:
+        return None
+    return count or None
 
 
 def close_all_but(keep: Iterable[int]) -> None:
@@ -50,14 +61,14 @@ def raise_descriptor_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def forget_closed_descriptors(pid: int) -> None:
+def forget_closed_descriptors(pid: int, below: int | None = None) -> None:
     """Frees the kernel's ``/proc/<pid>/fd`` entries of the numbers ``pid`` closed since someone
     listed the directory. Listing makes an entry (and an inode) per open descriptor, kept after it
     closes until the number is looked up again or the process is reaped, whose reaper then frees
-    them all; looking a number up finds its entry stale and frees it now. Each number up to the
-    table's size is looked up, about 2 us each (the reaper frees an entry in about 1 us: this moves
-    the work to another time and does more of it). Stops once the process has ended, leaving the
-    rest to its reaper; nothing if it has gone."""
+    them all; looking a number up finds its entry stale and frees it now. Each number below
+    ``below`` and the table's size is looked up, about 2 us each (the reaper frees an entry in
+    about 1 us: this moves the work to another time and does more of it). Stops once the process
+    has ended, leaving the rest to its reaper; nothing if it has gone."""
     try:
         process = os.pidfd_open(pid)
     except OSError:
@@ -70,7 +81,8 @@ def forget_closed_descriptors(pid: int) -> None:
     ended = select.poll()
     ended.register(process, select.POLLIN)  # readable once it has exited
     try:
-        for fd in range(_table_size(pid) or 0):
+        size = status_number(pid, b"FDSize:") or 0
+        for fd in range(size if below is None else min(size, below)):
             if fd % 64 == 0 and ended.poll(0):
                 break
             # following the link: glibc makes that the faccessat call every seccomp profile

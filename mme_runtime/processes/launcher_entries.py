@@ -22,7 +22,11 @@ import os
 import struct
 import sys
 
-from mme_runtime.base.descriptor_table import forget_closed_descriptors
+from mme_runtime.base.descriptor_table import (
+    forget_closed_descriptors,
+    open_descriptors,
+    status_number,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +104,17 @@ class LauncherEntries:
         self._queue = write_end
 
 
+def listed_below(stub_pid: int) -> int | None:
+    """A bound on the numbers the launcher listed in ``stub_pid``: its parent's (the frontend's)
+    descriptors, which the kernel numbers lowest first, so from 0 to about as many as it holds,
+    with an eighth more for the holes UNLOADs leave and what it opened since. Where a frontend's
+    highest number is further up, the entries above are left to the stub's reap. None (the whole
+    table, twice the descriptors at worst) where the kernel does not count them."""
+    parent = status_number(stub_pid, b"PPid:")
+    held = None if parent is None else open_descriptors(parent)
+    return None if held is None else held + held // 8 + 64
+
+
 def _fresh() -> int:
     """In the forked child: this module's ``main`` in a new interpreter (it dies with the warm
     process still: the kernel keeps that across ``exec``)."""
@@ -125,7 +140,7 @@ def run(queue: int) -> int:
         pending += chunk
         whole = len(pending) - len(pending) % PID.size
         for (pid,) in PID.iter_unpack(pending[:whole]):
-            forget_closed_descriptors(pid)
+            forget_closed_descriptors(pid, below=listed_below(pid))
         pending = pending[whole:]
     return 0
 

@@ -3,18 +3,18 @@ the low-priority process the warm process sends each stub to (launcher_entries.p
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 
-# A process lists its /proc/self/fd as the JDK's launcher does in every stub (an entry per open number), closes a
-# number, then, once told, opens it again. An entry still cached keeps its inode number; a freed one is made afresh,
-# with a new one.
+# A process lists its /proc/self/fd as the JDK's launcher does in every stub (an entry per open number, the
+# frontend's), closes a number, then, once told, opens it again. An entry still cached keeps its inode number; a freed
+# one is made afresh, with a new one.
 LISTED = textwrap.dedent(
     """
-    import fcntl, os, sys
-    number = fcntl.fcntl(1, fcntl.F_DUPFD, 900)
-    kept = fcntl.fcntl(1, fcntl.F_DUPFD, 900)
+    import os, sys
+    number, kept = os.dup(1), os.dup(1)  # low numbers, as the frontend's are
     os.listdir("/proc/self/fd")
     inode = lambda fd: os.stat(f"/proc/self/fd/{fd}", follow_symlinks=False).st_ino
     before = (inode(number), inode(kept))
@@ -90,3 +90,16 @@ def _listed_process_after(forget: bool) -> str:
             return listed.stdout.readline().strip()
         finally:
             listed.kill()
+
+
+def test_the_numbers_looked_up_are_bounded_by_what_the_stub_s_parent_holds() -> None:
+    # The launcher listed the frontend's descriptors, numbered from 0: about as many as it holds, not the whole table.
+    from mme_runtime.processes.launcher_entries import listed_below
+
+    with subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE) as child:
+        try:
+            held = len(os.listdir("/proc/self/fd")) - 1  # less the listing's own
+            bound = listed_below(child.pid)
+        finally:
+            child.kill()
+    assert bound is not None and held < bound <= held + held // 8 + 64 + 8
