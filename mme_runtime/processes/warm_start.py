@@ -66,7 +66,7 @@ class WarmProcess:
         self.watcher.watch(listener, self._accept)
         self.shared = SharedModels(config, self.watcher)
         self.deaths = failures.Deaths()  # loaders: a signal that kills one is logged with its model
-        self.launcher_entries = LauncherEntries(dict(os.environ))
+        self.launcher_entries = LauncherEntries(config.child_environment())
         self._stopping = False
         self._trimmed_at = 0.0  # monotonic
         self._environment: dict[str, str] = {}  # the last stub's, whose values the next one shares
