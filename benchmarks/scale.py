@@ -21,7 +21,8 @@ benchmark measures, with nothing else running:
 
 Then every model is unloaded by 4 clients as fast as the API answers (SageMaker evicting under
 pressure) while the probe, warmed at its LOAD (its first call during a drain took 113 to 234 ms),
-is invoked 5 times a second: its p99 then, the UNLOAD p50, and the memory
+is invoked 5 times a second: its p99 then, the UNLOAD p50 (and that of the first ``--step``
+UNLOADs against the last: flat, or growing with the models still loaded), and the memory
 of our processes once the CPU host left with no model has ended (``MME_EMPTY_HOST_SECONDS`` after
 the last UNLOAD) against the server with the probe alone, with the packages kept for a fast re-LOAD
 (``MME_KEEP_UNLOADED_MB``) apart. Every ERROR line the server logged is counted. The table goes to
@@ -192,8 +193,8 @@ def error_lines(server: Server) -> list[str]:
 
 def unload_all(server: Server, names: Sequence[str]) -> tuple[list[float], list[float], int]:
     """UNLOADs of ``names`` from ``UNLOAD_CLIENTS`` clients while the probe is invoked
-    ``PROBE_RATE`` times a second: the UNLOADs' latencies, the probe's, and how many UNLOADs
-    failed."""
+    ``PROBE_RATE`` times a second: the UNLOADs' latencies in the order they were sent, the
+    probe's, and how many UNLOADs failed."""
     stop = threading.Event()
     probe: list[float] = []
 
@@ -205,21 +206,21 @@ def unload_all(server: Server, names: Sequence[str]) -> tuple[list[float], list[
             probe.append(ms if status == 200 else float("inf"))
             stop.wait(max(0.0, 1 / PROBE_RATE - (time.monotonic() - started)))
 
-    def unload_share(share: Sequence[str]) -> list[tuple[int, float]]:
+    def unload_share(share: Sequence[str]) -> list[tuple[float, int, float]]:
         client = Client(server)
-        return [client.timed("DELETE", f"/models/{name}") for name in share]
+        return [(time.monotonic(), *client.timed("DELETE", f"/models/{name}")) for name in share]
 
     prober = threading.Thread(target=invoke_probe)
     prober.start()
     try:
         with ThreadPoolExecutor(UNLOAD_CLIENTS) as pool:
             shares = [names[index::UNLOAD_CLIENTS] for index in range(UNLOAD_CLIENTS)]
-            results = [result for share in pool.map(unload_share, shares) for result in share]
+            results = sorted(r for share in pool.map(unload_share, shares) for r in share)
     finally:
         stop.set()
         prober.join()
-    failed = sum(1 for status, _ in results if status != 200)
-    return [ms for _, ms in results], probe, failed
+    failed = sum(1 for _, status, _ in results if status != 200)
+    return [ms for _, _, ms in results], probe, failed
 
 
 def plot(rows: list[dict[str, float]], path: Path) -> None:
@@ -381,7 +382,9 @@ def main(argv: Sequence[str] = ()) -> int:
     print(
         f"* UNLOAD of all {len(unload_ms)} from {UNLOAD_CLIENTS} clients in {drain_seconds:.1f} s: "
         f"p50 {percentile(unload_ms, 50):.1f} ms, "
-        f"p99 {percentile(unload_ms, 99):.1f} ms, {failed} failed; "
+        f"p99 {percentile(unload_ms, 99):.1f} ms, {failed} failed; p50 of the first {args.step} "
+        f"(from {len(unload_ms)} models) / the last {args.step}: "
+        f"{percentile(unload_ms[: args.step], 50) / percentile(unload_ms[-args.step :], 50):.2f}; "
         f"the probe, invoked {PROBE_RATE:g} times a second meanwhile ({len(probe_ms)} calls): "
         f"p50 {percentile(probe_ms, 50):.1f} ms, p99 {probe_p99:.1f} ms"
     )
