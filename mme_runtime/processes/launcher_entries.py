@@ -124,9 +124,12 @@ def _fresh() -> int:
 
 
 def main() -> int:
-    """The process: its queue is its stdin."""
+    """The process: its queue is its stdin. Its priority is lowered before it takes its title, by
+    which it is found."""
     import setproctitle
 
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, 19)
     setproctitle.setproctitle(TITLE)
     return run(0)
 
@@ -134,8 +137,6 @@ def main() -> int:
 def run(queue: int) -> int:
     """The process: for each pid read from ``queue``, frees that process's stale entries; 0 once
     the warm process has closed it."""
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, 0, 19)
     pending = b""
     while chunk := os.read(queue, 4096):
         pending += chunk
