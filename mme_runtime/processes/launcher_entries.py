@@ -91,6 +91,7 @@ class LauncherEntries:
         os.write(self._queue, message)
 
     def _start(self) -> None:
+        # here, not above: the process runs this module afresh, and needs none of child_processes
         from mme_runtime.base.child_processes import fork_child
 
         read_end, write_end = os.pipe()

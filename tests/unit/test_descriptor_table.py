@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+from mme_runtime.processes.launcher_entries import listed_below
+
 # A process lists its /proc/self/fd as the JDK's launcher does in every stub (an entry per open number, the
 # frontend's), closes a number, then, once told, opens it again. An entry still cached keeps its inode number; a freed
 # one is made afresh, with a new one.
@@ -94,8 +96,6 @@ def _listed_process_after(forget: bool) -> str:
 
 def test_the_numbers_looked_up_are_bounded_by_what_the_stub_s_parent_holds() -> None:
     # The launcher listed the frontend's descriptors, numbered from 0: about as many as it holds, not the whole table.
-    from mme_runtime.processes.launcher_entries import listed_below
-
     with subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE) as child:
         try:
             held = len(os.listdir("/proc/self/fd")) - 1  # less the listing's own
