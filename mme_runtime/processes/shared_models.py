@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mme_runtime.base import failures
@@ -68,10 +69,14 @@ class SharedModels:
     """Every model and device host of the warm process. The methods follow a model's life: what the
     warm process's loop asks, a model arrives, its connections, a host dies, a model goes."""
 
-    def __init__(self, config: Config, watcher: Watcher) -> None:
+    def __init__(
+        self, config: Config, watcher: Watcher, stub_loaded: Callable[[int], None]
+    ) -> None:
         self.config = config
         # the warm process's: every socket of ours it waits on, with what to do
         self.watcher = watcher
+        # told each stub's pid once its model has loaded (``launcher_entries.py``)
+        self.stub_loaded = stub_loaded
         self.models: dict[str, SharedModel] = {}
         # slots on the crash board given back by UNLOADs, taken first
         # numbers, not int objects: those would outlive their models and pin Python's arenas
@@ -315,6 +320,8 @@ class SharedModels:
             model.load_seconds = time.time() - model.started
             metrics.record_load(bool(message.get("loaded")), model.load_seconds)
             model.load_recorded = True
+            if message.get("loaded") and isinstance(model.request.get("pid"), int):
+                self.stub_loaded(model.request["pid"])
         if model is not None and message.get("package_unused"):
             # made with code the model no longer has
             self._release_package(model, keep=False)  # other hosts run its model_fn too

@@ -64,9 +64,9 @@ class WarmProcess:
         self.config = config
         self.watcher = Watcher()
         self.watcher.watch(listener, self._accept)
-        self.shared = SharedModels(config, self.watcher)
-        self.deaths = failures.Deaths()  # loaders: a signal that kills one is logged with its model
         self.launcher_entries = LauncherEntries(config.child_environment())
+        self.shared = SharedModels(config, self.watcher, self.launcher_entries.forget)
+        self.deaths = failures.Deaths()  # loaders: a signal that kills one is logged with its model
         self._stopping = False
         self._trimmed_at = 0.0  # monotonic
         self._environment: dict[str, str] = {}  # the last stub's, whose values the next one shares
@@ -136,8 +136,6 @@ class WarmProcess:
                 for fd in fds:
                     os.close(fd)
                 connection.close()
-        if isinstance(request.get("pid"), int):
-            self.launcher_entries.forget(request["pid"])
 
     def _reap(self) -> None:
         for pid, code in exited_children():
