@@ -7,9 +7,11 @@ One server as it ships (two CPU device hosts). A probe model is loaded first and
 code) are loaded one by one, as an operator or SageMaker would. After every ``--step`` models the
 benchmark measures, with nothing else running:
 
-* LOAD p50 of the last step's LOADs, and INVOKE p50 and p99 of ``--invokes`` requests to loaded
-  models drawn at random, each on a kept-alive connection (``http.client``, so the client does not
-  hide the server);
+* LOAD p50 of the last step's LOADs, split in two: ours, from the stub's arrival in the warm
+  process to the model ready in its host (``mme_model_load_seconds`` from the Prometheus exporter),
+  and the rest (MMS's frontend, the JDK's launcher that starts the stub, the stub's own start);
+* INVOKE p50 and p99 of ``--invokes`` requests to loaded models drawn at random, each on a
+  kept-alive connection (``http.client``, so the client does not hide the server);
 * LIST: every model listed exactly once, page by page (``limit`` and ``nextPageToken``);
 * idle CPU over ``--idle-seconds`` with no request: our processes' (the warm process, the device
   hosts and the stubs) and the Java frontend's, in % of one core;
@@ -41,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -48,6 +51,7 @@ from pathlib import Path
 import psutil
 import torch
 from model_factory import tiny_net  # tests/, which the benchmarks package puts on the path
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.benchlib import (
     REPO,
@@ -106,6 +110,21 @@ class Client:
 def load(client: Client, name: str, path: Path) -> tuple[int, float]:
     body = json.dumps({"model_name": name, "url": str(path)}).encode()
     return client.timed("POST", "/models", body)
+
+
+def load_seconds_ours(metrics_url: str) -> dict[str, float]:
+    """Each loaded model's ``mme_model_load_seconds`` from the server's Prometheus exporter: its
+    LOAD from its stub's arrival in the warm process to the model ready in its device host, the
+    part of the LOAD this project does (the rest is MMS's frontend, the JDK's launcher that starts
+    the stub, and the stub's own start)."""
+    with urllib.request.urlopen(metrics_url, timeout=60) as response:
+        text = response.read().decode()
+    return {
+        sample.labels["model"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "mme_model_load_seconds"
+        for sample in family.samples
+    }
 
 
 def listed(client: Client) -> list[str]:
@@ -269,6 +288,7 @@ def main(argv: Sequence[str] = ()) -> int:
         print(f"making {args.models} models", file=sys.stderr, flush=True)
         directories = make_models(root / "models", args.models + 1)
         command, env, port = our_server(root / "server")
+        metrics_url = f"http://127.0.0.1:{env['MME_METRICS_PORT']}/metrics"
         with serve(command, env, root / "server", port) as server:
             client = Client(server)
             status, _ = load(client, "probe", directories[-1])
@@ -297,6 +317,11 @@ def main(argv: Sequence[str] = ()) -> int:
                 names = set(listed(client))
                 if names != {*loaded, "probe"}:
                     raise RuntimeError(f"LIST has {len(names)} models, not {len(loaded) + 1}")
+                step = loaded[-args.step :]
+                exported = load_seconds_ours(metrics_url)
+                if missing := [name for name in step if name not in exported]:
+                    raise RuntimeError(f"no mme_model_load_seconds for {len(missing)} models")
+                ours_ms = [1000 * exported[name] for name in step]
                 latencies = invoke_latencies(client, loaded, args.invokes)
                 idle_ours, idle_java = idle_cpu(server, args.idle_seconds)
                 threads, fds = counts(ours(server))
@@ -305,6 +330,11 @@ def main(argv: Sequence[str] = ()) -> int:
                 row = {
                     "models": len(loaded),
                     "load_p50": statistics.median(load_ms[-args.step :]),
+                    "load_ours_p50": statistics.median(ours_ms),
+                    "load_rest_p50": statistics.median(
+                        total - mine
+                        for total, mine in zip(load_ms[-args.step :], ours_ms, strict=True)
+                    ),
                     "invoke_p50": percentile(latencies, 50),
                     "invoke_p99": percentile(latencies, 99),
                     "idle_ours": idle_ours,
@@ -333,6 +363,8 @@ def main(argv: Sequence[str] = ()) -> int:
     headers = [
         "models",
         "LOAD p50, ms",
+        "of it ours, ms",
+        "the rest, ms",
         "INVOKE p50, ms",
         "INVOKE p99, ms",
         "idle CPU ours, %",
@@ -347,6 +379,8 @@ def main(argv: Sequence[str] = ()) -> int:
     keys = list(rows[0]) if rows else []
     formats = [
         "{:.0f}",
+        "{:.1f}",
+        "{:.1f}",
         "{:.1f}",
         "{:.2f}",
         "{:.2f}",
@@ -376,7 +410,11 @@ def main(argv: Sequence[str] = ()) -> int:
     probe_p99 = percentile(probe_ms, 99)
     print(
         f"* LOAD p50 of the last {args.step} / the first {args.step}: "
-        f"{last['load_p50'] / first['load_p50']:.2f}; INVOKE p50 at {last['models']:.0f} / at "
+        f"{last['load_p50'] / first['load_p50']:.2f} (of it ours, from the stub's arrival in the "
+        f"warm process to the model ready: {last['load_ours_p50'] / first['load_ours_p50']:.2f}; "
+        "the rest, MMS's frontend, the JDK's launcher that starts the stub and the stub's start: "
+        f"{last['load_rest_p50'] / first['load_rest_p50']:.2f}); "
+        f"INVOKE p50 at {last['models']:.0f} / at "
         f"{first['models']:.0f}: {last['invoke_p50'] / first['invoke_p50']:.2f}"
     )
     print(
