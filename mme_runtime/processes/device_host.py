@@ -50,6 +50,7 @@ from mme_runtime.models.tensor_store import MAX_SEGMENTS, DeviceTensors, module_
 from mme_runtime.operations import metrics
 from mme_runtime.operations.memory import MemoryRelease, release_memory
 from mme_runtime.processes.crash_board import CrashBoard, crash_report_path, report_crashes
+from mme_runtime.processes.host_unloads import Unloads
 from mme_runtime.processes.hosted_model import HostedModel
 from mme_runtime.processes.warm_protocol import MAX_FDS, receive, send
 from mme_runtime.serving.connection import (
@@ -77,9 +78,7 @@ class DeviceHost:
         self.board = board
         self.ordinal: int | None = None
         self.models: dict[str, HostedModel] = {}
-        # UNLOADs still letting go of their models, by name: each leaves once done
-        self.unloading: dict[str, threading.Thread] = {}
-        self._unloading_lock = threading.Lock()
+        self.unloads = Unloads(self._unload)
         self._control_lock = threading.Lock()
         # a model's metrics directory changes hands under it: from an UNLOAD to a LOAD of its name
         self._directories = threading.Lock()
@@ -119,11 +118,8 @@ class DeviceHost:
                 logger.exception(
                     "device host pid=%d: message %s not handled", os.getpid(), message.get("op")
                 )
-        with self._unloading_lock:
-            unloadings = list(self.unloading.values())
-        for unloading in unloadings:
-            # a private host's last model, say: its UNLOAD counted
-            unloading.join(2 * UNLOAD_SECONDS)  # its messages' wait, then the rest
+        # a private host's last model, say: its UNLOAD counted
+        self.unloads.wait(2 * UNLOAD_SECONDS)  # its messages' wait, then the rest
         logger.info("device host pid=%d: the warm process let go, stopping", os.getpid())
 
     def _dispatch(self, message: dict[str, Any], fds: list[int]) -> None:
@@ -141,8 +137,7 @@ class DeviceHost:
             model.started, model.moved = message["started"], bool(message.get("moved"))
             model.load_seconds = message.get("load_seconds")
             # the same name's UNLOAD, maybe still letting go
-            with self._unloading_lock:
-                model.after = self.unloading.pop(name, None)
+            model.after = self.unloads.pending(name)
             package = (
                 None
                 if message.get("package") is None
@@ -174,15 +169,7 @@ class DeviceHost:
         elif op in ("unload", "hand_over"):  # hand_over: to the host ``to``, which has it loaded
             leaving = self.models.pop(name, None)
             if leaving is not None:
-                unloading = threading.Thread(
-                    target=self._unload,
-                    args=(leaving, message.get("to")),
-                    name=f"{op}-{name}",
-                    daemon=True,
-                )
-                with self._unloading_lock:
-                    self.unloading[name] = unloading
-                unloading.start()
+                self.unloads.start(leaving, message.get("to"))
 
     def _load(
         self,
@@ -199,7 +186,7 @@ class DeviceHost:
         if model.after is not None:
             # what the old model holds under this name, its metrics directory included, goes
             # before the new one takes it
-            model.after.join(self.config.response_timeout_seconds)
+            model.after.wait(self.config.response_timeout_seconds)
             model.after = None
         with self._directories:  # that UNLOAD, if still running, leaves the directory to this one
             model.series = metrics.start_hosted(self.config, spec.name, restart)
@@ -404,18 +391,12 @@ class DeviceHost:
                 model.turns -= 1
                 model.turns_ended.notify_all()
 
-    def _unload(self, model: HostedModel, successor: int | None = None) -> None:
-        """Lets the model go (its connections handed to host ``successor`` first, if any), then
-        leaves ``unloading``: a thread kept there once done would pin the heap where the models were
-        after a mass UNLOAD (about 100 threads, issue #37)."""
-        try:
-            if successor is not None:
-                self._hand_over(model, successor)
-            self._let_go(model, successor)
-        finally:
-            with self._unloading_lock:
-                if self.unloading.get(model.spec.name) is threading.current_thread():
-                    del self.unloading[model.spec.name]
+    def _unload(self, model: HostedModel, successor: int | None) -> None:
+        """Lets the model go, its connections handed to host ``successor`` first, if any
+        (``host_unloads.py`` runs it)."""
+        if successor is not None:
+            self._hand_over(model, successor)
+        self._let_go(model, successor)
 
     def _hand_over(self, model: HostedModel, successor: int) -> None:
         """The model's connections, each between two messages (MMS sends the next once answered: it

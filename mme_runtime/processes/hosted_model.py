@@ -41,7 +41,7 @@ class HostedModel:
     moved: bool = False  # loaded for a host's hand-over: no LOAD of the model's
     load_seconds: float | None = None  # a moved model's LOAD's, as its first host took it
     # the UNLOAD of a model of the same name, to end before this one loads
-    after: threading.Thread | None = None
+    after: threading.Event | None = None
     package_unused: bool = False  # its package was made with other code: model_fn ran here
     # the model as its loader resolved it (None: resolved here)
     resolved: ResolvedModel | None = None

@@ -91,13 +91,11 @@ def test_an_unload_that_is_done_leaves_nothing_of_itself_in_its_host(tmp_path: P
             model.loading.start()
             host.models[name] = model
             host._dispatch({"op": "unload", "model": name}, [])
-        threads = list(host.unloading.values())
-        assert len(threads) == 3  # a LOAD of one of these names now would wait for its UNLOAD
+        under_way = host.unloads.under_way()
+        assert len(under_way) == 3  # a LOAD of one of these names now would wait for its UNLOAD
         loads_end.set()
-        for thread in threads:
-            thread.join(5)
-        assert not any(thread.is_alive() for thread in threads)
-        assert host.unloading == {}
+        assert all(done.wait(5) for done in under_way)
+        assert host.unloads.under_way() == []
     finally:
         left.close()
         right.close()
