@@ -2,9 +2,7 @@
 
     .venv/bin/python -m benchmarks scale [-- --models 2000 --step 200 --plot docs/scale.png]
 
-One server as it ships (two CPU device hosts). A probe model is loaded first and stays, and
-``--step`` other models are loaded and unloaded to warm the frontend's JVM up (in a cold one, the
-first UNLOADs take up to twice as long whatever the models loaded); then
+One server as it ships (two CPU device hosts). A probe model is loaded first and stays; then
 ``--models`` distinct tiny TorchScript models (other weights each, so nothing is shared but the
 code) are loaded one by one, as an operator or SageMaker would. After every ``--step`` models the
 benchmark measures, with nothing else running:
@@ -288,9 +286,7 @@ def main(argv: Sequence[str] = ()) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         root = Path(tmp)
         print(f"making {args.models} models", file=sys.stderr, flush=True)
-        # the models measured, a step's worth to warm the frontend up with, and the probe
-        directories = make_models(root / "models", args.models + args.step + 1)
-        measured, warm_up = directories[: args.models], directories[args.models : -1]
+        directories = make_models(root / "models", args.models + 1)
         command, env, port = our_server(root / "server")
         metrics_url = f"http://127.0.0.1:{env['MME_METRICS_PORT']}/metrics"
         with serve(command, env, root / "server", port) as server:
@@ -302,21 +298,14 @@ def main(argv: Sequence[str] = ()) -> int:
             # 24 ms alone; 113 to 234 ms for a first call during a drain): warmed here, so that the
             # drain's probe measures the drain
             invoke_latencies(client, ["probe"], 3)
-            # MMS's first LOADs and UNLOADs run in a cold JVM (with 200 models loaded, the first 20
-            # UNLOADs took 1.4 to 1.8 times the last 20): a step's worth of models loaded and
-            # unloaded first, so that the first step against the last measures the models loaded
-            for index, directory in enumerate(warm_up):
-                if load(client, f"warm{index:05d}", directory)[0] != 200:
-                    raise RuntimeError(f"LOAD warm{index:05d} failed")
-            unload_all(server, [f"warm{index:05d}" for index in range(len(warm_up))])
-            time.sleep(EMPTY_HOST_SECONDS + 2)  # a host left with no model ends
+            time.sleep(2)
             empty_memory = server.tree_memory_mib()
             empty_frontend = server.frontend_memory_mib()
             empty_threads, empty_fds = counts(ours(server))
             rows: list[dict[str, float]] = []
             loaded: list[str] = []
             load_ms: list[float] = []
-            for index, directory in enumerate(measured):
+            for index, directory in enumerate(directories[:-1]):
                 name = f"m{index:05d}"
                 status, ms = load(client, name, directory)
                 if status != 200:
