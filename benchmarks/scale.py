@@ -43,7 +43,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,7 +50,7 @@ from pathlib import Path
 import psutil
 import torch
 from model_factory import tiny_net  # tests/, which the benchmarks package puts on the path
-from prometheus_client.parser import text_string_to_metric_families
+from serving import by_model
 
 from benchmarks.benchlib import (
     REPO,
@@ -110,21 +109,6 @@ class Client:
 def load(client: Client, name: str, path: Path) -> tuple[int, float]:
     body = json.dumps({"model_name": name, "url": str(path)}).encode()
     return client.timed("POST", "/models", body)
-
-
-def load_seconds_ours(metrics_url: str) -> dict[str, float]:
-    """Each loaded model's ``mme_model_load_seconds`` from the server's Prometheus exporter: its
-    LOAD from its stub's arrival in the warm process to the model ready in its device host, the
-    part of the LOAD this project does (the rest is MMS's frontend, the JDK's launcher that starts
-    the stub, and the stub's own start)."""
-    with urllib.request.urlopen(metrics_url, timeout=60) as response:
-        text = response.read().decode()
-    return {
-        sample.labels["model"]: sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "mme_model_load_seconds"
-        for sample in family.samples
-    }
 
 
 def listed(client: Client) -> list[str]:
@@ -318,7 +302,8 @@ def main(argv: Sequence[str] = ()) -> int:
                 if names != {*loaded, "probe"}:
                     raise RuntimeError(f"LIST has {len(names)} models, not {len(loaded) + 1}")
                 step = loaded[-args.step :]
-                exported = load_seconds_ours(metrics_url)
+                # ours: from the stub's arrival in the warm process to the model ready in its host
+                exported = by_model(metrics_url, "mme_model_load_seconds")
                 if missing := [name for name in step if name not in exported]:
                     raise RuntimeError(f"no mme_model_load_seconds for {len(missing)} models")
                 ours_ms = [1000 * exported[name] for name in step]

@@ -199,14 +199,20 @@ def batch_passes(server: RunningServer, model: str) -> tuple[float, float]:
 
 def host_memory_bytes(server: RunningServer) -> dict[str, float]:
     """``mme_model_host_memory_bytes`` by model, as the metrics endpoint says now."""
+    return by_model(server.metrics_url, "mme_model_host_memory_bytes")
+
+
+def by_model(metrics_url: str, sample_name: str) -> dict[str, float]:
+    """A per-model series' value by model, as the Prometheus endpoint at ``metrics_url`` says now (the benchmarks
+    read it too)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = requests.get(server.metrics_url, timeout=10).text
+    text = requests.get(metrics_url, timeout=60).text
     return {
         sample.labels["model"]: sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if sample.name == "mme_model_host_memory_bytes"
+        if sample.name == sample_name
     }
 
 
