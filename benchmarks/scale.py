@@ -13,6 +13,9 @@ benchmark measures, with nothing else running:
 * INVOKE p50 and p99 of ``--invokes`` requests to loaded models drawn at random, each on a
   kept-alive connection (``http.client``, so the client does not hide the server);
 * LIST: every model listed exactly once, page by page (``limit`` and ``nextPageToken``);
+* UNLOAD p50 at that many models: ``CHURN`` more models loaded, then unloaded one at a time, each
+  timed, and how long after its answer its host logged it let go (its memory goes back within
+  ``MemoryRelease``'s bound after that, at most 1 s);
 * idle CPU over ``--idle-seconds`` with no request: our processes' (the warm process, the device
   hosts and the stubs) and the Java frontend's, in % of one core;
 * threads and open descriptors: ours (per model loaded, over the empty server) and the frontend's;
@@ -24,7 +27,7 @@ benchmark measures, with nothing else running:
 Then every model is unloaded by 4 clients as fast as the API answers (SageMaker evicting under
 pressure) while the probe, warmed at its LOAD (its first call during a drain took 113 to 234 ms),
 is invoked 5 times a second: its p99 then, the UNLOAD p50 (and that of the first ``--step``
-UNLOADs against the last: flat, or growing with the models still loaded), and the memory
+UNLOADs against the last, each under the drain's load), and the memory
 of our processes once the CPU host left with no model has ended (``MME_EMPTY_HOST_SECONDS`` after
 the last UNLOAD) against the server with the probe alone, with the packages kept for a fast re-LOAD
 (``MME_KEEP_UNLOADED_MB``) apart. Every ERROR line the server logged is counted. The table goes to
@@ -67,6 +70,8 @@ from mme_runtime.serving.batcher import IDLE_SECONDS as BATCHER_IDLE_SECONDS
 BODY = json.dumps([[1.0, 2.0, 3.0, 4.0]]).encode()
 PROBE_RATE = 5.0  # invokes a second of the model that stays while the others go
 UNLOAD_CLIENTS = 4
+CHURN = 20  # models loaded and unloaded one at a time at each step: UNLOAD p50 at that many models
+LET_GO = "model={} unloaded from the device host"  # processes/device_host.py logs it
 EMPTY_HOST_SECONDS = Config.from_env({}).empty_host_seconds  # the default the server runs with
 
 
@@ -194,6 +199,39 @@ def error_lines(server: Server) -> list[str]:
     ]
 
 
+def unload_latencies(
+    server: Server, client: Client, churn: Sequence[tuple[str, Path]]
+) -> tuple[list[float], list[float]]:
+    """LOADs ``churn``, then UNLOADs it one model at a time: each UNLOAD's latency, and the seconds
+    from its answer to its host's log line that the model is let go (0 if logged before)."""
+    for name, directory in churn:
+        if (status := load(client, name, directory)[0]) != 200:
+            raise RuntimeError(f"LOAD {name} answered {status}")
+    time.sleep(1)  # as in use: a model unloaded long after its LOAD, its stub's entries freed
+    latencies, let_go = [], []
+    for name, _ in churn:
+        offset = server.log.stat().st_size
+        status, ms = client.timed("DELETE", f"/models/{name}")
+        answered = time.monotonic()
+        if status != 200:
+            raise RuntimeError(f"UNLOAD {name} answered {status}")
+        latencies.append(ms)
+        let_go.append(logged_after(server, offset, LET_GO.format(name)) - answered)
+    return latencies, [max(0.0, seconds) for seconds in let_go]
+
+
+def logged_after(server: Server, offset: int, text: str, timeout: float = 30) -> float:
+    """When ``text`` appeared in the server's log past ``offset`` (``time.monotonic()``), polled."""
+    deadline = time.monotonic() + timeout
+    with server.log.open("rb") as log:
+        while time.monotonic() < deadline:
+            log.seek(offset)
+            if text.encode() in log.read():
+                return time.monotonic()
+            time.sleep(0.005)
+    raise RuntimeError(f"{text!r} not logged {timeout:.0f} s after; see {server.log}")
+
+
 def unload_all(server: Server, names: Sequence[str]) -> tuple[list[float], list[float], int]:
     """UNLOADs of ``names`` from ``UNLOAD_CLIENTS`` clients while the probe is invoked
     ``PROBE_RATE`` times a second: the UNLOADs' latencies in the order they were sent, the
@@ -235,13 +273,15 @@ def plot(rows: list[dict[str, float]], path: Path) -> None:
     models = [row["models"] for row in rows]
     panels = [
         ("load_p50", "LOAD p50, ms"),
-        ("invoke_p50", "INVOKE p50, ms"),
+        ("invoke_p50", "INVOKE p50 and UNLOAD p50 (dashed), ms"),
         ("memory_mib", "server tree PSS, MiB"),
         ("idle_ours", "idle CPU, % of one core (ours)"),
     ]
     figure, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
     for axis, (key, label) in zip(axes.flat, panels, strict=True):
         axis.plot(models, [row[key] for row in rows], marker="o")
+        if key == "invoke_p50":
+            axis.plot(models, [row["unload_p50"] for row in rows], marker="o", linestyle="--")
         axis.set_title(label)
         axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
@@ -270,12 +310,14 @@ def main(argv: Sequence[str] = ()) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         root = Path(tmp)
         print(f"making {args.models} models", file=sys.stderr, flush=True)
-        directories = make_models(root / "models", args.models + 1)
+        directories = make_models(root / "models", args.models + 1 + CHURN)
+        probe_directory = directories[args.models]
+        churn = [(f"churn{index:02d}", d) for index, d in enumerate(directories[args.models + 1 :])]
         command, env, port = our_server(root / "server")
         metrics_url = f"http://127.0.0.1:{env['MME_METRICS_PORT']}/metrics"
         with serve(command, env, root / "server", port) as server:
             client = Client(server)
-            status, _ = load(client, "probe", directories[-1])
+            status, _ = load(client, "probe", probe_directory)
             if status != 200:
                 raise RuntimeError(f"LOAD of the probe answered {status}")
             # A model's first call in its host does work once (TorchScript's first run in a process:
@@ -289,7 +331,8 @@ def main(argv: Sequence[str] = ()) -> int:
             rows: list[dict[str, float]] = []
             loaded: list[str] = []
             load_ms: list[float] = []
-            for index, directory in enumerate(directories[:-1]):
+            let_go: list[float] = []
+            for index, directory in enumerate(directories[: args.models]):
                 name = f"m{index:05d}"
                 status, ms = load(client, name, directory)
                 if status != 200:
@@ -312,6 +355,8 @@ def main(argv: Sequence[str] = ()) -> int:
                 threads, fds = counts(ours(server))
                 java_threads, java_fds = counts([frontend(server)])
                 memory = server.tree_memory_mib(settle=0)
+                step_unload_ms, step_let_go = unload_latencies(server, client, churn)
+                let_go += step_let_go
                 row = {
                     "models": len(loaded),
                     "load_p50": statistics.median(load_ms[-args.step :]),
@@ -322,6 +367,7 @@ def main(argv: Sequence[str] = ()) -> int:
                     ),
                     "invoke_p50": percentile(latencies, 50),
                     "invoke_p99": percentile(latencies, 99),
+                    "unload_p50": statistics.median(step_unload_ms),
                     "idle_ours": idle_ours,
                     "idle_java": idle_java,
                     "fds": (fds - empty_fds) / len(loaded),
@@ -352,6 +398,7 @@ def main(argv: Sequence[str] = ()) -> int:
         "the rest, ms",
         "INVOKE p50, ms",
         "INVOKE p99, ms",
+        "UNLOAD p50, ms",
         "idle CPU ours, %",
         "idle CPU frontend, %",
         "our fds / model",
@@ -367,6 +414,7 @@ def main(argv: Sequence[str] = ()) -> int:
         "{:.1f}",
         "{:.1f}",
         "{:.1f}",
+        "{:.2f}",
         "{:.2f}",
         "{:.2f}",
         "{:.1f}",
@@ -400,7 +448,10 @@ def main(argv: Sequence[str] = ()) -> int:
         "the rest, MMS's frontend, the JDK's launcher that starts the stub and the stub's start: "
         f"{last['load_rest_p50'] / first['load_rest_p50']:.2f}); "
         f"INVOKE p50 at {last['models']:.0f} / at "
-        f"{first['models']:.0f}: {last['invoke_p50'] / first['invoke_p50']:.2f}"
+        f"{first['models']:.0f}: {last['invoke_p50'] / first['invoke_p50']:.2f}; UNLOAD p50 "
+        f"likewise ({CHURN} more loaded and unloaded one at a time at each step): "
+        f"{last['unload_p50'] / first['unload_p50']:.2f}, each let go by its host at most "
+        f"{max(let_go, default=0):.2f} s after its answer (p50 {percentile(let_go, 50):.2f} s)"
     )
     print(
         f"* UNLOAD of all {len(unload_ms)} from {UNLOAD_CLIENTS} clients in {drain_seconds:.1f} s: "
