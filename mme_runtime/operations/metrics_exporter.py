@@ -58,6 +58,9 @@ EXITED = "exited"  # the pid part of the files that hold what a server's ended e
 # process here): each process's value is read at most this often, so frequent scrapes cost the
 # models' cores nothing noticeable.
 HOST_MEMORY_SECONDS = 10.0
+# The sweep walks every model's directory at least this often, for a process it could not watch
+# (a loader that crashed between walks): its files are still read by scrapes meanwhile.
+WALK_SECONDS = 60.0
 
 
 class ModelMetrics:
@@ -71,6 +74,12 @@ class ModelMetrics:
         self._host_memory: dict[tuple[int, float], tuple[float, int]] = {}
         # what folded servers recorded, once a snapshot asks for it
         self._folded: list[Metric] | None = None
+        # the sweep's: when it next walks every directory, the processes writing there (pid ->
+        # start time) and the directories the last walk left to look at again
+        self._next_walk = 0.0
+        self._writers: dict[int, float | None] = {}
+        self._unsettled: set[Path] = set()
+        self._container_mtime: int | None = None
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:  # scrapes may come concurrently; the sweep folds too
@@ -96,19 +105,64 @@ class ModelMetrics:
     def sweep(self) -> None:
         """Folds what ended: servers that died without stopping (once MMS no longer has their
         model), and executors that ended inside running servers. A failure is logged and tried again
-        at the next sweep."""
-        for server_dir in self._server_dirs():
-            try:
-                if server_alive(server_dir):
-                    with self._lock:
-                        self._fold_exited_executors(server_dir)
-                elif self._registered(server_dir.parent.name) is False:
-                    move_to_unloaded(self.metrics_dir, server_dir)
-            except (OSError, ValueError) as exc:
-                # it moved or ended meanwhile: the next sweep sees where it is now
-                logger.debug("metrics sweep of %s: %s", server_dir, exc)
+        at the next sweep.
+
+        Flat in the models loaded: the model directories are walked only when a process that
+        writes there has ended, a process has started one of its own (``metrics/container/``
+        changed), or ``WALK_SECONDS`` after the last walk (for a writer no walk saw: a loader
+        that crashed); between walks a sweep reads only those processes' start times. A walk
+        read every model's directory and the ``/proc`` entries of its processes every second:
+        20% of a core with 2,000 models."""
+        container = self._container_changed()
+        if time.monotonic() >= self._next_walk or container or self._a_writer_ended():
+            self._walk()
+        for server_dir in sorted(self._unsettled):
+            if self._settle(server_dir):
+                self._unsettled.discard(server_dir)
         with self._lock:
             self._fold_unloaded()
+
+    def _walk(self) -> None:
+        """Every model's directory to settle; the processes writing there, as it finds them."""
+        self._next_walk = time.monotonic() + WALK_SECONDS
+        self._writers = {}
+        self._unsettled = set(self._server_dirs())
+
+    def _settle(self, server_dir: Path) -> bool:
+        """Folds what ended in ``server_dir`` and watches the processes still writing there; False
+        while there is more to do (a dead server whose model MMS still has, or did not say)."""
+        try:
+            if server_alive(server_dir):
+                with self._lock:
+                    writers = self._fold_exited_executors(server_dir)
+                for pid in {int(server_dir.name), *writers}:
+                    self._writers.setdefault(pid, process_started(pid))
+                return True
+            if self._registered(server_dir.parent.name) is False:
+                move_to_unloaded(self.metrics_dir, server_dir)
+                return True
+            return False
+        except (OSError, ValueError) as exc:
+            # it moved or ended meanwhile: the next walk sees where it is now
+            logger.debug("metrics sweep of %s: %s", server_dir, exc)
+            return not server_dir.is_dir()
+
+    def _a_writer_ended(self) -> bool:
+        """Whether a process the last walk saw writing has ended (or had, as it was seen)."""
+        return any(
+            started is None or process_started(pid) != started
+            for pid, started in self._writers.items()
+        )
+
+    def _container_changed(self) -> bool:
+        """Whether a process made or removed its directory under ``metrics/container/`` since the
+        last call: a host started (its models' directories follow) or ended."""
+        try:
+            changed = (self.metrics_dir / "container").stat().st_mtime_ns
+        except OSError:
+            changed = None
+        seen, self._container_mtime = self._container_mtime, changed
+        return changed != seen
 
     def _server_dirs(self) -> list[Path]:
         return [path for path in scan(models_dir(self.metrics_dir), "*/*") if path.name.isdigit()]
@@ -161,19 +215,21 @@ class ModelMetrics:
             _add_values(values, lambda kind: self.metrics_dir / "retired" / f"{kind}_retired.db")
             shutil.rmtree(folding, ignore_errors=True)
 
-    def _fold_exited_executors(self, server_dir: Path) -> None:
+    def _fold_exited_executors(self, server_dir: Path) -> set[int]:
         """Adds the counts of the server's executors that ended to the server's ``exited`` files,
-        removing theirs: an executor crashing again and again adds nothing to scrape."""
-        ended = [
-            path for path in scan(server_dir, "*.db") if _of_ended_process(path, gauges_only=False)
-        ]
+        removing theirs: an executor crashing again and again adds nothing to scrape. Returns the
+        pids of the other files there (processes still running)."""
+        files = scan(server_dir, "*.db")
+        ended = [path for path in files if _of_ended_process(path, gauges_only=False)]
+        running = {int(pid) for path in files if (pid := _writer(path)) and path not in ended}
         if not ended:
-            return
+            return running
         values = _read_values(ended, keep=lambda labels: True)
         folding = [path.rename(path.with_name(path.name + FOLDING_SUFFIX)) for path in ended]
         _add_values(values, lambda kind: server_dir / f"{kind}_{EXITED}.db")
         for path in folding:
             path.unlink(missing_ok=True)
+        return running
 
     def _live_gauges(self) -> Iterator[Metric]:
         servers: dict[str, list[psutil.Process]] = {}
@@ -278,14 +334,20 @@ def _add_values(values: Values, store_for: Callable[[str], Path]) -> None:
             store.close()
 
 
+def _writer(path: Path) -> str:
+    """The pid of the process other than its server's that wrote ``path`` (``<kind>_<pid>.db``,
+    ``gauge_<mode>_<pid>.db``); "" for the server's own and for folded files ("retired", "exited"),
+    which belong to no process."""
+    pid = path.stem.split("_")[-1]
+    return pid if pid.isdigit() and pid != path.parent.name else ""
+
+
 def _of_ended_process(path: Path, gauges_only: bool = True) -> bool:
-    """Whether ``path`` (``<kind>_<pid>.db``, ``gauge_<mode>_<pid>.db``) belongs to a process that
-    ended: its gauges end with it (``gauges_only``), its other values are folded by a sweep."""
-    parts = path.stem.split("_")
-    if gauges_only and parts[0] != "gauge":
+    """Whether ``path`` belongs to a process other than its server's that ended: its gauges end
+    with it (``gauges_only``), its other values are folded by a sweep."""
+    if gauges_only and not path.name.startswith("gauge"):
         return False
-    pid = parts[-1]  # "retired" and "exited" files belong to no process
-    return pid.isdigit() and pid != path.parent.name and process_started(int(pid)) is None
+    return bool(pid := _writer(path)) and process_started(int(pid)) is None
 
 
 def _readable(path: str) -> bool:

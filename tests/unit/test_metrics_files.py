@@ -23,7 +23,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from mme_runtime.base.config import Config
-from mme_runtime.operations import metric_series, metrics
+from mme_runtime.operations import metric_series, metrics, metrics_exporter
 from mme_runtime.operations.metrics_exporter import ModelMetrics
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -299,6 +299,88 @@ def test_an_ended_executor_folds_into_its_server_and_its_gauges_go(config: Confi
         assert names == [f"counter_{pid}.db", "counter_exited.db", "histogram_exited.db"]  # the server's own, and one
     finally:
         server.stop()
+
+
+def counting_walks(collector: ModelMetrics) -> list[int]:
+    """Counts the sweep's walks of every model's directory."""
+    walks = [0]
+    walk = collector._walk
+
+    def counted() -> None:
+        walks[0] += 1
+        walk()
+
+    collector._walk = counted  # type: ignore[method-assign]
+    return walks
+
+
+def test_a_sweep_walks_the_models_only_when_a_process_writing_there_ended(config: Config, exporter: Exporter) -> None:
+    server = LiveServer(config, "m")
+    try:
+        collector = exporter()
+        walks = counting_walks(collector)
+        server.executor(2, keep_alive=True)
+        collector.sweep()  # the first walks: it knows no process yet
+        collector.sweep()
+        collector.sweep()
+        assert walks[0] == 1  # nothing ended: flat in the models loaded
+
+        server.end_executor()  # a process that the walk saw writing ends
+        collector.sweep()
+        assert walks[0] == 2
+        server_dir = metrics.models_dir(config.metrics_dir) / "m" / str(server.process.pid)
+        assert (server_dir / "counter_exited.db").exists()  # folded by that sweep
+        assert value(scrape(collector), "mme_requests_total", model="m", code="200") == 2
+        collector.sweep()
+        assert walks[0] == 2
+    finally:
+        server.stop()
+
+
+def test_a_crash_no_walk_saw_is_folded_by_the_next_walk_and_counted_till_then(
+    config: Config, exporter: Exporter, not_found_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    collector = exporter(not_found_port)
+    walks = counting_walks(collector)
+    collector.sweep()
+    in_child(model_server(config, "crashed", requests=2, unload=False))  # a loader that died between walks
+    collector.sweep()
+    assert walks[0] == 1
+    assert value(scrape(collector), "mme_requests_total", model="crashed", code="200") == 2  # no count lost
+
+    now = time.monotonic
+    monkeypatch.setattr(metrics_exporter.time, "monotonic", lambda: now() + metrics_exporter.WALK_SECONDS)
+    collector.sweep()  # the next walk is due
+    assert walks[0] == 2
+    assert value(scrape(collector), "mme_requests_total", model="crashed", code="200") is None
+    assert value(scrape(collector), "mme_model_load_duration_seconds_count", outcome="success") == 1
+
+
+def test_a_process_that_starts_writing_makes_the_next_sweep_walk(config: Config, exporter: Exporter) -> None:
+    collector = exporter()
+    walks = counting_walks(collector)
+    collector.sweep()
+    collector.sweep()
+    assert walks[0] == 1
+    (config.metrics_dir / "container" / "123").mkdir(parents=True)  # a device host started
+    collector.sweep()
+    assert walks[0] == 2
+
+
+def test_a_dead_server_whose_model_mms_has_is_asked_about_again_without_a_walk(
+    config: Config, exporter: Exporter
+) -> None:
+    in_child(model_server(config, "crashed", requests=2, unload=False))
+    collector = exporter()
+    walks = counting_walks(collector)
+    answers = iter([True, None, False])
+    collector._registered = lambda quoted_model: next(answers)  # type: ignore[method-assign]
+    collector.sweep()  # MMS has it: its series stay
+    collector.sweep()  # MMS did not answer
+    assert value(scrape(collector), "mme_requests_total", model="crashed", code="200") == 2
+    collector.sweep()  # MMS no longer has it
+    assert walks[0] == 1
+    assert value(scrape(collector), "mme_requests_total", model="crashed", code="200") is None
 
 
 def descriptors_into(directory: Path) -> int:
