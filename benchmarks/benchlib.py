@@ -70,11 +70,20 @@ class Server:
         except psutil.NoSuchProcess:
             return []
 
-    def tree_memory_mib(self, settle: float = SETTLE_SECONDS) -> float:
-        """The memory of the processes in ``tree()``, MiB, read after ``settle`` seconds of quiet:
-        their PSS, summed, plus the shared-memory files they hold but do not map."""
+    def processes(self) -> list[psutil.Process]:
+        """The process the benchmark started (our entrypoint: the supervisor's sweeps and the
+        metrics exporter run there) and ``tree()``."""
+        try:
+            return [psutil.Process(self.process.pid), *self.tree()]
+        except psutil.NoSuchProcess:
+            return self.tree()
+
+    def tree_memory_mib(self, settle: float = SETTLE_SECONDS, entrypoint: bool = False) -> float:
+        """The memory of the processes in ``tree()`` (with ``entrypoint``, of ``processes()``),
+        MiB, read after ``settle`` seconds of quiet: their PSS, summed, plus the shared-memory files
+        they hold but do not map."""
         time.sleep(settle)
-        processes = self.tree()
+        processes = self.processes() if entrypoint else self.tree()
         return pss_mib(processes) + unmapped_shared_memory_mib(processes)
 
     def frontend_memory_mib(self) -> float:

@@ -16,13 +16,13 @@ benchmark measures, with nothing else running:
 * UNLOAD p50 at that many models: ``CHURN`` more models loaded, then unloaded one at a time, each
   timed, and how long after its answer its host logged it let go (its memory goes back within
   ``MemoryRelease``'s bound after that, at most 1 s);
-* idle CPU over ``--idle-seconds`` with no request: our processes' (the warm process, the device
-  hosts and the stubs) and the Java frontend's, in % of one core;
+* idle CPU over ``--idle-seconds`` with no request: our processes' (the entrypoint, the warm
+  process, the device hosts and the stubs) and the Java frontend's, in % of one core;
 * threads and open descriptors: ours (per model loaded, over the empty server) and the frontend's;
   and once more after the last step, when every model has been idle long enough for its batcher's
   threads to end (what an idle model costs);
-* the memory of the server's whole process tree (PSS, as every benchmark here counts it) per model
-  loaded.
+* the memory of the server's processes, the entrypoint included (PSS, as every benchmark here
+  counts a tree) per model loaded.
 
 Then every model is unloaded by 4 clients as fast as the API answers (SageMaker evicting under
 pressure) while the probe, warmed at its LOAD (its first call during a drain took 113 to 234 ms),
@@ -133,10 +133,10 @@ def listed(client: Client) -> list[str]:
 
 
 def ours(server: Server) -> list[psutil.Process]:
-    """Our processes: everything in the tree but the Java frontend (and MMS's own metrics
-    collector)."""
+    """Our processes: the entrypoint and everything under it but the Java frontend (and MMS's own
+    metrics collector)."""
     found = []
-    for process in server.tree():
+    for process in server.processes():
         try:
             if process.name() != "java" and "metric_collector" not in " ".join(process.cmdline()):
                 found.append(process)
@@ -325,7 +325,7 @@ def main(argv: Sequence[str] = ()) -> int:
             # drain's probe measures the drain
             invoke_latencies(client, ["probe"], 3)
             time.sleep(2)
-            empty_memory = server.tree_memory_mib()
+            empty_memory = server.tree_memory_mib(entrypoint=True)
             empty_frontend = server.frontend_memory_mib()
             empty_threads, empty_fds = counts(ours(server))
             rows: list[dict[str, float]] = []
@@ -354,7 +354,7 @@ def main(argv: Sequence[str] = ()) -> int:
                 idle_ours, idle_java = idle_cpu(server, args.idle_seconds)
                 threads, fds = counts(ours(server))
                 java_threads, java_fds = counts([frontend(server)])
-                memory = server.tree_memory_mib(settle=0)
+                memory = server.tree_memory_mib(settle=0, entrypoint=True)
                 step_unload_ms, step_let_go = unload_latencies(server, client, churn)
                 let_go += step_let_go
                 row = {
@@ -380,13 +380,13 @@ def main(argv: Sequence[str] = ()) -> int:
                 rows.append(row)
                 print(f"{len(loaded)} models: {row}", file=sys.stderr, flush=True)
             # Idle means idle: once a batcher's threads have ended too, what an idle model costs.
-            time.sleep(BATCHER_IDLE_SECONDS + args.idle_seconds)
+            long_idle_ours, _ = idle_cpu(server, BATCHER_IDLE_SECONDS + args.idle_seconds)
             idle_threads, idle_fds = counts(ours(server))
             drain_started = time.monotonic()
             unload_ms, probe_ms, failed = unload_all(server, loaded)
             drain_seconds = time.monotonic() - drain_started
             time.sleep(EMPTY_HOST_SECONDS + 2)  # the host left with no model ends
-            after_memory = server.tree_memory_mib()
+            after_memory = server.tree_memory_mib(entrypoint=True)
             kept_packages = unmapped_shared_memory_mib(ours(server))
             after_frontend = server.frontend_memory_mib()
             errors = error_lines(server)
@@ -464,7 +464,8 @@ def main(argv: Sequence[str] = ()) -> int:
     )
     print(
         f"* after {BATCHER_IDLE_SECONDS + args.idle_seconds:.0f} s with no request (a batcher's "
-        f"threads end after {BATCHER_IDLE_SECONDS:.0f} s idle): our threads "
+        f"threads end after {BATCHER_IDLE_SECONDS:.0f} s idle): our CPU over them "
+        f"{long_idle_ours:.1f}% of one core, our threads "
         f"{(idle_threads - empty_threads) / max(1, len(loaded)):.2f} per model, fds "
         f"{(idle_fds - empty_fds) / max(1, len(loaded)):.2f} per model"
     )
