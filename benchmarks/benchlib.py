@@ -21,6 +21,7 @@ one run).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -215,6 +216,16 @@ def unmapped_shared_memory_mib(processes: Sequence[psutil.Process]) -> float:
                 major, minor = (int(part, 16) for part in fields[3].split(":"))
                 mapped.add((os.makedev(major, minor), int(fields[4])))
     return sum(size for key, size in held.items() if key not in mapped) / 2**20
+
+
+def pss_by_title(processes: Sequence[psutil.Process]) -> dict[str, float]:
+    """PSS, MiB, of each of ``processes`` but the stubs, by its command line's start."""
+    found = {}
+    for process in processes:
+        with contextlib.suppress(psutil.Error, IndexError):
+            if not is_stub(process):
+                found[f"{process.pid} {' '.join(process.cmdline())[:48]}"] = pss_mib([process])
+    return found
 
 
 def device_host_count(server: Server) -> int:
