@@ -132,6 +132,8 @@ class ModelMetrics:
         """Folds what ended in ``server_dir`` and watches the processes still writing there; False
         while there is more to do (a dead server whose model MMS still has, or did not say)."""
         try:
+            if not server_dir.is_dir():
+                return True  # moved since the walk: a loader's at its end, a model's at its UNLOAD
             if server_alive(server_dir):
                 with self._lock:
                     writers = self._fold_exited_executors(server_dir)

@@ -383,6 +383,19 @@ def test_a_dead_server_whose_model_mms_has_is_asked_about_again_without_a_walk(
     assert value(scrape(collector), "mme_requests_total", model="crashed", code="200") is None
 
 
+def test_a_directory_gone_since_the_walk_is_not_asked_about(config: Config, exporter: Exporter) -> None:
+    in_child(model_server(config, "crashed", requests=2, unload=False))
+    collector = exporter()
+    asked: list[str] = []
+    collector._registered = lambda quoted_model: asked.append(quoted_model) or True  # type: ignore[method-assign]
+    collector.sweep()
+    assert asked == ["crashed"]
+    metrics.move_to_unloaded(config.metrics_dir, next(metrics.models_dir(config.metrics_dir).glob("*/*")))
+    collector.sweep()
+    collector.sweep()
+    assert asked == ["crashed"]
+
+
 def descriptors_into(directory: Path) -> int:
     """This process's open descriptors on files in ``directory``."""
     targets = []
