@@ -45,6 +45,9 @@ OWNER_FILE = "owner"
 # A hosted model's directory holds this file: its tensors' bytes in host memory (the host's PSS is
 # every model's).
 HOST_BYTES_FILE = "host_bytes"
+# Touched whenever a process moves values files of another into a model's directory (a host that
+# died, or handed its models over): the exporter's sweep then walks the models' directories.
+MOVED_FILE = "moved"
 MKDIR_ATTEMPTS = 3
 
 
@@ -118,10 +121,12 @@ def carry_over(directory: Path) -> None:
 
 def _move_values(source: Path, target: Path) -> None:
     """The values files of ``source`` into ``target``; the exporter reads them there by their
-    process's pid, which their names hold."""
+    process's pid, which their names hold, and its next sweep folds them (``MOVED_FILE``)."""
     for path in scan(source, "*.db"):
         with contextlib.suppress(OSError):
             path.rename(target / path.name)
+    with contextlib.suppress(OSError):
+        (target.parent.parent.parent / MOVED_FILE).touch()  # metrics/models/<model>/<pid>
 
 
 def claim(metrics_dir: Path, directory: Path) -> None:

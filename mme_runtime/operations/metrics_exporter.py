@@ -40,6 +40,7 @@ from mme_runtime.base.config import Config
 from mme_runtime.base.janitor import REQUEST_TIMEOUT_SECONDS
 from mme_runtime.operations.metrics import (
     HOST_BYTES_FILE,
+    MOVED_FILE,
     models_dir,
     move_to_unloaded,
     process_started,
@@ -79,7 +80,7 @@ class ModelMetrics:
         self._next_walk = 0.0
         self._writers: dict[int, float | None] = {}
         self._unsettled: set[Path] = set()
-        self._container_mtime: int | None = None
+        self._changed: list[int | None] = []  # ``_asked_to_walk``'s last reading
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:  # scrapes may come concurrently; the sweep folds too
@@ -108,13 +109,13 @@ class ModelMetrics:
         at the next sweep.
 
         Flat in the models loaded: the model directories are walked only when a process that
-        writes there has ended, a process has started one of its own (``metrics/container/``
-        changed), or ``WALK_SECONDS`` after the last walk (for a writer no walk saw: a loader
-        that crashed); between walks a sweep reads only those processes' start times. A walk
-        read every model's directory and the ``/proc`` entries of its processes every second:
-        20% of a core with 2,000 models."""
-        container = self._container_changed()
-        if time.monotonic() >= self._next_walk or container or self._a_writer_ended():
+        writes there (or a host) has ended, a host has started, another process's values were moved
+        into a model's directory (``_asked_to_walk``), or ``WALK_SECONDS`` after the last walk (for
+        a writer no walk saw: a loader that crashed); between walks a sweep reads only those
+        processes' start times. A walk every second read every model's directory and the ``/proc``
+        entries of its processes: 12% of a core with 2,000 idle models."""
+        asked = self._asked_to_walk()
+        if time.monotonic() >= self._next_walk or asked or self._a_writer_ended():
             self._walk()
         for server_dir in sorted(self._unsettled):
             if self._settle(server_dir):
@@ -126,6 +127,7 @@ class ModelMetrics:
         """Every model's directory to settle; the processes writing there, as it finds them."""
         self._next_walk = time.monotonic() + WALK_SECONDS
         self._writers = {}
+        self._watch_containers()
         self._unsettled = set(self._server_dirs())
 
     def _settle(self, server_dir: Path) -> bool:
@@ -156,15 +158,26 @@ class ModelMetrics:
             for pid, started in self._writers.items()
         )
 
-    def _container_changed(self) -> bool:
-        """Whether a process made or removed its directory under ``metrics/container/`` since the
-        last call: a host started (its models' directories follow) or ended."""
-        try:
-            changed = (self.metrics_dir / "container").stat().st_mtime_ns
-        except OSError:
-            changed = None
-        seen, self._container_mtime = self._container_mtime, changed
+    def _asked_to_walk(self) -> bool:
+        """Whether, since the last call, a process made its directory under ``metrics/container/``
+        (a host started: its models' directories follow) or moved another's values files into a
+        model's directory (``MOVED_FILE``: a host that died, or handed its models over)."""
+        changed: list[int | None] = []
+        for path in (self.metrics_dir / "container", self.metrics_dir / MOVED_FILE):
+            try:
+                changed.append(path.stat().st_mtime_ns)
+            except OSError:
+                changed.append(None)
+        seen, self._changed = self._changed, changed
         return changed != seen
+
+    def _watch_containers(self) -> None:
+        """The processes with a directory under ``metrics/container/`` (the warm process and the
+        hosts) are watched too, so that a host that ends before any walk saw its models' directories
+        makes the next sweep walk."""
+        for directory in scan(self.metrics_dir / "container", "*"):
+            if directory.name.isdigit() and (started := process_started(int(directory.name))):
+                self._writers.setdefault(int(directory.name), started)
 
     def _server_dirs(self) -> list[Path]:
         return [path for path in scan(models_dir(self.metrics_dir), "*/*") if path.name.isdigit()]

@@ -356,15 +356,55 @@ def test_a_crash_no_walk_saw_is_folded_by_the_next_walk_and_counted_till_then(
     assert value(scrape(collector), "mme_model_load_duration_seconds_count", outcome="success") == 1
 
 
-def test_a_process_that_starts_writing_makes_the_next_sweep_walk(config: Config, exporter: Exporter) -> None:
+def test_a_host_that_starts_makes_the_next_sweep_walk(config: Config, exporter: Exporter) -> None:
+    (config.metrics_dir / "container" / str(os.getpid())).mkdir(parents=True)  # the warm process's
     collector = exporter()
     walks = counting_walks(collector)
     collector.sweep()
     collector.sweep()
     assert walks[0] == 1
-    (config.metrics_dir / "container" / "123").mkdir(parents=True)  # a device host started
+    (config.metrics_dir / "container" / "123").mkdir()  # a device host started
     collector.sweep()
     assert walks[0] == 2
+
+
+def test_a_host_that_ends_before_any_walk_saw_its_models_makes_the_next_sweep_walk(
+    config: Config, exporter: Exporter
+) -> None:
+    host = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    host.start()
+    try:
+        (config.metrics_dir / "container" / str(host.pid)).mkdir(parents=True)
+        collector = exporter()
+        walks = counting_walks(collector)
+        collector.sweep()
+        collector.sweep()
+        assert walks[0] == 1
+    finally:
+        host.kill()
+        host.join()
+    collector.sweep()
+    assert walks[0] == 2
+
+
+def test_values_moved_into_a_model_directory_make_the_next_sweep_fold_them(config: Config, exporter: Exporter) -> None:
+    server = LiveServer(config, "m")
+    try:
+        collector = exporter()
+        walks = counting_walks(collector)
+        collector.sweep()
+        dead = in_child(lambda: None)  # a host that died: its files carried over after the walk
+        models = metrics.models_dir(config.metrics_dir) / "m"
+        (models / str(dead)).mkdir()
+        (models / str(dead) / metrics.HOST_BYTES_FILE).write_text("0")
+        counter = next((models / str(server.process.pid)).glob("counter_*.db"))
+        shutil.copy(counter, models / str(dead) / f"counter_{dead}.db")
+        metrics.carry_over(models / str(server.process.pid))
+        collector.sweep()
+        assert walks[0] == 2
+        assert not (models / str(server.process.pid) / f"counter_{dead}.db").exists()  # folded
+    finally:
+        server.stop()
 
 
 def test_a_dead_server_whose_model_mms_has_is_asked_about_again_without_a_walk(
