@@ -53,7 +53,7 @@ from pathlib import Path
 import psutil
 import torch
 from model_factory import tiny_net  # tests/, which the benchmarks package puts on the path
-from serving import by_model
+from serving import by_model, wait_until
 
 from benchmarks.benchlib import (
     REPO,
@@ -224,14 +224,15 @@ def unload_latencies(
 
 def logged_after(server: Server, offset: int, text: str, timeout: float = 30) -> float:
     """When ``text`` appeared in the server's log past ``offset`` (``time.monotonic()``), polled."""
-    deadline = time.monotonic() + timeout
-    with server.log.open("rb") as log:
-        while time.monotonic() < deadline:
+
+    def logged() -> bool:
+        with server.log.open("rb") as log:
             log.seek(offset)
-            if text.encode() in log.read():
-                return time.monotonic()
-            time.sleep(0.005)
-    raise RuntimeError(f"{text!r} not logged {timeout:.0f} s after; see {server.log}")
+            return text.encode() in log.read()
+
+    if not wait_until(logged, timeout, interval=0.005):
+        raise RuntimeError(f"{text!r} not logged {timeout:.0f} s after; see {server.log}")
+    return time.monotonic()
 
 
 def unload_all(server: Server, names: Sequence[str]) -> tuple[list[float], list[float], int]:
