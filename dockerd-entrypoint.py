@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from mme_runtime.base.child_processes import one_arena
 from mme_runtime.base.config import Config
 from mme_runtime.base.errors import EXIT_CONFIG, ConfigError
 from mme_runtime.base.locks import hold_runtime_dir
@@ -38,6 +39,8 @@ def serve() -> int:
     configure_logging(logging.INFO, ENTRYPOINT_FORMAT)
     try:
         config = Config.from_process_env()
+        if (environment := config.entrypoint_environment()) is not None:
+            os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
         hold_runtime_dir(config.runtime_dir, config.port)  # held until this process ends
         mme = ensure_mme_properties(config.effective_properties_file, TEMPLATE)
         config = config.with_properties(mme)
@@ -45,6 +48,7 @@ def serve() -> int:
         logger.error("invalid configuration: %s", exc)
         return EXIT_CONFIG
     configure_logging(config.log_level, ENTRYPOINT_FORMAT)
+    one_arena()  # before the threads: the scrapes' heap is given back after each
 
     workers = config.workers_per_model or max(1, gpu_count())
     properties_file = config.runtime_dir / "mms.properties"

@@ -1,5 +1,5 @@
 """The one place processes are made, and the plumbing of the processes that make them: collecting
-exited children, Linux's ``prctl`` and waiting on many sockets.
+exited children, Linux's ``prctl``, glibc's ``malloc_trim`` and waiting on many sockets.
 
 ``start_program`` starts a program (the supervisor's MMS frontend and warm process); ``fork_child``
 forks every model process from the warm process (loaders and device hosts) and decides what such a
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import logging
 import os
@@ -21,6 +22,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from mme_runtime.base.descriptor_table import close_all_but
 
@@ -28,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+M_ARENA_MAX = -8  # mallopt's
 
 
 def exited_children() -> Iterator[tuple[int, int]]:
@@ -117,6 +120,34 @@ def prctl(option: int, value: int, what: str) -> None:
             logger.debug("prctl(%s) failed: %s", what, os.strerror(ctypes.get_errno()))
     except (OSError, AttributeError):
         logger.debug("prctl(%s) unavailable", what)
+
+
+def trim_heap() -> None:
+    """Freed heap back to the system: glibc keeps what was freed unless asked."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def one_arena() -> None:
+    """glibc's allocator with one arena for every thread of this process. The entrypoint's: a
+    thread that allocates while another does gets an arena of its own otherwise (up to 8 per core),
+    and each keeps pages the trim cannot give back (about 5 MiB more after the scrapes of 1,000
+    models)."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(M_ARENA_MAX, 1)
+
+
+@functools.cache
+def _libc() -> Any:
+    """glibc, looked up once (each ``CDLL`` makes classes that only a full collection frees); None
+    without it."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
 
 
 class Watcher:

@@ -27,6 +27,8 @@ from mme_runtime.base.parsing import (
     text,
 )
 
+ENTRYPOINT_MALLOC = "MME_ENTRYPOINT_MALLOC"
+
 MODELS: tuple[Setting, ...] = (
     Setting(
         "HF_TASK",
@@ -415,6 +417,9 @@ METRICS: tuple[Setting, ...] = (
 INHERITED: tuple[Setting, ...] = (
     Setting("JAVA_HOME", "java_home", text),
     Setting("CUDA_VISIBLE_DEVICES", "cuda_visible_devices", text),
+    Setting("PYTHONMALLOC", "python_malloc", text),
+    # set by the entrypoint for itself (``Config.entrypoint_environment``), never by a user
+    Setting(ENTRYPOINT_MALLOC, "entrypoint_malloc", parse_bool),
 )
 
 SECTIONS: tuple[tuple[str, tuple[Setting, ...]], ...] = (

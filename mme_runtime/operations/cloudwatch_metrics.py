@@ -30,7 +30,7 @@ from typing import TextIO
 from prometheus_client.core import Metric
 
 from mme_runtime.base.config import Config
-from mme_runtime.operations.metrics_exporter import ADDITIVE_KINDS, ModelMetrics
+from mme_runtime.operations.metrics_exporter import ADDITIVE_KINDS, ModelMetrics, release_heap
 
 logger = logging.getLogger(__name__)
 
@@ -270,6 +270,7 @@ class CloudWatchMetrics:
         except Exception:  # noqa: BLE001
             # metrics must never stop the server; the next interval tries again
             logger.exception("CloudWatch metrics not written")
+        release_heap()
 
     def _run(self) -> None:
         while not self._stopped.wait(self.seconds):

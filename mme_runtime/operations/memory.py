@@ -9,8 +9,6 @@ answers a 507 by unloading other models and retrying the LOAD.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import gc
 import logging
 import threading
@@ -24,6 +22,7 @@ import psutil
 import torch
 
 from mme_runtime.base import devices, failures
+from mme_runtime.base.child_processes import trim_heap
 from mme_runtime.base.errors import InsufficientMemory
 from mme_runtime.base.nvidia import gpu_free_bytes
 from mme_runtime.base.parsing import MIB
@@ -134,22 +133,10 @@ def check_gpu_memory(model_dir: Path, gpu: str, headroom_mb: int) -> None:
         )
 
 
-@functools.cache
-def _malloc_trim() -> Any:
-    """glibc's ``malloc_trim``, looked up once (each ``CDLL`` makes classes that only a full
-    collection frees); None without glibc."""
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
 def release_memory(ordinal: int | None) -> None:
     """Freed tensors back to the system: glibc keeps freed heap unless asked, torch keeps freed GPU
     blocks cached."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
+    trim_heap()
     if ordinal is not None and devices.cuda_initialized():
         torch.cuda.empty_cache()
 

@@ -19,6 +19,7 @@ fails halfway is never counted twice.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import shutil
@@ -27,15 +28,20 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+from wsgiref.types import StartResponse, WSGIEnvironment
 
 import psutil
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from mme_runtime.base.child_processes import trim_heap
 from mme_runtime.base.config import Config
 from mme_runtime.base.janitor import REQUEST_TIMEOUT_SECONDS
 from mme_runtime.operations.metrics import (
@@ -384,7 +390,7 @@ def start(config: Config) -> ModelMetrics | None:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     try:
-        start_http_server(config.metrics_port, registry=registry)
+        _serve(config.metrics_port, registry)
     except OSError as exc:
         # Serving models matters more than their metrics: say so loudly and go on without them. The
         # collector is kept all the same: its sweep still clears what unloaded models leave behind.
@@ -392,6 +398,37 @@ def start(config: Config) -> ModelMetrics | None:
         return collector
     logger.info("Prometheus metrics on port %d at /metrics", config.metrics_port)
     return collector
+
+
+def release_heap() -> None:
+    """Gives back what a scrape or a CloudWatch write used: at 1,000 invoked models one merges about
+    150,000 samples (74 MB at its peak, for a 3.7 MB answer). Python's free lists keep thousands of
+    the objects freed, scattered over that heap, until a full collection empties them (a few
+    milliseconds: this process holds few objects); the trim then hands the heap back. The
+    entrypoint runs on glibc's allocator for this (``Config.entrypoint_environment``)."""
+    gc.collect()
+    trim_heap()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        """A scrape is not worth a log line."""
+
+
+def _serve(port: int, registry: CollectorRegistry) -> None:
+    """prometheus_client's answer to ``/metrics`` on ``port``, from a thread per request, with the
+    scrape's memory released after each."""
+    answer = make_wsgi_app(registry)
+
+    def scrape(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        try:
+            body: Iterable[bytes] = answer(environ, start_response)  # all made by now
+            return body
+        finally:
+            release_heap()
+
+    server = make_server("0.0.0.0", port, scrape, ThreadingWSGIServer, _QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
 
 
 def _host_memory(process: psutil.Process) -> int:

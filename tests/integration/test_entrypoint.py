@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import model_factory
+import psutil
 import pytest
 import requests
 from ports import free_port
@@ -65,6 +67,29 @@ def test_effective_configuration_is_logged_once(tmp_path: Path) -> None:
         assert "-XX:MaxRAMPercentage=10.0" in java.cmdline()  # the frontend's heap, capped
     assert len(lines) == 1
     assert "response_timeout_seconds=77" in lines[0] and "share_device=True" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("chosen", "entrypoint", "children"), [(None, "malloc", None), ("pymalloc", "pymalloc", "pymalloc")]
+)
+def test_the_entrypoint_alone_runs_on_glibc_s_allocator_unless_the_user_chose_one(
+    tmp_path: Path, chosen: str | None, entrypoint: str, children: str | None
+) -> None:
+    with start_server(tmp_path, {"PYTHONMALLOC": chosen} if chosen else {}) as server:
+        model_factory.torchscript_model(server.model_dir("a"))
+        assert server.load("a").status_code == 200
+        # the process started, executed again with its allocator: its scrapes' heap goes back after each
+        assert psutil.Process(server.process.pid).environ().get("PYTHONMALLOC") == entrypoint
+        # the programs it starts, and those MMS starts (the model's stub); the processes forked from the warm process
+        # have its allocator, whatever their environment says
+        allocators = {}
+        for process in server.descendants():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                command = " ".join(process.cmdline())
+                for program in ("java", "warm_start", "mme-model-stub"):
+                    if program in command:
+                        allocators[program] = process.environ().get("PYTHONMALLOC")
+    assert allocators == dict.fromkeys(("java", "warm_start", "mme-model-stub"), children)
 
 
 def test_other_commands_run_as_given() -> None:

@@ -1,5 +1,5 @@
-"""``fork_child``, the one way a model process is made (what the child inherits and what it does not), and the
-``Watcher`` the warm process waits on its sockets with."""
+"""``fork_child``, the one way a model process is made (what the child inherits and what it does not), the
+``Watcher`` the warm process waits on its sockets with, and the entrypoint's one malloc arena."""
 
 from __future__ import annotations
 
@@ -195,3 +195,33 @@ def test_the_watcher_s_set_is_one_descriptor_that_a_forked_child_can_close() -> 
     for ours, peer in pairs:
         ours.close()
         peer.close()
+
+
+ARENAS = """
+import ctypes, os, sys, threading
+from mme_runtime.base.child_processes import one_arena
+
+if sys.argv[1] == "one":
+    one_arena()
+
+def allocate() -> None:
+    kept = [bytearray(4096) for _ in range(200)]  # glibc's: a thread's first gets it an arena of its own
+
+threads = [threading.Thread(target=allocate) for _ in range(4)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc_info(0, ctypes.c_void_p.in_dll(libc, "stdout"))
+"""
+
+
+def test_one_arena_serves_every_thread_of_the_process() -> None:
+    def heaps(mode: str) -> int:
+        command = [sys.executable, "-c", ARENAS, mode]
+        info = subprocess.run(command, capture_output=True, text=True, check=True, timeout=60).stdout
+        return info.count("<heap nr=")
+
+    assert heaps("default") > 1
+    assert heaps("one") == 1

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import ast
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,21 @@ def test_kept_packages_default_to_a_sixteenth_of_the_container_s_memory_at_most_
         monkeypatch.setattr(config_module, "cgroup_memory", lambda limit=limit_mib: (0, limit * 2**20))
         assert Config.from_env({}).keep_unloaded_mb == kept
     assert Config.from_env({"MME_KEEP_UNLOADED_MB": "3000"}).keep_unloaded_mb == 3000  # as set, whatever the memory
+
+
+def test_the_entrypoint_alone_runs_on_glibc_s_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTHONMALLOC", raising=False)
+    again = Config.from_env({}).entrypoint_environment()
+    assert again is not None and again["PYTHONMALLOC"] == "malloc"
+    monkeypatch.setattr(os, "environ", again)
+    executed = Config.from_process_env()
+    assert executed.entrypoint_environment() is None  # once
+    children = executed.child_environment()
+    assert "PYTHONMALLOC" not in children and "MME_ENTRYPOINT_MALLOC" not in children
+
+
+def test_a_user_s_allocator_is_every_process_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONMALLOC", "pymalloc_debug")
+    config = Config.from_process_env()
+    assert config.entrypoint_environment() is None
+    assert config.child_environment()["PYTHONMALLOC"] == "pymalloc_debug"

@@ -6,10 +6,12 @@ Model processes are forked children here, as in the server; the exporter is this
 from __future__ import annotations
 
 import gc
+import http.client
 import http.server
 import multiprocessing
 import os
 import shutil
+import sys
 import threading
 import time
 import weakref
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ports import free_port
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
@@ -602,3 +605,29 @@ def test_a_hosted_metric_refuses_what_prometheus_client_refuses(tmp_path: Path) 
     samples = MultiProcessCollector._read_metrics(files)["mme_request_duration_seconds"].samples
     buckets = {dict(sample.labels)["le"]: sample.value for sample in samples if sample.name.endswith("_bucket")}
     assert buckets["0.0025"] == 1 and sum(buckets.values()) == 1
+
+
+def test_a_scrape_over_http_answers_then_gives_its_memory_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    releases: list[int] = []
+    monkeypatch.setattr(metrics_exporter, "release_heap", lambda: releases.append(1))
+    config = Config(runtime_dir=tmp_path, metrics_port=free_port())
+    assert metrics_exporter.start(config) is not None
+    connection = http.client.HTTPConnection("127.0.0.1", config.metrics_port, timeout=10)
+    for _ in range(2):
+        connection.request("GET", "/metrics")
+        response = connection.getresponse()
+        assert response.status == 200
+        assert b"mme_models_loaded 0.0" in response.read()
+    connection.close()
+    assert releases == [1, 1]  # each made before its answer was sent
+
+
+def test_releasing_the_heap_empties_the_free_lists_that_hold_a_scrape_s_arenas() -> None:
+    gc.collect()
+    before = sys.getallocatedblocks()
+    garbage = [tuple(range(n % 19 + 1)) for n in range(40_000)]  # a scrape's labels and samples
+    del garbage
+    kept = sys.getallocatedblocks() - before  # freed, but kept by the tuples' free lists
+    metrics_exporter.release_heap()
+    assert kept > 10_000
+    assert sys.getallocatedblocks() - before < kept / 10
