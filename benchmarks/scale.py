@@ -354,7 +354,9 @@ def main(argv: Sequence[str] = ()) -> int:
                     raise RuntimeError(f"LIST has {len(names)} models, not {len(loaded) + 1}")
                 step = loaded[-args.step :]
                 # ours: from the stub's arrival in the warm process to the model ready in its host
+                scrape_started = time.monotonic()  # the entrypoint's /metrics, every model's
                 exported = by_model(metrics_url, "mme_model_load_seconds")
+                scrape_ms = 1000 * (time.monotonic() - scrape_started)
                 if missing := [name for name in step if name not in exported]:
                     raise RuntimeError(f"no mme_model_load_seconds for {len(missing)} models")
                 ours_ms = [1000 * exported[name] for name in step]
@@ -384,6 +386,7 @@ def main(argv: Sequence[str] = ()) -> int:
                     "java_fds": java_fds,
                     "memory_mib": memory,
                     "mib_per_model": (memory - empty_memory) / len(loaded),
+                    "scrape_ms": scrape_ms,
                 }
                 rows.append(row)
                 print(f"{len(loaded)} models: {row}", file=sys.stderr, flush=True)
@@ -419,6 +422,7 @@ def main(argv: Sequence[str] = ()) -> int:
         "frontend fds",
         "tree PSS, MiB",
         "MiB / model",
+        "/metrics scrape, ms",
     ]
     keys = list(rows[0]) if rows else []
     formats = [
@@ -435,7 +439,7 @@ def main(argv: Sequence[str] = ()) -> int:
         "{:.2f}",
         "{:.0f}",
     ]
-    formats += ["{:.0f}", "{:.0f}", "{:.2f}"]
+    formats += ["{:.0f}", "{:.0f}", "{:.2f}", "{:.0f}"]
     print(
         f"{args.models} tiny TorchScript models loaded one by one beside a probe model; "
         f"a row every {args.step}"
