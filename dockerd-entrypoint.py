@@ -40,7 +40,7 @@ def serve() -> int:
     try:
         config = Config.from_process_env()
         if (environment := config.entrypoint_environment()) is not None:
-            os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
+            execute_again(environment)
         hold_runtime_dir(config.runtime_dir, config.port)  # held until this process ends
         mme = ensure_mme_properties(config.effective_properties_file, TEMPLATE)
         config = config.with_properties(mme)
@@ -77,6 +77,20 @@ def serve() -> int:
     if cloudwatch is not None:
         cloudwatch.stop()  # the last lines: what happened since the previous ones
     return status
+
+
+def execute_again(environment: dict[str, str]) -> None:
+    """This process, started again in ``environment`` (same pid); where that cannot be done, it
+    carries on as it is, saying so."""
+    if not sys.executable:
+        logger.warning("Python's allocator kept: the interpreter's path is unknown")
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
+    except (OSError, ValueError) as exc:
+        logger.warning("Python's allocator kept: cannot execute %s again: %s", sys.executable, exc)
 
 
 def main(argv: list[str]) -> int:

@@ -46,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -193,6 +194,15 @@ def invoke_latencies(client: Client, names: Sequence[str], count: int) -> list[f
             raise RuntimeError(f"INVOKE {name} answered {status}")
         latencies.append(ms)
     return latencies
+
+
+def timed_scrape(metrics_url: str) -> float:
+    """Milliseconds from a ``/metrics`` request to the last byte of its answer (every model's
+    series, merged by the entrypoint)."""
+    started = time.monotonic()
+    with urllib.request.urlopen(metrics_url, timeout=60) as answer:
+        answer.read()
+    return 1000 * (time.monotonic() - started)
 
 
 def error_lines(server: Server) -> list[str]:
@@ -354,9 +364,8 @@ def main(argv: Sequence[str] = ()) -> int:
                     raise RuntimeError(f"LIST has {len(names)} models, not {len(loaded) + 1}")
                 step = loaded[-args.step :]
                 # ours: from the stub's arrival in the warm process to the model ready in its host
-                scrape_started = time.monotonic()  # the entrypoint's /metrics, every model's
                 exported = by_model(metrics_url, "mme_model_load_seconds")
-                scrape_ms = 1000 * (time.monotonic() - scrape_started)
+                scrape_ms = timed_scrape(metrics_url)  # the entrypoint's, not the parsing
                 if missing := [name for name in step if name not in exported]:
                     raise RuntimeError(f"no mme_model_load_seconds for {len(missing)} models")
                 ours_ms = [1000 * exported[name] for name in step]

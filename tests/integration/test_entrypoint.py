@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -90,6 +91,24 @@ def test_the_entrypoint_alone_runs_on_glibc_s_allocator_unless_the_user_chose_on
                     if program in command:
                         allocators[program] = process.environ().get("PYTHONMALLOC")
     assert allocators == dict.fromkeys(("java", "warm_start", "mme-model-stub"), children)
+
+
+def test_an_entrypoint_that_cannot_execute_itself_again_serves_on_as_it_is(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = importlib.util.spec_from_file_location("entrypoint", ENTRYPOINT)
+    assert spec is not None and spec.loader is not None
+    entrypoint = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entrypoint)
+
+    def refused(*_: object) -> None:
+        raise PermissionError("execve refused")
+
+    monkeypatch.setattr(os, "execve", refused)
+    entrypoint.execute_again({"PYTHONMALLOC": "malloc"})
+    monkeypatch.setattr(sys, "executable", "")
+    entrypoint.execute_again({"PYTHONMALLOC": "malloc"})
+    assert [record.getMessage().split(":")[0] for record in caplog.records] == ["Python's allocator kept"] * 2
 
 
 def test_other_commands_run_as_given() -> None:

@@ -173,3 +173,5 @@ def test_a_user_s_allocator_is_every_process_s(monkeypatch: pytest.MonkeyPatch) 
     config = Config.from_process_env()
     assert config.entrypoint_environment() is None
     assert config.child_environment()["PYTHONMALLOC"] == "pymalloc_debug"
+    monkeypatch.setenv("MME_ENTRYPOINT_MALLOC", "true")  # never the user's to set, but set
+    assert Config.from_process_env().child_environment()["PYTHONMALLOC"] == "pymalloc_debug"
