@@ -142,16 +142,17 @@ def test_a_container_limit_below_the_host_s_memory_is_what_a_load_may_take(
     assert memory.available_bytes()[1] == "on the host"
 
 
-def test_loads_still_running_count_toward_the_room_a_load_needs(tmp_path: Path, released: Released) -> None:
+def test_loads_still_running_count_toward_the_room_a_load_needs(
+    tmp_path: Path, released: Released, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    available = 512 * MIB  # fixed: the machine's own changes between two reads
+    monkeypatch.setattr(package_cache, "available_bytes", lambda: (available, "on the host"))
     cache = PackageCache(Config(memory_headroom_mb=0), released)
     key, _ = loaded(cache, "a", user_code_model(tmp_path / "a"), megabytes=2)
     cache.release(key, "a")
     small = tmp_path / "small"
     small.mkdir()
     (small / "model.pt").write_bytes(b"\0" * MIB)
-    from mme_runtime.operations import memory
-
-    available = memory.available_bytes()[0]
     assert cache.make_room(spec("small", small)) == MIB and not released  # this LOAD alone fits
     assert cache.make_room(spec("small", small), loading_bytes=available) == MIB  # beside the others, it does not
     assert len(released) == 1
