@@ -198,7 +198,7 @@ def test_the_watcher_s_set_is_one_descriptor_that_a_forked_child_can_close() -> 
 
 
 ARENAS = """
-import ctypes, os, sys, threading
+import ctypes, sys, threading
 from mme_runtime.base.child_processes import one_arena
 
 if sys.argv[1] == "one":
