@@ -20,6 +20,7 @@ fails halfway is never counted twice.
 from __future__ import annotations
 
 import gc
+import http.client
 import json
 import logging
 import shutil
@@ -318,8 +319,8 @@ class ModelMetrics:
         except urllib.error.HTTPError as exc:
             exc.close()
             return False if exc.code == 404 else None
-        except (urllib.error.URLError, OSError):
-            return None
+        except (urllib.error.URLError, OSError, http.client.HTTPException):
+            return None  # not answering, or not in HTTP (a frontend stopping mid-answer)
 
 
 Values = dict[str, dict[str, float]]  # file kind -> mmap key -> value

@@ -11,6 +11,7 @@ import http.server
 import multiprocessing
 import os
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -639,3 +640,21 @@ def test_releasing_the_heap_empties_the_free_lists_that_hold_a_scrape_s_arenas()
     metrics_exporter.release_heap()
     assert kept > 10_000
     assert sys.getallocatedblocks() - before < kept / 10
+
+
+def test_a_frontend_that_answers_no_http_is_a_frontend_that_did_not_answer(exporter: Exporter) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def garble() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(1024)
+            connection.sendall(b"not http at all\r\n\r\n")
+
+    thread = threading.Thread(target=garble, daemon=True)
+    thread.start()
+    try:
+        assert exporter(listener.getsockname()[1])._registered("m") is None  # asked again at the next sweep
+    finally:
+        thread.join(10)
+        listener.close()
