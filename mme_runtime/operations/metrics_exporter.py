@@ -44,10 +44,6 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from mme_runtime.base.child_processes import trim_heap
 from mme_runtime.base.config import Config
 from mme_runtime.base.janitor import REQUEST_TIMEOUT_SECONDS
-
-if TYPE_CHECKING:
-    from wsgiref.types import StartResponse, WSGIEnvironment
-
 from mme_runtime.operations.metrics import (
     HOST_BYTES_FILE,
     MOVED_FILE,
@@ -58,6 +54,9 @@ from mme_runtime.operations.metrics import (
     server_alive,
     unloaded_dir,
 )
+
+if TYPE_CHECKING:
+    from wsgiref.types import StartResponse, WSGIEnvironment
 
 logger = logging.getLogger(__name__)
 
@@ -409,7 +408,9 @@ def release_heap() -> None:
     one merges about 62,000 samples (74 MB at its peak, for a 3.7 MB answer). Python's free lists
     keep thousands of the objects freed, scattered over that heap, until a full collection empties
     them (about 2 ms: this process holds few objects); the trim then hands the heap back. The
-    entrypoint runs on glibc's allocator for this (``Config.entrypoint_environment``)."""
+    entrypoint runs on glibc's allocator for this (``Config.entrypoint_environment``): on Python's,
+    the few objects outliving each scrape keep its arenas, 1.7 MB more a scrape for good (glibc's
+    costs a scrape about 1.5 times the time)."""
     gc.collect()
     trim_heap()
 
